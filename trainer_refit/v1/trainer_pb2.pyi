@@ -1,0 +1,320 @@
+from trainer_refit.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOSS_KIND_UNSPECIFIED: _ClassVar[LossKind]
+    LOSS_KIND_CROSS_ENTROPY: _ClassVar[LossKind]
+    LOSS_KIND_PPO: _ClassVar[LossKind]
+
+class Normalization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NORMALIZATION_UNSPECIFIED: _ClassVar[Normalization]
+    NORMALIZATION_TOKEN: _ClassVar[Normalization]
+    NORMALIZATION_SEQUENCE: _ClassVar[Normalization]
+
+class ForwardOutput(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FORWARD_OUTPUT_UNSPECIFIED: _ClassVar[ForwardOutput]
+    FORWARD_OUTPUT_LOGPROBS: _ClassVar[ForwardOutput]
+    FORWARD_OUTPUT_TOP_K: _ClassVar[ForwardOutput]
+    FORWARD_OUTPUT_ENTROPY: _ClassVar[ForwardOutput]
+LOSS_KIND_UNSPECIFIED: LossKind
+LOSS_KIND_CROSS_ENTROPY: LossKind
+LOSS_KIND_PPO: LossKind
+NORMALIZATION_UNSPECIFIED: Normalization
+NORMALIZATION_TOKEN: Normalization
+NORMALIZATION_SEQUENCE: Normalization
+FORWARD_OUTPUT_UNSPECIFIED: ForwardOutput
+FORWARD_OUTPUT_LOGPROBS: ForwardOutput
+FORWARD_OUTPUT_TOP_K: ForwardOutput
+FORWARD_OUTPUT_ENTROPY: ForwardOutput
+
+class Sequences(_message.Message):
+    __slots__ = ("tokens", "offsets")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LossConfig(_message.Message):
+    __slots__ = ("kind", "normalization", "clip_low", "clip_high", "kl_coef")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
+    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    kind: LossKind
+    normalization: Normalization
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., normalization: _Optional[_Union[Normalization, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ...) -> None: ...
+
+class OptimizerParams(_message.Message):
+    __slots__ = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    ADAM_BETA1_FIELD_NUMBER: _ClassVar[int]
+    ADAM_BETA2_FIELD_NUMBER: _ClassVar[int]
+    ADAM_EPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    max_grad_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
+
+class BeginTrainStepRequest(_message.Message):
+    __slots__ = ("step_id", "loss", "optimizer")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    loss: LossConfig
+    optimizer: OptimizerParams
+    def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerParams, _Mapping]] = ...) -> None: ...
+
+class BeginTrainStepResponse(_message.Message):
+    __slots__ = ("step_id", "weights_version")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    weights_version: int
+    def __init__(self, step_id: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class TrainMicrobatchRequest(_message.Message):
+    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    request_id: str
+    sequences: Sequences
+    loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    advantages: _containers.RepeatedScalarFieldContainer[float]
+    behaviour_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepCounts(_message.Message):
+    __slots__ = ("microbatches", "sequences", "valid_tokens")
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    VALID_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    microbatches: int
+    sequences: int
+    valid_tokens: int
+    def __init__(self, microbatches: _Optional[int] = ..., sequences: _Optional[int] = ..., valid_tokens: _Optional[int] = ...) -> None: ...
+
+class TrainMicrobatchResponse(_message.Message):
+    __slots__ = ("step_id", "request_id", "duplicate", "accumulated")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    request_id: str
+    duplicate: bool
+    accumulated: StepCounts
+    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
+
+class FinishTrainStepRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    def __init__(self, step_id: _Optional[str] = ...) -> None: ...
+
+class LossTerms(_message.Message):
+    __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    KL_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    policy: float
+    kl: float
+    clip_fraction: float
+    importance_ratio: float
+    def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ...) -> None: ...
+
+class StepMetrics(_message.Message):
+    __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    terms: LossTerms
+    grad_norm: float
+    learning_rate: float
+    counts: StepCounts
+    def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
+
+class FinishTrainStepResponse(_message.Message):
+    __slots__ = ("step_id", "metrics", "weights_version")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    metrics: StepMetrics
+    weights_version: int
+    def __init__(self, step_id: _Optional[str] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class AbortTrainStepRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    def __init__(self, step_id: _Optional[str] = ...) -> None: ...
+
+class AbortTrainStepResponse(_message.Message):
+    __slots__ = ("step_id", "aborted")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    aborted: bool
+    def __init__(self, step_id: _Optional[str] = ..., aborted: _Optional[bool] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("sequences", "outputs", "top_k")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    sequences: Sequences
+    outputs: _containers.RepeatedScalarFieldContainer[ForwardOutput]
+    top_k: int
+    def __init__(self, sequences: _Optional[_Union[Sequences, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[ForwardOutput, str]]] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("logprobs", "entropy", "top_k_token_ids", "top_k_logprobs", "top_k", "weights_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    entropy: _containers.RepeatedScalarFieldContainer[float]
+    top_k_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_k_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_k: int
+    weights_version: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropy: _Optional[_Iterable[float]] = ..., top_k_token_ids: _Optional[_Iterable[int]] = ..., top_k_logprobs: _Optional[_Iterable[float]] = ..., top_k: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("path", "weights_version", "optimizer_step")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    weights_version: int
+    optimizer_step: int
+    def __init__(self, path: _Optional[str] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("weights_version", "optimizer_step")
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    weights_version: int
+    optimizer_step: int
+    def __init__(self, weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
+
+class ExportHFRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ExportHFResponse(_message.Message):
+    __slots__ = ("path", "weights_version", "num_tensors", "num_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    weights_version: int
+    num_tensors: int
+    num_bytes: int
+    def __init__(self, path: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "padded_vocab_size", "num_parameters", "params_dtype", "tied_embeddings", "max_sequence_length")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUERY_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PADDED_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TIED_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    padded_vocab_size: int
+    num_parameters: int
+    params_dtype: _common_pb2.DType
+    tied_embeddings: bool
+    max_sequence_length: int
+    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_query_groups: _Optional[int] = ..., vocab_size: _Optional[int] = ..., padded_vocab_size: _Optional[int] = ..., num_parameters: _Optional[int] = ..., params_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., tied_embeddings: _Optional[bool] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
+
+class OpenStep(_message.Message):
+    __slots__ = ("step_id", "loss", "accumulated")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    loss: LossConfig
+    accumulated: StepCounts
+    def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STEP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    layout: _common_pb2.ParallelLayout
+    model: ModelInfo
+    weights_version: int
+    optimizer_step: int
+    open_step: OpenStep
+    device: str
+    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
