@@ -1,0 +1,212 @@
+"""Model shape facts shared by the Megatron and HF sides, read from an HF config."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ModelFamily(enum.Enum):
+    LLAMA = "llama"
+    QWEN2 = "qwen2"
+    QWEN3 = "qwen3"
+
+
+# HF causal-LM class per family (the only architecture accepted for that family).
+ARCHITECTURES: Mapping[ModelFamily, str] = {
+    ModelFamily.LLAMA: "LlamaForCausalLM",
+    ModelFamily.QWEN2: "Qwen2ForCausalLM",
+    ModelFamily.QWEN3: "Qwen3ForCausalLM",
+}
+
+_SUPPORTED_ROPE_TYPES = (None, "default")
+_REQUIRED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    family: ModelFamily
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Number of key/value heads (HF `num_key_value_heads`)."""
+    head_dim: int
+    """May differ from hidden_size // num_attention_heads (Qwen3)."""
+    vocab_size: int
+    """HF vocabulary size, without Megatron's padding."""
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+
+    def __post_init__(self) -> None:
+        positive = {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        for field_name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"ModelSpec.{field_name} must be positive, got {value}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_query_groups ({self.num_query_groups})"
+            )
+        expected = ARCHITECTURES[self.family]
+        if self.architecture != expected:
+            raise ValueError(
+                f"architecture {self.architecture!r} does not match family "
+                f"{self.family.value!r}; expected {expected!r}"
+            )
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError("rope_theta and rms_norm_eps must be positive")
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of Megatron's fused linear_qkv: groups x (heads/groups + 2) x head_dim."""
+        return self.num_query_groups * (self.heads_per_group + 2) * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        """Accepts a transformers PretrainedConfig or a config.json dict."""
+        cfg: dict[str, Any] = dict(config if isinstance(config, Mapping) else config.to_dict())
+        model_type = cfg.get("model_type")
+        try:
+            family = ModelFamily(model_type)
+        except ValueError:
+            supported = ", ".join(f.value for f in ModelFamily)
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {supported}"
+            ) from None
+        _reject_unsupported_features(cfg, family)
+        architectures = cfg.get("architectures") or [ARCHITECTURES[family]]
+        if len(architectures) != 1:
+            raise ValueError(f"expected exactly one HF architecture, got {architectures}")
+        absent = [k for k in _REQUIRED_KEYS if k not in cfg]
+        if absent:
+            raise ValueError(f"HF config for {model_type!r} lacks required keys {absent}")
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            family=family,
+            architecture=architectures[0],
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(cfg["intermediate_size"]),
+            num_attention_heads=heads,
+            num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            rope_theta=_rope_theta(cfg),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family is ModelFamily.QWEN2,  # Qwen2 q/k/v always carry a bias.
+            qk_layernorm=family is ModelFamily.QWEN3,
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> ModelSpec:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"no config.json in {path}; expected an HF checkpoint directory")
+        return cls.from_hf_config(json.loads(config_path.read_text()))
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json dict for this spec (used when exporting without a source config)."""
+        cfg: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.family.value,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+        }
+        if self.family is ModelFamily.QWEN2:
+            if self.head_dim * self.num_attention_heads != self.hidden_size:
+                raise ValueError("Qwen2 requires head_dim == hidden_size // num_attention_heads")
+            del cfg["head_dim"]
+        return cfg
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 128) -> int:
+    """Megatron's padded vocab: smallest multiple of `multiple * tensor_parallel` >= vocab_size."""
+    if vocab_size <= 0 or tensor_parallel <= 0 or multiple <= 0:
+        raise ValueError(
+            f"vocab_size, tensor_parallel and multiple must be positive, got "
+            f"{vocab_size}, {tensor_parallel}, {multiple}"
+        )
+    step = multiple * tensor_parallel
+    return -(-vocab_size // step) * step
+
+
+def _rope_theta(cfg: Mapping[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    return float(theta)
+
+
+def _reject_unsupported_features(cfg: Mapping[str, Any], family: ModelFamily) -> None:
+    # transformers 5 folds rope_theta into `rope_parameters` (and aliases it as rope_scaling);
+    # only the plain (unscaled) rope is supported.
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, Mapping) or any(isinstance(v, Mapping) for v in rope.values()):
+            raise ValueError(f"unsupported {key}={rope!r}: only unscaled rope is supported")
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported {key} rope_type {rope_type!r}: only unscaled rope "
+                f"(rope_scaling=None / rope_type='default') is supported"
+            )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is supported")
+    if cfg.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=True: MLP projections must have no bias")
+    if family is not ModelFamily.QWEN2 and cfg.get("attention_bias"):
+        raise ValueError(
+            f"unsupported attention_bias=True for {family.value}: it adds an o_proj bias"
+        )
+    if cfg.get("use_sliding_window"):
+        raise ValueError("unsupported use_sliding_window=True: only full attention is supported")
+    layer_types = cfg.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"unsupported layer_types {sorted(set(layer_types))}: full attention only")

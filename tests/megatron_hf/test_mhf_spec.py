@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoConfig
+
+from megatron_hf.spec import ModelFamily, ModelSpec, padded_vocab_size
+
+
+def _legacy_llama_config(**overrides: Any) -> dict[str, Any]:
+    """A transformers-4 style config.json (top-level rope_theta, rope_scaling)."""
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 101,
+        "max_position_embeddings": 256,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def test_from_pretrained_dir_reads_each_family(tiny_checkpoint: Callable[[str], Path]) -> None:
+    llama = ModelSpec.from_pretrained_dir(tiny_checkpoint("llama_tied"))
+    assert llama.family is ModelFamily.LLAMA
+    assert llama.architecture == "LlamaForCausalLM"
+    assert (llama.num_layers, llama.hidden_size, llama.ffn_hidden_size) == (2, 64, 128)
+    assert (llama.num_attention_heads, llama.num_query_groups, llama.head_dim) == (4, 2, 16)
+    assert llama.vocab_size == 101
+    assert llama.tie_word_embeddings and not llama.qkv_bias and not llama.qk_layernorm
+    assert llama.rope_theta == 10000.0
+
+    qwen2 = ModelSpec.from_pretrained_dir(tiny_checkpoint("qwen2"))
+    assert qwen2.family is ModelFamily.QWEN2 and qwen2.qkv_bias and not qwen2.qk_layernorm
+    assert qwen2.head_dim == 16
+
+    qwen3 = ModelSpec.from_pretrained_dir(tiny_checkpoint("qwen3"))
+    assert qwen3.family is ModelFamily.QWEN3 and qwen3.qk_layernorm and not qwen3.qkv_bias
+    assert qwen3.head_dim == 24  # != hidden / heads
+    assert qwen3.qkv_rows == 2 * (2 + 2) * 24
+
+
+def test_from_hf_config_accepts_pretrained_config_and_legacy_dict(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    path = tiny_checkpoint("qwen3")
+    assert ModelSpec.from_hf_config(AutoConfig.from_pretrained(path)) == (
+        ModelSpec.from_pretrained_dir(path)
+    )
+    legacy = ModelSpec.from_hf_config(_legacy_llama_config())
+    assert legacy.rope_theta == 500000.0
+    assert legacy.rms_norm_eps == 1e-5
+    assert legacy.head_dim == 16
+
+
+def test_to_hf_config_round_trips(tiny_checkpoint: Callable[[str], Path]) -> None:
+    for name in ("llama_tied", "qwen2", "qwen3"):
+        spec = ModelSpec.from_pretrained_dir(tiny_checkpoint(name))
+        assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+
+
+def test_rejects_unsupported_model_type_naming_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"unsupported model_type 'mistral'.*llama, qwen2, qwen3"):
+        ModelSpec.from_hf_config(_legacy_llama_config(model_type="mistral"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type 'yarn'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "expected 'LlamaForCausalLM'"),
+        ({"num_key_value_heads": 3}, "divisible by num_query_groups"),
+    ],
+)
+def test_rejects_unsupported_features(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(_legacy_llama_config(**overrides))
+
+
+def test_rejects_config_missing_required_keys() -> None:
+    cfg = _legacy_llama_config()
+    del cfg["intermediate_size"]
+    with pytest.raises(ValueError, match=r"lacks required keys \['intermediate_size'\]"):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_default_rope_parameters_are_accepted() -> None:
+    cfg = _legacy_llama_config(rope_scaling=None, rope_theta=None)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    assert ModelSpec.from_hf_config(cfg).rope_theta == 1e6
+
+
+def test_post_init_validates_fields() -> None:
+    spec = ModelSpec.from_hf_config(_legacy_llama_config())
+    with pytest.raises(ValueError, match="num_layers must be positive"):
+        dataclasses.replace(spec, num_layers=0)
+    with pytest.raises(ValueError, match="does not match family"):
+        dataclasses.replace(spec, family=ModelFamily.QWEN2)
+
+
+def test_from_pretrained_dir_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        ModelSpec.from_pretrained_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tp", "multiple", "expected"),
+    [
+        (101, 1, 128, 128),
+        (101, 2, 128, 256),
+        (128, 1, 128, 128),
+        (129, 1, 128, 256),
+        (151936, 4, 128, 152064),
+        (32000, 8, 128, 32768),
+        (7, 3, 1, 9),
+    ],
+)
+def test_padded_vocab_size(vocab: int, tp: int, multiple: int, expected: int) -> None:
+    assert padded_vocab_size(vocab, tp, multiple) == expected
+
+
+def test_padded_vocab_size_rejects_non_positive() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        padded_vocab_size(100, 0)

@@ -1,0 +1,83 @@
+"""Starts a real trainer-svc world (gRPC on port 0) for tests and stops it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+from safetensors.numpy import load_file
+
+from trainer_refit.v1 import trainer_pb2_grpc
+from trainer_svc.client import TrainerClient
+
+TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+
+class TrainerProcess:
+    def __init__(self, workdir: Path, args: Sequence[str]) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.port_file = workdir / "port"
+        self.log_path = workdir / "trainer.log"
+        env = {**os.environ, **TEST_ENV}
+        command = [sys.executable, "-m", "trainer_svc", "--port", "0", "--host", "127.0.0.1"]
+        command += ["--port-file", str(self.port_file), "--work-dir", str(workdir), *args]
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.port = self._wait_for_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.client = TrainerClient(self.target)
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = trainer_pb2_grpc.TrainerServiceStub(self.channel)
+
+    def _wait_for_port(self) -> int:
+        while not self.port_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"trainer-svc exited early:\n{self.log_tail()}")
+            time.sleep(0.2)
+        return int(self.port_file.read_text())
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def export(self, name: str) -> dict[str, np.ndarray]:
+        path = self.workdir / "exports" / name
+        self.client.export_hf(path)
+        return load_file(str(path / "model.safetensors"))
+
+    def stop(self) -> int:
+        self.client.close()
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self._log.close()
+        return code
+
+
+def max_relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """Largest per-tensor max|a - b| / max|b| over the state dicts (which must share names)."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for name in a:
+        scale = float(np.abs(b[name]).max()) or 1.0
+        worst = max(worst, float(np.abs(a[name] - b[name]).max()) / scale)
+    return worst
+
+
+def assert_bit_identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert np.array_equal(a[name], b[name]), f"{name} differs"

@@ -1,0 +1,57 @@
+"""A step streamed as k uneven microbatches equals the same data sent as one microbatch,
+for every parallel layout, both losses and both normalizations (through the gRPC server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.batches import make_batch, split
+from tests.support.trainer import TrainerProcess, max_relative_difference
+from trainer_svc.domain import LossConfig, LossKind, Normalization, OptimizerOverrides
+
+LAYOUTS = {
+    "tp2": ["--tp", "2"],
+    "pp2": ["--pp", "2"],
+    "dp2": ["--dp", "2"],
+    "tp2-dp2": ["--tp", "2", "--dp", "2"],
+}
+LOSSES = {
+    "ce-token": LossConfig(kind=LossKind.CROSS_ENTROPY, normalization=Normalization.TOKEN),
+    "ce-sequence": LossConfig(kind=LossKind.CROSS_ENTROPY, normalization=Normalization.SEQUENCE),
+    "ppo-token": LossConfig(kind=LossKind.PPO, normalization=Normalization.TOKEN, kl_coef=0.1),
+    "ppo-sequence": LossConfig(
+        kind=LossKind.PPO, normalization=Normalization.SEQUENCE, clip_low=0.1, clip_high=0.3
+    ),
+}
+LENGTHS = [9, 17, 5, 12, 30, 7, 21]
+OPTIMIZER = OptimizerOverrides(learning_rate=1e-3)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def trainer(request, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp(f"split-{request.param}")
+    process = TrainerProcess(workdir, LAYOUTS[request.param])
+    process.client.save_checkpoint(workdir / "base")
+    yield process
+    assert process.stop() == 0
+
+
+def _step(trainer: TrainerProcess, name: str, loss: LossConfig, sizes: list[int]) -> dict:
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    batch = make_batch(seed=7, lengths=LENGTHS, loss=loss)
+    trainer.client.begin_step(name, loss, OPTIMIZER)
+    for i, part in enumerate(split(batch, sizes)):
+        trainer.client.train_microbatch(name, f"{name}-{i}", part)
+    result = trainer.client.finish_step(name)
+    assert result.metrics.counts.microbatches == len(sizes)
+    return trainer.export(name)
+
+
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_microbatch_split_gives_the_one_shot_update(trainer, loss_name):
+    loss = LOSSES[loss_name]
+    one_shot = _step(trainer, f"{loss_name}-whole", loss, [len(LENGTHS)])
+    streamed = _step(trainer, f"{loss_name}-split", loss, [1, 4, 2])
+    base = trainer.export(f"{loss_name}-base")
+    assert max_relative_difference(one_shot, base) > 1e-4, "the step did not change the weights"
+    assert max_relative_difference(streamed, one_shot) <= 1e-5

@@ -1,0 +1,43 @@
+"""``trainer-svc`` / ``python -m trainer_svc``: parse the config, then run one rank or a world."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from trainer_svc.cli import parse_config
+from trainer_svc.config import TrainerConfig
+
+
+def _model_dir(config: TrainerConfig, work: Path) -> Path:
+    if config.model.hf_path is not None:
+        return config.model.hf_path
+    from trainer_svc.builtin_model import write_builtin_model
+
+    return write_builtin_model(work / "builtin-model", seed=config.seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    config, log_level = parse_config(argv)
+    from trainer_svc.runtime.rank import RankIdentity
+
+    identity = RankIdentity.from_env()
+    prefix = f"[rank {identity.rank}] " if identity else "[trainer-svc] "
+    logging.basicConfig(level=log_level, format=f"%(asctime)s {prefix}%(levelname)s %(message)s")
+    with tempfile.TemporaryDirectory(prefix="trainer-svc-") as scratch:
+        work = config.work_dir or Path(scratch)
+        model_dir = _model_dir(config, work)
+        if identity is None:
+            from trainer_svc.launch import spawn_world
+
+            sys.exit(spawn_world(argv, config.layout.world_size, model_dir))
+        from trainer_svc.runtime.rank import run_rank
+
+        run_rank(config, identity, model_dir)
+
+
+if __name__ == "__main__":
+    main()

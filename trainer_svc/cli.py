@@ -1,0 +1,117 @@
+"""Command line of ``trainer-svc``: argv -> TrainerConfig. The parser is importable for checks."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainer_svc.config import (
+    Device,
+    ModelConfig,
+    OptimizerConfig,
+    OptimizerKind,
+    ParallelLayout,
+    ParamsDType,
+    ServerConfig,
+    TrainerConfig,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainer-svc",
+        description=(
+            "Serve a Megatron-core trainer over gRPC (split training step, forward, checkpoints). "
+            "Without a torchrun environment it starts TP*PP*DP local ranks itself; under torchrun "
+            "(RANK/WORLD_SIZE set) each process is one rank and rank 0 serves gRPC."
+        ),
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local HF checkpoint or config directory; default: a built-in tiny Llama model",
+    )
+    model.add_argument(
+        "--params-dtype", choices=[d.value for d in ParamsDType], default="float32"
+    )
+    model.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="longest accepted sequence (default: the model's max_position_embeddings)",
+    )
+    model.add_argument(
+        "--vocab-multiple",
+        type=int,
+        default=128,
+        help="pad the vocab to a multiple of this times TP",
+    )
+    layout = parser.add_argument_group("parallel layout (world size = tp * pp * dp)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    layout.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    layout.add_argument("--device", choices=[d.value for d in Device], default="auto")
+    optim = parser.add_argument_group("optimizer defaults (BeginTrainStep may override)")
+    optim.add_argument("--optimizer", choices=[k.value for k in OptimizerKind], default="adam")
+    optim.add_argument("--lr", type=float, default=OptimizerConfig.learning_rate)
+    optim.add_argument("--weight-decay", type=float, default=OptimizerConfig.weight_decay)
+    optim.add_argument("--max-grad-norm", type=float, default=OptimizerConfig.max_grad_norm)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=ServerConfig.host)
+    server.add_argument("--port", type=int, default=ServerConfig.port, help="0 picks a free port")
+    server.add_argument(
+        "--port-file", type=Path, default=None, help="write the bound port here once serving"
+    )
+    server.add_argument(
+        "--max-microbatch-tokens", type=int, default=ServerConfig.max_microbatch_tokens
+    )
+    parser.add_argument("--seed", type=int, default=TrainerConfig.seed)
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="where the built-in model is written"
+    )
+    parser.add_argument(
+        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO"
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainerConfig:
+    return TrainerConfig(
+        model=ModelConfig(
+            hf_path=args.model,
+            params_dtype=ParamsDType(args.params_dtype),
+            vocab_multiple=args.vocab_multiple,
+            max_sequence_length=args.max_seq_len,
+        ),
+        layout=ParallelLayout(
+            tensor_parallel=args.tp, pipeline_parallel=args.pp, data_parallel=args.dp
+        ),
+        optimizer=OptimizerConfig(
+            kind=OptimizerKind(args.optimizer),
+            learning_rate=args.lr,
+            weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm,
+        ),
+        server=ServerConfig(
+            host=args.host,
+            port=args.port,
+            port_file=args.port_file,
+            max_microbatch_tokens=args.max_microbatch_tokens,
+        ),
+        device=Device(args.device),
+        seed=args.seed,
+        work_dir=args.work_dir,
+    )
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[TrainerConfig, str]:
+    """Returns the config and the log level; exits with a usage error for invalid values."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args), args.log_level
+    except ValueError as exc:
+        parser.error(str(exc))

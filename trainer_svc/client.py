@@ -1,0 +1,307 @@
+"""Typed Python client of the trainer service, sync and asyncio, speaking domain types.
+
+    with TrainerClient("localhost:50051") as trainer:
+        trainer.begin_step("step-1", LossConfig(kind=LossKind.PPO))
+        trainer.train_microbatch("step-1", "group-0", batch)
+        result = trainer.finish_step("step-1")
+
+Refused requests raise ``InvalidArgument`` or ``FailedPrecondition`` (from trainer_svc.domain)
+with the server's message; other failures raise ``grpc.RpcError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from trainer_refit.v1 import trainer_pb2 as pb
+from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
+from trainer_svc.domain import (
+    FailedPrecondition,
+    ForwardOutput,
+    ForwardResult,
+    InvalidArgument,
+    LossConfig,
+    LossKind,
+    LossTerms,
+    Normalization,
+    OptimizerOverrides,
+    SequenceBatch,
+    StepCounts,
+    StepMetrics,
+)
+
+_MAX_MESSAGE = 256 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+]
+_LOSS_KINDS = {LossKind.CROSS_ENTROPY: pb.LOSS_KIND_CROSS_ENTROPY, LossKind.PPO: pb.LOSS_KIND_PPO}
+_NORMALIZATIONS = {
+    Normalization.TOKEN: pb.NORMALIZATION_TOKEN,
+    Normalization.SEQUENCE: pb.NORMALIZATION_SEQUENCE,
+}
+_OUTPUTS = {
+    ForwardOutput.LOGPROBS: pb.FORWARD_OUTPUT_LOGPROBS,
+    ForwardOutput.TOP_K: pb.FORWARD_OUTPUT_TOP_K,
+    ForwardOutput.ENTROPY: pb.FORWARD_OUTPUT_ENTROPY,
+}
+
+
+@dataclass(frozen=True)
+class MicrobatchReceipt:
+    duplicate: bool
+    accumulated: StepCounts
+
+
+@dataclass(frozen=True)
+class StepResult:
+    metrics: StepMetrics
+    weights_version: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    weights_version: int
+    optimizer_step: int
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+def _sequences(batch: SequenceBatch) -> pb.Sequences:
+    return pb.Sequences(tokens=batch.tokens.tolist(), offsets=batch.offsets.tolist())
+
+
+def _listed(values: np.ndarray | None) -> list:
+    return [] if values is None else values.tolist()
+
+
+def begin_request(
+    step_id: str, loss: LossConfig, optimizer: OptimizerOverrides | None
+) -> pb.BeginTrainStepRequest:
+    overrides = {k: v for k, v in vars(optimizer or OptimizerOverrides()).items() if v is not None}
+    return pb.BeginTrainStepRequest(
+        step_id=step_id,
+        loss=pb.LossConfig(
+            kind=_LOSS_KINDS[loss.kind],
+            normalization=_NORMALIZATIONS[loss.normalization],
+            clip_low=loss.clip_low,
+            clip_high=loss.clip_high,
+            kl_coef=loss.kl_coef,
+        ),
+        optimizer=pb.OptimizerParams(**overrides),
+    )
+
+
+def microbatch_request(
+    step_id: str, request_id: str, batch: SequenceBatch
+) -> pb.TrainMicrobatchRequest:
+    return pb.TrainMicrobatchRequest(
+        step_id=step_id,
+        request_id=request_id,
+        sequences=_sequences(batch),
+        loss_mask=_listed(batch.loss_mask),
+        advantages=_listed(batch.advantages),
+        behaviour_logprobs=_listed(batch.behaviour_logprobs),
+        reference_logprobs=_listed(batch.reference_logprobs),
+    )
+
+
+def forward_request(
+    batch: SequenceBatch, outputs: Iterable[ForwardOutput], top_k: int
+) -> pb.ForwardRequest:
+    return pb.ForwardRequest(
+        sequences=_sequences(batch), outputs=[_OUTPUTS[o] for o in outputs], top_k=top_k
+    )
+
+
+# -- replies --------------------------------------------------------------------------------
+
+
+def _counts(message: pb.StepCounts) -> StepCounts:
+    return StepCounts(
+        microbatches=message.microbatches,
+        sequences=message.sequences,
+        valid_tokens=message.valid_tokens,
+    )
+
+
+def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
+    m = reply.metrics
+    return StepResult(
+        metrics=StepMetrics(
+            loss=m.loss,
+            terms=LossTerms(
+                policy=m.terms.policy,
+                kl=m.terms.kl,
+                clip_fraction=m.terms.clip_fraction,
+                importance_ratio=m.terms.importance_ratio,
+            ),
+            grad_norm=m.grad_norm,
+            learning_rate=m.learning_rate,
+            counts=_counts(m.counts),
+        ),
+        weights_version=reply.weights_version,
+    )
+
+
+def forward_result(reply: pb.ForwardResponse, num_tokens: int) -> ForwardResult:
+    def array(values: Any, dtype: type, width: int = 0) -> np.ndarray | None:
+        if not len(values):
+            return None
+        out = np.asarray(values, dtype=dtype)
+        return out.reshape(num_tokens, width) if width else out
+
+    return ForwardResult(
+        logprobs=array(reply.logprobs, np.float32),
+        entropy=array(reply.entropy, np.float32),
+        top_k_token_ids=array(reply.top_k_token_ids, np.int32, reply.top_k),
+        top_k_logprobs=array(reply.top_k_logprobs, np.float32, reply.top_k),
+        top_k=reply.top_k,
+        weights_version=reply.weights_version,
+    )
+
+
+def _translate(error: grpc.RpcError) -> Exception:
+    code = error.code() if hasattr(error, "code") else None
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(error.details())
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(error.details())
+    return error
+
+
+class TrainerClient:
+    """Blocking client. ``timeout`` (seconds) applies to every call; None waits as long as needed."""
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TrainerServiceStub(self._channel)
+        self._timeout = timeout
+
+    def __enter__(self) -> TrainerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Blocks until the health service reports SERVING."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        health = health_pb2_grpc.HealthStub(self._channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"trainer is not serving: {reply.status}")
+
+    def begin_step(
+        self, step_id: str, loss: LossConfig, optimizer: OptimizerOverrides | None = None
+    ) -> int:
+        return self._call("BeginTrainStep", begin_request(step_id, loss, optimizer)).weights_version
+
+    def train_microbatch(
+        self, step_id: str, request_id: str, batch: SequenceBatch
+    ) -> MicrobatchReceipt:
+        reply = self._call("TrainMicrobatch", microbatch_request(step_id, request_id, batch))
+        return MicrobatchReceipt(reply.duplicate, _counts(reply.accumulated))
+
+    def finish_step(self, step_id: str) -> StepResult:
+        return step_result(self._call("FinishTrainStep", pb.FinishTrainStepRequest(step_id=step_id)))
+
+    def abort_step(self, step_id: str) -> bool:
+        return self._call("AbortTrainStep", pb.AbortTrainStepRequest(step_id=step_id)).aborted
+
+    def forward(
+        self,
+        batch: SequenceBatch,
+        outputs: Iterable[ForwardOutput] = (ForwardOutput.LOGPROBS,),
+        top_k: int = 0,
+    ) -> ForwardResult:
+        reply = self._call("Forward", forward_request(batch, outputs, top_k))
+        return forward_result(reply, batch.num_tokens)
+
+    def save_checkpoint(self, path: Path | str) -> CheckpointInfo:
+        reply = self._call("SaveCheckpoint", pb.SaveCheckpointRequest(path=str(path)))
+        return CheckpointInfo(Path(reply.path), reply.weights_version, reply.optimizer_step)
+
+    def load_checkpoint(self, path: Path | str) -> CheckpointInfo:
+        reply = self._call("LoadCheckpoint", pb.LoadCheckpointRequest(path=str(path)))
+        return CheckpointInfo(Path(path), reply.weights_version, reply.optimizer_step)
+
+    def export_hf(self, path: Path | str) -> pb.ExportHFResponse:
+        return self._call("ExportHF", pb.ExportHFRequest(path=str(path)))
+
+    def status(self) -> pb.GetStatusResponse:
+        return self._call("GetStatus", pb.GetStatusRequest())
+
+
+class AsyncTrainerClient:
+    """The asyncio twin of TrainerClient (same methods, awaitable)."""
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TrainerServiceStub(self._channel)
+        self._timeout = timeout
+
+    async def __aenter__(self) -> AsyncTrainerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._stub, method)(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+
+    async def begin_step(
+        self, step_id: str, loss: LossConfig, optimizer: OptimizerOverrides | None = None
+    ) -> int:
+        reply = await self._call("BeginTrainStep", begin_request(step_id, loss, optimizer))
+        return reply.weights_version
+
+    async def train_microbatch(
+        self, step_id: str, request_id: str, batch: SequenceBatch
+    ) -> MicrobatchReceipt:
+        reply = await self._call("TrainMicrobatch", microbatch_request(step_id, request_id, batch))
+        return MicrobatchReceipt(reply.duplicate, _counts(reply.accumulated))
+
+    async def finish_step(self, step_id: str) -> StepResult:
+        reply = await self._call("FinishTrainStep", pb.FinishTrainStepRequest(step_id=step_id))
+        return step_result(reply)
+
+    async def abort_step(self, step_id: str) -> bool:
+        reply = await self._call("AbortTrainStep", pb.AbortTrainStepRequest(step_id=step_id))
+        return reply.aborted
+
+    async def forward(
+        self,
+        batch: SequenceBatch,
+        outputs: Iterable[ForwardOutput] = (ForwardOutput.LOGPROBS,),
+        top_k: int = 0,
+    ) -> ForwardResult:
+        reply = await self._call("Forward", forward_request(batch, outputs, top_k))
+        return forward_result(reply, batch.num_tokens)
+
+    async def status(self) -> pb.GetStatusResponse:
+        return await self._call("GetStatus", pb.GetStatusRequest())

@@ -1,0 +1,117 @@
+"""Typed, frozen configuration of the trainer service. Built once by the CLI, passed explicitly."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class OptimizerKind(enum.Enum):
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+class ParamsDType(enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+class Device(enum.Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """Sizes of the rank grid; ranks are ordered tp-fastest, then dp, then pp (Megatron's default)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    def describe(self) -> str:
+        return (
+            f"TP={self.tensor_parallel} PP={self.pipeline_parallel} DP={self.data_parallel} "
+            f"(world size {self.world_size})"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Defaults of the optimizer; BeginTrainStep may override the hyper-parameters per step."""
+
+    kind: OptimizerKind = OptimizerKind.ADAM
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+    def __post_init__(self) -> None:
+        if self.learning_rate < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("learning_rate, weight_decay and max_grad_norm must be >= 0")
+        if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
+            raise ValueError("adam betas must lie in [0, 1)")
+        if self.adam_eps <= 0:
+            raise ValueError("adam_eps must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    hf_path: Path | None = None
+    """A local HF checkpoint (config.json, optionally *.safetensors) or config-only directory.
+    None builds the embedded tiny Llama-family model."""
+    params_dtype: ParamsDType = ParamsDType.FLOAT32
+    vocab_multiple: int = 128
+    """Vocab rows are padded to a multiple of vocab_multiple * tensor_parallel."""
+    max_sequence_length: int | None = None
+    """Longest accepted sequence; None uses the model's max_position_embeddings."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_multiple < 1:
+            raise ValueError("vocab_multiple must be >= 1")
+        if self.max_sequence_length is not None and self.max_sequence_length < 2:
+            raise ValueError("max_sequence_length must be >= 2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    """0 picks a free port; the bound port is logged and written to port_file when given."""
+    port_file: Path | None = None
+    max_message_bytes: int = 256 * 1024 * 1024
+    max_microbatch_tokens: int = 1 << 20
+    """A TrainMicrobatch or Forward request with more tokens than this is rejected."""
+    grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_message_bytes < 1024 or self.max_microbatch_tokens < 1:
+            raise ValueError("max_message_bytes must be >= 1024 and max_microbatch_tokens >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    device: Device = Device.AUTO
+    seed: int = 1234
+    work_dir: Path | None = None
+    """Where the embedded tiny model is written; None uses a temporary directory."""

@@ -1,0 +1,212 @@
+"""Domain types of the trainer service: what the wire means, independent of protobuf and torch."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class InvalidArgument(ValueError):
+    """The request itself is wrong; nothing was changed. Maps to INVALID_ARGUMENT."""
+
+
+class FailedPrecondition(RuntimeError):
+    """The request is well-formed but the service's state forbids it. Maps to FAILED_PRECONDITION."""
+
+
+class LossKind(enum.Enum):
+    CROSS_ENTROPY = "cross_entropy"
+    PPO = "ppo"
+
+
+class Normalization(enum.Enum):
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
+class ForwardOutput(enum.Enum):
+    LOGPROBS = "logprobs"
+    TOP_K = "top_k"
+    ENTROPY = "entropy"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    kind: LossKind = LossKind.CROSS_ENTROPY
+    normalization: Normalization = Normalization.TOKEN
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.clip_low < 1.0):
+            raise InvalidArgument(f"clip_low must lie in [0, 1), got {self.clip_low}")
+        if not (0.0 <= self.clip_high and np.isfinite(self.clip_high)):
+            raise InvalidArgument(f"clip_high must be a finite value >= 0, got {self.clip_high}")
+        if not (0.0 <= self.kl_coef and np.isfinite(self.kl_coef)):
+            raise InvalidArgument(f"kl_coef must be a finite value >= 0, got {self.kl_coef}")
+
+    @property
+    def needs_policy_inputs(self) -> bool:
+        return self.kind is LossKind.PPO
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerOverrides:
+    """Per-step hyper-parameters; None keeps the service's current value."""
+
+    learning_rate: float | None = None
+    weight_decay: float | None = None
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
+    adam_eps: float | None = None
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value is not None and not (np.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"optimizer.{name} must be a finite value >= 0, got {value}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if value is not None and value >= 1.0:
+                raise InvalidArgument(f"optimizer.{name} must be < 1, got {value}")
+        if self.adam_eps is not None and self.adam_eps <= 0:
+            raise InvalidArgument("optimizer.adam_eps must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SequenceBatch:
+    """A ragged batch; per-token arrays are aligned with ``tokens`` (see trainer.proto)."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    loss_mask: np.ndarray | None = None
+    advantages: np.ndarray | None = None
+    behaviour_logprobs: np.ndarray | None = None
+    reference_logprobs: np.ndarray | None = None
+
+    @classmethod
+    def from_lists(
+        cls,
+        sequences: Sequence[Sequence[int]],
+        *,
+        loss_mask: Sequence[Sequence[bool]] | None = None,
+        advantages: Sequence[Sequence[float]] | None = None,
+        behaviour_logprobs: Sequence[Sequence[float]] | None = None,
+        reference_logprobs: Sequence[Sequence[float]] | None = None,
+    ) -> SequenceBatch:
+        """Builds a batch from per-sequence lists (each per-token list as long as its sequence)."""
+        lengths = [len(s) for s in sequences]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+        def flat(rows: Sequence[Sequence[float]] | None, dtype: type) -> np.ndarray | None:
+            if rows is None:
+                return None
+            return np.concatenate([np.asarray(r, dtype=dtype) for r in rows]) if rows else None
+
+        return cls(
+            tokens=flat(sequences, np.int64),  # type: ignore[arg-type]
+            offsets=offsets,
+            loss_mask=flat(loss_mask, bool),
+            advantages=flat(advantages, np.float32),
+            behaviour_logprobs=flat(behaviour_logprobs, np.float32),
+            reference_logprobs=flat(reference_logprobs, np.float32),
+        )
+
+    def per_sequence(self, values: np.ndarray) -> list[np.ndarray]:
+        """Splits a per-token array back into one array per sequence."""
+        return [values[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:], strict=True)]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def valid_tokens_per_sequence(self) -> np.ndarray:
+        if self.loss_mask is None:
+            return np.zeros(self.num_sequences, dtype=np.int64)
+        csum = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
+        return csum[self.offsets[1:]] - csum[self.offsets[:-1]]
+
+    def select(self, indices: np.ndarray) -> SequenceBatch:
+        """The sub-batch of the given sequences, in that order."""
+        pieces = [np.arange(self.offsets[i], self.offsets[i + 1]) for i in indices]
+        flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces], dtype=np.int64)])
+
+        def take(array: np.ndarray | None) -> np.ndarray | None:
+            return None if array is None else array[flat]
+
+        return SequenceBatch(
+            tokens=self.tokens[flat],
+            offsets=offsets.astype(np.int64),
+            loss_mask=take(self.loss_mask),
+            advantages=take(self.advantages),
+            behaviour_logprobs=take(self.behaviour_logprobs),
+            reference_logprobs=take(self.reference_logprobs),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCounts:
+    microbatches: int = 0
+    sequences: int = 0
+    valid_tokens: int = 0
+    valid_sequences: int = 0
+    """Sequences with at least one valid token: the divisor of sequence-level normalization."""
+
+    def plus(self, batch: SequenceBatch) -> StepCounts:
+        per_sequence = batch.valid_tokens_per_sequence()
+        return StepCounts(
+            microbatches=self.microbatches + 1,
+            sequences=self.sequences + batch.num_sequences,
+            valid_tokens=self.valid_tokens + int(per_sequence.sum()),
+            valid_sequences=self.valid_sequences + int((per_sequence > 0).sum()),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossTerms:
+    policy: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    importance_ratio: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    loss: float
+    terms: LossTerms
+    grad_norm: float
+    learning_rate: float
+    counts: StepCounts
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardResult:
+    logprobs: np.ndarray | None = None
+    entropy: np.ndarray | None = None
+    top_k_token_ids: np.ndarray | None = None
+    top_k_logprobs: np.ndarray | None = None
+    top_k: int = 0
+    weights_version: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenStepInfo:
+    step_id: str
+    loss: LossConfig
+    counts: StepCounts = field(default_factory=StepCounts)

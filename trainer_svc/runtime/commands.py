@@ -1,0 +1,72 @@
+"""Commands that rank 0 broadcasts to every rank; each rank applies them in the same order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer_svc.domain import ForwardOutput, LossConfig, OptimizerOverrides, SequenceBatch
+
+
+@dataclass(frozen=True)
+class BeginStep:
+    step_id: str
+    loss: LossConfig
+    optimizer: OptimizerOverrides
+
+
+@dataclass(frozen=True)
+class TrainMicrobatch:
+    step_id: str
+    request_id: str
+    batch: SequenceBatch
+
+
+@dataclass(frozen=True)
+class FinishStep:
+    step_id: str
+
+
+@dataclass(frozen=True)
+class AbortStep:
+    step_id: str
+
+
+@dataclass(frozen=True)
+class RunForward:
+    batch: SequenceBatch
+    outputs: frozenset[ForwardOutput]
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    path: Path
+
+
+@dataclass(frozen=True)
+class LoadCheckpoint:
+    path: Path
+
+
+@dataclass(frozen=True)
+class ExportHF:
+    path: Path
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = (
+    BeginStep
+    | TrainMicrobatch
+    | FinishStep
+    | AbortStep
+    | RunForward
+    | SaveCheckpoint
+    | LoadCheckpoint
+    | ExportHF
+    | Shutdown
+)

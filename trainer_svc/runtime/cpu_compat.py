@@ -1,0 +1,143 @@
+"""Lets megatron-core run on CPU ranks (gloo) without editing megatron.
+
+megatron-core assumes CUDA in a few places that matter for a CPU run: explicit ``device="cuda"``
+factories in the schedules and gradient clipping, ``torch.cuda.current_device()`` in rotary
+embeddings, CUDA streams around gradient sync, the CUDA RNG tracker, and
+``param.grad.type() == 'torch.cuda.FloatTensor'`` asserts in the optimizer path.
+
+On a machine without CUDA every one of those calls would raise, so redirecting them changes no
+behaviour that could otherwise happen. The redirection has two parts, both installed only when
+``torch.cuda.is_available()`` is False:
+
+* ``install()`` replaces the process-wide ``torch.cuda`` helpers megatron calls (device, streams,
+  RNG, synchronize) with CPU equivalents and installs a CPU RNG tracker for megatron's
+  model-parallel RNG forks. Idempotent.
+* ``CudaAsCpu`` is a ``TorchFunctionMode`` that maps CUDA device arguments to the CPU and answers
+  ``Tensor.type()`` with the CUDA type name. Torch function modes are thread-local, so the rank's
+  command thread enters it around each command (``active()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_installed = False
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class CudaAsCpu(TorchFunctionMode):
+    """Maps ``device=cuda`` to the CPU and reports CPU float tensors as their CUDA type name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        """Megatron's named RNG streams, kept as CPU generator states."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            saved = torch.random.get_rng_state()
+            torch.random.manual_seed(seed)
+            self.states_[name] = torch.random.get_rng_state()
+            torch.random.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise KeyError(f"rng state {name} is not added")
+            saved = torch.random.get_rng_state()
+            torch.random.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.random.get_rng_state()
+                torch.random.set_rng_state(saved)
+
+    mp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def install() -> None:
+    """Redirects megatron's CUDA-only helpers to the CPU. Does nothing when CUDA is available."""
+    global _installed
+    if _installed or not needed():
+        return
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0  # type: ignore[assignment]
+    cuda.set_device = lambda device: None  # type: ignore[assignment]
+    cuda.device_count = lambda: 0  # type: ignore[assignment]
+    cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
+    cuda.current_stream = lambda device=None: _CpuStream()  # type: ignore[assignment]
+    cuda.default_stream = lambda device=None: _CpuStream()  # type: ignore[assignment]
+    cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    _install_rng_tracker()
+    _installed = True
+
+
+@contextlib.contextmanager
+def active() -> Iterator[None]:
+    """Enters ``CudaAsCpu`` for the current thread when CUDA is absent; otherwise a no-op."""
+    if not needed():
+        yield
+        return
+    install()
+    with CudaAsCpu():
+        yield

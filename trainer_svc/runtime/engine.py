@@ -1,0 +1,384 @@
+"""The per-rank step engine: every rank applies the same commands in the same order.
+
+Rank 0 calls ``precheck`` before broadcasting a command, so a request that would fail is refused
+before any rank changes anything. ``execute`` then runs the command's collectives on every rank;
+results that live elsewhere (the last pipeline stage) are brought to rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+
+from megatron_hf.spec import ModelSpec
+from trainer_svc.config import OptimizerConfig
+from trainer_svc.domain import (
+    FailedPrecondition,
+    ForwardOutput,
+    InvalidArgument,
+    ForwardResult,
+    LossConfig,
+    LossTerms,
+    Normalization,
+    OpenStepInfo,
+    OptimizerOverrides,
+    StepCounts,
+    StepMetrics,
+)
+from trainer_svc.runtime import commands as cmd
+from trainer_svc.runtime import cpu_compat
+from trainer_svc.runtime.checkpointing import Checkpointer
+from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
+from trainer_svc.runtime.model_factory import BuiltModel
+from trainer_svc.runtime.model_runner import ModelRunner
+from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack, unpack_per_token
+from trainer_svc.runtime.topology import Topology
+from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
+from trainer_svc.validation import BatchLimits, check_sequences, check_training_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _OpenStep:
+    step_id: str
+    loss: LossConfig
+    optimizer: OptimizerOverrides
+    counts: StepCounts = field(default_factory=StepCounts)
+    request_ids: set[str] = field(default_factory=set)
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(len(SUM_FIELDS)))
+
+
+@dataclass(frozen=True)
+class MicrobatchAck:
+    step_id: str
+    request_id: str
+    duplicate: bool
+    counts: StepCounts
+
+
+@dataclass(frozen=True)
+class FinishResult:
+    step_id: str
+    metrics: StepMetrics
+    weights_version: int
+
+
+class StepEngine:
+    def __init__(
+        self,
+        *,
+        built: BuiltModel,
+        spec: ModelSpec,
+        topology: Topology,
+        limits: BatchLimits,
+        optimizer_defaults: OptimizerConfig,
+        padded_vocab: int,
+        device: torch.device,
+        checkpointer: Checkpointer,
+    ) -> None:
+        self.built = built
+        self.spec = spec
+        self.topology = topology
+        self.limits = limits
+        self.optimizer_defaults = optimizer_defaults
+        self.padded_vocab = padded_vocab
+        self.device = device
+        self.checkpointer = checkpointer
+        self.runner = ModelRunner(built.ddp, device)
+        local_vocab = padded_vocab // topology.layout.tensor_parallel
+        self.vocab_shard = VocabShard(
+            start=topology.tp_rank * local_vocab,
+            end=(topology.tp_rank + 1) * local_vocab,
+            vocab_size=spec.vocab_size,
+            tp_group=topology.tp_group,
+            tp_size=topology.layout.tensor_parallel,
+        )
+        self.weights_version = 0
+        self.optimizer_step = 0
+        self.open_step: _OpenStep | None = None
+
+    # -- checks on rank 0, before anything is broadcast ------------------------------------
+
+    def open_step_info(self) -> OpenStepInfo | None:
+        step = self.open_step
+        if step is None:
+            return None
+        return OpenStepInfo(step_id=step.step_id, loss=step.loss, counts=step.counts)
+
+    def _require_open(self, step_id: str, action: str) -> _OpenStep:
+        if self.open_step is None:
+            raise FailedPrecondition(
+                f"{action} for step {step_id!r}, but no step is open: call BeginTrainStep first"
+            )
+        if self.open_step.step_id != step_id:
+            raise FailedPrecondition(
+                f"{action} for step {step_id!r}, but the open step is {self.open_step.step_id!r}"
+            )
+        return self.open_step
+
+    def precheck(self, command: cmd.Command) -> Any | None:
+        """Raises for a command that must not run; returns a reply for one that needs no ranks."""
+        match command:
+            case cmd.BeginStep(step_id=step_id):
+                if not step_id:
+                    raise FailedPrecondition("step_id must not be empty")
+                if self.open_step is not None:
+                    raise FailedPrecondition(
+                        f"step {self.open_step.step_id!r} is still open: finish or abort it "
+                        f"before beginning step {step_id!r}"
+                    )
+            case cmd.TrainMicrobatch(step_id=step_id, request_id=request_id):
+                step = self._require_open(step_id, "TrainMicrobatch")
+                if not request_id:
+                    raise InvalidArgument("request_id must not be empty")
+                if request_id in step.request_ids:
+                    return MicrobatchAck(step_id, request_id, True, step.counts)
+                check_training_batch(command.batch, step.loss, self.limits)
+            case cmd.RunForward(batch=batch, outputs=outputs, top_k=k):
+                check_sequences(batch, self.limits)
+                if ForwardOutput.TOP_K in outputs and not 1 <= k <= self.spec.vocab_size:
+                    raise InvalidArgument(
+                        f"top_k must lie in [1, {self.spec.vocab_size}] when TOP_K is asked for, "
+                        f"got {k}"
+                    )
+            case cmd.FinishStep(step_id=step_id):
+                step = self._require_open(step_id, "FinishTrainStep")
+                if self._divisor(step) == 0:
+                    raise FailedPrecondition(
+                        f"step {step_id!r} has no valid tokens to train on "
+                        f"({step.counts.microbatches} microbatches): send microbatches with "
+                        "loss_mask set, or abort the step"
+                    )
+            case cmd.AbortStep(step_id=step_id):
+                if self.open_step is None:
+                    return False
+                if self.open_step.step_id != step_id:
+                    raise FailedPrecondition(
+                        f"cannot abort step {step_id!r}: the open step is "
+                        f"{self.open_step.step_id!r}"
+                    )
+            case cmd.LoadCheckpoint(path=path):
+                if self.open_step is not None:
+                    raise FailedPrecondition(
+                        f"step {self.open_step.step_id!r} is open: finish or abort it before "
+                        "loading a checkpoint"
+                    )
+                self.checkpointer.check_loadable(path)
+            case cmd.SaveCheckpoint(path=path):
+                self.checkpointer.check_savable(path)
+            case cmd.ExportHF(path=path):
+                self.checkpointer.check_exportable(path)
+        return None
+
+    # -- execution on every rank ------------------------------------------------------------
+
+    def execute(self, command: cmd.Command) -> Any:
+        match command:
+            case cmd.BeginStep():
+                return self._begin(command)
+            case cmd.TrainMicrobatch():
+                return self._microbatch(command)
+            case cmd.FinishStep():
+                return self._finish(command)
+            case cmd.AbortStep():
+                return self._abort(command)
+            case cmd.RunForward():
+                return self._forward(command)
+            case cmd.SaveCheckpoint(path=path):
+                return self.checkpointer.save(path, self)
+            case cmd.LoadCheckpoint(path=path):
+                self.checkpointer.load(path, self)
+                self.weights_version += 1
+                return self.weights_version, self.optimizer_step
+            case cmd.ExportHF(path=path):
+                return self.checkpointer.export_hf(path, self)
+            case cmd.Shutdown():
+                return None
+        raise TypeError(f"unknown command {command!r}")
+
+    def _zero_grads(self) -> None:
+        self.built.ddp.zero_grad_buffer()
+        self.built.optimizer.zero_grad()
+
+    def _begin(self, command: cmd.BeginStep) -> int:
+        self._zero_grads()
+        self.open_step = _OpenStep(command.step_id, command.loss, command.optimizer)
+        return self.weights_version
+
+    def _local_share(self, command_batch: Any) -> Any:
+        parts = assign_to_data_parallel(command_batch.lengths(), self.topology.layout.data_parallel)
+        return command_batch.select(parts[self.topology.dp_rank])
+
+    def _microbatch(self, command: cmd.TrainMicrobatch) -> MicrobatchAck:
+        step = self.open_step
+        assert step is not None and step.step_id == command.step_id
+        local = self._local_share(command.batch)
+        packed = pack(local, self.device) if local.num_sequences else None
+        if packed is not None:
+            loss = step.loss
+
+            def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
+                logprobs, _ = target_logprobs(logits, batch.targets, self.vocab_shard)
+                sums = loss_sums(logprobs, batch.token_inputs, loss)
+                count = sums["valid_tokens"].detach().to(torch.int)
+                return sums["loss"], count, {k: v.detach() for k, v in sums.items()}
+
+            outputs = self.runner.run(packed, loss_function, forward_only=False)
+            if self.topology.is_last_stage and self.topology.tp_rank == 0:
+                for sums in outputs:
+                    step.sums += np.array([float(sums[k]) for k in SUM_FIELDS])
+        step.request_ids.add(command.request_id)
+        step.counts = step.counts.plus(command.batch)
+        return MicrobatchAck(command.step_id, command.request_id, False, step.counts)
+
+    def _divisor(self, step: _OpenStep) -> int:
+        if step.loss.normalization is Normalization.TOKEN:
+            return step.counts.valid_tokens
+        return step.counts.valid_sequences
+
+    def _apply_hyperparameters(self, overrides: OptimizerOverrides) -> OptimizerConfig:
+        defaults = self.optimizer_defaults
+        chosen = replace(
+            defaults,
+            **{k: v for k, v in vars(overrides).items() if v is not None},
+        )
+        optimizer = self.built.optimizer
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner.config.clip_grad = chosen.max_grad_norm
+            for group in inner.param_groups:
+                group["lr"] = chosen.learning_rate * group.get("lr_mult", 1.0)
+                group["weight_decay"] = chosen.weight_decay * group.get("wd_mult", 1.0)
+                if "betas" in group:
+                    group["betas"] = (chosen.adam_beta1, chosen.adam_beta2)
+                if "eps" in group:
+                    group["eps"] = chosen.adam_eps
+        return chosen
+
+    def _global_sums(self, step: _OpenStep) -> dict[str, float]:
+        totals = torch.tensor(step.sums, dtype=torch.float64)
+        dist.all_reduce(totals, group=self.topology.control_group)
+        return dict(zip(SUM_FIELDS, totals.tolist(), strict=True))
+
+    def _finish(self, command: cmd.FinishStep) -> FinishResult:
+        step = self.open_step
+        assert step is not None and step.step_id == command.step_id
+        divisor = self._divisor(step)
+        chosen = self._apply_hyperparameters(step.optimizer)
+        with cpu_compat.active():
+            finalize_model_grads([self.built.ddp])
+            self.built.ddp.scale_gradients(1.0 / divisor)
+            _, grad_norm, _ = self.built.optimizer.step()
+        sums = self._global_sums(step)
+        self.open_step = None
+        self.weights_version += 1
+        self.optimizer_step += 1
+        tokens = max(sums["valid_tokens"], 1.0)
+        terms = LossTerms(
+            policy=sums["policy"] / divisor,
+            kl=sums["kl"] / divisor,
+            clip_fraction=sums["clipped_tokens"] / tokens,
+            importance_ratio=sums["ratio"] / tokens,
+        )
+        metrics = StepMetrics(
+            loss=sums["loss"] / divisor,
+            terms=terms,
+            grad_norm=float(grad_norm or 0.0),
+            learning_rate=chosen.learning_rate,
+            counts=step.counts,
+        )
+        return FinishResult(step.step_id, metrics, self.weights_version)
+
+    def _abort(self, command: cmd.AbortStep) -> bool:
+        assert self.open_step is not None and self.open_step.step_id == command.step_id
+        self._zero_grads()
+        self.open_step = None
+        return True
+
+    def _forward(self, command: cmd.RunForward) -> ForwardResult | None:
+        parts = assign_to_data_parallel(command.batch.lengths(), self.topology.layout.data_parallel)
+        local = command.batch.select(parts[self.topology.dp_rank])
+        packed = pack(local, self.device) if local.num_sequences else None
+        rows: dict[str, np.ndarray] = {}
+        if packed is not None:
+            wanted = command.outputs
+            k = command.top_k
+
+            def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
+                result: dict[str, torch.Tensor] = {}
+                logprobs, entropy = target_logprobs(
+                    logits,
+                    batch.targets,
+                    self.vocab_shard,
+                    with_entropy=ForwardOutput.ENTROPY in wanted,
+                )
+                result["logprobs"] = logprobs
+                if entropy is not None:
+                    result["entropy"] = entropy
+                if ForwardOutput.TOP_K in wanted:
+                    result["top_k_ids"], result["top_k_logprobs"] = top_k(
+                        logits, k, self.vocab_shard
+                    )
+                zero = logprobs.sum() * 0.0
+                return zero, torch.tensor(0, dtype=torch.int), result
+
+            outputs = self.runner.run(packed, loss_function, forward_only=True)
+            if outputs:
+                rows = {key: value.cpu().numpy() for key, value in outputs[0].items()}
+        contributes = self.topology.is_last_stage and self.topology.tp_rank == 0
+        gathered: list[Any] | None = (
+            [None] * self.topology.layout.world_size if self.topology.is_leader else None
+        )
+        dist.gather_object(
+            (self.topology.dp_rank, rows) if contributes else None,
+            gathered,
+            dst=0,
+            group=self.topology.control_group,
+        )
+        if gathered is None:
+            return None
+        return self._assemble_forward(command, parts, gathered)
+
+    def _assemble_forward(
+        self, command: cmd.RunForward, parts: list[np.ndarray], gathered: list[Any]
+    ) -> ForwardResult:
+        batch = command.batch
+        per_token: dict[str, np.ndarray] = {}
+        for item in gathered:
+            if item is None or not item[1]:
+                continue
+            dp_rank, rows = item
+            local = batch.select(parts[dp_rank])
+            for key, value in rows.items():
+                values = unpack_per_token(value, local)
+                target = per_token.setdefault(
+                    key, np.zeros((batch.num_tokens, *values.shape[1:]), dtype=values.dtype)
+                )
+                flat = np.concatenate(
+                    [np.arange(batch.offsets[i], batch.offsets[i + 1]) for i in parts[dp_rank]]
+                )
+                target[flat] = values
+        wanted = command.outputs
+
+        def output(key: str, kind: ForwardOutput, dtype: Any, width: int = 0) -> np.ndarray | None:
+            if kind not in wanted:
+                return None
+            shape = (batch.num_tokens, width) if width else (batch.num_tokens,)
+            return per_token.get(key, np.zeros(shape, dtype=dtype)).astype(dtype)
+
+        return ForwardResult(
+            logprobs=output("logprobs", ForwardOutput.LOGPROBS, np.float32),
+            entropy=output("entropy", ForwardOutput.ENTROPY, np.float32),
+            top_k_token_ids=output("top_k_ids", ForwardOutput.TOP_K, np.int32, command.top_k),
+            top_k_logprobs=output(
+                "top_k_logprobs", ForwardOutput.TOP_K, np.float32, command.top_k
+            ),
+            top_k=command.top_k if ForwardOutput.TOP_K in wanted else 0,
+            weights_version=self.weights_version,
+        )

@@ -1,0 +1,76 @@
+"""Loss sums of one packed microbatch (rows are sequences). Sums, never means: the step divides
+by the global count once, at finish, so any split of the batch gives the same gradient."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer_svc.domain import LossConfig, LossKind, Normalization
+
+SUM_FIELDS = ("loss", "policy", "kl", "clipped_tokens", "ratio", "valid_tokens")
+
+
+@dataclass
+class TokenInputs:
+    """Per-position tensors ``[rows, positions]`` aligned with the targets."""
+
+    mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    reference_logprobs: torch.Tensor | None = None
+
+
+def _per_token_terms(
+    logprobs: torch.Tensor, inputs: TokenInputs, config: LossConfig
+) -> dict[str, torch.Tensor]:
+    zeros = torch.zeros_like(logprobs)
+    if config.kind is LossKind.CROSS_ENTROPY:
+        terms = {"policy": -logprobs, "clipped": zeros, "ratio": zeros}
+    else:
+        assert inputs.advantages is not None and inputs.behaviour_logprobs is not None
+        log_ratio = torch.where(inputs.mask, logprobs - inputs.behaviour_logprobs, zeros)
+        ratio = log_ratio.exp()
+        clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+        unclipped = -inputs.advantages * ratio
+        clipped = -inputs.advantages * clipped_ratio
+        terms = {
+            "policy": torch.maximum(unclipped, clipped),
+            "clipped": (clipped > unclipped).to(logprobs.dtype).detach(),
+            "ratio": ratio.detach(),
+        }
+    if config.needs_reference:
+        assert inputs.reference_logprobs is not None
+        delta = torch.where(inputs.mask, inputs.reference_logprobs - logprobs, zeros)
+        terms["kl"] = delta.exp() - delta - 1.0
+    else:
+        terms["kl"] = zeros
+    return terms
+
+
+def loss_sums(
+    logprobs: torch.Tensor, inputs: TokenInputs, config: LossConfig
+) -> dict[str, torch.Tensor]:
+    """Scalar sums over the microbatch; ``loss`` carries the gradient, the rest are detached.
+
+    Token normalization sums over valid tokens; sequence normalization sums each row's token
+    mean. Metrics that are per-token by nature (clip fraction, ratio) always sum over tokens.
+    """
+    mask = inputs.mask.to(logprobs.dtype)
+    terms = _per_token_terms(logprobs, inputs, config)
+    if config.normalization is Normalization.TOKEN:
+        weights = mask
+    else:
+        weights = mask / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    policy = (terms["policy"] * weights).sum()
+    kl = (terms["kl"] * weights).sum()
+    loss = policy + config.kl_coef * kl if config.needs_reference else policy
+    return {
+        "loss": loss,
+        "policy": policy.detach(),
+        "kl": kl.detach(),
+        "clipped_tokens": (terms["clipped"] * mask).sum(),
+        "ratio": (terms["ratio"] * mask).sum(),
+        "valid_tokens": mask.sum(),
+    }

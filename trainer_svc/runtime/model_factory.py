@@ -1,0 +1,152 @@
+"""Builds this rank's megatron-core GPTModel, its DDP wrapper and optimizer from a ModelSpec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
+
+from megatron_hf.spec import ModelSpec
+from trainer_svc.config import OptimizerConfig, ParamsDType
+from trainer_svc.runtime.topology import Topology
+
+_DTYPES = {ParamsDType.FLOAT32: torch.float32, ParamsDType.BFLOAT16: torch.bfloat16}
+
+
+@dataclass
+class BuiltModel:
+    model: GPTModel
+    ddp: DistributedDataParallel
+    optimizer: Any
+    config: TransformerConfig
+
+
+def transformer_config(
+    spec: ModelSpec, topology: Topology, params_dtype: ParamsDType, on_gpu: bool
+) -> TransformerConfig:
+    dtype = _DTYPES[params_dtype]
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=topology.layout.tensor_parallel,
+        pipeline_model_parallel_size=topology.layout.pipeline_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        calculate_per_token_loss=True,
+        batch_p2p_comm=on_gpu,
+        init_method_std=0.02,
+    )
+
+
+def build_model(
+    spec: ModelSpec,
+    topology: Topology,
+    *,
+    padded_vocab: int,
+    max_sequence_length: int,
+    params_dtype: ParamsDType,
+    on_gpu: bool,
+) -> tuple[GPTModel, TransformerConfig]:
+    config = transformer_config(spec, topology, params_dtype, on_gpu)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab,
+        max_sequence_length=max_sequence_length,
+        pre_process=topology.is_first_stage,
+        post_process=topology.is_last_stage,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        parallel_output=True,
+    )
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model, config
+
+
+def wrap_for_training(
+    model: GPTModel, config: TransformerConfig, topology: Topology, optimizer: OptimizerConfig
+) -> BuiltModel:
+    distributed = topology.layout.data_parallel > 1
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=distributed,
+        ),
+        model,
+    )
+    megatron_optimizer = get_megatron_optimizer(
+        MegatronOptimizerConfig(
+            optimizer=optimizer.kind.value,
+            lr=optimizer.learning_rate,
+            weight_decay=optimizer.weight_decay,
+            adam_beta1=optimizer.adam_beta1,
+            adam_beta2=optimizer.adam_beta2,
+            adam_eps=optimizer.adam_eps,
+            clip_grad=optimizer.max_grad_norm,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=distributed,
+        ),
+        [ddp],
+    )
+    _initialize_adam_state(megatron_optimizer)
+    # The step engine reduces gradients itself, once per step (see engine.finish).
+    config.finalize_model_grads_func = None
+    return BuiltModel(model=model, ddp=ddp, optimizer=megatron_optimizer, config=config)
+
+
+def _initialize_adam_state(optimizer: Any) -> None:
+    """Creates Adam's per-parameter state now, exactly as torch would on the first step.
+
+    A checkpoint saved before the first step then holds the same keys as any later one, which
+    megatron's dist_checkpointing needs in order to load it.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                state = torch_optimizer.state[param]
+                if state:
+                    continue
+                on_device = group.get("capturable") or group.get("fused")
+                state["step"] = torch.zeros(
+                    (), dtype=torch.float32, device=param.device if on_device else "cpu"
+                )
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)

@@ -1,0 +1,176 @@
+"""One rank's life: join the process group, build the model and engine, then serve or follow."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_hf.checkpoint import load_hf_state_dict
+from megatron_hf.convert import hf_to_megatron
+from megatron_hf.spec import ModelSpec, padded_vocab_size
+from trainer_svc.config import Device, TrainerConfig
+from trainer_svc.runtime import cpu_compat
+from trainer_svc.runtime.checkpointing import Checkpointer
+from trainer_svc.runtime.control import Leader, follow
+from trainer_svc.runtime.engine import StepEngine
+from trainer_svc.runtime.model_factory import build_model, wrap_for_training
+from trainer_svc.runtime.topology import Topology
+from trainer_svc.runtime.weights import load_global_state
+from trainer_svc.server.app import create_server
+from trainer_svc.server.status import ServiceInfo
+from trainer_svc.validation import BatchLimits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankIdentity:
+    """Deployment identity, from the torchrun-compatible environment (read here only)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls) -> RankIdentity | None:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        return cls(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", "29500")),
+        )
+
+
+def _device(config: TrainerConfig, identity: RankIdentity) -> torch.device:
+    use_cuda = config.device is Device.CUDA or (
+        config.device is Device.AUTO and torch.cuda.is_available()
+    )
+    if use_cuda:
+        torch.cuda.set_device(identity.local_rank)
+        return torch.device("cuda", identity.local_rank)
+    return torch.device("cpu")
+
+
+def _init_distributed(config: TrainerConfig, identity: RankIdentity, device: torch.device) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    layout = config.layout
+    if identity.world_size != layout.world_size:
+        raise ValueError(
+            f"the environment has {identity.world_size} ranks but {layout.describe()} needs "
+            f"{layout.world_size}"
+        )
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{identity.master_addr}:{identity.master_port}",
+        rank=identity.rank,
+        world_size=identity.world_size,
+        timeout=timedelta(minutes=30),
+    )
+    if device.type == "cpu":
+        cpu_compat.install()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+    )
+    torch.manual_seed(config.seed)
+    model_parallel_cuda_manual_seed(config.seed)
+
+
+def build_engine(
+    config: TrainerConfig, model_dir: Path, device: torch.device
+) -> tuple[StepEngine, ServiceInfo]:
+    spec = ModelSpec.from_pretrained_dir(model_dir)
+    topology = Topology.from_parallel_state(config.layout)
+    padded = padded_vocab_size(
+        spec.vocab_size, config.layout.tensor_parallel, config.model.vocab_multiple
+    )
+    max_len = config.model.max_sequence_length or spec.max_position_embeddings
+    with cpu_compat.active():
+        model, transformer_config = build_model(
+            spec,
+            topology,
+            padded_vocab=padded,
+            max_sequence_length=max_len,
+            params_dtype=config.model.params_dtype,
+            on_gpu=device.type == "cuda",
+        )
+        if any(model_dir.glob("*.safetensors")):
+            megatron_state = hf_to_megatron(load_hf_state_dict(model_dir), spec, padded)
+            load_global_state(model, megatron_state, spec, topology)
+            del megatron_state
+            log.info("loaded HF weights from %s", model_dir)
+        built = wrap_for_training(model, transformer_config, topology, config.optimizer)
+    local = torch.tensor(
+        [sum(p.numel() for p in model.parameters()) if topology.dp_rank == 0 else 0],
+        dtype=torch.int64,
+    )
+    dist.all_reduce(local, group=topology.control_group)
+    engine = StepEngine(
+        built=built,
+        spec=spec,
+        topology=topology,
+        limits=BatchLimits(
+            vocab_size=spec.vocab_size,
+            max_sequence_length=max_len,
+            max_tokens=config.server.max_microbatch_tokens,
+        ),
+        optimizer_defaults=config.optimizer,
+        padded_vocab=padded,
+        device=device,
+        checkpointer=Checkpointer(model_dir),
+    )
+    info = ServiceInfo(
+        spec=spec,
+        padded_vocab=padded,
+        num_parameters=int(local.item()),
+        params_dtype=config.model.params_dtype,
+        max_sequence_length=max_len,
+    )
+    return engine, info
+
+
+async def _serve(engine: StepEngine, info: ServiceInfo, config: TrainerConfig) -> None:
+    leader = Leader(engine)
+    server, port, health = await create_server(leader, info, config.server)
+    log.info("trainer serving gRPC on %s:%d, %s", config.server.host, port, config.layout.describe())
+    if config.server.port_file is not None:
+        tmp = config.server.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(config.server.port_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await health.enter_graceful_shutdown()
+    await server.stop(config.server.grace_seconds)
+    await leader.shutdown()
+
+
+def run_rank(config: TrainerConfig, identity: RankIdentity, model_dir: Path) -> None:
+    device = _device(config, identity)
+    _init_distributed(config, identity, device)
+    engine, info = build_engine(config, model_dir, device)
+    if identity.rank == 0:
+        asyncio.run(_serve(engine, info, config))
+    else:
+        # Rank 0 coordinates shutdown; an interrupt here would strand it in a collective.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        follow(engine)
+    dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""The gRPC edge: proto <-> domain conversion, the servicer, and server assembly."""

@@ -1,0 +1,169 @@
+"""Protobuf <-> domain conversion. Only this module and the servicer know the wire types."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer_refit.v1 import trainer_pb2 as pb
+from trainer_svc.domain import (
+    ForwardOutput,
+    ForwardResult,
+    InvalidArgument,
+    LossConfig,
+    LossKind,
+    Normalization,
+    OpenStepInfo,
+    OptimizerOverrides,
+    SequenceBatch,
+    StepCounts,
+    StepMetrics,
+)
+
+_LOSS_KINDS = {
+    pb.LOSS_KIND_CROSS_ENTROPY: LossKind.CROSS_ENTROPY,
+    pb.LOSS_KIND_PPO: LossKind.PPO,
+}
+_NORMALIZATIONS = {
+    pb.NORMALIZATION_TOKEN: Normalization.TOKEN,
+    pb.NORMALIZATION_SEQUENCE: Normalization.SEQUENCE,
+}
+_FORWARD_OUTPUTS = {
+    pb.FORWARD_OUTPUT_LOGPROBS: ForwardOutput.LOGPROBS,
+    pb.FORWARD_OUTPUT_TOP_K: ForwardOutput.TOP_K,
+    pb.FORWARD_OUTPUT_ENTROPY: ForwardOutput.ENTROPY,
+}
+
+
+def _enum(value: int, table: dict, field: str, wrapper: Any) -> Any:
+    if value not in table:
+        names = ", ".join(wrapper.Name(k) for k in table)
+        raise InvalidArgument(f"{field} must be one of {names}; got {value}")
+    return table[value]
+
+
+def loss_config(message: pb.LossConfig) -> LossConfig:
+    kind = _enum(message.kind, _LOSS_KINDS, "loss.kind", pb.LossKind)
+    normalization = _enum(
+        message.normalization, _NORMALIZATIONS, "loss.normalization", pb.Normalization
+    )
+    return LossConfig(
+        kind=kind,
+        normalization=normalization,
+        clip_low=message.clip_low if message.HasField("clip_low") else 0.2,
+        clip_high=message.clip_high if message.HasField("clip_high") else 0.2,
+        kl_coef=message.kl_coef if message.HasField("kl_coef") else 0.0,
+    )
+
+
+def loss_config_to_proto(config: LossConfig) -> pb.LossConfig:
+    kinds = {v: k for k, v in _LOSS_KINDS.items()}
+    norms = {v: k for k, v in _NORMALIZATIONS.items()}
+    return pb.LossConfig(
+        kind=kinds[config.kind],
+        normalization=norms[config.normalization],
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        kl_coef=config.kl_coef,
+    )
+
+
+def optimizer_overrides(message: pb.OptimizerParams) -> OptimizerOverrides:
+    fields = (
+        "learning_rate",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_eps",
+        "max_grad_norm",
+    )
+    return OptimizerOverrides(
+        **{f: getattr(message, f) for f in fields if message.HasField(f)}  # type: ignore[arg-type]
+    )
+
+
+def _optional(values: object, dtype: type) -> np.ndarray | None:
+    array = np.asarray(values, dtype=dtype)
+    return array if len(array) else None
+
+
+def sequences(message: pb.Sequences) -> SequenceBatch:
+    return SequenceBatch(
+        tokens=np.asarray(message.tokens, dtype=np.int64),
+        offsets=np.asarray(message.offsets, dtype=np.int64),
+    )
+
+
+def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
+    base = sequences(message.sequences)
+    return SequenceBatch(
+        tokens=base.tokens,
+        offsets=base.offsets,
+        loss_mask=_optional(message.loss_mask, bool),
+        advantages=_optional(message.advantages, np.float32),
+        behaviour_logprobs=_optional(message.behaviour_logprobs, np.float32),
+        reference_logprobs=_optional(message.reference_logprobs, np.float32),
+    )
+
+
+def forward_outputs(message: pb.ForwardRequest) -> frozenset[ForwardOutput]:
+    outputs = {
+        _enum(o, _FORWARD_OUTPUTS, "outputs", pb.ForwardOutput) for o in message.outputs
+    }
+    if not outputs:
+        raise InvalidArgument("outputs is empty: ask for at least one of LOGPROBS, TOP_K, ENTROPY")
+    return frozenset(outputs)
+
+
+def counts_to_proto(counts: StepCounts) -> pb.StepCounts:
+    return pb.StepCounts(
+        microbatches=counts.microbatches,
+        sequences=counts.sequences,
+        valid_tokens=counts.valid_tokens,
+    )
+
+
+def metrics_to_proto(metrics: StepMetrics) -> pb.StepMetrics:
+    terms = metrics.terms
+    return pb.StepMetrics(
+        loss=metrics.loss,
+        terms=pb.LossTerms(
+            policy=terms.policy,
+            kl=terms.kl,
+            clip_fraction=terms.clip_fraction,
+            importance_ratio=terms.importance_ratio,
+        ),
+        grad_norm=metrics.grad_norm,
+        learning_rate=metrics.learning_rate,
+        counts=counts_to_proto(metrics.counts),
+    )
+
+
+def forward_to_proto(result: ForwardResult) -> pb.ForwardResponse:
+    def flat(values: np.ndarray | None) -> list:
+        return [] if values is None else values.reshape(-1).tolist()
+
+    return pb.ForwardResponse(
+        logprobs=flat(result.logprobs),
+        entropy=flat(result.entropy),
+        top_k_token_ids=flat(result.top_k_token_ids),
+        top_k_logprobs=flat(result.top_k_logprobs),
+        top_k=result.top_k,
+        weights_version=result.weights_version,
+    )
+
+
+def open_step_to_proto(info: OpenStepInfo) -> pb.OpenStep:
+    return pb.OpenStep(
+        step_id=info.step_id,
+        loss=loss_config_to_proto(info.loss),
+        accumulated=counts_to_proto(info.counts),
+    )
+
+
+def path(value: str, field: str) -> Path:
+    if not value:
+        raise InvalidArgument(f"{field} must name a directory")
+    return Path(value)

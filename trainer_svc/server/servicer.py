@@ -1,0 +1,145 @@
+"""TrainerService over gRPC: converts at the edge, maps domain errors to status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from trainer_refit.v1 import common_pb2
+from trainer_refit.v1 import trainer_pb2 as pb
+from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
+from trainer_svc.domain import FailedPrecondition, InvalidArgument
+from trainer_svc.runtime import commands as cmd
+from trainer_svc.runtime.control import Leader
+from trainer_svc.server import convert
+from trainer_svc.server.status import ServiceInfo
+
+log = logging.getLogger(__name__)
+
+Reply = TypeVar("Reply")
+
+
+def _grpc_errors(
+    method: Callable[..., Awaitable[Reply]],
+) -> Callable[..., Awaitable[Reply]]:
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Reply:
+        try:
+            return await method(self, request, context)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except FailedPrecondition as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class TrainerServicer(pb_grpc.TrainerServiceServicer):
+    def __init__(self, leader: Leader, info: ServiceInfo) -> None:
+        self.leader = leader
+        self.info = info
+
+    @_grpc_errors
+    async def BeginTrainStep(self, request: pb.BeginTrainStepRequest, context: Any) -> Any:
+        command = cmd.BeginStep(
+            step_id=request.step_id,
+            loss=convert.loss_config(request.loss),
+            optimizer=convert.optimizer_overrides(request.optimizer),
+        )
+        version = await self.leader.submit(command)
+        return pb.BeginTrainStepResponse(step_id=request.step_id, weights_version=version)
+
+    @_grpc_errors
+    async def TrainMicrobatch(self, request: pb.TrainMicrobatchRequest, context: Any) -> Any:
+        command = cmd.TrainMicrobatch(
+            step_id=request.step_id,
+            request_id=request.request_id,
+            batch=convert.training_batch(request),
+        )
+        ack = await self.leader.submit(command)
+        return pb.TrainMicrobatchResponse(
+            step_id=ack.step_id,
+            request_id=ack.request_id,
+            duplicate=ack.duplicate,
+            accumulated=convert.counts_to_proto(ack.counts),
+        )
+
+    @_grpc_errors
+    async def FinishTrainStep(self, request: pb.FinishTrainStepRequest, context: Any) -> Any:
+        result = await self.leader.submit(cmd.FinishStep(step_id=request.step_id))
+        return pb.FinishTrainStepResponse(
+            step_id=result.step_id,
+            metrics=convert.metrics_to_proto(result.metrics),
+            weights_version=result.weights_version,
+        )
+
+    @_grpc_errors
+    async def AbortTrainStep(self, request: pb.AbortTrainStepRequest, context: Any) -> Any:
+        aborted = await self.leader.submit(cmd.AbortStep(step_id=request.step_id))
+        return pb.AbortTrainStepResponse(step_id=request.step_id, aborted=bool(aborted))
+
+    @_grpc_errors
+    async def Forward(self, request: pb.ForwardRequest, context: Any) -> Any:
+        command = cmd.RunForward(
+            batch=convert.sequences(request.sequences),
+            outputs=convert.forward_outputs(request),
+            top_k=request.top_k,
+        )
+        return convert.forward_to_proto(await self.leader.submit(command))
+
+    @_grpc_errors
+    async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context: Any) -> Any:
+        summary = await self.leader.submit(
+            cmd.SaveCheckpoint(path=convert.path(request.path, "path"))
+        )
+        return pb.SaveCheckpointResponse(
+            path=str(summary.path),
+            weights_version=summary.weights_version,
+            optimizer_step=summary.optimizer_step,
+        )
+
+    @_grpc_errors
+    async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context: Any) -> Any:
+        version, step = await self.leader.submit(
+            cmd.LoadCheckpoint(path=convert.path(request.path, "path"))
+        )
+        return pb.LoadCheckpointResponse(weights_version=version, optimizer_step=step)
+
+    @_grpc_errors
+    async def ExportHF(self, request: pb.ExportHFRequest, context: Any) -> Any:
+        summary = await self.leader.submit(cmd.ExportHF(path=convert.path(request.path, "path")))
+        return pb.ExportHFResponse(
+            path=str(summary.path),
+            weights_version=summary.weights_version,
+            num_tensors=summary.num_tensors,
+            num_bytes=summary.num_bytes,
+        )
+
+    @_grpc_errors
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> Any:
+        engine = self.leader.engine
+        layout = engine.topology.layout
+        response = pb.GetStatusResponse(
+            layout=common_pb2.ParallelLayout(
+                tensor_parallel=layout.tensor_parallel,
+                pipeline_parallel=layout.pipeline_parallel,
+                data_parallel=layout.data_parallel,
+                world_size=layout.world_size,
+            ),
+            model=self.info.model_info(),
+            weights_version=engine.weights_version,
+            optimizer_step=engine.optimizer_step,
+            device=engine.device.type,
+        )
+        open_step = engine.open_step_info()
+        if open_step is not None:
+            response.open_step.CopyFrom(convert.open_step_to_proto(open_step))
+        return response

@@ -1,0 +1,103 @@
+"""Checks a request's data before any rank sees it, so a bad request changes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainer_svc.domain import InvalidArgument, LossConfig, SequenceBatch
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchLimits:
+    vocab_size: int
+    max_sequence_length: int
+    max_tokens: int
+
+
+def check_sequences(batch: SequenceBatch, limits: BatchLimits) -> None:
+    tokens, offsets = batch.tokens, batch.offsets
+    if len(offsets) < 2:
+        raise InvalidArgument(
+            "sequences.offsets must hold at least two entries (0 and the end of the first sequence)"
+        )
+    if offsets[0] != 0:
+        raise InvalidArgument(f"sequences.offsets[0] must be 0, got {offsets[0]}")
+    if offsets[-1] != len(tokens):
+        raise InvalidArgument(
+            f"sequences.offsets[-1] ({offsets[-1]}) must equal the number of tokens ({len(tokens)})"
+        )
+    lengths = np.diff(offsets)
+    if (lengths <= 0).any():
+        index = int(np.argmax(lengths <= 0))
+        raise InvalidArgument(
+            f"sequences.offsets must increase strictly: sequence {index} has length {lengths[index]}"
+        )
+    if len(tokens) > limits.max_tokens:
+        raise InvalidArgument(
+            f"the request holds {len(tokens)} tokens; this service accepts at most "
+            f"{limits.max_tokens} per request (split it into more microbatches)"
+        )
+    longest = int(lengths.max())
+    if longest > limits.max_sequence_length:
+        index = int(np.argmax(lengths))
+        raise InvalidArgument(
+            f"sequence {index} has {longest} tokens; the model accepts at most "
+            f"{limits.max_sequence_length}"
+        )
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= limits.vocab_size):
+        bad = int(np.argmax((tokens < 0) | (tokens >= limits.vocab_size)))
+        raise InvalidArgument(
+            f"token id {int(tokens[bad])} at flat position {bad} is outside the vocabulary "
+            f"[0, {limits.vocab_size})"
+        )
+
+
+def _check_per_token(name: str, values: np.ndarray | None, num_tokens: int) -> None:
+    if values is None:
+        return
+    if len(values) != num_tokens:
+        raise InvalidArgument(
+            f"{name} has {len(values)} entries; it must have one per token ({num_tokens})"
+        )
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        bad = int(np.argmax(~np.isfinite(values)))
+        raise InvalidArgument(f"{name}[{bad}] is {values[bad]}; every entry must be finite")
+
+
+def check_training_batch(batch: SequenceBatch, loss: LossConfig, limits: BatchLimits) -> None:
+    """Raises InvalidArgument unless the batch is complete and consistent for this loss."""
+    check_sequences(batch, limits)
+    n = batch.num_tokens
+    if batch.loss_mask is None:
+        raise InvalidArgument(f"loss_mask is required: one entry per token ({n})")
+    _check_per_token("loss_mask", batch.loss_mask, n)
+    starts = batch.offsets[:-1]
+    if batch.loss_mask[starts].any():
+        index = int(np.argmax(batch.loss_mask[starts]))
+        raise InvalidArgument(
+            f"loss_mask is set on the first token of sequence {index}; a first token has no "
+            "prefix to predict it from, so its mask entry must be false"
+        )
+    inputs = {
+        "advantages": (batch.advantages, loss.needs_policy_inputs),
+        "behaviour_logprobs": (batch.behaviour_logprobs, loss.needs_policy_inputs),
+        "reference_logprobs": (batch.reference_logprobs, loss.needs_reference),
+    }
+    for name, (values, required) in inputs.items():
+        if required and values is None:
+            raise InvalidArgument(
+                f"{name} is required by loss {loss.kind.value}"
+                + (f" with kl_coef={loss.kl_coef}" if name == "reference_logprobs" else "")
+            )
+        if not required and values is not None:
+            raise InvalidArgument(
+                f"{name} was sent but loss {loss.kind.value} (kl_coef={loss.kl_coef}) does not "
+                "use it; leave it empty"
+            )
+        _check_per_token(name, values, n)
+    for name in ("behaviour_logprobs", "reference_logprobs"):
+        values = getattr(batch, name)
+        if values is not None and (values[batch.loss_mask] > 0).any():
+            raise InvalidArgument(f"{name} must be <= 0 (log-probabilities) at masked-in tokens")
