@@ -1,4 +1,4 @@
-"""Generates the Python gRPC stubs from ``protos/`` into this package (``python -m trainer_refit.codegen``)."""
+"""Generates the Python gRPC stubs from ``protos/`` (``python -m trainer_refit.codegen``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Writes ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` for every .proto under ``out_dir``."""
+    """Writes ``*_pb2.py``, ``.pyi`` and ``*_pb2_grpc.py`` for every .proto into ``out_dir``."""
     import grpc_tools
     from grpc_tools import protoc
 

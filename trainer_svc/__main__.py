@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +22,9 @@ def _model_dir(config: TrainerConfig, work: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    # megatron's checkpoint writer forks worker processes; gRPC's fork handlers must stay out of
+    # them (the children never use gRPC). Read by grpc when it is first imported, below.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     config, log_level = parse_config(argv)
     from trainer_svc.runtime.rank import RankIdentity
 

@@ -34,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="local HF checkpoint or config directory; default: a built-in tiny Llama model",
     )
-    model.add_argument(
-        "--params-dtype", choices=[d.value for d in ParamsDType], default="float32"
-    )
+    model.add_argument("--params-dtype", choices=[d.value for d in ParamsDType], default="float32")
     model.add_argument(
         "--max-seq-len",
         type=int,

@@ -131,6 +131,7 @@ def _counts(message: pb.StepCounts) -> StepCounts:
         microbatches=message.microbatches,
         sequences=message.sequences,
         valid_tokens=message.valid_tokens,
+        valid_sequences=message.valid_sequences,
     )
 
 
@@ -157,7 +158,7 @@ def forward_result(reply: pb.ForwardResponse, num_tokens: int) -> ForwardResult:
     def array(values: Any, dtype: type, width: int = 0) -> np.ndarray | None:
         if not len(values):
             return None
-        out = np.asarray(values, dtype=dtype)
+        out: np.ndarray = np.asarray(values, dtype=dtype)
         return out.reshape(num_tokens, width) if width else out
 
     return ForwardResult(
@@ -180,7 +181,7 @@ def _translate(error: grpc.RpcError) -> Exception:
 
 
 class TrainerClient:
-    """Blocking client. ``timeout`` (seconds) applies to every call; None waits as long as needed."""
+    """Blocking client. ``timeout`` (seconds) applies to every call; None waits as needed."""
 
     def __init__(self, target: str, *, timeout: float | None = None) -> None:
         self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
@@ -222,7 +223,9 @@ class TrainerClient:
         return MicrobatchReceipt(reply.duplicate, _counts(reply.accumulated))
 
     def finish_step(self, step_id: str) -> StepResult:
-        return step_result(self._call("FinishTrainStep", pb.FinishTrainStepRequest(step_id=step_id)))
+        return step_result(
+            self._call("FinishTrainStep", pb.FinishTrainStepRequest(step_id=step_id))
+        )
 
     def abort_step(self, step_id: str) -> bool:
         return self._call("AbortTrainStep", pb.AbortTrainStepRequest(step_id=step_id)).aborted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ class Device(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Sizes of the rank grid; ranks are ordered tp-fastest, then dp, then pp (Megatron's default)."""
+    """Sizes of the rank grid; ranks are ordered tp-fastest, then dp, then pp (as in Megatron)."""
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
@@ -61,8 +62,10 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
 
     def __post_init__(self) -> None:
-        if self.learning_rate < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise ValueError("learning_rate, weight_decay and max_grad_norm must be >= 0")
+        for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite value >= 0, got {value}")
         if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
             raise ValueError("adam betas must lie in [0, 1)")
         if self.adam_eps <= 0:

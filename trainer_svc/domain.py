@@ -14,7 +14,7 @@ class InvalidArgument(ValueError):
 
 
 class FailedPrecondition(RuntimeError):
-    """The request is well-formed but the service's state forbids it. Maps to FAILED_PRECONDITION."""
+    """The request is well-formed but the service state forbids it. Maps to FAILED_PRECONDITION."""
 
 
 class LossKind(enum.Enum):
@@ -44,9 +44,9 @@ class LossConfig:
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0):
             raise InvalidArgument(f"clip_low must lie in [0, 1), got {self.clip_low}")
-        if not (0.0 <= self.clip_high and np.isfinite(self.clip_high)):
+        if not (self.clip_high >= 0.0 and np.isfinite(self.clip_high)):
             raise InvalidArgument(f"clip_high must be a finite value >= 0, got {self.clip_high}")
-        if not (0.0 <= self.kl_coef and np.isfinite(self.kl_coef)):
+        if not (self.kl_coef >= 0.0 and np.isfinite(self.kl_coef)):
             raise InvalidArgument(f"kl_coef must be a finite value >= 0, got {self.kl_coef}")
 
     @property
@@ -109,10 +109,14 @@ class SequenceBatch:
         def flat(rows: Sequence[Sequence[float]] | None, dtype: type) -> np.ndarray | None:
             if rows is None:
                 return None
-            return np.concatenate([np.asarray(r, dtype=dtype) for r in rows]) if rows else None
+            if not rows:
+                return np.zeros(0, dtype=dtype)
+            return np.concatenate([np.asarray(r, dtype=dtype) for r in rows])
 
         return cls(
-            tokens=flat(sequences, np.int64),  # type: ignore[arg-type]
+            tokens=np.concatenate(
+                [np.zeros(0, np.int64), *(np.asarray(s, np.int64) for s in sequences)]
+            ),
             offsets=offsets,
             loss_mask=flat(loss_mask, bool),
             advantages=flat(advantages, np.float32),

@@ -29,7 +29,8 @@ def _threads_per_rank(world_size: int) -> int:
 
 
 def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
-    """Runs ``world_size`` copies of ``python -m trainer_svc argv`` as ranks; returns the exit code."""
+    """Runs ``world_size`` copies of ``python -m trainer_svc argv`` as ranks; returns the exit
+    code."""
     port = free_port()
     children: list[subprocess.Popen[bytes]] = []
     for rank in range(world_size):

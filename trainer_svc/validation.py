@@ -32,7 +32,8 @@ def check_sequences(batch: SequenceBatch, limits: BatchLimits) -> None:
     if (lengths <= 0).any():
         index = int(np.argmax(lengths <= 0))
         raise InvalidArgument(
-            f"sequences.offsets must increase strictly: sequence {index} has length {lengths[index]}"
+            "sequences.offsets must increase strictly: "
+            f"sequence {index} has length {lengths[index]}"
         )
     if len(tokens) > limits.max_tokens:
         raise InvalidArgument(

@@ -41,7 +41,7 @@ def rendered_set(chart: helm.Chart) -> Callable[[str], Rendered]:
 @pytest.fixture(scope="session")
 def torchrun_parser() -> argparse.ArgumentParser:
     """torchrun's own parser (torch.distributed.run), the console script the trainer pods run."""
-    from torch.distributed.run import get_args_parser  # noqa: PLC0415 (torch: only when used)
+    from torch.distributed.run import get_args_parser
 
     return _exact(get_args_parser())
 
@@ -56,8 +56,8 @@ def trainer_parser() -> argparse.ArgumentParser:
 def vllm_cli() -> tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], None]]:
     """The `vllm` parser with its `serve` subcommand, built the way vllm.entrypoints.cli.main does,
     and the subcommand's own validation. Importing vLLM takes a few seconds, once per session."""
-    from vllm.entrypoints.cli.serve import ServeSubcommand  # noqa: PLC0415 (slow import)
-    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     serve = ServeSubcommand()
     parser = FlexibleArgumentParser(prog="vllm")

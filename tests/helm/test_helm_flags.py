@@ -187,7 +187,7 @@ def test_sidecar_probes_and_service_use_its_port(rendered_set: RenderedSet, name
 
 @pytest.mark.xfail(strict=True, raises=ImportError, reason=SIDECAR_PENDING)
 def test_sidecar_flags_exist_in_refit_sidecar_parser(rendered_set: RenderedSet) -> None:
-    from refit_sidecar.cli import build_parser  # noqa: PLC0415 (absent until it lands)
+    from refit_sidecar.cli import build_parser
 
     for name in _sets_with("trainer", "sidecar"):
         rendered = rendered_set(name)

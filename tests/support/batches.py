@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from trainer_svc.domain import LossConfig, SequenceBatch
@@ -30,4 +32,4 @@ def split(batch: SequenceBatch, sizes: list[int]) -> list[SequenceBatch]:
     """Consecutive sub-batches with the given numbers of sequences."""
     assert sum(sizes) == batch.num_sequences
     bounds = np.cumsum([0, *sizes])
-    return [batch.select(np.arange(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [batch.select(np.arange(a, b)) for a, b in itertools.pairwise(bounds)]

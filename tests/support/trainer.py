@@ -30,7 +30,9 @@ class TrainerProcess:
         command = [sys.executable, "-m", "trainer_svc", "--port", "0", "--host", "127.0.0.1"]
         command += ["--port-file", str(self.port_file), "--work-dir", str(workdir), *args]
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
         self.port = self._wait_for_port()
         self.target = f"127.0.0.1:{self.port}"
         self.client = TrainerClient(self.target)
@@ -71,13 +73,13 @@ def max_relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) 
     """Largest per-tensor max|a - b| / max|b| over the state dicts (which must share names)."""
     assert a.keys() == b.keys()
     worst = 0.0
-    for name in a:
+    for name, tensor in a.items():
         scale = float(np.abs(b[name]).max()) or 1.0
-        worst = max(worst, float(np.abs(a[name] - b[name]).max()) / scale)
+        worst = max(worst, float(np.abs(tensor - b[name]).max()) / scale)
     return worst
 
 
 def assert_bit_identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        assert np.array_equal(a[name], b[name]), f"{name} differs"
+    for name, tensor in a.items():
+        assert np.array_equal(tensor, b[name]), f"{name} differs"

@@ -112,14 +112,16 @@ class TrainMicrobatchRequest(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepCounts(_message.Message):
-    __slots__ = ("microbatches", "sequences", "valid_tokens")
+    __slots__ = ("microbatches", "sequences", "valid_tokens", "valid_sequences")
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     VALID_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VALID_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     microbatches: int
     sequences: int
     valid_tokens: int
-    def __init__(self, microbatches: _Optional[int] = ..., sequences: _Optional[int] = ..., valid_tokens: _Optional[int] = ...) -> None: ...
+    valid_sequences: int
+    def __init__(self, microbatches: _Optional[int] = ..., sequences: _Optional[int] = ..., valid_tokens: _Optional[int] = ..., valid_sequences: _Optional[int] = ...) -> None: ...
 
 class TrainMicrobatchResponse(_message.Message):
     __slots__ = ("step_id", "request_id", "duplicate", "accumulated")

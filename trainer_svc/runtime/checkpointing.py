@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,28 @@ class SaveSummary:
     optimizer_step: int
 
 
+def _restore_zero_step(optimizer_state: dict) -> None:
+    """megatron saves Adam's shared step only when it is truthy, so a checkpoint taken before
+    the first step has none; torch's Adam then cannot load the state. Put the zero back."""
+    state = optimizer_state.get("state")
+    if isinstance(state, dict) and state and "common_step" not in state:
+        state["common_step"] = torch.zeros((), dtype=torch.float32)
+
+
+def _set_adam_steps(optimizer: object, step: int) -> None:
+    """Sets every parameter's Adam step to the checkpoint's optimizer step.
+
+    megatron's distributed optimizer does not restore torch Adam's per-parameter ``step`` (it
+    keeps the live value) and its plain optimizer may share one tensor between parameters, which
+    torch would then advance once per parameter. Every parameter steps together, so the
+    checkpoint's step count is the exact value; each parameter gets its own tensor.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = torch.full_like(state["step"], float(step))
+
+
 class Checkpointer:
     def __init__(self, hf_source_dir: Path | None) -> None:
         self.hf_source_dir = hf_source_dir
@@ -53,7 +76,9 @@ class Checkpointer:
     def check_savable(self, path: Path) -> None:
         path = self._absolute(path)
         if path.exists() and any(path.iterdir()):
-            raise FailedPrecondition(f"{path} is not empty; choose a new directory for the checkpoint")
+            raise FailedPrecondition(
+                f"{path} is not empty; choose a new directory for the checkpoint"
+            )
 
     def check_loadable(self, path: Path) -> None:
         path = self._absolute(path)
@@ -96,11 +121,13 @@ class Checkpointer:
 
     def load(self, path: Path, engine: StepEngine) -> None:
         info = json.loads((path / STATE_FILE).read_text())
-        with cpu_compat.active():
+        with cpu_compat.active(), torch.no_grad():
             state = self._sharded_state(engine, loading=True)
             loaded = dist_checkpointing.load(state, str(path))
+            _restore_zero_step(loaded["optimizer"])
             engine.built.model.load_state_dict(loaded["model"])
             engine.built.optimizer.load_state_dict(loaded["optimizer"])
+            _set_adam_steps(engine.built.optimizer, int(info["optimizer_step"]))
         engine.optimizer_step = int(info["optimizer_step"])
         log.info("loaded checkpoint %s (optimizer step %d)", path, engine.optimizer_step)
 

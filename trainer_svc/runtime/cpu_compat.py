@@ -27,7 +27,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
-_installed = False
+_state = {"installed": False}
+
+
+def installed() -> bool:
+    return _state["installed"]
 
 
 def needed() -> bool:
@@ -45,7 +49,9 @@ def _is_cuda_device(device: Any) -> bool:
 class CudaAsCpu(TorchFunctionMode):
     """Maps ``device=cuda`` to the CPU and reports CPU float tensors as their CUDA type name."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _CPU
@@ -113,23 +119,25 @@ def _install_rng_tracker() -> None:
 
 def install() -> None:
     """Redirects megatron's CUDA-only helpers to the CPU. Does nothing when CUDA is available."""
-    global _installed
-    if _installed or not needed():
+    if _state["installed"] or not needed():
         return
-    cuda = torch.cuda
-    cuda.current_device = lambda: 0  # type: ignore[assignment]
-    cuda.set_device = lambda device: None  # type: ignore[assignment]
-    cuda.device_count = lambda: 0  # type: ignore[assignment]
-    cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    cuda.empty_cache = lambda: None  # type: ignore[assignment]
-    cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
-    cuda.current_stream = lambda device=None: _CpuStream()  # type: ignore[assignment]
-    cuda.default_stream = lambda device=None: _CpuStream()  # type: ignore[assignment]
-    cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
-    cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    replacements = {
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "device_count": lambda: 0,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "Stream": _CpuStream,
+        "current_stream": lambda device=None: _CpuStream(),
+        "default_stream": lambda device=None: _CpuStream(),
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+    }
+    for name, replacement in replacements.items():
+        setattr(torch.cuda, name, replacement)
     _install_rng_tracker()
-    _installed = True
+    _state["installed"] = True
 
 
 @contextlib.contextmanager

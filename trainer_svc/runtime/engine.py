@@ -21,8 +21,8 @@ from trainer_svc.config import OptimizerConfig
 from trainer_svc.domain import (
     FailedPrecondition,
     ForwardOutput,
-    InvalidArgument,
     ForwardResult,
+    InvalidArgument,
     LossConfig,
     LossTerms,
     Normalization,
@@ -376,9 +376,7 @@ class StepEngine:
             logprobs=output("logprobs", ForwardOutput.LOGPROBS, np.float32),
             entropy=output("entropy", ForwardOutput.ENTROPY, np.float32),
             top_k_token_ids=output("top_k_ids", ForwardOutput.TOP_K, np.int32, command.top_k),
-            top_k_logprobs=output(
-                "top_k_logprobs", ForwardOutput.TOP_K, np.float32, command.top_k
-            ),
+            top_k_logprobs=output("top_k_logprobs", ForwardOutput.TOP_K, np.float32, command.top_k),
             top_k=command.top_k if ForwardOutput.TOP_K in wanted else 0,
             weights_version=self.weights_version,
         )

@@ -87,7 +87,9 @@ def build_model(
         post_process=topology.is_last_stage,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        rotary_base=int(spec.rope_theta)
+        if float(spec.rope_theta).is_integer()
+        else spec.rope_theta,
         parallel_output=True,
     )
     if on_gpu:

@@ -47,7 +47,7 @@ class PackedBatch:
 
 
 def _per_position(values: np.ndarray | None, batch: SequenceBatch, width: int) -> np.ndarray | None:
-    """Rearranges a per-token array into [rows, width] target positions (token j -> position j-1)."""
+    """A per-token array as [rows, width] target positions (token j -> position j-1)."""
     if values is None:
         return None
     out = np.zeros((batch.num_sequences, width), dtype=values.dtype)

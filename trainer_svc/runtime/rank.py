@@ -147,7 +147,9 @@ def build_engine(
 async def _serve(engine: StepEngine, info: ServiceInfo, config: TrainerConfig) -> None:
     leader = Leader(engine)
     server, port, health = await create_server(leader, info, config.server)
-    log.info("trainer serving gRPC on %s:%d, %s", config.server.host, port, config.layout.describe())
+    log.info(
+        "trainer serving gRPC on %s:%d, %s", config.server.host, port, config.layout.describe()
+    )
     if config.server.port_file is not None:
         tmp = config.server.port_file.with_suffix(".tmp")
         tmp.write_text(str(port))

@@ -39,7 +39,9 @@ class Topology:
     def from_parallel_state(cls, layout: ParallelLayout) -> Topology:
         from megatron.core import parallel_state as ps
 
-        control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        control = (
+            dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        )
         return cls(
             layout=layout,
             rank=dist.get_rank(),

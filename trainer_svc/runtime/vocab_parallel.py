@@ -62,7 +62,9 @@ def target_logprobs(
     if not with_entropy:
         return logprobs, None
     probs = (parts.shifted - parts.lse.unsqueeze(-1)).exp()
-    weighted = torch.where(parts.padded, torch.zeros_like(probs), probs * parts.shifted)
+    # Padded columns have probability 0 and logit -inf; zero the logit first so 0 * -inf never
+    # enters the graph (its gradient would be NaN).
+    weighted = probs * parts.shifted.masked_fill(parts.padded, 0.0)
     expected = reduce_from_tensor_model_parallel_region(weighted.sum(dim=-1), group=shard.tp_group)
     return logprobs, parts.lse - expected
 

@@ -26,9 +26,7 @@ def local_parameters(
 ) -> dict[str, torch.nn.Parameter]:
     """This rank's parameters by global Megatron name (layer indices made global)."""
     offset = layer_offset(spec, topology)
-    return {
-        global_layer_name(name, offset): param for name, param in model.named_parameters()
-    }
+    return {global_layer_name(name, offset): param for name, param in model.named_parameters()}
 
 
 @torch.no_grad()
@@ -67,9 +65,7 @@ def gather_hf_state(
     gathered: list[tuple[int, dict[str, torch.Tensor]]] | None = (
         [None] * topology.layout.world_size if topology.is_leader else None  # type: ignore[list-item]
     )
-    dist.gather_object(
-        (topology.tp_rank, mine), gathered, dst=0, group=topology.control_group
-    )
+    dist.gather_object((topology.tp_rank, mine), gathered, dst=0, group=topology.control_group)
     if gathered is None:
         return None
     shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)

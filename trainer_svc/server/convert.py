@@ -79,13 +79,11 @@ def optimizer_overrides(message: pb.OptimizerParams) -> OptimizerOverrides:
         "adam_eps",
         "max_grad_norm",
     )
-    return OptimizerOverrides(
-        **{f: getattr(message, f) for f in fields if message.HasField(f)}  # type: ignore[arg-type]
-    )
+    return OptimizerOverrides(**{f: getattr(message, f) for f in fields if message.HasField(f)})
 
 
 def _optional(values: object, dtype: type) -> np.ndarray | None:
-    array = np.asarray(values, dtype=dtype)
+    array: np.ndarray = np.asarray(values, dtype=dtype)
     return array if len(array) else None
 
 
@@ -109,9 +107,7 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
 
 
 def forward_outputs(message: pb.ForwardRequest) -> frozenset[ForwardOutput]:
-    outputs = {
-        _enum(o, _FORWARD_OUTPUTS, "outputs", pb.ForwardOutput) for o in message.outputs
-    }
+    outputs = {_enum(o, _FORWARD_OUTPUTS, "outputs", pb.ForwardOutput) for o in message.outputs}
     if not outputs:
         raise InvalidArgument("outputs is empty: ask for at least one of LOGPROBS, TOP_K, ENTROPY")
     return frozenset(outputs)
@@ -122,6 +118,7 @@ def counts_to_proto(counts: StepCounts) -> pb.StepCounts:
         microbatches=counts.microbatches,
         sequences=counts.sequences,
         valid_tokens=counts.valid_tokens,
+        valid_sequences=counts.valid_sequences,
     )
 
 

@@ -1,0 +1,874 @@
+"""Tokens/s of the trainer's split training step over gRPC against the same steps in-process.
+
+Both modes run the same steps on the same model and data: one TP=1 rank, the same seed (so the
+same initial weights), cross-entropy on fixed synthetic token sequences, k microbatches a step.
+
+* ``grpc``: ``python -m trainer_svc --model DIR --tp 1 --port 0 --port-file F ...`` runs as a
+  subprocess (the real CLI path: launcher, one rank, gRPC server, command thread); this process
+  drives BeginTrainStep -> TrainMicrobatch x k -> FinishTrainStep through ``TrainerClient``.
+* ``inprocess``: a subprocess of this script sets RANK=0 WORLD_SIZE=1 MASTER_ADDR/PORT, joins the
+  process group and builds the engine with trainer_svc.runtime.rank's own functions
+  (``_device``, ``_init_distributed``, ``build_engine``), then calls ``engine.precheck`` and
+  ``engine.execute`` with the commands the servicer would build. No gRPC, no server, no protobuf
+  conversion and no command broadcast.
+* ``leader`` (optional): like inprocess, but each command goes through rank 0's own command path,
+  ``trainer_svc.runtime.control.Leader.submit`` (asyncio lock, hop to the command thread,
+  precheck, broadcast over the control group, execute), so the gap between grpc and inprocess
+  splits into the server's command plumbing and gRPC itself.
+* ``grpc-pipelined`` (optional): like grpc, but a step's TrainMicrobatch calls are all sent at
+  once from the asyncio client; the service still runs them one at a time.
+
+A step is timed from just before BeginTrainStep is sent until FinishTrainStep has returned, the
+same way in every mode and with no extra synchronisation. FinishTrainStep returns once the loss
+sums and the gradient norm are on the host, while the optimizer's parameter update may still be
+running on the GPU; the next step's first microbatch absorbs that tail (each microbatch waits for
+the GPU, as it reads its loss sums back), so steady-state step times compare across modes.
+Warm-up steps run first and are not counted. The modes alternate over ``--repeats`` (the --modes
+order in even repeats, reversed in odd ones), each run in a fresh process, so drift of the
+machine falls on all of them.
+
+Tokens/s counts every token sent (microbatches x sequences x sequence length per step); the
+trained (predicted) tokens are one fewer per sequence and are reported too.
+
+    python -m benchmarks.trainer_step --preset 1b --out results.json          # GPU, ~1B model
+    python -m benchmarks.trainer_step --preset tiny --device cpu --out /tmp/r.json   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer_refit.v1 import common_pb2
+from trainer_refit.v1 import trainer_pb2 as pb
+from trainer_svc.cli import parse_config
+from trainer_svc.client import AsyncTrainerClient, TrainerClient, microbatch_request
+from trainer_svc.domain import LossConfig, OptimizerOverrides, SequenceBatch
+from trainer_svc.runtime import commands as cmd
+from trainer_svc.server import convert
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("grpc", "inprocess", "leader", "grpc-pipelined")
+DEFAULT_MODES = "grpc,inprocess"
+
+# Llama-family shapes. "1b": hidden 2048 / 18 layers / 16 heads of 128 / 8 KV heads / SwiGLU
+# 5632 / vocab 32000 (untied) = 980.5M parameters.
+PRESETS: dict[str, dict[str, Any]] = {
+    "1b": dict(
+        layers=18,
+        hidden=2048,
+        heads=16,
+        kv_heads=8,
+        ffn=5632,
+        vocab=32000,
+        max_positions=4096,
+        seq_len=1024,
+        seqs_per_microbatch=8,
+        microbatches=4,
+        warmup=2,
+        steps=5,
+        repeats=2,
+    ),
+    "tiny": dict(
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn=128,
+        vocab=128,
+        max_positions=256,
+        seq_len=64,
+        seqs_per_microbatch=2,
+        microbatches=2,
+        warmup=1,
+        steps=3,
+        repeats=2,
+    ),
+}
+
+log = logging.getLogger("benchmarks.trainer_step")
+
+
+# -- the model and the data ----------------------------------------------------------------------
+
+
+def write_model(path: Path, args: argparse.Namespace) -> Path:
+    """A config-only Llama directory (megatron initialises it randomly), or with --hf-weights a
+    random float32 HF checkpoint from megatron_hf.tiny (its tokenizer fixes the vocab at 101)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if args.hf_weights:
+        from megatron_hf.tiny import write_tiny_checkpoint  # noqa: PLC0415 (torch, transformers)
+
+        return write_tiny_checkpoint(
+            path,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            intermediate_size=args.ffn,
+            max_position_embeddings=args.max_positions,
+            seed=args.seed,
+        )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": args.layers,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden // args.heads,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": args.max_positions,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": args.params_dtype,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def make_batches(plan: dict[str, Any]) -> list[Any]:
+    """k microbatches of `seqs` random sequences of `seq_len` tokens; every token but each
+    sequence's first is trained on. Deterministic in plan["seed"]."""
+    rng = np.random.default_rng(plan["seed"])
+    n, length = plan["seqs_per_microbatch"], plan["seq_len"]
+    batches = []
+    for _ in range(plan["microbatches"]):
+        tokens = rng.integers(0, plan["vocab"], size=n * length, dtype=np.int64)
+        offsets = np.arange(0, n * length + 1, length, dtype=np.int64)
+        mask = np.ones(n * length, dtype=bool)
+        mask[offsets[:-1]] = False
+        batches.append(SequenceBatch(tokens=tokens, offsets=offsets, loss_mask=mask))
+    return batches
+
+
+def data_checksum(batches: list[Any]) -> int:
+    return int(sum(int(b.tokens.astype(np.int64).sum()) * (i + 1) for i, b in enumerate(batches)))
+
+
+# -- the step loop, shared by both modes ------------------------------------------------------
+
+
+@dataclass
+class Driver:
+    begin: Callable[[str], Any]
+    microbatch: Callable[[str, str, Any], Any]
+    finish: Callable[[str], tuple[float, float, int]]
+    all_microbatches: Callable[[str, list[Any]], Any] | None = None
+    """Sends a step's microbatches at once (grpc-pipelined); None sends them one by one."""
+
+
+def run_steps(driver: Driver, batches: list[Any], warmup: int, steps: int) -> list[dict[str, Any]]:
+    records = []
+    for index in range(warmup + steps):
+        step_id = f"step-{index}"
+        start = time.perf_counter()
+        driver.begin(step_id)
+        begun = time.perf_counter()
+        microbatch_s = []
+        last = begun
+        if driver.all_microbatches is not None:
+            driver.all_microbatches(step_id, batches)
+            last = time.perf_counter()
+            microbatch_s = [(last - begun) / len(batches)] * len(batches)
+        else:
+            for j, batch in enumerate(batches):
+                driver.microbatch(step_id, f"{step_id}-mb{j}", batch)
+                now = time.perf_counter()
+                microbatch_s.append(now - last)
+                last = now
+        loss, grad_norm, valid_tokens = driver.finish(step_id)
+        end = time.perf_counter()
+        records.append(
+            dict(
+                step=index,
+                warmup=index < warmup,
+                seconds=end - start,
+                begin_s=begun - start,
+                microbatch_s=microbatch_s,
+                finish_s=end - last,
+                loss=loss,
+                grad_norm=grad_norm,
+                valid_tokens=valid_tokens,
+            )
+        )
+        log.info(
+            "step %d%s: %.4f s, loss %.6f, grad norm %.4f",
+            index,
+            " (warm-up)" if index < warmup else "",
+            end - start,
+            loss,
+            grad_norm,
+        )
+    return records
+
+
+# -- modes "inprocess" and "leader" (run in a worker subprocess) -----------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def worker_inprocess(plan_path: Path, result_path: Path) -> None:
+    plan = json.loads(plan_path.read_text())
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
+    # torch and megatron only here: the driving process stays light (it is the gRPC client).
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from trainer_svc.runtime.rank import (  # noqa: PLC0415
+        RankIdentity,
+        _device,
+        _init_distributed,
+        build_engine,
+    )
+
+    config, level = parse_config(plan["trainer_args"])
+    logging.basicConfig(level=level, format="%(asctime)s [inprocess] %(levelname)s %(message)s")
+    identity = RankIdentity.from_env()
+    assert identity is not None
+    device = _device(config, identity)
+    _init_distributed(config, identity, device)
+    engine, info = build_engine(config, Path(plan["model_dir"]), device)
+    # Like grpc's "process start to SERVING": from this process's launch to a built engine.
+    startup_s = time.time() - plan["launched_at"]
+    log.info(
+        "ready %.1f s after launch: %d parameters on %s", startup_s, info.num_parameters, device
+    )
+
+    if plan["mode"] == "leader":
+        # Rank 0's own command path without gRPC: the asyncio lock, the hop to the command
+        # thread, precheck, the broadcast over the control group, execute.
+        from trainer_svc.runtime.control import Leader  # noqa: PLC0415
+
+        leader = Leader(engine)
+        loop = asyncio.new_event_loop()
+
+        def run(command: Any) -> Any:
+            return loop.run_until_complete(leader.submit(command))
+    else:
+
+        def run(command: Any) -> Any:
+            immediate = engine.precheck(command)
+            return immediate if immediate is not None else engine.execute(command)
+
+    def finish(step_id: str) -> tuple[float, float, int]:
+        result = run(cmd.FinishStep(step_id=step_id))
+        m = result.metrics
+        return m.loss, m.grad_norm, m.counts.valid_tokens
+
+    loss = LossConfig()  # what the servicer builds from a cross-entropy LossConfig message
+    driver = Driver(
+        begin=lambda step_id: run(
+            cmd.BeginStep(step_id=step_id, loss=loss, optimizer=OptimizerOverrides())
+        ),
+        microbatch=lambda step_id, request_id, batch: run(
+            cmd.TrainMicrobatch(step_id=step_id, request_id=request_id, batch=batch)
+        ),
+        finish=finish,
+    )
+    batches = make_batches(plan)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    records = run_steps(driver, batches, plan["warmup"], plan["steps"])
+    extra: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        extra["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        extra["device_name"] = torch.cuda.get_device_name()
+    result_path.write_text(
+        json.dumps(
+            dict(
+                mode=plan["mode"],
+                startup_s=startup_s,
+                num_parameters=info.num_parameters,
+                params_dtype=info.params_dtype.value,
+                device=device.type,
+                data_checksum=data_checksum(batches),
+                records=records,
+                versions=_versions(),
+                **extra,
+            ),
+            indent=1,
+        )
+    )
+    if plan["mode"] == "leader":
+        loop.run_until_complete(leader.shutdown())
+        loop.close()
+    dist.destroy_process_group()
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "megatron-core", "grpcio", "protobuf", "numpy"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "?"
+    return out
+
+
+def _inprocess_env() -> dict[str, str]:
+    env = _child_env()
+    # As trainer_svc.launch gives a rank of a one-rank world.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1)))
+    return env
+
+
+def run_worker(mode: str, plan: dict[str, Any], run_dir: Path, log_path: Path) -> dict[str, Any]:
+    plan_path = run_dir / "plan.json"
+    result_path = run_dir / "inprocess-result.json"
+    result_path.unlink(missing_ok=True)
+    plan_path.write_text(json.dumps({**plan, "mode": mode, "launched_at": time.time()}))
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.trainer_step",
+        "--worker-plan",
+        str(plan_path),
+        "--worker-result",
+        str(result_path),
+    ]
+    with log_path.open("ab") as out:
+        code = subprocess.run(
+            command,
+            cwd=REPO,
+            env=_inprocess_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=plan["timeout_s"] + 3600,
+            check=False,
+        ).returncode
+    if code != 0 or not result_path.exists():
+        raise RuntimeError(f"{mode} run failed ({code}), {log_path}:\n{_tail(log_path)}")
+    return json.loads(result_path.read_text())
+
+
+# -- mode "grpc" -------------------------------------------------------------------------------
+
+
+def _child_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def trainer_server(
+    plan: dict[str, Any], run_dir: Path, log_path: Path
+) -> Iterator[tuple[str, float]]:
+    """Starts ``python -m trainer_svc`` on a free port; yields (target, seconds to SERVING)."""
+    port_file = run_dir / "port"
+    port_file.unlink(missing_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "trainer_svc",
+        *plan["trainer_args"],
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+    ]
+    started = time.perf_counter()
+    out = log_path.open("ab")
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=_child_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = started + plan["timeout_s"]
+        while not port_file.exists():
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"trainer-svc exited with {process.returncode}:\n{_tail(log_path)}"
+                )
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"trainer-svc did not serve within {plan['timeout_s']} s")
+            time.sleep(0.1)
+        target = f"127.0.0.1:{int(port_file.read_text())}"
+        with TrainerClient(target) as client:
+            client.wait_ready(timeout=60.0)
+        yield target, time.perf_counter() - started
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # the launcher stops its rank cleanly
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the group of the server we started
+            process.wait()
+        out.close()
+
+
+def _pipelined_sender(target: str) -> tuple[Callable[[str, list[Any]], Any], Callable[[], None]]:
+    """grpc-pipelined: all of a step's TrainMicrobatch calls are in flight at once (asyncio
+    client), so the server converts request j+1 while microbatch j runs; the service still
+    executes them one at a time, in arrival order."""
+    loop = asyncio.new_event_loop()
+
+    async def open_client() -> AsyncTrainerClient:
+        return AsyncTrainerClient(target)
+
+    client = loop.run_until_complete(open_client())
+
+    async def send(step_id: str, batches: list[Any]) -> None:
+        calls = []
+        for j, batch in enumerate(batches):
+            calls.append(
+                asyncio.ensure_future(client.train_microbatch(step_id, f"{step_id}-mb{j}", batch))
+            )
+            await asyncio.sleep(0)  # let call j go out before call j+1
+        await asyncio.gather(*calls)
+
+    def close() -> None:
+        loop.run_until_complete(client.close())
+        loop.close()
+
+    return (lambda step_id, batches: loop.run_until_complete(send(step_id, batches))), close
+
+
+def run_grpc(
+    plan: dict[str, Any], run_dir: Path, log_path: Path, *, pipelined: bool = False
+) -> dict[str, Any]:
+    batches = make_batches(plan)
+    with (
+        trainer_server(plan, run_dir, log_path) as (target, startup_s),
+        TrainerClient(target) as client,
+    ):
+        status = client.status()
+        loss = LossConfig()
+
+        def finish(step_id: str) -> tuple[float, float, int]:
+            m = client.finish_step(step_id).metrics
+            return m.loss, m.grad_norm, m.counts.valid_tokens
+
+        driver = Driver(
+            begin=lambda step_id: client.begin_step(step_id, loss),
+            microbatch=client.train_microbatch,
+            finish=finish,
+        )
+        close: Callable[[], None] = lambda: None  # noqa: E731
+        if pipelined:
+            driver.all_microbatches, close = _pipelined_sender(target)
+        try:
+            records = run_steps(driver, batches, plan["warmup"], plan["steps"])
+        finally:
+            close()
+    return dict(
+        mode="grpc-pipelined" if pipelined else "grpc",
+        startup_s=startup_s,
+        num_parameters=status.model.num_parameters,
+        params_dtype=common_pb2.DType.Name(status.model.params_dtype)
+        .removeprefix("DTYPE_")
+        .lower(),
+        device=status.device,
+        data_checksum=data_checksum(batches),
+        records=records,
+    )
+
+
+# -- host-side cost of one TrainMicrobatch request, without the GPU --------------------------------
+
+
+def conversion_costs(plan: dict[str, Any], repeats: int = 30) -> dict[str, float]:
+    """Median milliseconds of each host-side conversion one TrainMicrobatch goes through (one
+    microbatch of this run's shape): what explains the gap between the modes."""
+    batch = make_batches(plan)[0]
+    request = microbatch_request("step", "request", batch)
+    wire = request.SerializeToString()
+    parsed = pb.TrainMicrobatchRequest.FromString(wire)
+    command = cmd.TrainMicrobatch(step_id="step", request_id="request", batch=batch)
+    stages: dict[str, Callable[[], Any]] = {
+        "client_build_request": lambda: microbatch_request("step", "request", batch),
+        "serialize": request.SerializeToString,
+        "parse": lambda: pb.TrainMicrobatchRequest.FromString(wire),
+        "server_to_domain": lambda: convert.training_batch(parsed),
+        "leader_pickle_command": lambda: pickle.loads(pickle.dumps(command)),
+    }
+    out: dict[str, float] = {"request_bytes": float(len(wire))}
+    for name, stage in stages.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            stage()
+            times.append(time.perf_counter() - start)
+        out[f"{name}_ms"] = 1e3 * statistics.median(times)
+    return out
+
+
+# -- summary --------------------------------------------------------------------------------------
+
+
+def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
+    tokens = plan["microbatches"] * plan["seqs_per_microbatch"] * plan["seq_len"]
+    trained = plan["microbatches"] * plan["seqs_per_microbatch"] * (plan["seq_len"] - 1)
+    modes: dict[str, Any] = {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        if not mine:
+            continue
+        timed = [s for r in mine for s in r["records"] if not s["warmup"]]
+        seconds = [s["seconds"] for s in timed]
+        median = statistics.median(seconds)
+        modes[mode] = dict(
+            runs=len(mine),
+            timed_steps=len(timed),
+            step_s_median=median,
+            step_s_min=min(seconds),
+            step_s_max=max(seconds),
+            tokens_per_s=tokens / median,
+            trained_tokens_per_s=trained / median,
+            tokens_per_s_each_run=[
+                tokens * len(t) / sum(t)
+                for t in ([s["seconds"] for s in r["records"] if not s["warmup"]] for r in mine)
+            ],
+            begin_s_median=statistics.median(s["begin_s"] for s in timed),
+            microbatch_s_median=statistics.median(x for s in timed for x in s["microbatch_s"]),
+            finish_s_median=statistics.median(s["finish_s"] for s in timed),
+            startup_s=[r["startup_s"] for r in mine],
+            approx_model_tflops=6 * mine[0]["num_parameters"] * trained / median / 1e12,
+        )
+    summary: dict[str, Any] = dict(
+        tokens_per_step=tokens, trained_tokens_per_step=trained, modes=modes
+    )
+    if "inprocess" not in modes:
+        return summary
+    base = modes["inprocess"]
+    base_run = next(r for r in runs if r["mode"] == "inprocess")
+    commands = plan["microbatches"] + 2
+    summary["against_inprocess"] = {}
+    for mode in [m for m in modes if m != "inprocess"]:
+        m = modes[mode]
+        # Same seed, same data, same commands: every mode should train identically.
+        run = next(r for r in runs if r["mode"] == mode)
+        overhead_ms = 1e3 * (m["step_s_median"] - base["step_s_median"])
+        summary["against_inprocess"][mode] = dict(
+            ratio=m["tokens_per_s"] / base["tokens_per_s"],
+            overhead_ms_per_step=overhead_ms,
+            overhead_ms_per_call=overhead_ms / commands,
+            max_loss_difference=max(
+                abs(a["loss"] - b["loss"])
+                for a, b in zip(run["records"], base_run["records"], strict=True)
+            ),
+            same_data=run["data_checksum"] == base_run["data_checksum"],
+        )
+    if "grpc" in summary["against_inprocess"]:
+        summary["ratio_grpc_over_inprocess"] = summary["against_inprocess"]["grpc"]["ratio"]
+    return summary
+
+
+def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
+    print()
+    print(
+        f"model: {meta['num_parameters'] / 1e9:.3f}B parameters, {meta['params_dtype']}, "
+        f"{meta['device']}; step = {meta['microbatches']} microbatches x "
+        f"{meta['seqs_per_microbatch']} seqs x {meta['seq_len']} tokens = "
+        f"{summary['tokens_per_step']} tokens"
+    )
+    header = (
+        f"{'mode':<14} {'runs':>4} {'steps':>5} {'step s (median)':>16} {'tokens/s':>10} "
+        f"{'tokens/s per run':>22} {'mb call ms':>10} {'finish ms':>9} {'startup s':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode, m in summary["modes"].items():
+        each = ", ".join(f"{v:.0f}" for v in m["tokens_per_s_each_run"])
+        startup = ", ".join(f"{v:.0f}" for v in m["startup_s"])
+        print(
+            f"{mode:<14} {m['runs']:>4} {m['timed_steps']:>5} {m['step_s_median']:>16.4f} "
+            f"{m['tokens_per_s']:>10.0f} {each:>22} {1e3 * m['microbatch_s_median']:>10.1f} "
+            f"{1e3 * m['finish_s_median']:>9.1f} {startup:>10}"
+        )
+    costs = summary.get("host_costs", {})
+    if costs:
+        print(
+            "one TrainMicrobatch request on the host ("
+            f"{costs['request_bytes']:.0f} bytes): "
+            + ", ".join(
+                f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in costs.items() if k.endswith("_ms")
+            )
+        )
+    for mode, c in summary.get("against_inprocess", {}).items():
+        print(
+            f"{mode}/inprocess tokens/s: {c['ratio']:.4f}; overhead "
+            f"{c['overhead_ms_per_step']:.2f} ms/step ({c['overhead_ms_per_call']:.2f} ms per "
+            f"call); max |loss difference| {c['max_loss_difference']:.3g}; "
+            f"same data: {c['same_data']}"
+        )
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.trainer_step",
+        description=(
+            "Tokens/s of the trainer's split training step (BeginTrainStep -> TrainMicrobatch x k "
+            "-> FinishTrainStep) over gRPC against the same steps in-process, on one TP=1 rank."
+        ),
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="1b",
+        help="model and batch shapes (default 1b); the options below override it",
+    )
+    shape = p.add_argument_group("model (Llama family)")
+    shape.add_argument("--layers", type=int)
+    shape.add_argument("--hidden", type=int)
+    shape.add_argument("--heads", type=int)
+    shape.add_argument("--kv-heads", type=int)
+    shape.add_argument("--ffn", type=int)
+    shape.add_argument("--vocab", type=int)
+    shape.add_argument("--max-positions", type=int)
+    shape.add_argument(
+        "--hf-weights",
+        action="store_true",
+        help="write random HF safetensors with megatron_hf.tiny (vocab 101, float32 on disk) "
+        "instead of a config-only directory that megatron initialises",
+    )
+    run = p.add_argument_group("run")
+    run.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available"
+    )
+    run.add_argument(
+        "--params-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: bfloat16 on cuda, float32 on cpu",
+    )
+    run.add_argument("--seq-len", type=int)
+    run.add_argument("--seqs-per-microbatch", type=int)
+    run.add_argument("--microbatches", type=int, help="microbatches per step (k)")
+    run.add_argument("--warmup", type=int, help="untimed steps first")
+    run.add_argument("--steps", type=int, help="timed steps per run")
+    run.add_argument("--repeats", type=int, help="runs of each mode, alternating their order")
+    run.add_argument(
+        "--modes",
+        default=DEFAULT_MODES,
+        help=f"comma-separated, of {','.join(MODES)} (default {DEFAULT_MODES}); leader: in-process "
+        "through rank 0's command path (lock, command thread, broadcast) without gRPC",
+    )
+    run.add_argument("--lr", type=float, default=1e-5)
+    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument("--timeout", type=float, default=900.0, help="seconds for one run's start")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("trainer_step.json"), help="results JSON")
+    out.add_argument(
+        "--log-dir", type=Path, default=None, help="one log per run (default: beside --out)"
+    )
+    out.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where the model directory is written (default: a temporary directory)",
+    )
+    out.add_argument(
+        "--trainer-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    p.add_argument("--worker-plan", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--worker-result", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.device is None:
+        import torch  # noqa: PLC0415 (only to pick the default device)
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.params_dtype is None:
+        args.params_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.hf_weights:
+        args.vocab = 101  # megatron_hf.tiny's character tokenizer
+    if args.seq_len > args.max_positions:
+        raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        raise SystemExit(f"--modes must be a subset of {','.join(MODES)}")
+    return args
+
+
+def _meta(
+    args: argparse.Namespace, argv: list[str] | None, plan: dict[str, Any], runs: list[Any]
+) -> dict[str, Any]:
+    first = runs[0]
+    inproc: dict[str, Any] = next((r for r in runs if r["mode"] == "inprocess"), {})
+    return dict(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=" ".join(
+            [
+                os.path.basename(sys.executable),
+                "-m",
+                "benchmarks.trainer_step",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
+        preset=args.preset,
+        model=dict(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            ffn=args.ffn,
+            vocab=args.vocab,
+            max_positions=args.max_positions,
+            hf_weights=args.hf_weights,
+        ),
+        num_parameters=first["num_parameters"],
+        params_dtype=first["params_dtype"],
+        device=first["device"],
+        device_name=inproc.get("device_name"),
+        peak_memory_gib_inprocess=inproc.get("peak_memory_gib"),
+        versions=inproc.get("versions"),
+        seq_len=args.seq_len,
+        seqs_per_microbatch=args.seqs_per_microbatch,
+        microbatches=args.microbatches,
+        warmup=args.warmup,
+        steps=args.steps,
+        repeats=args.repeats,
+        runs_done=len(runs),
+        trainer_args=plan["trainer_args"],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.worker_plan is not None:
+        worker_inprocess(args.worker_plan, args.worker_result)
+        return
+    args = resolve(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench] %(levelname)s %(message)s")
+    log_dir = args.log_dir or args.out.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="trainer-step-bench-") as scratch:
+        work = args.work_dir or Path(scratch)
+        model_dir = write_model(work / "model", args)
+        trainer_args = [
+            "--model",
+            str(model_dir),
+            "--tp",
+            "1",
+            "--device",
+            args.device,
+            "--params-dtype",
+            args.params_dtype,
+            "--lr",
+            str(args.lr),
+            "--seed",
+            str(args.seed),
+            "--max-seq-len",
+            str(args.seq_len),
+            "--log-level",
+            args.trainer_log_level,
+        ]
+        plan = dict(
+            model_dir=str(model_dir),
+            trainer_args=trainer_args,
+            vocab=args.vocab,
+            seq_len=args.seq_len,
+            seqs_per_microbatch=args.seqs_per_microbatch,
+            microbatches=args.microbatches,
+            warmup=args.warmup,
+            steps=args.steps,
+            seed=args.seed,
+            timeout_s=args.timeout,
+        )
+        log.info("trainer args: %s", " ".join(trainer_args))
+        costs = conversion_costs(plan)
+        log.info("host-side cost of one TrainMicrobatch: %s", costs)
+        for repeat in range(args.repeats):
+            order = list(args.modes) if repeat % 2 == 0 else list(reversed(args.modes))
+            for mode in order:
+                log_path = log_dir / f"{mode}-run{repeat}.log"
+                log_path.unlink(missing_ok=True)
+                log.info("run %d: %s (log %s)", repeat, mode, log_path)
+                started = time.perf_counter()
+                if mode.startswith("grpc"):
+                    run = run_grpc(plan, work, log_path, pipelined=mode == "grpc-pipelined")
+                else:
+                    run = run_worker(mode, plan, work, log_path)
+                run.update(
+                    repeat=repeat, position=order.index(mode), wall_s=time.perf_counter() - started
+                )
+                runs.append(run)
+                timed = [s["seconds"] for s in run["records"] if not s["warmup"]]
+                log.info(
+                    "run %d %s: median step %.4f s, startup %.1f s",
+                    repeat,
+                    mode,
+                    statistics.median(timed),
+                    run["startup_s"],
+                )
+                # Rewritten after every run, so a run cut short still leaves its results.
+                summary = summarize(runs, plan)
+                summary["host_costs"] = costs
+                meta = _meta(args, argv, plan, runs)
+                args.out.write_text(
+                    json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1) + "\n"
+                )
+    print_table(summary, meta)
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Abort, duplicate requests and bad input through the real gRPC server: each refused request
+gets its status code and leaves weights, optimizer state and the open step untouched."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from tests.support.batches import make_batch
+from tests.support.trainer import TrainerProcess, assert_bit_identical
+from trainer_refit.v1 import trainer_pb2 as pb
+from trainer_svc.client import begin_request, microbatch_request
+from trainer_svc.domain import (
+    FailedPrecondition,
+    ForwardOutput,
+    LossConfig,
+    LossKind,
+    OptimizerOverrides,
+)
+
+LOSS = LossConfig(kind=LossKind.PPO, kl_coef=0.05)
+OPTIMIZER = OptimizerOverrides(learning_rate=1e-3)
+MAX_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("protocol")
+    process = TrainerProcess(workdir, ["--tp", "2", "--max-microbatch-tokens", str(MAX_TOKENS)])
+    process.client.save_checkpoint(workdir / "base")
+    process.base_weights = process.export("base")
+    process.batch = make_batch(seed=3, lengths=[11, 6, 19], loss=LOSS)
+    process.reference = _reference_step(process)
+    yield process
+    assert process.stop() == 0
+
+
+def _reference_step(trainer: TrainerProcess) -> dict:
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    trainer.client.begin_step("reference", LOSS, OPTIMIZER)
+    trainer.client.train_microbatch("reference", "r0", trainer.batch)
+    trainer.client.finish_step("reference")
+    return trainer.export("reference")
+
+
+def _code(call, request) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request)
+    assert info.value.details(), "a refusal must say why"
+    return info.value.code()
+
+
+def _open_counts(trainer: TrainerProcess) -> pb.StepCounts:
+    return trainer.client.status().open_step.accumulated
+
+
+def _bad_microbatches(
+    trainer: TrainerProcess, step_id: str
+) -> dict[str, pb.TrainMicrobatchRequest]:
+    good = microbatch_request(step_id, "bad", trainer.batch)
+
+    def variant(mutate) -> pb.TrainMicrobatchRequest:
+        request = pb.TrainMicrobatchRequest()
+        request.CopyFrom(good)
+        mutate(request)
+        return request
+
+    def set_token(r):
+        r.sequences.tokens[4] = 100_000
+
+    def negative_token(r):
+        r.sequences.tokens[0] = -1
+
+    def bad_offsets(r):
+        r.sequences.offsets[1] = 99
+
+    def short_mask(r):
+        del r.loss_mask[-1]
+
+    def long_advantages(r):
+        r.advantages.append(0.5)
+
+    def nan_advantage(r):
+        r.advantages[5] = math.nan
+
+    def inf_logprob(r):
+        r.behaviour_logprobs[5] = -math.inf
+
+    def missing_reference(r):
+        del r.reference_logprobs[:]
+
+    def oversize(r):
+        r.sequences.tokens.extend([1] * MAX_TOKENS)
+        r.sequences.offsets.append(len(r.sequences.tokens))
+        for field in (r.loss_mask, r.advantages, r.behaviour_logprobs, r.reference_logprobs):
+            field.extend([0] * MAX_TOKENS)
+
+    def first_token_masked(r):
+        r.loss_mask[0] = True
+
+    def wrong_step(r):
+        r.step_id = "another-step"
+
+    cases = {
+        "token outside the vocab": set_token,
+        "negative token": negative_token,
+        "inconsistent offsets": bad_offsets,
+        "loss_mask too short": short_mask,
+        "advantages too long": long_advantages,
+        "NaN advantage": nan_advantage,
+        "infinite behaviour logprob": inf_logprob,
+        "missing reference logprobs": missing_reference,
+        "oversize microbatch": oversize,
+        "first token masked in": first_token_masked,
+        "step id mismatch": wrong_step,
+    }
+    return {name: variant(mutate) for name, mutate in cases.items()}
+
+
+def test_bad_requests_are_refused_and_change_nothing(trainer):
+    stub, client = trainer.stub, trainer.client
+    client.load_checkpoint(trainer.workdir / "base")
+
+    early = microbatch_request("s1", "early", trainer.batch)
+    assert _code(stub.TrainMicrobatch, early) == grpc.StatusCode.FAILED_PRECONDITION
+    assert _code(stub.FinishTrainStep, pb.FinishTrainStepRequest(step_id="s1")) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    unknown_loss = begin_request("s1", LOSS, OPTIMIZER)
+    unknown_loss.loss.kind = 99
+    assert _code(stub.BeginTrainStep, unknown_loss) == grpc.StatusCode.INVALID_ARGUMENT
+    bad_clip = begin_request("s1", LOSS, OPTIMIZER)
+    bad_clip.loss.clip_low = 1.5
+    assert _code(stub.BeginTrainStep, bad_clip) == grpc.StatusCode.INVALID_ARGUMENT
+    assert not client.status().HasField("open_step")
+
+    client.begin_step("s1", LOSS, OPTIMIZER)
+    client.train_microbatch("s1", "r0", trainer.batch)
+    before = _open_counts(trainer)
+    expected = {"step id mismatch": grpc.StatusCode.FAILED_PRECONDITION}
+    for name, request in _bad_microbatches(trainer, "s1").items():
+        code = _code(stub.TrainMicrobatch, request)
+        assert code == expected.get(name, grpc.StatusCode.INVALID_ARGUMENT), name
+        assert _open_counts(trainer) == before, name
+
+    again = begin_request("s2", LOSS, OPTIMIZER)
+    assert _code(stub.BeginTrainStep, again) == grpc.StatusCode.FAILED_PRECONDITION
+    wrong_finish = pb.FinishTrainStepRequest(step_id="s2")
+    assert _code(stub.FinishTrainStep, wrong_finish) == grpc.StatusCode.FAILED_PRECONDITION
+    bad_forward = pb.ForwardRequest(
+        sequences=pb.Sequences(tokens=[1, 2, 3], offsets=[0, 3]),
+        outputs=[pb.FORWARD_OUTPUT_TOP_K],
+        top_k=0,
+    )
+    assert _code(stub.Forward, bad_forward) == grpc.StatusCode.INVALID_ARGUMENT
+    client.forward(trainer.batch, [ForwardOutput.LOGPROBS, ForwardOutput.ENTROPY])
+    assert _open_counts(trainer) == before
+
+    client.finish_step("s1")
+    assert_bit_identical(trainer.export("after-bad-requests"), trainer.reference)
+
+
+def test_abort_leaves_weights_and_optimizer_bit_identical(trainer):
+    client = trainer.client
+    client.load_checkpoint(trainer.workdir / "base")
+    client.begin_step("doomed", LOSS, OPTIMIZER)
+    client.train_microbatch("doomed", "r0", trainer.batch)
+    assert client.abort_step("doomed") is True
+    assert client.abort_step("doomed") is False
+    assert not client.status().HasField("open_step")
+    assert_bit_identical(trainer.export("after-abort"), trainer.base_weights)
+
+    client.begin_step("next", LOSS, OPTIMIZER)
+    client.train_microbatch("next", "r0", trainer.batch)
+    client.finish_step("next")
+    assert_bit_identical(trainer.export("after-abort-then-step"), trainer.reference)
+
+
+def test_abort_of_another_step_is_refused(trainer):
+    client = trainer.client
+    client.begin_step("open", LOSS, OPTIMIZER)
+    with pytest.raises(FailedPrecondition, match="open step is 'open'"):
+        client.abort_step("other")
+    assert client.abort_step("open") is True
+
+
+def test_duplicate_request_id_is_applied_once(trainer):
+    client = trainer.client
+    client.load_checkpoint(trainer.workdir / "base")
+    client.begin_step("dup", LOSS, OPTIMIZER)
+    first = client.train_microbatch("dup", "same-id", trainer.batch)
+    second = client.train_microbatch("dup", "same-id", trainer.batch)
+    assert not first.duplicate and second.duplicate
+    assert second.accumulated == first.accumulated
+    result = client.finish_step("dup")
+    assert result.metrics.counts.microbatches == 1
+    assert_bit_identical(trainer.export("after-duplicate"), trainer.reference)

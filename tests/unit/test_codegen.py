@@ -1,0 +1,29 @@
+"""The committed stubs under trainer_refit/v1 are exactly what protos/ generates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer_refit import codegen
+
+COMMITTED = codegen.REPO_ROOT / "trainer_refit" / "v1"
+
+
+def test_proto_sources_are_found() -> None:
+    names = {p.relative_to(codegen.PROTO_ROOT).as_posix() for p in codegen.proto_files()}
+    assert names == {"trainer_refit/v1/common.proto", "trainer_refit/v1/trainer.proto"}
+
+
+def test_committed_stubs_equal_freshly_generated_ones(tmp_path: Path) -> None:
+    generated = codegen.generate(tmp_path)
+    generated_names = {p.name for p in generated}
+    committed_names = {p.name for p in COMMITTED.glob("*_pb2*.py*")}
+    # One .py, .pyi and _grpc.py per .proto, and no stale committed stub without a source.
+    assert len(generated_names) == 3 * len(codegen.proto_files())
+    assert committed_names == generated_names
+    for path in generated:
+        assert path.parent == tmp_path / "trainer_refit" / "v1"
+        committed = COMMITTED / path.name
+        assert committed.read_bytes() == path.read_bytes(), (
+            f"{committed} differs from what protos/ generates: run `make protos`"
+        )
