@@ -117,7 +117,7 @@ def write_model(path: Path, args: argparse.Namespace) -> Path:
     random float32 HF checkpoint from megatron_hf.tiny (its tokenizer fixes the vocab at 101)."""
     path.mkdir(parents=True, exist_ok=True)
     if args.hf_weights:
-        from megatron_hf.tiny import write_tiny_checkpoint  # noqa: PLC0415 (torch, transformers)
+        from megatron_hf.tiny import write_tiny_checkpoint  # torch, transformers: only here
 
         return write_tiny_checkpoint(
             path,
@@ -249,10 +249,10 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         MASTER_PORT=str(_free_port()),
     )
     # torch and megatron only here: the driving process stays light (it is the gRPC client).
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
-    from trainer_svc.runtime.rank import (  # noqa: PLC0415
+    from trainer_svc.runtime.rank import (
         RankIdentity,
         _device,
         _init_distributed,
@@ -275,7 +275,7 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
     if plan["mode"] == "leader":
         # Rank 0's own command path without gRPC: the asyncio lock, the hop to the command
         # thread, precheck, the broadcast over the control group, execute.
-        from trainer_svc.runtime.control import Leader  # noqa: PLC0415
+        from trainer_svc.runtime.control import Leader
 
         leader = Leader(engine)
         loop = asyncio.new_event_loop()
@@ -708,7 +708,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument("--timeout", type=float, default=900.0, help="seconds for one run's start")
     out = p.add_argument_group("output")
-    out.add_argument("--out", type=Path, default=Path("trainer_step.json"), help="results JSON")
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/trainer_step.json"),
+        help="results JSON (default runs/trainer_step.json, git-ignored)",
+    )
     out.add_argument(
         "--log-dir", type=Path, default=None, help="one log per run (default: beside --out)"
     )
@@ -731,7 +736,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.device is None:
-        import torch  # noqa: PLC0415 (only to pick the default device)
+        import torch  # only to pick the default device
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.params_dtype is None:

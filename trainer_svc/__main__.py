@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from trainer_svc.cli import parse_config
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     identity = RankIdentity.from_env()
     prefix = f"[rank {identity.rank}] " if identity else "[trainer-svc] "
     logging.basicConfig(level=log_level, format=f"%(asctime)s {prefix}%(levelname)s %(message)s")
+    if log_level != "DEBUG":
+        # megatron logs every parameter name and its full config at INFO, and warns about
+        # optional fused kernels it cannot find; keep the service's own lines readable.
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", module=r"megatron\.")
     with tempfile.TemporaryDirectory(prefix="trainer-svc-") as scratch:
         work = config.work_dir or Path(scratch)
         model_dir = _model_dir(config, work)

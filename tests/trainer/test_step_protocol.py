@@ -197,3 +197,19 @@ def test_duplicate_request_id_is_applied_once(trainer):
     result = client.finish_step("dup")
     assert result.metrics.counts.microbatches == 1
     assert_bit_identical(trainer.export("after-duplicate"), trainer.reference)
+
+
+def test_health_and_reflection_are_served(trainer):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(trainer.channel)
+    for service in ("", "trainer_refit.v1.TrainerService"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(trainer.channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    reply = next(iter(reflection.ServerReflectionInfo(iter([request]))))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "trainer_refit.v1.TrainerService" in names
+    assert "grpc.health.v1.Health" in names
