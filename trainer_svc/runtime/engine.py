@@ -275,6 +275,10 @@ class StepEngine:
             finalize_model_grads([self.built.ddp])
             self.built.ddp.scale_gradients(1.0 / divisor)
             _, grad_norm, _ = self.built.optimizer.step()
+            if self.device.type == "cuda":
+                # The new version must exist when its number is returned: readers of the
+                # weights (export, publication) do not order on the trainer's CUDA stream.
+                torch.cuda.synchronize(self.device)
         sums = self._global_sums(step)
         self.open_step = None
         self.weights_version += 1
