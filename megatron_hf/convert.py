@@ -256,7 +256,7 @@ def megatron_to_hf(meg: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str
             continue
         if spec.tie_word_embeddings and name == "output_layer.weight":
             continue
-        local = _local_spec_name(name)
+        local = local_spec_name(name)
         if local in canonical:
             raise ValueError(f"{local!r} given twice (local-spec and TE-spec names both present)")
         canonical[local] = tensor
@@ -272,7 +272,8 @@ def megatron_to_hf(meg: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str
     return out
 
 
-def _local_spec_name(name: str) -> str:
+def local_spec_name(name: str) -> str:
+    """The local-spec name of a parameter given under its TE-spec name (others unchanged)."""
     parsed = _split_layer_name(name)
     if parsed is None or parsed[1] not in TE_ALIASES:
         return name

@@ -180,3 +180,22 @@ def test_megatron_names_follow_gpt_model_parameter_order(tiny_checkpoint: Loader
     ]
     assert names[-2:] == ["decoder.final_layernorm.weight", "output_layer.weight"]
     assert len(names) == 1 + 2 * 7 + 2
+
+
+def test_local_spec_name_maps_te_layer_norm_names_only():
+    from megatron_hf.convert import local_spec_name
+
+    assert (
+        local_spec_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
+        == "decoder.layers.3.input_layernorm.weight"
+    )
+    assert (
+        local_spec_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
+        == "decoder.layers.0.pre_mlp_layernorm.weight"
+    )
+    for unchanged in (
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "embedding.word_embeddings.weight",
+        "decoder.final_layernorm.weight",
+    ):
+        assert local_spec_name(unchanged) == unchanged

@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
@@ -27,6 +30,15 @@ class BuiltModel:
     ddp: DistributedDataParallel
     optimizer: Any
     config: TransformerConfig
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports; then GPU ranks use megatron's TE layer spec."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
 
 
 def transformer_config(
@@ -77,7 +89,12 @@ def build_model(
     on_gpu: bool,
 ) -> tuple[GPTModel, TransformerConfig]:
     config = transformer_config(spec, topology, params_dtype, on_gpu)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    if on_gpu and transformer_engine_available():
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_hf.convert import megatron_to_hf
+from megatron_hf.convert import local_spec_name, megatron_to_hf
 from megatron_hf.sharding import global_layer_name, shard, stage_layers, unshard
 from megatron_hf.spec import ModelSpec
 from trainer_svc.runtime.topology import Topology
@@ -24,9 +24,13 @@ def layer_offset(spec: ModelSpec, topology: Topology) -> int:
 def local_parameters(
     model: torch.nn.Module, spec: ModelSpec, topology: Topology
 ) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters by global Megatron name (layer indices made global)."""
+    """This rank's parameters by global local-spec Megatron name (TE-spec names mapped, layer
+    indices made global)."""
     offset = layer_offset(spec, topology)
-    return {global_layer_name(name, offset): param for name, param in model.named_parameters()}
+    return {
+        local_spec_name(global_layer_name(name, offset)): param
+        for name, param in model.named_parameters()
+    }
 
 
 @torch.no_grad()
