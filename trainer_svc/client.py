@@ -28,13 +28,16 @@ from trainer_svc.domain import (
     ForwardResult,
     InvalidArgument,
     LossConfig,
-    LossKind,
     LossTerms,
-    Normalization,
     OptimizerOverrides,
     SequenceBatch,
     StepCounts,
     StepMetrics,
+)
+from trainer_svc.wire_enums import (
+    FORWARD_OUTPUTS_TO_PROTO,
+    LOSS_KINDS_TO_PROTO,
+    NORMALIZATIONS_TO_PROTO,
 )
 
 _MAX_MESSAGE = 256 * 1024 * 1024
@@ -42,16 +45,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
     ("grpc.max_send_message_length", _MAX_MESSAGE),
 ]
-_LOSS_KINDS = {LossKind.CROSS_ENTROPY: pb.LOSS_KIND_CROSS_ENTROPY, LossKind.PPO: pb.LOSS_KIND_PPO}
-_NORMALIZATIONS = {
-    Normalization.TOKEN: pb.NORMALIZATION_TOKEN,
-    Normalization.SEQUENCE: pb.NORMALIZATION_SEQUENCE,
-}
-_OUTPUTS = {
-    ForwardOutput.LOGPROBS: pb.FORWARD_OUTPUT_LOGPROBS,
-    ForwardOutput.TOP_K: pb.FORWARD_OUTPUT_TOP_K,
-    ForwardOutput.ENTROPY: pb.FORWARD_OUTPUT_ENTROPY,
-}
 
 
 @dataclass(frozen=True)
@@ -91,8 +84,8 @@ def begin_request(
     return pb.BeginTrainStepRequest(
         step_id=step_id,
         loss=pb.LossConfig(
-            kind=_LOSS_KINDS[loss.kind],
-            normalization=_NORMALIZATIONS[loss.normalization],
+            kind=LOSS_KINDS_TO_PROTO[loss.kind],
+            normalization=NORMALIZATIONS_TO_PROTO[loss.normalization],
             clip_low=loss.clip_low,
             clip_high=loss.clip_high,
             kl_coef=loss.kl_coef,
@@ -119,7 +112,9 @@ def forward_request(
     batch: SequenceBatch, outputs: Iterable[ForwardOutput], top_k: int
 ) -> pb.ForwardRequest:
     return pb.ForwardRequest(
-        sequences=_sequences(batch), outputs=[_OUTPUTS[o] for o in outputs], top_k=top_k
+        sequences=_sequences(batch),
+        outputs=[FORWARD_OUTPUTS_TO_PROTO[o] for o in outputs],
+        top_k=top_k,
     )
 
 

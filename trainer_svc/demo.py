@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--microbatches", type=int, default=2, help="microbatches per step")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per microbatch")
     parser.add_argument("--lr", type=float, default=3e-3)

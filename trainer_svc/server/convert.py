@@ -13,28 +13,19 @@ from trainer_svc.domain import (
     ForwardResult,
     InvalidArgument,
     LossConfig,
-    LossKind,
-    Normalization,
     OpenStepInfo,
     OptimizerOverrides,
     SequenceBatch,
     StepCounts,
     StepMetrics,
 )
-
-_LOSS_KINDS = {
-    pb.LOSS_KIND_CROSS_ENTROPY: LossKind.CROSS_ENTROPY,
-    pb.LOSS_KIND_PPO: LossKind.PPO,
-}
-_NORMALIZATIONS = {
-    pb.NORMALIZATION_TOKEN: Normalization.TOKEN,
-    pb.NORMALIZATION_SEQUENCE: Normalization.SEQUENCE,
-}
-_FORWARD_OUTPUTS = {
-    pb.FORWARD_OUTPUT_LOGPROBS: ForwardOutput.LOGPROBS,
-    pb.FORWARD_OUTPUT_TOP_K: ForwardOutput.TOP_K,
-    pb.FORWARD_OUTPUT_ENTROPY: ForwardOutput.ENTROPY,
-}
+from trainer_svc.wire_enums import (
+    FORWARD_OUTPUTS,
+    LOSS_KINDS,
+    LOSS_KINDS_TO_PROTO,
+    NORMALIZATIONS,
+    NORMALIZATIONS_TO_PROTO,
+)
 
 
 def _enum(value: int, table: dict, field: str, wrapper: Any) -> Any:
@@ -45,9 +36,9 @@ def _enum(value: int, table: dict, field: str, wrapper: Any) -> Any:
 
 
 def loss_config(message: pb.LossConfig) -> LossConfig:
-    kind = _enum(message.kind, _LOSS_KINDS, "loss.kind", pb.LossKind)
+    kind = _enum(message.kind, LOSS_KINDS, "loss.kind", pb.LossKind)
     normalization = _enum(
-        message.normalization, _NORMALIZATIONS, "loss.normalization", pb.Normalization
+        message.normalization, NORMALIZATIONS, "loss.normalization", pb.Normalization
     )
     return LossConfig(
         kind=kind,
@@ -59,11 +50,9 @@ def loss_config(message: pb.LossConfig) -> LossConfig:
 
 
 def loss_config_to_proto(config: LossConfig) -> pb.LossConfig:
-    kinds = {v: k for k, v in _LOSS_KINDS.items()}
-    norms = {v: k for k, v in _NORMALIZATIONS.items()}
     return pb.LossConfig(
-        kind=kinds[config.kind],
-        normalization=norms[config.normalization],
+        kind=LOSS_KINDS_TO_PROTO[config.kind],
+        normalization=NORMALIZATIONS_TO_PROTO[config.normalization],
         clip_low=config.clip_low,
         clip_high=config.clip_high,
         kl_coef=config.kl_coef,
@@ -107,7 +96,7 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
 
 
 def forward_outputs(message: pb.ForwardRequest) -> frozenset[ForwardOutput]:
-    outputs = {_enum(o, _FORWARD_OUTPUTS, "outputs", pb.ForwardOutput) for o in message.outputs}
+    outputs = {_enum(o, FORWARD_OUTPUTS, "outputs", pb.ForwardOutput) for o in message.outputs}
     if not outputs:
         raise InvalidArgument("outputs is empty: ask for at least one of LOGPROBS, TOP_K, ENTROPY")
     return frozenset(outputs)

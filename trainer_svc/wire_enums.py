@@ -1,0 +1,23 @@
+"""The one table between the domain enums and their protobuf values, used by server and client."""
+
+from __future__ import annotations
+
+from trainer_refit.v1 import trainer_pb2 as pb
+from trainer_svc.domain import ForwardOutput, LossKind, Normalization
+
+LOSS_KINDS = {
+    pb.LOSS_KIND_CROSS_ENTROPY: LossKind.CROSS_ENTROPY,
+    pb.LOSS_KIND_PPO: LossKind.PPO,
+}
+NORMALIZATIONS = {
+    pb.NORMALIZATION_TOKEN: Normalization.TOKEN,
+    pb.NORMALIZATION_SEQUENCE: Normalization.SEQUENCE,
+}
+FORWARD_OUTPUTS = {
+    pb.FORWARD_OUTPUT_LOGPROBS: ForwardOutput.LOGPROBS,
+    pb.FORWARD_OUTPUT_TOP_K: ForwardOutput.TOP_K,
+    pb.FORWARD_OUTPUT_ENTROPY: ForwardOutput.ENTROPY,
+}
+LOSS_KINDS_TO_PROTO = {v: k for k, v in LOSS_KINDS.items()}
+NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}
+FORWARD_OUTPUTS_TO_PROTO = {v: k for k, v in FORWARD_OUTPUTS.items()}
