@@ -1,0 +1,203 @@
+"""The sidecar's book of versions, snapshot slots and leases (torch-free, clock injected).
+
+Each trainer rank keeps ``num_slots`` snapshot buffers. At FinishTrainStep the trainer asks for a
+slot for the new version (``reserve_slot``); the registry hands out a free slot or the slot of the
+oldest version nobody leases, retiring that version first, so a leased version's bytes are never
+overwritten. Each rank then copies its shards into the slot and reports them (``publish``); the
+version becomes visible once every rank has. Leases expire after their TTL, so a dead receiver
+cannot pin a slot for ever.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class UnknownVersion(LookupError):
+    """The version does not exist or is no longer readable (maps to NOT_FOUND)."""
+
+
+class UnknownLease(LookupError):
+    """The lease does not exist, was released or has expired (maps to NOT_FOUND)."""
+
+
+class SlotsExhausted(RuntimeError):
+    """Every slot holds a leased version (maps to RESOURCE_EXHAUSTED)."""
+
+
+class FullPolicy(enum.Enum):
+    """What FinishTrainStep does when every slot holds a leased version."""
+
+    WAIT = "wait"
+    """Wait (bounded) for a lease to end."""
+    FAIL = "fail"
+    """Fail the step at once with a clear error."""
+
+
+class VersionState(enum.Enum):
+    PUBLISHING = "publishing"
+    VISIBLE = "visible"
+    RETIRED = "retired"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistryConfig:
+    num_slots: int = 2
+    world_size: int = 1
+    """Trainer ranks that must publish a version before it becomes visible."""
+    full_policy: FullPolicy = FullPolicy.WAIT
+    max_wait_seconds: float = 60.0
+    max_lease_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1 or self.world_size < 1:
+            raise ValueError("num_slots and world_size must be >= 1")
+        if self.max_wait_seconds < 0 or self.max_lease_seconds <= 0:
+            raise ValueError("max_wait_seconds must be >= 0 and max_lease_seconds > 0")
+
+
+@dataclass
+class VersionRecord:
+    version: int
+    slot: int
+    state: VersionState = VersionState.PUBLISHING
+    shards_by_rank: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    version: int
+    receiver_id: str
+    expires_at: float
+
+
+class Registry:
+    def __init__(self, config: RegistryConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._versions: dict[int, VersionRecord] = {}
+        self._slot_owner: dict[int, int] = {}
+        self._leases: dict[str, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self.latest: int | None = None
+
+    # -- trainer side -----------------------------------------------------------------------
+
+    def reserve_slot(self, version: int) -> int:
+        """Chooses the slot that will hold ``version``; raises SlotsExhausted when all are leased.
+
+        Retires the version the slot held. The caller applies the wait policy by retrying.
+        """
+        if version in self._versions:
+            raise ValueError(f"version {version} was already reserved")
+        if self.latest is not None and version <= self.latest:
+            raise ValueError(f"version {version} is not newer than the latest ({self.latest})")
+        slot = self._free_slot()
+        if slot is None:
+            leased = sorted(self._leased_versions())
+            raise SlotsExhausted(
+                f"all {self.config.num_slots} snapshot slots hold leased versions {leased}; "
+                "release a lease or start the trainer with more slots"
+            )
+        previous = self._slot_owner.get(slot)
+        if previous is not None:
+            self._versions[previous].state = VersionState.RETIRED
+        self._slot_owner[slot] = version
+        self._versions[version] = VersionRecord(version=version, slot=slot)
+        return slot
+
+    def _free_slot(self) -> int | None:
+        for slot in range(self.config.num_slots):
+            if slot not in self._slot_owner:
+                return slot
+        leased = self._leased_versions()
+        candidates = [
+            (version, slot)
+            for slot, version in self._slot_owner.items()
+            if version not in leased
+            and self._versions[version].state is not VersionState.PUBLISHING
+        ]
+        return min(candidates)[1] if candidates else None
+
+    def publish(self, version: int, rank: int, shards: Any) -> bool:
+        """Records one rank's shards of ``version``; True when this made the version visible."""
+        record = self._versions.get(version)
+        if record is None or record.state is not VersionState.PUBLISHING:
+            raise UnknownVersion(f"version {version} has no reserved slot being published")
+        if not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.config.world_size}")
+        record.shards_by_rank[rank] = shards
+        if len(record.shards_by_rank) < self.config.world_size:
+            return False
+        record.state = VersionState.VISIBLE
+        self.latest = version
+        return True
+
+    # -- receiver side ----------------------------------------------------------------------
+
+    def visible(self, version: int) -> VersionRecord:
+        record = self._versions.get(version)
+        if record is None or record.state is not VersionState.VISIBLE:
+            known = sorted(v for v, r in self._versions.items() if r.state is VersionState.VISIBLE)
+            raise UnknownVersion(f"version {version} is not readable; readable now: {known}")
+        return record
+
+    def shards(self, version: int) -> Mapping[int, Any]:
+        return dict(self.visible(version).shards_by_rank)
+
+    def acquire_lease(self, version: int, receiver_id: str, ttl_seconds: float) -> Lease:
+        self.visible(version)
+        lease = Lease(
+            lease_id=f"lease-{next(self._lease_ids)}",
+            version=version,
+            receiver_id=receiver_id,
+            expires_at=self._clock() + self._ttl(ttl_seconds),
+        )
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def renew_lease(self, lease_id: str, ttl_seconds: float) -> Lease:
+        lease = self._live_lease(lease_id)
+        renewed = Lease(
+            lease.lease_id, lease.version, lease.receiver_id, self._clock() + self._ttl(ttl_seconds)
+        )
+        self._leases[lease_id] = renewed
+        return renewed
+
+    def release_lease(self, lease_id: str) -> None:
+        self._live_lease(lease_id)
+        del self._leases[lease_id]
+
+    def _ttl(self, ttl_seconds: float) -> float:
+        if not 0 < ttl_seconds <= self.config.max_lease_seconds:
+            raise ValueError(
+                f"lease ttl must lie in (0, {self.config.max_lease_seconds}] seconds, "
+                f"got {ttl_seconds}"
+            )
+        return ttl_seconds
+
+    def _live_lease(self, lease_id: str) -> Lease:
+        self._expire()
+        if lease_id not in self._leases:
+            raise UnknownLease(f"lease {lease_id!r} does not exist, was released or expired")
+        return self._leases[lease_id]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
+            del self._leases[lease_id]
+
+    def _leased_versions(self) -> set[int]:
+        self._expire()
+        return {lease.version for lease in self._leases.values()}
+
+    def next_expiry(self) -> float | None:
+        """When the earliest lease ends (for a bounded wait), or None without leases."""
+        self._expire()
+        return min((lease.expires_at for lease in self._leases.values()), default=None)

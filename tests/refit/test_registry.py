@@ -1,0 +1,103 @@
+"""Versions, snapshot slots and leases of the sidecar, against an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from refit_sidecar.registry import (
+    Registry,
+    RegistryConfig,
+    SlotsExhausted,
+    UnknownLease,
+    UnknownVersion,
+    VersionState,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def publish_all(registry: Registry, version: int) -> int:
+    slot = registry.reserve_slot(version)
+    for rank in range(registry.config.world_size):
+        registry.publish(version, rank, {"rank": rank, "version": version})
+    return slot
+
+
+def test_a_version_becomes_visible_only_when_every_rank_published():
+    registry = Registry(RegistryConfig(world_size=2))
+    registry.reserve_slot(1)
+    assert registry.publish(1, 0, "shards of rank 0") is False
+    with pytest.raises(UnknownVersion):
+        registry.visible(1)
+    assert registry.latest is None
+    assert registry.publish(1, 1, "shards of rank 1") is True
+    assert registry.latest == 1
+    assert registry.shards(1) == {0: "shards of rank 0", 1: "shards of rank 1"}
+
+
+def test_slots_rotate_and_retire_the_oldest_unleased_version():
+    registry = Registry(RegistryConfig(num_slots=2))
+    assert publish_all(registry, 1) == 0
+    assert publish_all(registry, 2) == 1
+    assert publish_all(registry, 3) == 0
+    with pytest.raises(UnknownVersion, match="readable now: \\[2, 3\\]"):
+        registry.visible(1)
+
+
+def test_a_leased_version_is_never_overwritten():
+    clock = Clock()
+    registry = Registry(RegistryConfig(num_slots=2), clock)
+    publish_all(registry, 1)
+    lease = registry.acquire_lease(1, "receiver-a", ttl_seconds=30)
+    publish_all(registry, 2)
+    assert publish_all(registry, 3) == 1  # slot of version 2, not the leased version 1
+    publish_all(registry, 4)  # takes version 3's slot again
+    assert registry.visible(1).state is VersionState.VISIBLE
+    assert registry.shards(1)[0] == {"rank": 0, "version": 1}
+    registry.release_lease(lease.lease_id)
+    publish_all(registry, 5)
+    with pytest.raises(UnknownVersion):
+        registry.visible(1)
+
+
+def test_all_slots_leased_raises_and_an_expired_lease_frees_its_slot():
+    clock = Clock()
+    registry = Registry(RegistryConfig(num_slots=1), clock)
+    publish_all(registry, 1)
+    lease = registry.acquire_lease(1, "receiver-a", ttl_seconds=10)
+    with pytest.raises(SlotsExhausted, match="leased versions \\[1\\]"):
+        registry.reserve_slot(2)
+    assert registry.next_expiry() == lease.expires_at
+    clock.now += 9
+    registry.renew_lease(lease.lease_id, ttl_seconds=10)
+    clock.now += 9
+    with pytest.raises(SlotsExhausted):
+        registry.reserve_slot(2)
+    clock.now += 2
+    assert registry.reserve_slot(2) == 0
+    with pytest.raises(UnknownLease):
+        registry.renew_lease(lease.lease_id, ttl_seconds=10)
+
+
+def test_bad_requests_are_refused():
+    registry = Registry(RegistryConfig(max_lease_seconds=60))
+    publish_all(registry, 3)
+    with pytest.raises(ValueError, match="not newer"):
+        registry.reserve_slot(2)
+    with pytest.raises(ValueError, match="already reserved"):
+        registry.reserve_slot(3)
+    with pytest.raises(ValueError, match="ttl"):
+        registry.acquire_lease(3, "r", ttl_seconds=600)
+    with pytest.raises(UnknownVersion):
+        registry.acquire_lease(7, "r", ttl_seconds=5)
+    with pytest.raises(UnknownLease):
+        registry.release_lease("lease-404")
+    registry.reserve_slot(4)
+    with pytest.raises(ValueError, match="outside the world"):
+        registry.publish(4, 5, "x")

@@ -1,0 +1,196 @@
+from trainer_refit.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
+    MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
+    MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
+MEMORY_KIND_UNSPECIFIED: MemoryKind
+MEMORY_KIND_DRAM: MemoryKind
+MEMORY_KIND_VRAM: MemoryKind
+
+class Box(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardPiece(_message.Message):
+    __slots__ = ("box", "local_start")
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_START_FIELD_NUMBER: _ClassVar[int]
+    box: Box
+    local_start: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, box: _Optional[_Union[Box, _Mapping]] = ..., local_start: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardLocation(_message.Message):
+    __slots__ = ("agent", "address", "nbytes", "shape", "strides", "memory", "device_id")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    address: int
+    nbytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    memory: MemoryKind
+    device_id: int
+    def __init__(self, agent: _Optional[str] = ..., address: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class ShardRecord(_message.Message):
+    __slots__ = ("location", "pieces", "crc32", "rank", "tensor_rank", "pipeline_stage")
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_RANK_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGE_FIELD_NUMBER: _ClassVar[int]
+    location: ShardLocation
+    pieces: _containers.RepeatedCompositeFieldContainer[ShardPiece]
+    crc32: int
+    rank: int
+    tensor_rank: int
+    pipeline_stage: int
+    def __init__(self, location: _Optional[_Union[ShardLocation, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ..., crc32: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., pipeline_stage: _Optional[int] = ...) -> None: ...
+
+class ParameterRecord(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "shards")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: _common_pb2.DType
+    shards: _containers.RepeatedCompositeFieldContainer[ShardRecord]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shards: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ...) -> None: ...
+
+class SourceAgent(_message.Message):
+    __slots__ = ("name", "metadata", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    metadata: bytes
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("version", "layout", "parameters", "agents")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    layout: _common_pb2.ParallelLayout
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterRecord]
+    agents: _containers.RepeatedCompositeFieldContainer[SourceAgent]
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[SourceAgent, _Mapping]]] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("version", "total_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class GetLatestVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchVersionsRequest(_message.Message):
+    __slots__ = ("after_version",)
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    after_version: int
+    def __init__(self, after_version: _Optional[int] = ...) -> None: ...
+
+class GetManifestRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class AcquireLeaseRequest(_message.Message):
+    __slots__ = ("version", "receiver_id", "ttl_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    receiver_id: str
+    ttl_seconds: float
+    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "version", "expires_in_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    version: int
+    expires_in_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "ttl_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReserveSlotRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ReserveSlotResponse(_message.Message):
+    __slots__ = ("slot", "retired_version")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    retired_version: int
+    def __init__(self, slot: _Optional[int] = ..., retired_version: _Optional[int] = ...) -> None: ...
+
+class PublishShardsRequest(_message.Message):
+    __slots__ = ("version", "rank", "agent", "parameters")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rank: int
+    agent: SourceAgent
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterRecord]
+    def __init__(self, version: _Optional[int] = ..., rank: _Optional[int] = ..., agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ...) -> None: ...
+
+class PublishShardsResponse(_message.Message):
+    __slots__ = ("visible",)
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    visible: bool
+    def __init__(self, visible: _Optional[bool] = ...) -> None: ...
