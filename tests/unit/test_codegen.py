@@ -11,7 +11,11 @@ COMMITTED = codegen.REPO_ROOT / "trainer_refit" / "v1"
 
 def test_proto_sources_are_found() -> None:
     names = {p.relative_to(codegen.PROTO_ROOT).as_posix() for p in codegen.proto_files()}
-    assert names == {"trainer_refit/v1/common.proto", "trainer_refit/v1/trainer.proto"}
+    assert names == {
+        "trainer_refit/v1/common.proto",
+        "trainer_refit/v1/refit.proto",
+        "trainer_refit/v1/trainer.proto",
+    }
 
 
 def test_committed_stubs_equal_freshly_generated_ones(tmp_path: Path) -> None:
