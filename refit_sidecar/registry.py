@@ -47,18 +47,27 @@ class VersionState(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryConfig:
-    num_slots: int = 2
-    world_size: int = 1
-    """Trainer ranks that must publish a version before it becomes visible."""
     full_policy: FullPolicy = FullPolicy.WAIT
     max_wait_seconds: float = 60.0
+    """How long a slot reservation waits for a lease to end under FullPolicy.WAIT."""
     max_lease_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_wait_seconds < 0 or self.max_lease_seconds <= 0:
+            raise ValueError("max_wait_seconds must be >= 0 and max_lease_seconds > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerShape:
+    """What the registered trainer brings: its ranks and each rank's snapshot slots."""
+
+    world_size: int
+    """Ranks that must publish a version before it becomes visible."""
+    num_slots: int
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.world_size < 1:
             raise ValueError("num_slots and world_size must be >= 1")
-        if self.max_wait_seconds < 0 or self.max_lease_seconds <= 0:
-            raise ValueError("max_wait_seconds must be >= 0 and max_lease_seconds > 0")
 
 
 @dataclass
@@ -86,14 +95,28 @@ class Registry:
         self._leases: dict[str, Lease] = {}
         self._lease_ids = itertools.count(1)
         self.latest: int | None = None
+        self.trainer: TrainerShape | None = None
+
+    def register_trainer(self, trainer: TrainerShape) -> None:
+        """Starts a new trainer generation: earlier versions and their leases are gone."""
+        self.trainer = trainer
+        self._versions.clear()
+        self._slot_owner.clear()
+        self._leases.clear()
+        self.latest = None
+
+    def _shape(self) -> TrainerShape:
+        if self.trainer is None:
+            raise ValueError("no trainer has registered with this sidecar yet")
+        return self.trainer
 
     # -- trainer side -----------------------------------------------------------------------
 
-    def reserve_slot(self, version: int) -> int:
-        """Chooses the slot that will hold ``version``; raises SlotsExhausted when all are leased.
-
-        Retires the version the slot held. The caller applies the wait policy by retrying.
+    def reserve_slot(self, version: int) -> tuple[int, int | None]:
+        """Chooses the slot that will hold ``version`` and retires the version it held (returned
+        second). Raises SlotsExhausted when all are leased; the caller applies the wait policy.
         """
+        shape = self._shape()
         if version in self._versions:
             raise ValueError(f"version {version} was already reserved")
         if self.latest is not None and version <= self.latest:
@@ -102,7 +125,7 @@ class Registry:
         if slot is None:
             leased = sorted(self._leased_versions())
             raise SlotsExhausted(
-                f"all {self.config.num_slots} snapshot slots hold leased versions {leased}; "
+                f"all {shape.num_slots} snapshot slots hold leased versions {leased}; "
                 "release a lease or start the trainer with more slots"
             )
         previous = self._slot_owner.get(slot)
@@ -110,10 +133,10 @@ class Registry:
             self._versions[previous].state = VersionState.RETIRED
         self._slot_owner[slot] = version
         self._versions[version] = VersionRecord(version=version, slot=slot)
-        return slot
+        return slot, previous
 
     def _free_slot(self) -> int | None:
-        for slot in range(self.config.num_slots):
+        for slot in range(self._shape().num_slots):
             if slot not in self._slot_owner:
                 return slot
         leased = self._leased_versions()
@@ -130,10 +153,11 @@ class Registry:
         record = self._versions.get(version)
         if record is None or record.state is not VersionState.PUBLISHING:
             raise UnknownVersion(f"version {version} has no reserved slot being published")
-        if not 0 <= rank < self.config.world_size:
-            raise ValueError(f"rank {rank} is outside the world of {self.config.world_size}")
+        world_size = self._shape().world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of {world_size}")
         record.shards_by_rank[rank] = shards
-        if len(record.shards_by_rank) < self.config.world_size:
+        if len(record.shards_by_rank) < world_size:
             return False
         record.state = VersionState.VISIBLE
         self.latest = version

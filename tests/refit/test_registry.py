@@ -8,6 +8,7 @@ from refit_sidecar.registry import (
     Registry,
     RegistryConfig,
     SlotsExhausted,
+    TrainerShape,
     UnknownLease,
     UnknownVersion,
     VersionState,
@@ -22,15 +23,22 @@ class Clock:
         return self.now
 
 
+def make(world_size: int = 1, num_slots: int = 2, clock=None, **config) -> Registry:
+    registry = Registry(RegistryConfig(**config), *([clock] if clock else []))
+    registry.register_trainer(TrainerShape(world_size=world_size, num_slots=num_slots))
+    return registry
+
+
 def publish_all(registry: Registry, version: int) -> int:
-    slot = registry.reserve_slot(version)
-    for rank in range(registry.config.world_size):
+    slot, _ = registry.reserve_slot(version)
+    assert registry.trainer is not None
+    for rank in range(registry.trainer.world_size):
         registry.publish(version, rank, {"rank": rank, "version": version})
     return slot
 
 
 def test_a_version_becomes_visible_only_when_every_rank_published():
-    registry = Registry(RegistryConfig(world_size=2))
+    registry = make(world_size=2)
     registry.reserve_slot(1)
     assert registry.publish(1, 0, "shards of rank 0") is False
     with pytest.raises(UnknownVersion):
@@ -42,7 +50,7 @@ def test_a_version_becomes_visible_only_when_every_rank_published():
 
 
 def test_slots_rotate_and_retire_the_oldest_unleased_version():
-    registry = Registry(RegistryConfig(num_slots=2))
+    registry = make(num_slots=2)
     assert publish_all(registry, 1) == 0
     assert publish_all(registry, 2) == 1
     assert publish_all(registry, 3) == 0
@@ -52,7 +60,7 @@ def test_slots_rotate_and_retire_the_oldest_unleased_version():
 
 def test_a_leased_version_is_never_overwritten():
     clock = Clock()
-    registry = Registry(RegistryConfig(num_slots=2), clock)
+    registry = make(num_slots=2, clock=clock)
     publish_all(registry, 1)
     lease = registry.acquire_lease(1, "receiver-a", ttl_seconds=30)
     publish_all(registry, 2)
@@ -68,7 +76,7 @@ def test_a_leased_version_is_never_overwritten():
 
 def test_all_slots_leased_raises_and_an_expired_lease_frees_its_slot():
     clock = Clock()
-    registry = Registry(RegistryConfig(num_slots=1), clock)
+    registry = make(num_slots=1, clock=clock)
     publish_all(registry, 1)
     lease = registry.acquire_lease(1, "receiver-a", ttl_seconds=10)
     with pytest.raises(SlotsExhausted, match="leased versions \\[1\\]"):
@@ -80,13 +88,13 @@ def test_all_slots_leased_raises_and_an_expired_lease_frees_its_slot():
     with pytest.raises(SlotsExhausted):
         registry.reserve_slot(2)
     clock.now += 2
-    assert registry.reserve_slot(2) == 0
+    assert registry.reserve_slot(2) == (0, 1)
     with pytest.raises(UnknownLease):
         registry.renew_lease(lease.lease_id, ttl_seconds=10)
 
 
 def test_bad_requests_are_refused():
-    registry = Registry(RegistryConfig(max_lease_seconds=60))
+    registry = make(max_lease_seconds=60)
     publish_all(registry, 3)
     with pytest.raises(ValueError, match="not newer"):
         registry.reserve_slot(2)
@@ -101,3 +109,22 @@ def test_bad_requests_are_refused():
     registry.reserve_slot(4)
     with pytest.raises(ValueError, match="outside the world"):
         registry.publish(4, 5, "x")
+
+
+def test_a_new_trainer_generation_retires_everything():
+    registry = make()
+    registry.reserve_slot(1)
+    registry.publish(1, 0, "x")
+    lease = registry.acquire_lease(1, "r", ttl_seconds=5)
+    registry.register_trainer(TrainerShape(world_size=2, num_slots=3))
+    assert registry.latest is None
+    with pytest.raises(UnknownVersion):
+        registry.visible(1)
+    with pytest.raises(UnknownLease):
+        registry.release_lease(lease.lease_id)
+    assert registry.reserve_slot(1) == (0, None)
+
+
+def test_nothing_is_reserved_before_a_trainer_registers():
+    with pytest.raises(ValueError, match="no trainer has registered"):
+        Registry(RegistryConfig()).reserve_slot(1)

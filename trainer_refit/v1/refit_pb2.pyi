@@ -163,6 +163,18 @@ class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RegisterTrainerRequest(_message.Message):
+    __slots__ = ("layout", "num_slots")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    layout: _common_pb2.ParallelLayout
+    num_slots: int
+    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., num_slots: _Optional[int] = ...) -> None: ...
+
+class RegisterTrainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ReserveSlotRequest(_message.Message):
     __slots__ = ("version",)
     VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -67,6 +67,11 @@ class RefitServiceStub:
                 request_serializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.RegisterTrainer = channel.unary_unary(
+                '/trainer_refit.v1.RefitService/RegisterTrainer',
+                request_serializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerRequest.SerializeToString,
+                response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerResponse.FromString,
+                _registered_method=True)
         self.ReserveSlot = channel.unary_unary(
                 '/trainer_refit.v1.RefitService/ReserveSlot',
                 request_serializer=trainer__refit_dot_v1_dot_refit__pb2.ReserveSlotRequest.SerializeToString,
@@ -124,6 +129,14 @@ class RefitServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterTrainer(self, request, context):
+        """Trainer side, once at start: its layout and snapshot slots per rank. Retires every version
+        of an earlier trainer (its sources are gone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReserveSlot(self, request, context):
         """Trainer side: which slot receives `version` (never one holding a leased version).
         """
@@ -170,6 +183,11 @@ def add_RefitServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'RegisterTrainer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterTrainer,
+                    request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerRequest.FromString,
+                    response_serializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerResponse.SerializeToString,
             ),
             'ReserveSlot': grpc.unary_unary_rpc_method_handler(
                     servicer.ReserveSlot,
@@ -347,6 +365,33 @@ class RefitService:
             '/trainer_refit.v1.RefitService/ReleaseLease',
             trainer__refit_dot_v1_dot_refit__pb2.ReleaseLeaseRequest.SerializeToString,
             trainer__refit_dot_v1_dot_refit__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterTrainer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainer_refit.v1.RefitService/RegisterTrainer',
+            trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerRequest.SerializeToString,
+            trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,68 @@
+"""Command line of ``refit-sidecar``: argv -> SidecarConfig. The parser is importable for checks."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from refit_sidecar.registry import FullPolicy, RegistryConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class SidecarConfig:
+    host: str = "0.0.0.0"
+    port: int = 50052
+    """0 picks a free port; the bound port is logged and written to port_file when given."""
+    port_file: Path | None = None
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="refit-sidecar",
+        description=(
+            "The refit control plane: trainer ranks publish each weights version here; "
+            "receivers read manifests and lease versions while they pull them over NIXL."
+        ),
+    )
+    parser.add_argument("--host", default=SidecarConfig.host)
+    parser.add_argument("--port", type=int, default=SidecarConfig.port, help="0 picks a free port")
+    parser.add_argument("--port-file", type=Path, default=None)
+    parser.add_argument(
+        "--when-all-slots-leased",
+        choices=[p.value for p in FullPolicy],
+        default=RegistryConfig.full_policy.value,
+        help="wait (bounded by --max-wait-seconds) for a lease to end, or fail the step",
+    )
+    parser.add_argument("--max-wait-seconds", type=float, default=RegistryConfig.max_wait_seconds)
+    parser.add_argument("--max-lease-seconds", type=float, default=RegistryConfig.max_lease_seconds)
+    parser.add_argument(
+        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO"
+    )
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, str]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = SidecarConfig(
+            host=args.host,
+            port=args.port,
+            port_file=args.port_file,
+            registry=RegistryConfig(
+                full_policy=FullPolicy(args.when_all_slots_leased),
+                max_wait_seconds=args.max_wait_seconds,
+                max_lease_seconds=args.max_lease_seconds,
+            ),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, args.log_level

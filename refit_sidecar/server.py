@@ -1,0 +1,191 @@
+"""The sidecar's gRPC service over the Registry: thin conversion, domain errors -> status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from refit_sidecar.cli import SidecarConfig
+from refit_sidecar.registry import (
+    FullPolicy,
+    Registry,
+    SlotsExhausted,
+    TrainerShape,
+    UnknownLease,
+    UnknownVersion,
+)
+from trainer_refit.v1 import common_pb2
+from trainer_refit.v1 import refit_pb2 as pb
+from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
+Reply = TypeVar("Reply")
+
+_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (UnknownVersion, grpc.StatusCode.NOT_FOUND),
+    (UnknownLease, grpc.StatusCode.NOT_FOUND),
+    (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def _grpc_errors(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Reply]]:
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Reply:
+        try:
+            return await method(self, request, context)
+        except tuple(e for e, _ in _CODES) as exc:
+            code = next(c for e, c in _CODES if isinstance(exc, e))
+            await context.abort(code, str(exc))
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class RefitServicer(pb_grpc.RefitServiceServicer):
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._changed = asyncio.Condition()
+        self._layout = common_pb2.ParallelLayout()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _version_info(self) -> pb.VersionInfo:
+        latest = self.registry.latest
+        if latest is None:
+            return pb.VersionInfo(version=0)
+        total = sum(
+            shard.location.nbytes
+            for request in self.registry.shards(latest).values()
+            for parameter in request.parameters
+            for shard in parameter.shards
+        )
+        return pb.VersionInfo(version=latest, total_bytes=total)
+
+    @_grpc_errors
+    async def RegisterTrainer(self, request: pb.RegisterTrainerRequest, context: Any) -> Any:
+        layout = request.layout
+        self.registry.register_trainer(
+            TrainerShape(world_size=layout.world_size, num_slots=request.num_slots)
+        )
+        self._layout = layout
+        log.info(
+            "trainer registered: world size %d, %d slots", layout.world_size, request.num_slots
+        )
+        await self._notify()
+        return pb.RegisterTrainerResponse()
+
+    @_grpc_errors
+    async def ReserveSlot(self, request: pb.ReserveSlotRequest, context: Any) -> Any:
+        config = self.registry.config
+        deadline = time.monotonic() + config.max_wait_seconds
+        while True:
+            try:
+                slot, retired = self.registry.reserve_slot(request.version)
+                return pb.ReserveSlotResponse(slot=slot, retired_version=retired or 0)
+            except SlotsExhausted:
+                if config.full_policy is FullPolicy.FAIL or time.monotonic() >= deadline:
+                    raise
+            expiry = self.registry.next_expiry()
+            timeout = min(deadline, expiry if expiry is not None else deadline) - time.monotonic()
+            async with self._changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=max(timeout, 0.01))
+
+    @_grpc_errors
+    async def PublishShards(self, request: pb.PublishShardsRequest, context: Any) -> Any:
+        visible = self.registry.publish(request.version, request.rank, request)
+        if visible:
+            log.info("version %d is readable", request.version)
+            await self._notify()
+        return pb.PublishShardsResponse(visible=visible)
+
+    @_grpc_errors
+    async def GetLatestVersion(self, request: pb.GetLatestVersionRequest, context: Any) -> Any:
+        return self._version_info()
+
+    async def WatchVersions(
+        self, request: pb.WatchVersionsRequest, context: Any
+    ) -> AsyncIterator[pb.VersionInfo]:
+        seen = request.after_version
+        while True:
+            latest = self.registry.latest
+            if latest is not None and latest > seen:
+                seen = latest
+                yield self._version_info()
+            async with self._changed:
+                await self._changed.wait()
+
+    @_grpc_errors
+    async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> Any:
+        by_rank = self.registry.shards(request.version)
+        manifest = pb.Manifest(version=request.version, layout=self._layout)
+        merged: dict[str, pb.ParameterRecord] = {}
+        for rank in sorted(by_rank):
+            published: pb.PublishShardsRequest = by_rank[rank]
+            manifest.agents.append(published.agent)
+            for parameter in published.parameters:
+                if parameter.name not in merged:
+                    merged[parameter.name] = pb.ParameterRecord(
+                        name=parameter.name, shape=parameter.shape, dtype=parameter.dtype
+                    )
+                merged[parameter.name].shards.extend(parameter.shards)
+        manifest.parameters.extend(merged[name] for name in sorted(merged))
+        return manifest
+
+    def _lease(self, lease: Any) -> pb.Lease:
+        return pb.Lease(
+            lease_id=lease.lease_id,
+            version=lease.version,
+            expires_in_seconds=lease.expires_at - time.monotonic(),
+        )
+
+    @_grpc_errors
+    async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> Any:
+        lease = self.registry.acquire_lease(
+            request.version, request.receiver_id, request.ttl_seconds
+        )
+        return self._lease(lease)
+
+    @_grpc_errors
+    async def RenewLease(self, request: pb.RenewLeaseRequest, context: Any) -> Any:
+        return self._lease(self.registry.renew_lease(request.lease_id, request.ttl_seconds))
+
+    @_grpc_errors
+    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> Any:
+        self.registry.release_lease(request.lease_id)
+        await self._notify()
+        return pb.ReleaseLeaseResponse()
+
+
+async def create_server(
+    config: SidecarConfig,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Builds and starts the sidecar; returns it, the bound port and its health servicer."""
+    server = grpc.aio.server()
+    pb_grpc.add_RefitServiceServicer_to_server(RefitServicer(Registry(config.registry)), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer

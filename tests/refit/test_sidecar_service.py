@@ -1,0 +1,129 @@
+"""The refit-sidecar process over gRPC: versions become readable only when every rank published,
+leased versions are never retired, the all-slots-leased policy applies, unknown versions are
+NOT_FOUND."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from trainer_refit.v1 import common_pb2
+from trainer_refit.v1 import refit_pb2 as pb
+from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
+
+
+@pytest.fixture
+def start_sidecar(tmp_path):
+    processes = []
+
+    def start(*args: str) -> pb_grpc.RefitServiceStub:
+        port_file = tmp_path / f"port-{len(processes)}"
+        command = [sys.executable, "-m", "refit_sidecar", "--port", "0", "--host", "127.0.0.1"]
+        process = subprocess.Popen([*command, "--port-file", str(port_file), *args], env=os.environ)
+        processes.append(process)
+        while not port_file.exists():
+            assert process.poll() is None, "refit-sidecar exited early"
+            time.sleep(0.05)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        return pb_grpc.RefitServiceStub(channel)
+
+    yield start
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+
+
+def _publish(stub, version: int, rank: int) -> bool:
+    shard = pb.ShardRecord(
+        location=pb.ShardLocation(agent=f"rank-{rank}", address=4096 * (rank + 1), nbytes=64),
+        pieces=[pb.ShardPiece(box=pb.Box(start=[rank * 4, 0], stop=[rank * 4 + 4, 4]))],
+        rank=rank,
+        tensor_rank=rank,
+    )
+    request = pb.PublishShardsRequest(
+        version=version,
+        rank=rank,
+        agent=pb.SourceAgent(name=f"rank-{rank}", metadata=b"meta", rank=rank),
+        parameters=[
+            pb.ParameterRecord(
+                name="decoder.layers.0.mlp.linear_fc2.weight",
+                shape=[8, 4],
+                dtype=common_pb2.DTYPE_FLOAT32,
+                shards=[shard],
+            )
+        ],
+    )
+    return stub.PublishShards(request).visible
+
+
+def _register(stub, world_size: int, slots: int) -> None:
+    layout = common_pb2.ParallelLayout(tensor_parallel=world_size, world_size=world_size)
+    stub.RegisterTrainer(pb.RegisterTrainerRequest(layout=layout, num_slots=slots))
+
+
+def _code(call, request) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request)
+    assert info.value.details()
+    return info.value.code()
+
+
+def test_versions_manifests_and_leases(start_sidecar):
+    stub = start_sidecar("--when-all-slots-leased", "fail")
+    assert stub.GetLatestVersion(pb.GetLatestVersionRequest()).version == 0
+    assert _code(stub.GetManifest, pb.GetManifestRequest(version=1)) == grpc.StatusCode.NOT_FOUND
+    _register(stub, world_size=2, slots=1)
+
+    assert stub.ReserveSlot(pb.ReserveSlotRequest(version=1)).slot == 0
+    assert _publish(stub, 1, rank=0) is False
+    assert _code(stub.GetManifest, pb.GetManifestRequest(version=1)) == grpc.StatusCode.NOT_FOUND
+    assert _publish(stub, 1, rank=1) is True
+    assert stub.GetLatestVersion(pb.GetLatestVersionRequest()).version == 1
+    manifest = stub.GetManifest(pb.GetManifestRequest(version=1))
+    assert [a.name for a in manifest.agents] == ["rank-0", "rank-1"]
+    (parameter,) = manifest.parameters
+    assert [s.rank for s in parameter.shards] == [0, 1]
+    assert manifest.layout.world_size == 2
+
+    lease = stub.AcquireLease(pb.AcquireLeaseRequest(version=1, receiver_id="r", ttl_seconds=60))
+    exhausted = _code(stub.ReserveSlot, pb.ReserveSlotRequest(version=2))
+    assert exhausted == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.GetManifest(pb.GetManifestRequest(version=1)).version == 1
+    stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_seconds=60))
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id))
+    reply = stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
+    assert (reply.slot, reply.retired_version) == (0, 1)
+    assert _code(stub.GetManifest, pb.GetManifestRequest(version=1)) == grpc.StatusCode.NOT_FOUND
+    gone = pb.ReleaseLeaseRequest(lease_id=lease.lease_id)
+    assert _code(stub.ReleaseLease, gone) == grpc.StatusCode.NOT_FOUND
+    bad_ttl = pb.AcquireLeaseRequest(version=1, receiver_id="r", ttl_seconds=-1)
+    assert _code(stub.AcquireLease, bad_ttl) in (
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+
+
+def test_wait_policy_waits_for_an_expiring_lease_and_watchers_see_new_versions(start_sidecar):
+    stub = start_sidecar("--when-all-slots-leased", "wait", "--max-wait-seconds", "120")
+    _register(stub, world_size=1, slots=1)
+    stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
+    _publish(stub, 1, rank=0)
+    watch = stub.WatchVersions(pb.WatchVersionsRequest(after_version=0))
+    assert next(watch).version == 1
+    stub.AcquireLease(pb.AcquireLeaseRequest(version=1, receiver_id="r", ttl_seconds=0.5))
+    reply = stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
+    assert reply.retired_version == 1
+    _publish(stub, 2, rank=0)
+    assert next(watch).version == 2
+    watch.cancel()
