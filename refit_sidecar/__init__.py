@@ -3,5 +3,5 @@
 Control plane: `registry` (versions, slots, leases), `server` and `cli` (gRPC). Data plane and
 puller library: `manifest`, `plan` and `checksum` (torch- and NIXL-free), `transport` (the pull
 seam, with an in-memory reference), `nixl_transport` and `source` (the two NIXL ends), and
-`layout` (shard specs from megatron_hf's TP placements; imports torch).
+`layout` (shard specs; from megatron_hf's TP placements, imported on demand).
 """

@@ -1,0 +1,298 @@
+"""`Transport` over NIXL: one agent per puller, one-sided READs from the sources' memory.
+
+NIXL 1.5.1 behaviour this relies on (checked on the CPU machine, UCX over DRAM):
+- The UCX backend runs with `ucx_error_handling_mode=peer`: a source that dies before or during
+  a pull makes `transfer`/`check_xfer_state` raise `nixlRemoteDisconnectError`, not hang.
+- Over shared memory a READ completes inside `transfer()` (the puller copies); over TCP it needs
+  the source's progress thread, so a stalled source stalls the pull: the deadline catches that.
+- `fetch_remote_metadata` needs the puller's own listener thread (port 0 works), is asynchronous
+  and fails silently (connection refused is only logged): it is repeated until
+  `check_remote_metadata` says the source's memory is known.
+Lists of `prep_threshold` or more descriptors are prepped; requests are cached per (agent,
+destination, descriptors), so a refit of an unchanged layout re-posts ready requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, NoReturn
+
+import numpy as np
+from nixl import _bindings
+from nixl._api import nixl_agent, nixl_agent_config
+
+from refit_sidecar.checksum import verify_checksums
+from refit_sidecar.manifest import AgentRecord, MemType
+from refit_sidecar.plan import PullPlan
+from refit_sidecar.transport import PullStats, Region, SourceLost, host_view
+
+_NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
+    v for k, v in vars(_bindings).items() if k.startswith("nixl") and k.endswith("Error")
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NixlConfig:
+    name: str
+    """NIXL agent name of this puller; unique among sources and pullers."""
+    connect_timeout_s: float = 30.0
+    """How long to retry fetching a source's metadata from its listener."""
+    pull_timeout_s: float = 600.0
+    """Deadline of one pull; past it the pull is aborted with SourceLost."""
+    prep_threshold: int = 16
+    """Descriptor count from which descriptor lists are prepped."""
+    cache_size: int = 64
+    """Transfer requests kept for re-posting."""
+
+    def __post_init__(self) -> None:
+        if not self.name or min(self.connect_timeout_s, self.pull_timeout_s) <= 0:
+            raise ValueError(f"bad NIXL transport config {self}")
+
+
+@dataclass(eq=False)
+class _Xfer:
+    key: bytes
+    agent: str
+    dest: Region
+    handle: Any
+    dlists: tuple[Any, ...]
+    reads: int
+    nbytes: int
+    done: bool = False
+
+
+class NixlTransport:
+    def __init__(self, agent: nixl_agent, config: NixlConfig) -> None:
+        self._agent = agent
+        self._config = config
+        self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
+        self._dests: dict[Region, Any] = {}  # registered destinations
+        self._xfers: OrderedDict[bytes, _Xfer] = OrderedDict()  # LRU of ready requests
+
+    @classmethod
+    def create(cls, config: NixlConfig) -> NixlTransport:
+        conf = nixl_agent_config(enable_listen_thread=True, listen_port=0, backends=[])
+        agent = nixl_agent(config.name, conf)
+        agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+        return cls(agent, config)
+
+    def register(self, dest: Region) -> None:
+        """Register a destination buffer for many pulls (registration costs, on GPUs most);
+        it stays registered, and its `owner` referenced, until `deregister` or `close`. A pull
+        into an unregistered buffer registers it for that pull only."""
+        if dest not in self._dests:
+            regions = [(dest.address, dest.nbytes, dest.device_id, "")]
+            self._dests[dest] = self._agent.register_memory(regions, dest.mem_type.value)
+
+    def deregister(self, dest: Region) -> None:
+        for key in [k for k, x in self._xfers.items() if x.dest == dest]:
+            _release(self._xfers.pop(key))
+        registration = self._dests.pop(dest, None)
+        if registration is not None:
+            self._agent.deregister_memory(registration)
+
+    def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
+        stats = self.start(plan, dest).wait()
+        if verify:
+            stats = replace(stats, verified_shards=verify_checksums(plan, host_view(dest)))
+        return stats
+
+    def start(self, plan: PullPlan, dest: Region) -> PendingPull:
+        """Post the plan's reads (one request per source agent and memory type); the caller
+        then `wait()`s. One pull at a time per transport."""
+        if dest.nbytes < plan.nbytes:
+            raise ValueError(f"destination holds {dest.nbytes} bytes, the plan needs {plan.nbytes}")
+        temporary = dest not in self._dests
+        self.register(dest)
+        begin = time.perf_counter()
+        pending = PendingPull(self, begin + self._config.pull_timeout_s, begin, temporary, dest)
+        for (agent, mem_type), (remote, local) in _groups(plan, dest).items():
+            try:
+                xfer, cached = self._xfer(plan.agents[agent], mem_type, remote, local, dest)
+                pending.xfers.append(xfer)
+                pending.reposted += cached
+                xfer.done = self._agent.transfer(xfer.handle) == "DONE"
+            except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
+                pending.fail(agent, e)
+        return pending
+
+    def _xfer(
+        self,
+        record: AgentRecord,
+        mem_type: MemType,
+        remote: np.ndarray,
+        local: np.ndarray,
+        dest: Region,
+    ) -> tuple[_Xfer, bool]:
+        if self._metadata.get(record.name) not in (None, record.metadata):
+            self._forget_agent(record.name)  # a new incarnation of the source: reconnect
+        digest = hashlib.blake2b(remote.tobytes() + local.tobytes(), digest_size=16)
+        digest.update(f"{record.name}|{mem_type.value}|{dest}".encode())
+        key = digest.digest()
+        cached = self._xfers.get(key)
+        if cached is not None:
+            self._xfers.move_to_end(key)
+            cached.done = False
+            return cached, True
+        remote_descs = self._agent.get_xfer_descs(remote, mem_type.value)
+        self._ensure_metadata(record, remote_descs)
+        n, nbytes = len(remote), int(remote[:, 1].sum())
+        try:
+            if n >= self._config.prep_threshold:
+                local_h = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, dest.mem_type.value)
+                remote_h = self._agent.prep_xfer_dlist(record.name, remote, mem_type.value)
+                idx = np.arange(n, dtype=np.int32)
+                handle = self._agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
+                xfer = _Xfer(key, record.name, dest, handle, (local_h, remote_h), n, nbytes)
+            else:
+                local_descs = self._agent.get_xfer_descs(local, dest.mem_type.value)
+                handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, record.name)
+                xfer = _Xfer(key, record.name, dest, handle, (), n, nbytes)
+        except _NIXL_ERRORS as e:
+            self._forget_agent(record.name)
+            raise SourceLost(f"{record.name}: cannot prepare reads: {e}") from e
+        self._xfers[key] = xfer
+        while len(self._xfers) > self._config.cache_size:
+            _release(self._xfers.popitem(last=False)[1])
+        return xfer, False
+
+    def _ensure_metadata(self, record: AgentRecord, remote_descs: Any) -> None:
+        """Load the source's metadata (blob, or fetched from its listener) until it covers
+        `remote_descs`: a source must register its memory before its metadata is useful."""
+        name = record.name
+        try:
+            if name not in self._metadata and record.metadata:
+                loaded = self._agent.add_remote_agent(record.metadata)
+                if (loaded.decode() if isinstance(loaded, bytes) else loaded) != name:
+                    raise SourceLost(f"metadata of agent {loaded!r} filed as {name!r}")
+                self._metadata[name] = record.metadata
+            if self._agent.check_remote_metadata(name, remote_descs):
+                return
+            if record.metadata or record.port is None:
+                raise SourceLost(f"{name}: its metadata does not cover the planned memory")
+            deadline = time.monotonic() + self._config.connect_timeout_s
+            while time.monotonic() < deadline:
+                self._agent.fetch_remote_metadata(name, record.host, record.port)
+                for _ in range(50):
+                    time.sleep(0.01)
+                    if self._agent.check_remote_metadata(name, remote_descs):
+                        self._metadata[name] = b""
+                        return
+        except _NIXL_ERRORS as e:
+            raise SourceLost(f"{name}: metadata exchange failed: {e}") from e
+        with contextlib.suppress(*_NIXL_ERRORS):
+            self._agent.remove_remote_agent(name)  # whatever part of it arrived
+        raise SourceLost(
+            f"{name}: no metadata covering the planned memory from {record.host}:{record.port} "
+            f"within {self._config.connect_timeout_s} s"
+        )
+
+    def _forget_agent(self, name: str) -> None:
+        for key in [k for k, x in self._xfers.items() if x.agent == name]:
+            _release(self._xfers.pop(key))
+        if self._metadata.pop(name, None) is not None:
+            with contextlib.suppress(*_NIXL_ERRORS):
+                self._agent.remove_remote_agent(name)
+
+    def close(self) -> None:
+        while self._xfers:
+            _release(self._xfers.popitem()[1])
+        for dest in list(self._dests):
+            self.deregister(dest)
+        for name in list(self._metadata):
+            self._forget_agent(name)
+
+
+@dataclass(eq=False)
+class PendingPull:
+    transport: NixlTransport
+    deadline: float
+    begin: float
+    temporary: bool
+    """The destination was registered for this pull only: deregister it at the end."""
+    dest: Region
+    xfers: list[_Xfer] = field(default_factory=list)
+    reposted: int = 0
+    """Requests taken from the cache (prepared by an earlier pull)."""
+
+    @property
+    def in_flight(self) -> bool:
+        return not all(x.done for x in self.xfers)
+
+    def wait(self) -> PullStats:
+        """Poll every request until all are done; SourceLost on an error or the deadline."""
+        agent = self.transport._agent
+        waiting = [x for x in self.xfers if not x.done]
+        pause = 0.0
+        while waiting:
+            for xfer in list(waiting):
+                try:
+                    state = agent.check_xfer_state(xfer.handle)
+                except _NIXL_ERRORS as e:
+                    self.fail(xfer.agent, e)
+                if state == "ERR":
+                    self.fail(xfer.agent, SourceLost(f"{xfer.agent}: transfer failed"))
+                if state == "DONE":
+                    xfer.done = True
+                    waiting.remove(xfer)
+            if waiting:
+                if time.perf_counter() > self.deadline:
+                    late = waiting[0].agent
+                    self.fail(late, SourceLost(f"{late}: pull not done by its deadline"))
+                time.sleep(pause)
+                pause = min(2 * pause or 1e-5, 1e-3)
+        self._end()
+        seconds, xfers = time.perf_counter() - self.begin, self.xfers
+        nbytes, reads = sum(x.nbytes for x in xfers), sum(x.reads for x in xfers)
+        return PullStats(nbytes, seconds, reads, len(xfers), self.reposted)
+
+    def fail(self, agent: str, error: BaseException) -> NoReturn:
+        """`agent` let this pull down: cancel its other unfinished requests, disconnect `agent`
+        (it reconnects on next use), and raise SourceLost."""
+        transport = self.transport
+        for xfer in self.xfers:
+            if not xfer.done and xfer.agent != agent and xfer.agent in transport._metadata:
+                transport._xfers.pop(xfer.key, None)
+                if not _release(xfer):
+                    transport._forget_agent(xfer.agent)
+        transport._forget_agent(agent)
+        self._end()
+        if isinstance(error, SourceLost):
+            raise error
+        raise SourceLost(f"{agent}: {error}") from error
+
+    def _end(self) -> None:
+        if self.temporary:
+            self.transport.deregister(self.dest)
+
+
+def _groups(plan: PullPlan, dest: Region) -> dict[tuple[str, MemType], tuple[np.ndarray, ...]]:
+    """(agent, memory type) -> (remote, local) N×3 uint64 descriptor arrays (addr, len, dev)."""
+    parts: dict[tuple[str, MemType], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for reads in plan.reads:
+        loc = reads.location
+        n = len(reads.lengths)
+        lengths = reads.lengths.astype(np.uint64)
+        remote = np.stack([reads.remote_addresses, lengths, np.full(n, loc.device_id, np.uint64)])
+        local_addr = reads.dest_offsets.astype(np.uint64) + np.uint64(dest.address)
+        local = np.stack([local_addr, lengths, np.full(n, dest.device_id, np.uint64)])
+        parts.setdefault((loc.agent, loc.mem_type), []).append((remote.T, local.T))
+    return {
+        key: tuple(np.ascontiguousarray(np.concatenate(side)) for side in zip(*chunks, strict=True))
+        for key, chunks in parts.items()
+    }
+
+
+def _release(xfer: _Xfer) -> bool:
+    """Release a request (cancelling it if in flight) and its lists; False if NIXL refused."""
+    ok = True
+    for thing in (xfer.handle, *xfer.dlists):
+        try:
+            thing.release()
+        except _NIXL_ERRORS:
+            ok = False
+    return ok

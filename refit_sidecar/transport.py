@@ -1,0 +1,119 @@
+"""The seam that moves a PullPlan's bytes into a caller's buffer.
+
+`Transport.pull(plan, dest)` reads every `ShardReads` of the plan into `dest` (a `Region` at
+least `plan.nbytes` long) and returns `PullStats`; it raises `SourceLost` when a source cannot
+deliver (dead, disconnected, stalled past a deadline, memory not registered): a pull either
+fills all of its targets or fails. `InMemoryTransport` is the reference implementation (numpy
+copies within one process, from buffers registered per agent name, like NIXL's registered
+memory); `nixl_transport.NixlTransport` is the real one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+from refit_sidecar.checksum import verify_checksums
+from refit_sidecar.manifest import MemType
+from refit_sidecar.plan import PullPlan
+
+
+class SourceLost(RuntimeError):
+    """A source could not deliver its bytes; nothing pulled in the same call may be used."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A destination buffer: a contiguous range of host (DRAM) or device (VRAM) memory."""
+
+    address: int
+    nbytes: int
+    mem_type: MemType = MemType.DRAM
+    device_id: int = 0
+    owner: object = field(default=None, compare=False, repr=False)
+    """The object owning the memory (an array, a tensor), kept alive with the region."""
+
+    @classmethod
+    def of_array(cls, array: np.ndarray) -> Region:
+        if not array.flags.c_contiguous:
+            raise ValueError("a destination array must be C-contiguous")
+        return cls(array.ctypes.data, array.nbytes, owner=array)
+
+
+@dataclass(frozen=True)
+class PullStats:
+    nbytes: int
+    seconds: float
+    reads: int
+    """Descriptors (byte ranges) read."""
+    transfers: int
+    """Transfer requests posted (one per source agent and memory type)."""
+    reposted: int = 0
+    """Of those, requests prepared by an earlier pull and posted again."""
+    verified_shards: int = 0
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.nbytes / max(self.seconds, 1e-9) / 2**30
+
+
+class Transport(Protocol):
+    def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
+        """Fill `dest` per `plan`; with `verify`, check the checksums of shards read whole."""
+        ...
+
+
+def host_view(region: Region) -> np.ndarray:
+    """The bytes of a DRAM region as a writable uint8 array (no copy)."""
+    if region.mem_type is not MemType.DRAM:
+        raise ValueError("only DRAM regions can be viewed from the host")
+    if region.nbytes == 0:
+        return np.zeros(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.address))
+
+
+class InMemoryTransport:
+    """Reference transport: sources are numpy buffers in this process, keyed by agent name."""
+
+    def __init__(self, buffers: Mapping[str, Sequence[np.ndarray]]) -> None:
+        self._buffers = {
+            agent: sorted(
+                ((b.ctypes.data, b.reshape(-1).view(np.uint8)) for b in arrays),
+                key=lambda entry: entry[0],
+            )
+            for agent, arrays in buffers.items()
+        }
+
+    def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
+        if dest.nbytes < plan.nbytes:
+            raise ValueError(f"destination holds {dest.nbytes} bytes, the plan needs {plan.nbytes}")
+        out = host_view(dest)
+        start = time.perf_counter()
+        for reads in plan.reads:
+            src, base = self._resolve(reads.location.agent, reads.location.address)
+            for off, n, at in zip(
+                reads.shard_offsets, reads.lengths, reads.dest_offsets, strict=True
+            ):
+                lo = base + int(off)
+                if lo + n > len(src):
+                    raise SourceLost(f"{reads.location.agent}: read past a registered buffer")
+                out[at : at + n] = src[lo : lo + n]
+        stats = PullStats(
+            plan.bytes_read, time.perf_counter() - start, plan.num_reads, len(plan.agents)
+        )
+        return replace(stats, verified_shards=verify_checksums(plan, out)) if verify else stats
+
+    def _resolve(self, agent: str, address: int) -> tuple[np.ndarray, int]:
+        buffers = self._buffers.get(agent)
+        if not buffers:
+            raise SourceLost(f"no source agent {agent!r}")
+        i = bisect.bisect_right([a for a, _ in buffers], address) - 1
+        if i < 0 or address >= buffers[i][0] + len(buffers[i][1]):
+            raise SourceLost(f"{agent}: address {address:#x} is not in registered memory")
+        return buffers[i][1], address - buffers[i][0]

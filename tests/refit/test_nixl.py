@@ -1,0 +1,273 @@
+"""Real NIXL pulls (UCX over DRAM) from a source in another process.
+
+The source process holds the TP=2 shards of a few tensors (a fused fc1 with parts=2, dim-1
+splits, a dim-0 split, a replicated norm), one NIXL agent per rank; the puller is this process.
+Failure tests start their own source and kill or freeze it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import numpy as np
+import pytest
+
+from refit_sidecar.layout import ShardSpec, megatron_shard_spec, split_pieces
+from refit_sidecar.manifest import (
+    AgentRecord,
+    Box,
+    DType,
+    Manifest,
+    ParameterRecord,
+    ShardLocation,
+    ShardRecord,
+)
+from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.plan import PullPlan, Want, plan_pull, whole
+from refit_sidecar.source import SourceConfig
+from refit_sidecar.transport import Region, SourceLost
+from tests.refit.shards import index, random_global
+from tests.refit.source_worker import serve
+
+Tensors = dict[str, tuple[tuple[int, ...], DType]]
+TENSORS: Tensors = {
+    "decoder.layers.0.mlp.linear_fc1.weight": ((64, 24), DType.FLOAT32),
+    "decoder.layers.0.mlp.linear_fc2.weight": ((24, 32), DType.FLOAT32),
+    "decoder.layers.0.self_attention.linear_proj.weight": ((24, 24), DType.BFLOAT16),
+    "embedding.word_embeddings.weight": ((128, 24), DType.FLOAT16),
+    "decoder.layers.0.input_layernorm.weight": ((24,), DType.FLOAT32),
+}
+FC1, FC2, _, EMBEDDING, _ = TENSORS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Source:
+    process: BaseProcess
+    conn: Connection
+    manifest: Manifest
+
+    def publish(self, version: int, seed: int) -> Manifest:
+        self.conn.send((version, seed))
+        assert self.conn.poll(60), "source did not publish"
+        self.manifest = self.conn.recv()
+        return self.manifest
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        self.process.join(30)
+
+
+def _start(ranks: list[tuple[SourceConfig, list[ShardSpec]]], seed: int | None) -> Source:
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=serve, args=(child, ranks, seed), daemon=True)
+    process.start()
+    child.close()
+    if not conn.poll(120):
+        process.kill()
+        pytest.fail("the source process did not publish a manifest")
+    return Source(process, conn, conn.recv())
+
+
+def _tp2_ranks(
+    tensors: Tensors, listen: bool, tag: str
+) -> list[tuple[SourceConfig, list[ShardSpec]]]:
+    return [
+        (
+            SourceConfig(name=f"{tag}-tp{r}", listen_port=_free_port() if listen else None),
+            [megatron_shard_spec(n, s, d, tp_rank=r, tp_size=2) for n, (s, d) in tensors.items()],
+        )
+        for r in range(2)
+    ]
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[Source]:
+    src = _start(_tp2_ranks(TENSORS, listen=True, tag="src"), seed=1)
+    yield src
+    src.conn.send(None)
+    src.process.join(30)
+    src.stop()
+
+
+@pytest.fixture(scope="module")
+def puller() -> Iterator[NixlTransport]:
+    transport = NixlTransport.create(NixlConfig(name="puller", pull_timeout_s=60))
+    yield transport
+    transport.close()
+
+
+def _pull_and_check(
+    transport: NixlTransport, manifest: Manifest, wants: list[Want], seed: int
+) -> PullPlan:
+    plan = plan_pull(manifest, wants)
+    dest = np.zeros(plan.nbytes, np.uint8)
+    stats = transport.pull(plan, Region.of_array(dest), verify=True)
+    assert stats.nbytes == plan.bytes_read == sum(t.nbytes for t in plan.targets)
+    assert stats.reads == plan.num_reads
+    assert stats.verified_shards == sum(r.complete for r in plan.reads)
+    for t in plan.targets:
+        shape, dtype = TENSORS[t.name]
+        expected = random_global(t.name, shape, dtype, seed)[index(t.box)]
+        assert dest[t.span].tobytes() == expected.tobytes(), t
+    return plan
+
+
+def test_whole_tensors_are_bit_exact(source: Source, puller: NixlTransport) -> None:
+    plan = _pull_and_check(puller, source.manifest, whole(source.manifest), seed=1)
+    assert {r.location.agent for r in plan.reads} == {"src-tp0", "src-tp1"}
+    assert all(r.complete for r in plan.reads)
+
+
+def test_row_range_inside_one_shard(source: Source, puller: NixlTransport) -> None:
+    plan = _pull_and_check(puller, source.manifest, [Want(EMBEDDING, Box(((70, 90), (0, 24))))], 1)
+    assert plan.num_reads == 1 and plan.reads[0].location.agent == "src-tp1"
+
+
+def test_column_range_spanning_two_shards(source: Source, puller: NixlTransport) -> None:
+    plan = _pull_and_check(puller, source.manifest, [Want(FC2, Box(((0, 24), (10, 25))))], 1)
+    assert plan.num_reads == 48  # one read per row from each rank: prepped descriptor lists
+
+
+def test_fc1_narrow_of_a_tp4_receiver(source: Source, puller: NixlTransport) -> None:
+    wants = [Want(FC1, Box(((8, 16), (0, 24)))), Want(FC1, Box(((40, 48), (0, 24))))]
+    plan = _pull_and_check(puller, source.manifest, wants, 1)
+    assert plan.num_reads == 2
+
+
+def test_refreshed_versions_reuse_registrations_and_requests(
+    source: Source, puller: NixlTransport
+) -> None:
+    """The source refreshes in place (same registration, same metadata); the puller's
+    registered destination lets it re-post the requests prepared for the previous version."""
+    first = source.manifest
+    plan = plan_pull(first, whole(first))
+    array = np.zeros(plan.nbytes, np.uint8)
+    dest = Region.of_array(array)
+    puller.register(dest)
+    try:
+        for version, seed in [(2, 2), (3, 1)]:
+            manifest = source.publish(version, seed)
+            assert manifest.agents == first.agents
+            plan = plan_pull(manifest, whole(manifest))
+            stats = puller.pull(plan, dest, verify=True)
+            assert stats.reposted == (stats.transfers if version == 3 else 0)
+            assert stats.verified_shards == len(plan.reads)
+            for t in plan.targets:
+                shape, dtype = TENSORS[t.name]
+                expected = random_global(t.name, shape, dtype, seed)[index(t.box)]
+                assert array[t.span].tobytes() == expected.tobytes(), t
+    finally:
+        puller.deregister(dest)
+
+
+def test_metadata_fetched_from_the_source_listener(source: Source) -> None:
+    agents = {
+        n: AgentRecord(n, host=a.host, port=a.port) for n, a in source.manifest.agents.items()
+    }
+    manifest = dataclasses.replace(source.manifest, agents=agents)
+    transport = NixlTransport.create(NixlConfig(name="listener-puller", pull_timeout_s=60))
+    try:
+        _pull_and_check(transport, manifest, whole(manifest), seed=1)
+    finally:
+        transport.close()
+
+
+def _lonely_manifest(agent: AgentRecord) -> Manifest:
+    location = ShardLocation.contiguous(agent=agent.name, address=1 << 20, shape=(4,), itemsize=4)
+    _, pieces = split_pieces((4,), None, 1, 0, 1)
+    record = ParameterRecord("w", (4,), DType.FLOAT32, (ShardRecord(location, pieces),))
+    return Manifest(1, (record,), {agent.name: agent})
+
+
+def test_unanswered_listener_gives_source_lost() -> None:
+    manifest = _lonely_manifest(AgentRecord("ghost", host="127.0.0.1", port=_free_port()))
+    transport = NixlTransport.create(NixlConfig(name="ghost-puller", connect_timeout_s=1))
+    plan = plan_pull(manifest, whole(manifest))
+    with pytest.raises(SourceLost, match="no metadata"):
+        transport.pull(plan, Region.of_array(np.zeros(plan.nbytes, np.uint8)))
+    transport.close()
+
+
+BIG: Tensors = {"decoder.layers.0.mlp.linear_fc2.weight": ((8192, 8192), DType.FLOAT32)}  # 256 MiB
+SMALL: Tensors = {"decoder.layers.0.input_layernorm.weight": ((1024,), DType.FLOAT32)}
+
+
+@pytest.fixture
+def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX over TCP in both processes: a READ then needs the source's progress thread, so a
+    frozen (SIGSTOP) source keeps a pull in flight until it is killed or the deadline passes.
+    Over shared memory the puller copies by itself and a pull completes inside transfer()."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+
+def _frozen_big_source(tag: str, transport: NixlTransport) -> tuple[Source, PullPlan]:
+    src = _start(_tp2_ranks(BIG | SMALL, listen=False, tag=tag), seed=None)
+    warm = plan_pull(src.manifest, whole(src.manifest, list(SMALL)))
+    transport.pull(warm, Region.of_array(np.zeros(warm.nbytes, np.uint8)))  # connects
+    os.kill(src.process.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    plan = plan_pull(src.manifest, whole(src.manifest, list(BIG)))
+    assert plan.num_reads == 2 * 8192
+    return src, plan
+
+
+@pytest.mark.usefixtures("tcp")
+def test_source_killed_mid_pull_raises_source_lost() -> None:
+    transport = NixlTransport.create(NixlConfig(name="kill-puller", pull_timeout_s=120))
+    src, plan = _frozen_big_source("kill", transport)
+    try:
+        pending = transport.start(plan, Region.of_array(np.zeros(plan.nbytes, np.uint8)))
+        assert pending.in_flight  # the frozen source cannot serve a READ over TCP
+        os.kill(src.process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        with pytest.raises(SourceLost):
+            pending.wait()
+    finally:
+        src.stop()
+        transport.close()
+
+
+@pytest.mark.usefixtures("tcp")
+def test_stalled_source_hits_the_deadline_then_dead_source_raises() -> None:
+    transport = NixlTransport.create(NixlConfig(name="stall-puller", pull_timeout_s=2))
+    src, plan = _frozen_big_source("stall", transport)
+    dest = Region.of_array(np.zeros(plan.nbytes, np.uint8))
+    try:
+        with pytest.raises(SourceLost, match="deadline"):
+            transport.pull(plan, dest)
+        src.stop()
+        with pytest.raises(SourceLost):
+            transport.pull(plan, dest)
+    finally:
+        src.stop()
+        transport.close()
+
+
+def test_pull_from_exited_source_raises_source_lost() -> None:
+    """Default transports (shared memory): a source gone between two pulls."""
+    transport = NixlTransport.create(NixlConfig(name="exit-puller", pull_timeout_s=60))
+    src = _start(_tp2_ranks(SMALL, listen=False, tag="exit"), seed=None)
+    plan = plan_pull(src.manifest, whole(src.manifest))
+    dest = Region.of_array(np.zeros(plan.nbytes, np.uint8))
+    try:
+        transport.pull(plan, dest)
+        src.stop()
+        with pytest.raises(SourceLost):
+            transport.pull(plan, dest)
+    finally:
+        src.stop()
+        transport.close()
