@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from refit_sidecar.cli import SidecarConfig, parse_config
 from refit_sidecar.server import create_server
+from trainer_refit.serving import wait_for_stop_signal, write_port_file
 
 log = logging.getLogger("refit_sidecar")
 
 
 async def serve(config: SidecarConfig) -> None:
-    server, port, health = await create_server(config)
-    log.info("refit sidecar serving gRPC on %s:%d", config.host, port)
-    if config.port_file is not None:
-        tmp = config.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        tmp.replace(config.port_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await health.enter_graceful_shutdown()
-    await server.stop(config.grace_seconds)
+    running = await create_server(config)
+    log.info("refit sidecar serving gRPC on %s:%d", config.host, running.port)
+    write_port_file(config.port_file, running.port)
+    received = await wait_for_stop_signal()
+    log.info("shutting down (%s)", received.name)
+    await running.stop(config.grace_seconds)
 
 
 def main(argv: list[str] | None = None) -> None:

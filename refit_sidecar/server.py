@@ -11,8 +11,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from refit_sidecar.cli import SidecarConfig
 from refit_sidecar.registry import (
@@ -23,6 +21,7 @@ from refit_sidecar.registry import (
     UnknownLease,
     UnknownVersion,
 )
+from trainer_refit.serving import RunningServer, start_server
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
@@ -171,21 +170,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         return pb.ReleaseLeaseResponse()
 
 
-async def create_server(
-    config: SidecarConfig,
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Builds and starts the sidecar; returns it, the bound port and its health servicer."""
-    server = grpc.aio.server()
-    pb_grpc.add_RefitServiceServicer_to_server(RefitServicer(Registry(config.registry)), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+async def create_server(config: SidecarConfig) -> RunningServer:
+    servicer = RefitServicer(Registry(config.registry))
+    return await start_server(
+        lambda server: pb_grpc.add_RefitServiceServicer_to_server(servicer, server),
+        SERVICE_NAME,
+        host=config.host,
+        port=config.port,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"could not bind {config.host}:{config.port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port, health_servicer

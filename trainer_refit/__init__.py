@@ -1,5 +1,6 @@
-"""Python stubs generated from ``protos/`` (the wire contract). Regenerate with ``make protos``.
+"""The wire: Python stubs generated from ``protos/`` (regenerate with ``make protos``) and the
+gRPC serving plumbing both services share (``serving.py``).
 
-Nothing here is written by hand except this file and ``codegen.py``; a test fails when the
-committed stubs differ from what the .proto files generate.
+Only ``v1/`` is generated; a test fails when the committed stubs differ from what the .proto
+files generate.
 """

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron_hf.checkpoint import load_hf_state_dict
 from megatron_hf.convert import hf_to_megatron
 from megatron_hf.spec import ModelSpec, padded_vocab_size
+from trainer_refit.serving import wait_for_stop_signal, write_port_file
 from trainer_svc.config import Device, TrainerConfig
 from trainer_svc.runtime import cpu_compat
 from trainer_svc.runtime.checkpointing import Checkpointer
@@ -146,22 +147,17 @@ def build_engine(
 
 async def _serve(engine: StepEngine, info: ServiceInfo, config: TrainerConfig) -> None:
     leader = Leader(engine)
-    server, port, health = await create_server(leader, info, config.server)
+    running = await create_server(leader, info, config.server)
     log.info(
-        "trainer serving gRPC on %s:%d, %s", config.server.host, port, config.layout.describe()
+        "trainer serving gRPC on %s:%d, %s",
+        config.server.host,
+        running.port,
+        config.layout.describe(),
     )
-    if config.server.port_file is not None:
-        tmp = config.server.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        tmp.replace(config.server.port_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    await health.enter_graceful_shutdown()
-    await server.stop(config.server.grace_seconds)
+    write_port_file(config.server.port_file, running.port)
+    received = await wait_for_stop_signal()
+    log.info("shutting down (%s)", received.name)
+    await running.stop(config.server.grace_seconds)
     await leader.shutdown()
 
 

@@ -1,0 +1,217 @@
+"""A typed, synchronous client of the refit sidecar, speaking the manifest's domain types.
+
+Status codes come back as the registry's domain errors: NOT_FOUND as `UnknownVersion` (calls
+naming a version) or `UnknownLease` (calls naming a lease), RESOURCE_EXHAUSTED as
+`SlotsExhausted`, INVALID_ARGUMENT as ValueError. Anything else (UNAVAILABLE,
+DEADLINE_EXCEEDED, ...) is raised as the `grpc.RpcError` it is.
+
+Versions start at 1: the wire uses 0 for "none" (no readable version, no retired version),
+which the client returns as None.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from refit_sidecar.manifest import Manifest
+from refit_sidecar.registry import SlotsExhausted, UnknownLease, UnknownVersion
+from refit_sidecar.wire import manifest_from_proto, publish_request
+from trainer_refit.v1 import common_pb2
+from trainer_refit.v1 import refit_pb2 as pb
+from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
+
+__all__ = [
+    "Lease",
+    "SidecarClient",
+    "SlotsExhausted",
+    "TrainerLayout",
+    "UnknownLease",
+    "UnknownVersion",
+]
+
+Reply = TypeVar("Reply")
+_SERVICE = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerLayout:
+    """How the trainer's ranks are laid out; every one of the `world_size` ranks publishes."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.tensor_parallel, self.pipeline_parallel, self.data_parallel) < 1:
+            raise ValueError(f"parallel sizes must be >= 1, got {self}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    def to_proto(self) -> common_pb2.ParallelLayout:
+        return common_pb2.ParallelLayout(
+            tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+            data_parallel=self.data_parallel,
+            world_size=self.world_size,
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    version: int
+    expires_in_seconds: float
+    """Seconds until the lease ended, as the sidecar saw it when it answered."""
+
+
+def _lease(reply: pb.Lease) -> Lease:
+    return Lease(reply.lease_id, reply.version, reply.expires_in_seconds)
+
+
+class SidecarClient:
+    """`SidecarClient("host:port")`; a context manager closing its channel. `timeout` is the
+    deadline in seconds of each unary call (None: none); `watch` streams have no deadline."""
+
+    def __init__(self, target: str, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.RefitServiceStub(self._channel)
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(
+        self,
+        method: Callable[..., Reply],
+        request: Any,
+        not_found: type[LookupError] = UnknownVersion,
+    ) -> Reply:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as error:
+            mapped = _domain_error(error, not_found)
+            if mapped is None:
+                raise
+            raise mapped from error
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the sidecar's health service answers SERVING (TimeoutError after
+        `timeout` seconds)."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"refit sidecar at {self.target} not serving after {timeout} s")
+            try:
+                request = health_pb2.HealthCheckRequest(service=_SERVICE)
+                reply = health.Check(request, timeout=left, wait_for_ready=True)
+                if reply.status == serving:
+                    return
+            except grpc.RpcError as error:
+                if error.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    raise
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+
+    # -- trainer side -------------------------------------------------------------------------
+
+    def register_trainer(self, layout: TrainerLayout, num_slots: int) -> None:
+        """Start a new trainer generation (retires every earlier version and lease)."""
+        request = pb.RegisterTrainerRequest(layout=layout.to_proto(), num_slots=num_slots)
+        self._call(self._stub.RegisterTrainer, request)
+
+    def reserve_slot(self, version: int) -> tuple[int, int | None]:
+        """(slot for `version`, the version retired to free it, or None)."""
+        if version < 1:
+            raise ValueError(f"versions start at 1, got {version}")
+        reply = self._call(self._stub.ReserveSlot, pb.ReserveSlotRequest(version=version))
+        return reply.slot, reply.retired_version or None
+
+    def publish(self, version: int, rank: int, partial: Manifest) -> bool:
+        """Publish `rank`'s part of `version` (one agent, with its metadata blob, and its
+        shards); True when this made the version readable."""
+        reply = self._call(self._stub.PublishShards, publish_request(version, rank, partial))
+        return reply.visible
+
+    # -- receiver side ------------------------------------------------------------------------
+
+    def latest_version(self) -> int | None:
+        reply = self._call(self._stub.GetLatestVersion, pb.GetLatestVersionRequest())
+        return reply.version or None
+
+    def manifest(self, version: int) -> Manifest:
+        """The merged manifest of a readable version (UnknownVersion otherwise)."""
+        reply = self._call(self._stub.GetManifest, pb.GetManifestRequest(version=version))
+        return manifest_from_proto(reply)
+
+    def acquire_lease(self, version: int, receiver_id: str, ttl: float) -> Lease:
+        request = pb.AcquireLeaseRequest(version=version, receiver_id=receiver_id, ttl_seconds=ttl)
+        return _lease(self._call(self._stub.AcquireLease, request))
+
+    def renew_lease(self, lease: Lease | str, ttl: float) -> Lease:
+        request = pb.RenewLeaseRequest(lease_id=_lease_id(lease), ttl_seconds=ttl)
+        return _lease(self._call(self._stub.RenewLease, request, UnknownLease))
+
+    def release_lease(self, lease: Lease | str) -> None:
+        request = pb.ReleaseLeaseRequest(lease_id=_lease_id(lease))
+        self._call(self._stub.ReleaseLease, request, UnknownLease)
+
+    def watch(self, after_version: int = 0) -> Iterator[int]:
+        """Readable versions newer than `after_version`: the latest at once when there is one,
+        then each new one. The stream starts at the first `next()`; closing the iterator (or
+        the client) ends it."""
+        call = self._stub.WatchVersions(pb.WatchVersionsRequest(after_version=after_version))
+        try:
+            for info in call:
+                yield info.version
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED:
+                return
+            mapped = _domain_error(error, UnknownVersion)
+            if mapped is None:
+                raise
+            raise mapped from error
+        finally:
+            call.cancel()
+
+
+def _lease_id(lease: Lease | str) -> str:
+    return lease.lease_id if isinstance(lease, Lease) else lease
+
+
+def _domain_error(error: grpc.RpcError, not_found: type[LookupError]) -> Exception | None:
+    """The domain error for `error`'s status code; None to raise the RpcError itself."""
+    code = error.code()
+    details = error.details() or str(code)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return not_found(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return SlotsExhausted(details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    return None

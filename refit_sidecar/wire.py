@@ -1,0 +1,244 @@
+"""Exact conversions between the manifest's domain records and the refit.proto messages.
+
+Every `*_to_proto` / `*_from_proto` pair round-trips: `x_from_proto(x_to_proto(x)) == x`, with
+one documented narrowing: the wire's `SourceAgent` carries an agent's NIXL metadata blob (and
+rank) only, not the metadata listener (`AgentRecord.host`/`port`). `agent_to_proto` therefore
+requires the blob and drops the listener; an agent record without host and port (what a source
+without a listener publishes) round-trips exactly.
+
+Enums: `DType` <-> common.proto `DType`, `MemType` <-> refit.proto `MemoryKind`. Unspecified or
+unknown wire values raise ValueError naming the valid ones. Values out of a proto field's range
+(a negative address, a rank past uint32) raise ValueError as well (protobuf's own check).
+
+A manifest's `layout` (the trainer's ParallelLayout) has no domain counterpart: it is written
+when given and ignored when read. `publish_request`/`partial_from_request` convert one rank's
+part of a version (its one agent and its shards) to and from a `PublishShardsRequest`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from refit_sidecar.manifest import (
+    AgentRecord,
+    Box,
+    DType,
+    Manifest,
+    MemType,
+    ParameterRecord,
+    ShardLocation,
+    ShardPiece,
+    ShardRecord,
+)
+from trainer_refit.v1 import common_pb2
+from trainer_refit.v1 import refit_pb2 as pb
+
+_DTYPES: dict[DType, common_pb2.DType] = {
+    d: common_pb2.DType.Value(f"DTYPE_{d.name}") for d in DType
+}
+_DTYPES_BACK: dict[int, DType] = {int(v): d for d, v in _DTYPES.items()}
+_MEMORY: dict[MemType, pb.MemoryKind] = {
+    m: pb.MemoryKind.Value(f"MEMORY_KIND_{m.name}") for m in MemType
+}
+_MEMORY_BACK: dict[int, MemType] = {int(v): m for m, v in _MEMORY.items()}
+
+
+def _unknown(kind: str, value: int, valid: Iterable[str]) -> ValueError:
+    return ValueError(f"unknown or unspecified {kind} {value}; valid: {', '.join(valid)}")
+
+
+# -- enums -------------------------------------------------------------------------------------
+
+
+def dtype_to_proto(dtype: DType) -> common_pb2.DType:
+    return _DTYPES[dtype]
+
+
+def dtype_from_proto(value: int) -> DType:
+    dtype = _DTYPES_BACK.get(value)
+    if dtype is None:
+        names = (common_pb2.DType.Name(v) for v in _DTYPES.values())
+        raise _unknown("DType", value, names)
+    return dtype
+
+
+def mem_type_to_proto(mem_type: MemType) -> pb.MemoryKind:
+    return _MEMORY[mem_type]
+
+
+def mem_type_from_proto(value: int) -> MemType:
+    mem_type = _MEMORY_BACK.get(value)
+    if mem_type is None:
+        raise _unknown("MemoryKind", value, (pb.MemoryKind.Name(v) for v in _MEMORY.values()))
+    return mem_type
+
+
+# -- boxes and shards --------------------------------------------------------------------------
+
+
+def box_to_proto(box: Box) -> pb.Box:
+    return pb.Box(start=box.start, stop=[stop for _, stop in box.ranges])
+
+
+def box_from_proto(message: pb.Box) -> Box:
+    if len(message.start) != len(message.stop):
+        raise ValueError(f"box with {len(message.start)} starts and {len(message.stop)} stops")
+    return Box(tuple(zip(message.start, message.stop, strict=True)))
+
+
+def piece_to_proto(piece: ShardPiece) -> pb.ShardPiece:
+    return pb.ShardPiece(box=box_to_proto(piece.box), local_start=piece.local_start)
+
+
+def piece_from_proto(message: pb.ShardPiece) -> ShardPiece:
+    return ShardPiece(box_from_proto(message.box), tuple(message.local_start))
+
+
+def location_to_proto(location: ShardLocation) -> pb.ShardLocation:
+    return pb.ShardLocation(
+        agent=location.agent,
+        address=location.address,
+        nbytes=location.nbytes,
+        shape=location.shape,
+        strides=location.strides,
+        memory=mem_type_to_proto(location.mem_type),
+        device_id=location.device_id,
+    )
+
+
+def location_from_proto(message: pb.ShardLocation) -> ShardLocation:
+    return ShardLocation(
+        agent=message.agent,
+        address=message.address,
+        nbytes=message.nbytes,
+        shape=tuple(message.shape),
+        strides=tuple(message.strides),
+        mem_type=mem_type_from_proto(message.memory),
+        device_id=message.device_id,
+    )
+
+
+def shard_to_proto(shard: ShardRecord) -> pb.ShardRecord:
+    message = pb.ShardRecord(
+        location=location_to_proto(shard.location),
+        pieces=[piece_to_proto(p) for p in shard.pieces],
+        rank=shard.rank,
+        tensor_rank=shard.tensor_rank,
+        pipeline_stage=shard.pipeline_stage,
+    )
+    if shard.crc32 is not None:
+        message.crc32 = shard.crc32
+    return message
+
+
+def shard_from_proto(message: pb.ShardRecord) -> ShardRecord:
+    if not message.HasField("location"):
+        raise ValueError("a shard record needs a location")
+    return ShardRecord(
+        location=location_from_proto(message.location),
+        pieces=tuple(piece_from_proto(p) for p in message.pieces),
+        crc32=message.crc32 if message.HasField("crc32") else None,
+        rank=message.rank,
+        tensor_rank=message.tensor_rank,
+        pipeline_stage=message.pipeline_stage,
+    )
+
+
+def parameter_to_proto(parameter: ParameterRecord) -> pb.ParameterRecord:
+    return pb.ParameterRecord(
+        name=parameter.name,
+        shape=parameter.shape,
+        dtype=dtype_to_proto(parameter.dtype),
+        shards=[shard_to_proto(s) for s in parameter.shards],
+    )
+
+
+def parameter_from_proto(message: pb.ParameterRecord) -> ParameterRecord:
+    return ParameterRecord(
+        name=message.name,
+        shape=tuple(message.shape),
+        dtype=dtype_from_proto(message.dtype),
+        shards=tuple(shard_from_proto(s) for s in message.shards),
+    )
+
+
+# -- agents and manifests ----------------------------------------------------------------------
+
+
+def agent_to_proto(agent: AgentRecord) -> pb.SourceAgent:
+    """The agent's name, metadata blob and rank. The wire has no metadata listener: the blob
+    is required (ValueError without it) and `host`/`port` are not carried."""
+    if not agent.metadata:
+        raise ValueError(
+            f"agent {agent.name!r} has no metadata blob; the wire carries agents' metadata only "
+            "(no listener host/port), so a published agent must include it"
+        )
+    return pb.SourceAgent(name=agent.name, metadata=agent.metadata, rank=agent.rank)
+
+
+def agent_from_proto(message: pb.SourceAgent) -> AgentRecord:
+    if not message.name:
+        raise ValueError("a source agent needs a name")
+    return AgentRecord(message.name, metadata=message.metadata, rank=message.rank)
+
+
+def manifest_to_proto(
+    manifest: Manifest, layout: common_pb2.ParallelLayout | None = None
+) -> pb.Manifest:
+    return pb.Manifest(
+        version=manifest.version,
+        layout=layout,
+        parameters=[parameter_to_proto(p) for p in manifest.parameters],
+        agents=[agent_to_proto(a) for a in manifest.agents.values()],
+    )
+
+
+def manifest_from_proto(message: pb.Manifest) -> Manifest:
+    """The manifest (its `layout` is not part of the domain record)."""
+    agents: dict[str, AgentRecord] = {}
+    for agent in map(agent_from_proto, message.agents):
+        if agents.setdefault(agent.name, agent) != agent:
+            raise ValueError(f"agent {agent.name!r} is listed twice, differently")
+    return Manifest(
+        message.version,
+        tuple(parameter_from_proto(p) for p in message.parameters),
+        agents,
+    )
+
+
+# -- one rank's part of a version --------------------------------------------------------------
+
+
+def publish_request(version: int, rank: int, partial: Manifest) -> pb.PublishShardsRequest:
+    """The PublishShards request of `rank` for `version`: `partial` must be that rank's part,
+    of that version, with exactly one agent (the rank's source; its `rank` must be `rank`)."""
+    if partial.version != version:
+        raise ValueError(f"partial manifest is of version {partial.version}, not {version}")
+    if len(partial.agents) != 1:
+        raise ValueError(
+            f"a rank publishes through one source agent, the partial manifest has "
+            f"{sorted(partial.agents)}"
+        )
+    (agent,) = partial.agents.values()
+    if agent.rank != rank:
+        raise ValueError(f"agent {agent.name!r} serves rank {agent.rank}, not rank {rank}")
+    return pb.PublishShardsRequest(
+        version=version,
+        rank=rank,
+        agent=agent_to_proto(agent),
+        parameters=[parameter_to_proto(p) for p in partial.parameters],
+    )
+
+
+def partial_from_request(request: pb.PublishShardsRequest) -> tuple[int, int, Manifest]:
+    """(version, rank, partial manifest) of a PublishShards request; inverse of
+    `publish_request`."""
+    if not request.HasField("agent"):
+        raise ValueError("a publish request needs its source agent")
+    agent = agent_from_proto(request.agent)
+    partial = Manifest(
+        request.version,
+        tuple(parameter_from_proto(p) for p in request.parameters),
+        {agent.name: agent},
+    )
+    return request.version, request.rank, partial
