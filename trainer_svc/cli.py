@@ -13,6 +13,7 @@ from trainer_svc.config import (
     OptimizerKind,
     ParallelLayout,
     ParamsDType,
+    RefitConfig,
     ServerConfig,
     TrainerConfig,
 )
@@ -66,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--max-microbatch-tokens", type=int, default=ServerConfig.max_microbatch_tokens
     )
+    refit = parser.add_argument_group("refit publication")
+    refit.add_argument(
+        "--sidecar",
+        default=None,
+        help="HOST:PORT of the refit sidecar; each finished step is then published to it",
+    )
+    refit.add_argument(
+        "--refit-slots",
+        type=int,
+        default=RefitConfig.slots,
+        help="snapshot slots per rank (versions readable or leased at once)",
+    )
     parser.add_argument("--seed", type=int, default=TrainerConfig.seed)
     parser.add_argument(
         "--work-dir", type=Path, default=None, help="where the built-in model is written"
@@ -99,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             port_file=args.port_file,
             max_microbatch_tokens=args.max_microbatch_tokens,
         ),
+        refit=RefitConfig(sidecar=args.sidecar, slots=args.refit_slots),
         device=Device(args.device),
         seed=args.seed,
         work_dir=args.work_dir,

@@ -109,11 +109,28 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RefitConfig:
+    sidecar: str | None = None
+    """HOST:PORT of the refit sidecar; None publishes nothing."""
+    slots: int = 2
+    """Snapshot slots per rank: versions that can be readable (or leased) at once."""
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"refit slots must be >= 1, got {self.slots}")
+        if self.sidecar is not None:
+            host, _, port = self.sidecar.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--sidecar must be HOST:PORT, got {self.sidecar!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
     device: Device = Device.AUTO
     seed: int = 1234
     work_dir: Path | None = None

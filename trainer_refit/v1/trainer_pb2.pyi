@@ -306,17 +306,21 @@ class OpenStep(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device")
+    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device", "sidecar", "refit_snapshot_bytes")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     OPEN_STEP_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_FIELD_NUMBER: _ClassVar[int]
+    REFIT_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.ParallelLayout
     model: ModelInfo
     weights_version: int
     optimizer_step: int
     open_step: OpenStep
     device: str
-    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
+    sidecar: str
+    refit_snapshot_bytes: int
+    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ..., sidecar: _Optional[str] = ..., refit_snapshot_bytes: _Optional[int] = ...) -> None: ...

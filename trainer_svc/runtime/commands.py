@@ -25,6 +25,8 @@ class TrainMicrobatch:
 @dataclass(frozen=True)
 class FinishStep:
     step_id: str
+    slot: int | None = None
+    """Refit snapshot slot for the new version, reserved by rank 0 before the broadcast."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class Leader:
         immediate = self.engine.precheck(command)
         if immediate is not None:
             return immediate
+        command = self.engine.prepare(command)
         _broadcast(command, self.engine.topology.control_group)
         return self.engine.execute(command)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
 from megatron_hf.spec import ModelSpec
+from refit_sidecar.registry import SlotsExhausted
 from trainer_svc.config import OptimizerConfig
 from trainer_svc.domain import (
     FailedPrecondition,
@@ -38,6 +39,7 @@ from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
 from trainer_svc.runtime.model_runner import ModelRunner
 from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack, unpack_per_token
+from trainer_svc.runtime.publication import Publisher
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
 from trainer_svc.validation import BatchLimits, check_sequences, check_training_batch
@@ -82,6 +84,7 @@ class StepEngine:
         padded_vocab: int,
         device: torch.device,
         checkpointer: Checkpointer,
+        publisher: Publisher | None = None,
     ) -> None:
         self.built = built
         self.spec = spec
@@ -91,6 +94,7 @@ class StepEngine:
         self.padded_vocab = padded_vocab
         self.device = device
         self.checkpointer = checkpointer
+        self.publisher = publisher
         self.runner = ModelRunner(built.ddp, device)
         local_vocab = padded_vocab // topology.layout.tensor_parallel
         self.vocab_shard = VocabShard(
@@ -176,6 +180,17 @@ class StepEngine:
             case cmd.ExportHF(path=path):
                 self.checkpointer.check_exportable(path)
         return None
+
+    def prepare(self, command: cmd.Command) -> cmd.Command:
+        """Rank 0, after precheck: reserves the refit slot of the version a finish will make,
+        before any rank changes anything (a refusal leaves the step open and unchanged)."""
+        if isinstance(command, cmd.FinishStep) and self.publisher is not None:
+            try:
+                slot = self.publisher.reserve(self.weights_version + 1)
+            except SlotsExhausted as exc:
+                raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
+            return replace(command, slot=slot)
+        return command
 
     # -- execution on every rank ------------------------------------------------------------
 
@@ -283,6 +298,11 @@ class StepEngine:
         self.open_step = None
         self.weights_version += 1
         self.optimizer_step += 1
+        if self.publisher is not None and command.slot is not None:
+            self.publisher.publish(self.weights_version, command.slot)
+            # Every rank has published once all pass here, so the version is readable when
+            # FinishTrainStep returns its number.
+            dist.barrier(group=self.topology.control_group)
         tokens = max(sums["valid_tokens"], 1.0)
         terms = LossTerms(
             policy=sums["policy"] / divisor,

@@ -23,6 +23,7 @@ from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
 from trainer_svc.runtime.engine import StepEngine
 from trainer_svc.runtime.model_factory import build_model, wrap_for_training
+from trainer_svc.runtime.publication import Publisher
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import load_global_state
 from trainer_svc.server.app import create_server
@@ -116,8 +117,17 @@ def build_engine(
             del megatron_state
             log.info("loaded HF weights from %s", model_dir)
         built = wrap_for_training(model, transformer_config, topology, config.optimizer)
+    publisher = None
+    if config.refit.sidecar is not None:
+        publisher = Publisher.create(
+            model, spec, topology, sidecar=config.refit.sidecar, slots=config.refit.slots
+        )
+    snapshot_bytes = publisher.slot_bytes * config.refit.slots if publisher else 0
     local = torch.tensor(
-        [sum(p.numel() for p in model.parameters()) if topology.dp_rank == 0 else 0],
+        [
+            sum(p.numel() for p in model.parameters()) if topology.dp_rank == 0 else 0,
+            snapshot_bytes,
+        ],
         dtype=torch.int64,
     )
     dist.all_reduce(local, group=topology.control_group)
@@ -134,13 +144,16 @@ def build_engine(
         padded_vocab=padded,
         device=device,
         checkpointer=Checkpointer(model_dir),
+        publisher=publisher,
     )
     info = ServiceInfo(
         spec=spec,
         padded_vocab=padded,
-        num_parameters=int(local.item()),
+        num_parameters=int(local[0]),
         params_dtype=config.model.params_dtype,
         max_sequence_length=max_len,
+        sidecar=config.refit.sidecar or "",
+        refit_snapshot_bytes=int(local[1]),
     )
     return engine, info
 
@@ -171,4 +184,6 @@ def run_rank(config: TrainerConfig, identity: RankIdentity, model_dir: Path) -> 
         # Rank 0 coordinates shutdown; an interrupt here would strand it in a collective.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow(engine)
+    if engine.publisher is not None:
+        engine.publisher.close()
     dist.destroy_process_group()

@@ -138,6 +138,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             weights_version=engine.weights_version,
             optimizer_step=engine.optimizer_step,
             device=engine.device.type,
+            sidecar=self.info.sidecar,
+            refit_snapshot_bytes=self.info.refit_snapshot_bytes,
         )
         open_step = engine.open_step_info()
         if open_step is not None:

@@ -22,6 +22,8 @@ class ServiceInfo:
     num_parameters: int
     params_dtype: ParamsDType
     max_sequence_length: int
+    sidecar: str = ""
+    refit_snapshot_bytes: int = 0
 
     def model_info(self) -> pb.ModelInfo:
         spec = self.spec

@@ -1,0 +1,117 @@
+"""A real trainer publishes each finished step through the sidecar; a separate process (this
+test) pulls the whole model over NIXL and gets ExportHF's weights bit for bit; a leased version
+survives later steps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_hf.convert import megatron_to_hf
+from megatron_hf.spec import ModelSpec
+from refit_sidecar.client import SidecarClient
+from refit_sidecar.manifest import Box
+from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.plan import Want, plan_pull, whole
+from refit_sidecar.transport import Region
+from tests.support.batches import make_batch
+from tests.support.trainer import TrainerProcess, assert_bit_identical
+from trainer_svc.domain import LossConfig, OptimizerOverrides
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path):
+    port_file = tmp_path / "sidecar-port"
+    command = [sys.executable, "-m", "refit_sidecar", "--port", "0", "--host", "127.0.0.1"]
+    command += ["--port-file", str(port_file), "--when-all-slots-leased", "fail"]
+    process = subprocess.Popen(command, env=os.environ)
+    while not port_file.exists():
+        assert process.poll() is None, "refit-sidecar exited early"
+        time.sleep(0.05)
+    yield f"127.0.0.1:{port_file.read_text()}"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+
+
+def _step(trainer: TrainerProcess, step_id: str) -> int:
+    loss = LossConfig()
+    trainer.client.begin_step(step_id, loss, OptimizerOverrides(learning_rate=1e-3))
+    trainer.client.train_microbatch(step_id, "r", make_batch(seed=1, lengths=[9, 14], loss=loss))
+    return trainer.client.finish_step(step_id).weights_version
+
+
+def _pull(client: SidecarClient, transport: NixlTransport, version: int, wants=None):
+    """{(name, box): tensor} of the wanted pieces (default: every whole tensor)."""
+    manifest = client.manifest(version)
+    plan = plan_pull(manifest, whole(manifest) if wants is None else wants)
+    dest = np.zeros(plan.nbytes, np.uint8)
+    stats = transport.pull(plan, Region.of_array(dest), verify=wants is None)
+    assert stats.nbytes > 0
+    return {
+        (t.name, t.box): torch.frombuffer(
+            bytearray(dest[t.span].tobytes()), dtype=_TORCH_DTYPES[t.dtype.value]
+        ).reshape(t.box.shape)
+        for t in plan.targets
+    }
+
+
+def _pull_hf(client: SidecarClient, transport: NixlTransport, version: int, spec: ModelSpec):
+    megatron = {name: t for (name, _), t in _pull(client, transport, version).items()}
+    return {name: tensor.numpy() for name, tensor in megatron_to_hf(megatron, spec).items()}
+
+
+def _check_sub_boxes(client: SidecarClient, transport: NixlTransport, version: int) -> None:
+    """Pieces of tensors equal the same slices of the whole tensors."""
+    full = {name: t for (name, _), t in _pull(client, transport, version).items()}
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"  # TP dim 0, [gate; up]
+    proj = "decoder.layers.1.self_attention.linear_proj.weight"  # TP dim 1
+    last_stage = [n for n in full if n.startswith("decoder.layers.3.")]  # the last PP stage's
+    wants = [
+        Want(fc1, Box(((10, 20), (0, 64)))),
+        Want(proj, Box(((0, 64), (20, 44)))),
+        *(Want(n, Box.full(tuple(full[n].shape))) for n in last_stage),
+    ]
+    pieces = _pull(client, transport, version, wants)
+    assert len(pieces) == len(wants)
+    for (name, box), tensor in pieces.items():
+        index = tuple(slice(a, b) for a, b in box.ranges)
+        assert torch.equal(tensor, full[name][index]), name
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_published_versions_equal_export_and_survive_while_leased(tmp_path, sidecar, layout):
+    trainer = TrainerProcess(
+        tmp_path / "trainer", [*layout, "--sidecar", sidecar, "--refit-slots", "2"]
+    )
+    transport = NixlTransport.create(NixlConfig(name="test-puller", pull_timeout_s=60))
+    client = SidecarClient(sidecar)
+    try:
+        status = trainer.client.status()
+        assert status.sidecar == sidecar and status.refit_snapshot_bytes > 0
+        spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
+        assert _step(trainer, "s1") == 1
+        assert client.latest_version() == 1
+        exported_1 = trainer.export("v1")
+        lease = client.acquire_lease(1, "test", ttl=120)
+        assert_bit_identical(_pull_hf(client, transport, 1, spec), exported_1)
+
+        assert _step(trainer, "s2") == 2
+        assert _step(trainer, "s3") == 3  # takes version 2's slot: version 1 is leased
+        assert_bit_identical(_pull_hf(client, transport, 3, spec), trainer.export("v3"))
+        assert_bit_identical(_pull_hf(client, transport, 1, spec), exported_1)
+        _check_sub_boxes(client, transport, 3)
+        client.release_lease(lease)
+    finally:
+        client.close()
+        transport.close()
+        assert trainer.stop() == 0
