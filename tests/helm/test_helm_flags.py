@@ -6,8 +6,8 @@ parser the program itself uses: torchrun's, trainer_svc.cli.build_parser(),
 refit_sidecar.cli.build_parser() and `vllm serve`'s. The parsed values must agree with the pod's
 GPUs, ports, probes and Services.
 
-Parts whose programs are still being written are strict xfails: they start failing (XPASS) the day
-the code lands, which is the signal to delete the marker (and PENDING_TRAINER_FLAGS).
+Parts whose programs do not exist yet are strict xfails: they start failing (XPASS) the day the
+code lands, which is the signal to delete the marker.
 """
 
 from __future__ import annotations
@@ -41,11 +41,7 @@ from trainer_svc.cli import config_from_args
 RenderedSet = Callable[[str], Rendered]
 VllmCli = tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], None]]
 
-# trainer-svc gains `--sidecar HOST:PORT` together with the refit sidecar. Until then the trainer
-# test parses everything else; test_trainer_sidecar_flag (strict xfail) parses all of it.
-PENDING_TRAINER_FLAGS = ("--sidecar",)
 EXTENSION_PENDING = "inference_ext.RefitWorkerExtension does not exist yet"
-TRAINER_SIDECAR_PENDING = "trainer-svc does not have --sidecar yet"
 
 
 @functools.cache
@@ -70,10 +66,6 @@ def _torchrun(
     run = parse_strictly(torchrun_parser, argv[1:])
     assert run.module and run.training_script == "trainer_svc", "runs `python -m trainer_svc`"
     return run
-
-
-def _without_pending(argv: list[str]) -> list[str]:
-    return [a for a in argv if not a.startswith(PENDING_TRAINER_FLAGS)]
 
 
 def _probe_ports(container: dict[str, Any], handler: str) -> set[Any]:
@@ -114,7 +106,7 @@ def test_trainer_flags_exist_in_torchrun_and_trainer_parsers(
     for pod in pods:
         container = pod.container("trainer")
         run = _torchrun(pod, rendered, torchrun_parser)
-        args = parse_strictly(trainer_parser, _without_pending(run.training_script_args))
+        args = parse_strictly(trainer_parser, run.training_script_args)
         config = config_from_args(args)  # the trainer's own validation of the values
 
         nnodes, nproc = int(run.nnodes), int(run.nproc_per_node)
@@ -149,7 +141,6 @@ def test_trainer_service_reaches_the_grpc_port(rendered_set: RenderedSet, name: 
     assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(port, port)]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TRAINER_SIDECAR_PENDING)
 @pytest.mark.parametrize("name", _sets_with("trainer", "sidecar"))
 def test_trainer_sidecar_flag(
     rendered_set: RenderedSet,
