@@ -33,6 +33,7 @@ from refit_sidecar.plan import plan_pull, whole
 from refit_sidecar.source import ShardSource, SourceConfig
 from refit_sidecar.transport import Region
 from tests.refit.shards import index, random_global, shard_of
+from tests.support.isolation import in_child_process
 
 SEED = 3
 # name: (global shape, dtype, split dim (None: replicated), blocks along it)
@@ -101,6 +102,7 @@ def sidecar(tmp_path: Path) -> Iterator[str]:
         assert process.wait(timeout=60) == 0
 
 
+@in_child_process
 def test_publish_then_pull_through_the_client(sidecar: str) -> None:
     with SidecarClient(sidecar, timeout=30) as client:
         client.wait_ready(timeout=30)

@@ -36,6 +36,7 @@ from refit_sidecar.source import SourceConfig
 from refit_sidecar.transport import Region, SourceLost
 from tests.refit.shards import index, random_global
 from tests.refit.source_worker import serve
+from tests.support.isolation import in_child_process
 
 Tensors = dict[str, tuple[tuple[int, ...], DType]]
 TENSORS: Tensors = {
@@ -195,6 +196,7 @@ def _lonely_manifest(agent: AgentRecord) -> Manifest:
     return Manifest(1, (record,), {agent.name: agent})
 
 
+@in_child_process
 def test_unanswered_listener_gives_source_lost() -> None:
     manifest = _lonely_manifest(AgentRecord("ghost", host="127.0.0.1", port=_free_port()))
     transport = NixlTransport.create(NixlConfig(name="ghost-puller", connect_timeout_s=1))
@@ -227,6 +229,7 @@ def _frozen_big_source(tag: str, transport: NixlTransport) -> tuple[Source, Pull
 
 
 @pytest.mark.usefixtures("tcp")
+@in_child_process
 def test_source_killed_mid_pull_raises_source_lost() -> None:
     transport = NixlTransport.create(NixlConfig(name="kill-puller", pull_timeout_s=120))
     src, plan = _frozen_big_source("kill", transport)
@@ -242,6 +245,7 @@ def test_source_killed_mid_pull_raises_source_lost() -> None:
 
 
 @pytest.mark.usefixtures("tcp")
+@in_child_process
 def test_stalled_source_hits_the_deadline_then_dead_source_raises() -> None:
     transport = NixlTransport.create(NixlConfig(name="stall-puller", pull_timeout_s=2))
     src, plan = _frozen_big_source("stall", transport)
@@ -257,6 +261,7 @@ def test_stalled_source_hits_the_deadline_then_dead_source_raises() -> None:
         transport.close()
 
 
+@in_child_process
 def test_pull_from_exited_source_raises_source_lost() -> None:
     """Default transports (shared memory): a source gone between two pulls."""
     transport = NixlTransport.create(NixlConfig(name="exit-puller", pull_timeout_s=60))

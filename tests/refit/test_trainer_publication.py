@@ -23,6 +23,7 @@ from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.plan import Want, plan_pull, whole
 from refit_sidecar.transport import Region
 from tests.support.batches import make_batch
+from tests.support.isolation import in_child_process
 from tests.support.trainer import TrainerProcess, assert_bit_identical
 from trainer_svc.domain import LossConfig, OptimizerOverrides
 
@@ -89,6 +90,7 @@ def _check_sub_boxes(client: SidecarClient, transport: NixlTransport, version: i
 
 
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+@in_child_process
 def test_published_versions_equal_export_and_survive_while_leased(tmp_path, sidecar, layout):
     trainer = TrainerProcess(
         tmp_path / "trainer", [*layout, "--sidecar", sidecar, "--refit-slots", "2"]
