@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -34,6 +29,7 @@ from refit_sidecar.source import ShardSource, SourceConfig
 from refit_sidecar.transport import Region
 from tests.refit.shards import index, random_global, shard_of
 from tests.support.isolation import in_child_process
+from tests.support.sidecar import running_sidecar
 
 SEED = 3
 # name: (global shape, dtype, split dim (None: replicated), blocks along it)
@@ -86,20 +82,8 @@ def publisher(
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[str]:
-    port_file = tmp_path / "port"
-    command = [sys.executable, "-m", "refit_sidecar", "--port", "0", "--host", "127.0.0.1"]
-    options = ["--port-file", str(port_file), "--when-all-slots-leased", "fail"]
-    process = subprocess.Popen([*command, *options], env=os.environ)
-    try:
-        deadline = time.monotonic() + 30
-        while not port_file.exists():
-            assert process.poll() is None, "refit-sidecar exited early"
-            assert time.monotonic() < deadline, "refit-sidecar did not write its port"
-            time.sleep(0.05)
-        yield f"127.0.0.1:{port_file.read_text()}"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
+    with running_sidecar(tmp_path, "--when-all-slots-leased", "fail") as address:
+        yield address
 
 
 @in_child_process

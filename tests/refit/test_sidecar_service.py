@@ -4,16 +4,14 @@ NOT_FOUND."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
+import itertools
+from contextlib import ExitStack
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.sidecar import running_sidecar
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
@@ -21,27 +19,20 @@ from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 
 @pytest.fixture
 def start_sidecar(tmp_path):
-    processes = []
+    numbers = itertools.count()
+    with ExitStack() as stack:
 
-    def start(*args: str) -> pb_grpc.RefitServiceStub:
-        port_file = tmp_path / f"port-{len(processes)}"
-        command = [sys.executable, "-m", "refit_sidecar", "--port", "0", "--host", "127.0.0.1"]
-        process = subprocess.Popen([*command, "--port-file", str(port_file), *args], env=os.environ)
-        processes.append(process)
-        while not port_file.exists():
-            assert process.poll() is None, "refit-sidecar exited early"
-            time.sleep(0.05)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
-        health = health_pb2_grpc.HealthStub(channel)
-        assert health.Check(health_pb2.HealthCheckRequest()).status == (
-            health_pb2.HealthCheckResponse.SERVING
-        )
-        return pb_grpc.RefitServiceStub(channel)
+        def start(*args: str) -> pb_grpc.RefitServiceStub:
+            workdir = tmp_path / f"sidecar-{next(numbers)}"
+            address = stack.enter_context(running_sidecar(workdir, *args))
+            channel = grpc.insecure_channel(address)
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest()).status == (
+                health_pb2.HealthCheckResponse.SERVING
+            )
+            return pb_grpc.RefitServiceStub(channel)
 
-    yield start
-    for process in processes:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
+        yield start
 
 
 def _publish(stub, version: int, rank: int) -> bool:

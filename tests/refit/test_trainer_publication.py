@@ -4,11 +4,6 @@ survives later steps."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +19,7 @@ from refit_sidecar.plan import Want, plan_pull, whole
 from refit_sidecar.transport import Region
 from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
+from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess, assert_bit_identical
 from trainer_svc.domain import LossConfig, OptimizerOverrides
 
@@ -32,16 +28,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @pytest.fixture
 def sidecar(tmp_path: Path):
-    port_file = tmp_path / "sidecar-port"
-    command = [sys.executable, "-m", "refit_sidecar", "--port", "0", "--host", "127.0.0.1"]
-    command += ["--port-file", str(port_file), "--when-all-slots-leased", "fail"]
-    process = subprocess.Popen(command, env=os.environ)
-    while not port_file.exists():
-        assert process.poll() is None, "refit-sidecar exited early"
-        time.sleep(0.05)
-    yield f"127.0.0.1:{port_file.read_text()}"
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
+    with running_sidecar(tmp_path / "sidecar", "--when-all-slots-leased", "fail") as address:
+        yield address
 
 
 def _step(trainer: TrainerProcess, step_id: str) -> int:
