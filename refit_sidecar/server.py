@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -21,7 +20,7 @@ from refit_sidecar.registry import (
     UnknownLease,
     UnknownVersion,
 )
-from trainer_refit.serving import RunningServer, start_server
+from trainer_refit.serving import RunningServer, start_server, status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
@@ -29,27 +28,15 @@ from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
-Reply = TypeVar("Reply")
 
-_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (UnknownVersion, grpc.StatusCode.NOT_FOUND),
-    (UnknownLease, grpc.StatusCode.NOT_FOUND),
-    (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+_grpc_errors = status_codes(
+    [
+        (UnknownVersion, grpc.StatusCode.NOT_FOUND),
+        (UnknownLease, grpc.StatusCode.NOT_FOUND),
+        (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    ]
 )
-
-
-def _grpc_errors(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Reply]]:
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Reply:
-        try:
-            return await method(self, request, context)
-        except tuple(e for e, _ in _CODES) as exc:
-            code = next(c for e, c in _CODES if isinstance(exc, e))
-            await context.abort(code, str(exc))
-        raise AssertionError("unreachable")
-
-    return wrapper
 
 
 class RefitServicer(pb_grpc.RefitServiceServicer):

@@ -4,14 +4,46 @@ reflection, publish the bound port, wait for SIGTERM/SIGINT, stop gracefully."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+Reply = TypeVar("Reply")
+Handler = Callable[..., Awaitable[Reply]]
+
+
+def status_codes(
+    table: Sequence[tuple[type[Exception], grpc.StatusCode]],
+) -> Callable[[Handler[Reply]], Handler[Reply]]:
+    """Decorates servicer methods: an exception of a listed type becomes its status code with
+    the exception's message; any other becomes INTERNAL and is logged with its traceback."""
+
+    def decorate(method: Handler[Reply]) -> Handler[Reply]:
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Reply:
+            try:
+                return await method(self, request, context)
+            except Exception as exc:
+                code = next((c for kind, c in table if isinstance(exc, kind)), None)
+                if code is None:
+                    log.exception("%s failed", method.__name__)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                await context.abort(code, str(exc))
+            raise AssertionError("unreachable")
+
+        return wrapper
+
+    return decorate
 
 
 @dataclass

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
+from trainer_refit.serving import status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
@@ -20,26 +19,13 @@ from trainer_svc.server.status import ServiceInfo
 
 log = logging.getLogger(__name__)
 
-Reply = TypeVar("Reply")
 
-
-def _grpc_errors(
-    method: Callable[..., Awaitable[Reply]],
-) -> Callable[..., Awaitable[Reply]]:
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Reply:
-        try:
-            return await method(self, request, context)
-        except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except FailedPrecondition as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        raise AssertionError("unreachable")
-
-    return wrapper
+_grpc_errors = status_codes(
+    [
+        (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+        (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    ]
+)
 
 
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
