@@ -1,30 +1,37 @@
-"""The source side of a pull: host buffers for a rank's shards, registered with NIXL once.
+"""The source side of a pull: a rank's shards in one arena, registered with NIXL once.
 
-A `ShardSource` owns one aligned DRAM arena holding every shard it serves, registers it with its
-own NIXL agent when it is built, and is refreshed in place (`write`, or `view` for writers such
-as `torch.from_numpy(view).copy_(param)`); the registration, and with it the agent metadata,
-stays valid across refreshes. `manifest(version)` describes the current contents. Leases and
-double buffering (never overwrite a version a receiver still reads) belong to the sidecar.
+A `ShardSource` lays every shard it serves out in one aligned arena (`arena.Arena`: host DRAM by
+default, or any arena the caller allocates, such as a `torch_arena.TorchArena` in VRAM),
+registers it with its own NIXL agent when it is built, and is refreshed in place (`write` or
+`view` for host memory, device copies into the arena for device memory); the registration, and
+with it the agent metadata, stays valid across refreshes. `manifest(version)` describes the
+current contents. Leases and double buffering (never overwrite a version a receiver still reads)
+belong to the sidecar.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
+from refit_sidecar.arena import Arena, HostArena
 from refit_sidecar.checksum import checksum
 from refit_sidecar.layout import ShardSpec
 from refit_sidecar.manifest import (
     AgentRecord,
     Manifest,
+    MemType,
     ParameterRecord,
     ShardLocation,
     ShardRecord,
 )
+
+Allocator = Callable[[int, int], Arena]
+"""(nbytes, alignment) -> an arena of exactly nbytes whose address is aligned."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,36 +56,47 @@ class SourceConfig:
             raise ValueError(f"alignment must be a power of two, got {self.alignment}")
 
 
+def arena_offsets(specs: Sequence[ShardSpec], alignment: int) -> tuple[dict[str, int], int]:
+    """Each shard's byte offset in the arena (aligned, in spec order) and the arena size."""
+    offsets, size = {}, 0
+    for spec in specs:
+        offsets[spec.parameter] = size
+        size = -(-(size + spec.nbytes) // alignment) * alignment
+    return offsets, size
+
+
 class ShardSource:
     def __init__(
         self,
         *,
         config: SourceConfig,
         agent: nixl_agent,
-        arena: np.ndarray,
+        arena: Arena,
         specs: dict[str, ShardSpec],
         offsets: dict[str, int],
         registration: Any,
     ) -> None:
         self.config = config
         self._agent = agent
-        self._arena = arena
+        self.arena = arena
         self._specs = specs
         self._offsets = offsets
         self._registration = registration
 
     @classmethod
-    def create(cls, config: SourceConfig, specs: Sequence[ShardSpec]) -> ShardSource:
+    def create(
+        cls,
+        config: SourceConfig,
+        specs: Sequence[ShardSpec],
+        allocate: Allocator = HostArena.allocate,
+    ) -> ShardSource:
         by_name = {s.parameter: s for s in specs}
         if len(by_name) != len(specs) or not specs:
             raise ValueError("a source serves one shard per parameter, and at least one")
-        offsets, size = {}, 0
-        for spec in specs:
-            offsets[spec.parameter] = size
-            size = -(-(size + spec.nbytes) // config.alignment) * config.alignment
-        raw = np.zeros(size + config.alignment, np.uint8)
-        skip = -raw.ctypes.data % config.alignment
-        arena = raw[skip : skip + size]
+        offsets, size = arena_offsets(specs, config.alignment)
+        arena = allocate(size, config.alignment)
+        if arena.nbytes != size or arena.address % config.alignment:
+            raise ValueError(f"the allocator gave {arena.nbytes} bytes at {arena.address:#x}")
         agent = nixl_agent(
             config.name,
             nixl_agent_config(
@@ -88,7 +106,9 @@ class ShardSource:
             ),
         )
         agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
-        registration = agent.register_memory([(arena.ctypes.data, arena.nbytes, 0, "")], "DRAM")
+        registration = agent.register_memory(
+            [(arena.address, arena.nbytes, arena.device_id, "")], arena.mem_type.value
+        )
         return cls(
             config=config,
             agent=agent,
@@ -102,11 +122,13 @@ class ShardSource:
     def parameters(self) -> tuple[str, ...]:
         return tuple(self._specs)
 
+    def offset(self, parameter: str) -> int:
+        """Where the shard starts in the arena, in bytes."""
+        return self._offsets[parameter]
+
     def view(self, parameter: str) -> np.ndarray:
-        """The shard's bytes (C order, writable, no copy)."""
-        spec = self._specs[parameter]
-        start = self._offsets[parameter]
-        return self._arena[start : start + spec.nbytes]
+        """The shard's bytes (C order, writable, no copy); host (DRAM) arenas only."""
+        return self.arena.host_view(self._offsets[parameter], self._specs[parameter].nbytes)
 
     def write(self, parameter: str, data: np.ndarray | bytes) -> None:
         view = self.view(parameter)
@@ -125,14 +147,21 @@ class ShardSource:
             self.config.rank,
         )
 
-    def manifest(self, version: int, *, checksums: bool = True) -> Manifest:
+    def manifest(self, version: int, *, checksums: bool | None = None) -> Manifest:
+        """The current contents as `version`. Checksums (None: when the arena is host memory)
+        need the bytes on the host, so a device arena publishes none."""
+        arena = self.arena
+        if checksums is None:
+            checksums = arena.mem_type is MemType.DRAM
         records = []
         for name, spec in self._specs.items():
             location = ShardLocation.contiguous(
                 agent=self.config.name,
-                address=self._arena.ctypes.data + self._offsets[name],
+                address=arena.address + self._offsets[name],
                 shape=spec.local_shape,
                 itemsize=spec.dtype.itemsize,
+                mem_type=arena.mem_type,
+                device_id=arena.device_id,
             )
             crc = checksum(self.view(name)) if checksums else None
             cfg = self.config

@@ -120,9 +120,14 @@ def build_engine(
     publisher = None
     if config.refit.sidecar is not None:
         publisher = Publisher.create(
-            model, spec, topology, sidecar=config.refit.sidecar, slots=config.refit.slots
+            model,
+            spec,
+            topology,
+            sidecar=config.refit.sidecar,
+            slots=config.refit.slots,
+            device=device,
         )
-    snapshot_bytes = publisher.slot_bytes * config.refit.slots if publisher else 0
+    snapshot_bytes = publisher.snapshot_bytes if publisher else 0
     local = torch.tensor(
         [
             sum(p.numel() for p in model.parameters()) if topology.dp_rank == 0 else 0,

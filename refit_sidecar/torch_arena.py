@@ -1,0 +1,70 @@
+"""A `ShardSource` arena that is one torch uint8 tensor: VRAM on a CUDA device, DRAM on the CPU.
+
+A trainer on a GPU snapshots its shards with device-local copies into typed views of the arena
+(`tensor_view`); the same code runs against CPU memory in the CPU tests. The only module of the
+data plane that imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from refit_sidecar.arena import aligned_skip
+from refit_sidecar.manifest import MemType
+
+
+def memory_of(device: torch.device) -> tuple[MemType, int]:
+    """NIXL memory type and device id of memory on `device`."""
+    if device.type == "cuda":
+        return MemType.VRAM, torch.cuda.current_device() if device.index is None else device.index
+    if device.type == "cpu":
+        return MemType.DRAM, 0
+    raise ValueError(f"no NIXL memory type for device {device}")
+
+
+class TorchArena:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError("an arena is a contiguous 1-d uint8 tensor")
+        self.tensor = tensor
+        self._memory = memory_of(tensor.device)
+
+    @classmethod
+    def allocate(cls, nbytes: int, alignment: int, *, device: torch.device) -> TorchArena:
+        """Zeroed, so a slot never exposes stale device memory; one allocation per arena."""
+        raw = torch.zeros(nbytes + alignment, dtype=torch.uint8, device=device)
+        skip = aligned_skip(raw.data_ptr(), alignment)
+        return cls(raw[skip : skip + nbytes])
+
+    @property
+    def address(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel())
+
+    @property
+    def mem_type(self) -> MemType:
+        return self._memory[0]
+
+    @property
+    def device_id(self) -> int:
+        return self._memory[1]
+
+    def host_view(self, start: int, nbytes: int) -> np.ndarray:
+        if self.mem_type is not MemType.DRAM:
+            raise ValueError("device memory has no host view")
+        return self.tensor[start : start + nbytes].numpy()
+
+    def tensor_view(self, start: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A typed, writable view of the arena at byte `start` (which must suit `dtype`)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize
+        if start % itemsize or start + nbytes > self.nbytes:
+            raise ValueError(f"{nbytes} bytes at {start} do not fit the arena as {dtype}")
+        return self.tensor[start : start + nbytes].view(dtype).view(tuple(shape))
