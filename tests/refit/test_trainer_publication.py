@@ -1,6 +1,6 @@
-"""A real trainer publishes each finished step through the sidecar; a separate process (this
-test) pulls the whole model over NIXL and gets ExportHF's weights bit for bit; a leased version
-survives later steps."""
+"""A real trainer publishes each finished step, and each loaded checkpoint, through the sidecar;
+a separate process (this test) pulls the whole model over NIXL and gets ExportHF's weights bit
+for bit; a leased version survives later steps."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess, assert_bit_identical
-from trainer_svc.domain import LossConfig, OptimizerOverrides
+from trainer_svc.domain import FailedPrecondition, LossConfig, OptimizerOverrides
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -101,6 +101,43 @@ def test_published_versions_equal_export_and_survive_while_leased(tmp_path, side
         assert_bit_identical(_pull_hf(client, transport, 1, spec), exported_1)
         _check_sub_boxes(client, transport, 3)
         client.release_lease(lease)
+    finally:
+        client.close()
+        transport.close()
+        assert trainer.stop() == 0
+
+
+@in_child_process
+def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar):
+    trainer = TrainerProcess(
+        tmp_path / "trainer", ["--tp", "2", "--sidecar", sidecar, "--refit-slots", "2"]
+    )
+    transport = NixlTransport.create(NixlConfig(name="load-puller", pull_timeout_s=60))
+    client = SidecarClient(sidecar)
+    try:
+        spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
+        assert _step(trainer, "s1") == 1
+        saved = trainer.export("saved")
+        trainer.client.save_checkpoint(tmp_path / "ckpt")
+        assert _step(trainer, "s2") == 2
+        assert _step(trainer, "s3") == 3
+
+        loaded = trainer.client.load_checkpoint(tmp_path / "ckpt")
+        assert loaded.weights_version == 4 and client.latest_version() == 4
+        exported = trainer.export("loaded")
+        assert_bit_identical(exported, saved)
+        assert_bit_identical(_pull_hf(client, transport, 4, spec), exported)
+
+        # Both slots leased and the sidecar's policy is `fail`: the load is refused before the
+        # weights change, and nothing is published.
+        leases = [client.acquire_lease(v, "test", ttl=120) for v in (3, 4)]
+        with pytest.raises(FailedPrecondition, match="cannot publish"):
+            trainer.client.load_checkpoint(tmp_path / "ckpt")
+        assert trainer.client.status().weights_version == 4 and client.latest_version() == 4
+        for lease in leases:
+            client.release_lease(lease)
+        assert trainer.client.load_checkpoint(tmp_path / "ckpt").weights_version == 5
+        assert_bit_identical(_pull_hf(client, transport, 5, spec), saved)
     finally:
         client.close()
         transport.close()

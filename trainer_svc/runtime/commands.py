@@ -49,6 +49,8 @@ class SaveCheckpoint:
 @dataclass(frozen=True)
 class LoadCheckpoint:
     path: Path
+    slot: int | None = None
+    """Refit snapshot slot for the loaded weights' version, reserved like FinishStep's."""
 
 
 @dataclass(frozen=True)

@@ -182,15 +182,25 @@ class StepEngine:
         return None
 
     def prepare(self, command: cmd.Command) -> cmd.Command:
-        """Rank 0, after precheck: reserves the refit slot of the version a finish will make,
-        before any rank changes anything (a refusal leaves the step open and unchanged)."""
-        if isinstance(command, cmd.FinishStep) and self.publisher is not None:
+        """Rank 0, after precheck: reserves the refit slot of the version a finish or a
+        checkpoint load will make, before any rank changes anything (a refusal leaves the
+        trainer unchanged)."""
+        if isinstance(command, cmd.FinishStep | cmd.LoadCheckpoint) and self.publisher is not None:
             try:
                 slot = self.publisher.reserve(self.weights_version + 1)
             except SlotsExhausted as exc:
                 raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
             return replace(command, slot=slot)
         return command
+
+    def _publish(self, slot: int | None) -> None:
+        """Publishes the current weights as `weights_version` into the reserved slot."""
+        if self.publisher is None or slot is None:
+            return
+        self.publisher.publish(self.weights_version, slot)
+        # Every rank has published once all pass here, so the version is readable when the
+        # command that made it returns its number.
+        dist.barrier(group=self.topology.control_group)
 
     # -- execution on every rank ------------------------------------------------------------
 
@@ -208,9 +218,10 @@ class StepEngine:
                 return self._forward(command)
             case cmd.SaveCheckpoint(path=path):
                 return self.checkpointer.save(path, self)
-            case cmd.LoadCheckpoint(path=path):
+            case cmd.LoadCheckpoint(path=path, slot=slot):
                 self.checkpointer.load(path, self)
                 self.weights_version += 1
+                self._publish(slot)
                 return self.weights_version, self.optimizer_step
             case cmd.ExportHF(path=path):
                 return self.checkpointer.export_hf(path, self)
@@ -298,11 +309,7 @@ class StepEngine:
         self.open_step = None
         self.weights_version += 1
         self.optimizer_step += 1
-        if self.publisher is not None and command.slot is not None:
-            self.publisher.publish(self.weights_version, command.slot)
-            # Every rank has published once all pass here, so the version is readable when
-            # FinishTrainStep returns its number.
-            dist.barrier(group=self.topology.control_group)
+        self._publish(command.slot)
         tokens = max(sums["valid_tokens"], 1.0)
         terms = LossTerms(
             policy=sums["policy"] / divisor,
