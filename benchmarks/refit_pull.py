@@ -1,0 +1,517 @@
+"""Refit on two GPUs: NIXL pulls of a published version against a torch peer copy of the same
+bytes, and what publication adds to FinishTrainStep.
+
+* ``python -m refit_sidecar`` and the real trainer, ``python -m trainer_svc --model DIR --tp 1
+  --device cuda --sidecar ADDR --refit-slots 2`` (its one rank on GPU 0, a config-only Llama
+  directory as in ``benchmarks.trainer_step``), run as subprocesses. This process trains a few
+  steps over gRPC; every FinishTrainStep publishes the new version into a VRAM snapshot slot.
+* A puller subprocess (this script with ``--puller-plan``) leases the latest version, plans the
+  whole model (``plan_pull(manifest, whole(manifest))``) and pulls it ``--pulls`` times with
+  ``NixlTransport`` into one VRAM buffer on GPU ``--dest-gpu`` (registered once; the first pull,
+  which connects and prepares the requests, is reported apart). Alternating with the pulls it
+  times a torch peer copy (``.copy_()`` from GPU 0 to the same destination spans, one tensor of
+  the same size per parameter) and a copy of the same tensors within GPU 0, the device-local copy
+  that publication is allowed to cost. Once, untimed, the pulled weights are checked bit for bit
+  against ExportHF of the same version.
+* The same steps then run on a trainer without ``--sidecar``: the difference of the median
+  FinishTrainStep times is what publication costs a step.
+
+Bytes/s count the bytes moved (the model's parameters once); the ratio is NIXL bytes/s over peer
+copy bytes/s. ``--device cpu`` runs the whole path on the CPU (DRAM slots and destination, host
+copies as the baseline) as a smoke test.
+
+    python -m benchmarks.refit_pull --out runs/refit_pull.json                       # 2 GPUs
+    python -m benchmarks.refit_pull --preset tiny --device cpu --out /tmp/refit.json  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from benchmarks.trainer_step import (
+    PRESETS as STEP_PRESETS,
+)
+from benchmarks.trainer_step import (
+    REPO,
+    Driver,
+    _child_env,
+    _tail,
+    make_batches,
+    run_steps,
+    trainer_server,
+    write_model,
+)
+from trainer_svc.client import TrainerClient
+from trainer_svc.domain import LossConfig
+
+log = logging.getLogger("benchmarks.refit_pull")
+
+_MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions")
+_RUN = dict(seq_len=512, seqs_per_microbatch=4, microbatches=2, warmup=2, steps=8, pulls=10)
+PRESETS: dict[str, dict[str, Any]] = {
+    "1b": {**{k: STEP_PRESETS["1b"][k] for k in _MODEL_KEYS}, **_RUN},
+    "tiny": {
+        **{k: STEP_PRESETS["tiny"][k] for k in _MODEL_KEYS},
+        **dict(_RUN, seq_len=64, seqs_per_microbatch=2, warmup=1, steps=3, pulls=5),
+    },
+}
+
+
+# -- the sidecar ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def sidecar_server(run_dir: Path, log_path: Path, timeout_s: float) -> Iterator[str]:
+    """Starts ``python -m refit_sidecar`` on a free port; yields its HOST:PORT."""
+    port_file = run_dir / "sidecar-port"
+    port_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "refit_sidecar", "--host", "127.0.0.1", "--port", "0"]
+    out = log_path.open("ab")
+    process = subprocess.Popen(
+        [*command, "--port-file", str(port_file)],
+        cwd=REPO,
+        env=_child_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.perf_counter() + timeout_s
+        while not port_file.exists():
+            if process.poll() is not None:
+                raise RuntimeError(f"refit-sidecar exited early:\n{_tail(log_path)}")
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"refit-sidecar did not serve within {timeout_s} s")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{int(port_file.read_text())}"
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the group of the sidecar we started
+            process.wait()
+        out.close()
+
+
+# -- the puller (a subprocess of this script) -----------------------------------------------------
+
+
+def _synchronize(*devices: Any) -> None:
+    import torch
+
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def _timed(run: Callable[[], Any], *devices: Any) -> float:
+    _synchronize(*devices)
+    start = time.perf_counter()
+    run()
+    _synchronize(*devices)
+    return time.perf_counter() - start
+
+
+def _check_against_export(
+    pulled: dict[str, Any], model_dir: Path, export_dir: Path
+) -> dict[str, Any]:
+    """The pulled Megatron tensors, translated to HF, against ExportHF's safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_hf.convert import megatron_to_hf
+    from megatron_hf.spec import ModelSpec
+
+    spec = ModelSpec.from_pretrained_dir(model_dir)
+    hf = megatron_to_hf({k: v.cpu() for k, v in pulled.items()}, spec)
+    exported = load_file(str(export_dir / "model.safetensors"))
+    differing = sorted(
+        name for name in exported if name not in hf or not torch.equal(hf[name], exported[name])
+    )
+    return dict(
+        checked_tensors=len(exported),
+        identical=not differing and hf.keys() == exported.keys(),
+        differing=differing[:10],
+    )
+
+
+def puller_main(plan_path: Path, result_path: Path) -> None:
+    plan = json.loads(plan_path.read_text())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [puller] %(levelname)s %(message)s")
+    # torch, NIXL and the data plane only here: the driving process stays light.
+    import torch
+
+    from refit_sidecar.client import SidecarClient
+    from refit_sidecar.manifest import MemType
+    from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+    from refit_sidecar.plan import plan_pull, whole
+    from refit_sidecar.torch_arena import TorchArena
+    from refit_sidecar.transport import Region
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dest_device, source_device = torch.device(plan["dest"]), torch.device(plan["source"])
+    if dest_device.type == "cuda":
+        torch.cuda.set_device(dest_device)  # the puller's own GPU
+    client = SidecarClient(plan["sidecar"], timeout=60)
+    lease = client.acquire_lease(plan["version"], "refit-pull-benchmark", ttl=600)
+    manifest = client.manifest(plan["version"])
+    pull_plan = plan_pull(manifest, whole(manifest))
+    targets = pull_plan.targets
+    arena = TorchArena.allocate(pull_plan.nbytes, 256, device=dest_device)
+    dest = Region(arena.address, arena.nbytes, arena.mem_type, arena.device_id, owner=arena)
+    verify = dest.mem_type is MemType.DRAM  # CRCs are checked on the host only
+    transport = NixlTransport.create(NixlConfig(name="refit-pull-benchmark", pull_timeout_s=600))
+    try:
+        register_s = _timed(lambda: transport.register(dest))
+        start = time.perf_counter()
+        first = transport.pull(pull_plan, dest, verify=verify)
+        first_s = time.perf_counter() - start
+        log.info("first pull: %d bytes in %.4f s (%s)", first.nbytes, first_s, first)
+        check = None
+        if plan["export"]:
+            pulled = {
+                t.name: arena.tensor[t.span].view(dtypes[t.dtype.value]).reshape(t.box.shape)
+                for t in targets
+            }
+            check = _check_against_export(pulled, Path(plan["model_dir"]), Path(plan["export"]))
+            log.info("pulled weights against ExportHF: %s", check)
+
+        sizes = [t.nbytes for t in targets]
+        sources = [torch.ones(n, dtype=torch.uint8, device=source_device) for n in sizes]
+        peer_dests = [arena.tensor[t.span] for t in targets]
+        local_dests = [torch.empty_like(s) for s in sources]
+
+        def copy(dests: list[Any]) -> None:
+            for src, dst in zip(sources, dests, strict=True):
+                dst.copy_(src, non_blocking=True)
+
+        copy(peer_dests)  # untimed: the first peer copy enables peer access
+        copy(local_dests)
+        _synchronize(source_device, dest_device)
+        times: dict[str, list[float]] = {"nixl": [], "peer_copy": [], "local_copy": []}
+        stats = []
+        for repeat in range(plan["pulls"]):
+            order = ["nixl", "peer_copy", "local_copy"]
+            for what in order if repeat % 2 == 0 else reversed(order):
+                if what == "nixl":
+                    start = time.perf_counter()
+                    stats.append(transport.pull(pull_plan, dest, verify=verify))
+                    times[what].append(time.perf_counter() - start)
+                elif what == "peer_copy":
+                    times[what].append(_timed(lambda: copy(peer_dests), source_device, dest_device))
+                else:
+                    times[what].append(_timed(lambda: copy(local_dests), source_device))
+            log.info(
+                "repeat %d: %s",
+                repeat,
+                ", ".join(f"{k} {1e3 * v[-1]:.2f} ms" for k, v in times.items()),
+            )
+        client.release_lease(lease)
+    finally:
+        transport.close()
+        client.close()
+    result = dict(
+        version=plan["version"],
+        num_tensors=len(targets),
+        plan_bytes_read=pull_plan.bytes_read,
+        copy_bytes=sum(sizes),
+        dest=str(dest_device),
+        dest_mem_type=dest.mem_type.value,
+        source=str(source_device),
+        source_mem_types=sorted(
+            {s.location.mem_type.value for p in manifest.parameters for s in p.shards}
+        ),
+        register_s=register_s,
+        first_pull_s=first_s,
+        seconds=times,
+        reads=stats[-1].reads,
+        transfers=stats[-1].transfers,
+        reposted=[s.reposted for s in stats],
+        verified_shards=[s.verified_shards for s in stats],
+        check_against_export=check,
+        device_names=(
+            {str(d): torch.cuda.get_device_name(d) for d in {dest_device, source_device}}
+            if dest_device.type == "cuda"
+            else {}
+        ),
+    )
+    result_path.write_text(json.dumps(result, indent=1))
+
+
+def run_puller(plan: dict[str, Any], run_dir: Path, log_path: Path) -> dict[str, Any]:
+    plan_path, result_path = run_dir / "puller-plan.json", run_dir / "puller-result.json"
+    result_path.unlink(missing_ok=True)
+    plan_path.write_text(json.dumps(plan))
+    command = [sys.executable, "-m", "benchmarks.refit_pull", "--puller-plan", str(plan_path)]
+    with log_path.open("ab") as out:
+        code = subprocess.run(
+            [*command, "--puller-result", str(result_path)],
+            cwd=REPO,
+            env=_child_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=plan["timeout_s"],
+            check=False,
+        ).returncode
+    if code != 0 or not result_path.exists():
+        raise RuntimeError(f"the puller failed ({code}), {log_path}:\n{_tail(log_path)}")
+    return json.loads(result_path.read_text())
+
+
+# -- the trainer runs -----------------------------------------------------------------------------
+
+
+def train(target: str, batches: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    with TrainerClient(target) as client:
+        status = client.status()
+        loss = LossConfig()
+
+        def finish(step_id: str) -> tuple[float, float, int]:
+            m = client.finish_step(step_id).metrics
+            return m.loss, m.grad_norm, m.counts.valid_tokens
+
+        driver = Driver(
+            begin=lambda step_id: client.begin_step(step_id, loss),
+            microbatch=client.train_microbatch,
+            finish=finish,
+        )
+        records = run_steps(driver, batches, args.warmup, args.steps)
+        end = client.status()
+    return dict(
+        records=records,
+        num_parameters=status.model.num_parameters,
+        device=status.device,
+        refit_snapshot_bytes=status.refit_snapshot_bytes,
+        weights_version=end.weights_version,
+    )
+
+
+def _median_ms(values: list[float]) -> float:
+    return 1e3 * statistics.median(values)
+
+
+def summarize(pull: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    nbytes = pull["copy_bytes"]
+    seconds = {k: statistics.median(v) for k, v in pull["seconds"].items()}
+    rates = {k: nbytes / v for k, v in seconds.items()}
+    finish = {
+        mode: _median_ms([r["finish_s"] for r in run["records"] if not r["warmup"]])
+        for mode, run in runs.items()
+    }
+    losses = [[r["loss"] for r in run["records"]] for run in runs.values()]
+    return dict(
+        bytes=nbytes,
+        median_ms={k: 1e3 * v for k, v in seconds.items()},
+        gb_per_s={k: v / 1e9 for k, v in rates.items()},
+        nixl_over_peer_copy=rates["nixl"] / rates["peer_copy"],
+        first_pull_ms=1e3 * pull["first_pull_s"],
+        finish_median_ms=finish,
+        publication_ms=finish["publish"] - finish["plain"],
+        local_copy_ms=1e3 * seconds["local_copy"],
+        max_loss_difference=max(abs(a - b) for a, b in zip(*losses, strict=True)),
+        pulled_equals_export=(pull["check_against_export"] or {}).get("identical"),
+    )
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(f"\nbytes moved per copy: {summary['bytes']:,}")
+    print(f"{'path':<12} {'median ms':>10} {'GB/s':>8}")
+    for name in ("nixl", "peer_copy", "local_copy"):
+        ms, rate = summary["median_ms"][name], summary["gb_per_s"][name]
+        print(f"{name:<12} {ms:>10.3f} {rate:>8.1f}")
+    print(f"NIXL / peer copy (bytes/s): {summary['nixl_over_peer_copy']:.3f}")
+    print(f"first NIXL pull (connect, prepare): {summary['first_pull_ms']:.1f} ms")
+    f = summary["finish_median_ms"]
+    print(
+        f"FinishTrainStep median: {f['publish']:.2f} ms publishing, {f['plain']:.2f} ms without "
+        f"(+{summary['publication_ms']:.2f} ms; device-local copy {summary['local_copy_ms']:.2f} "
+        "ms)"
+    )
+    print(
+        f"pulled weights equal ExportHF: {summary['pulled_equals_export']}; "
+        f"max |loss difference| between the runs: {summary['max_loss_difference']:.3g}"
+    )
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.refit_pull",
+        description=(
+            "NIXL pull bytes/s of a trainer's published weights (trainer on GPU 0, puller on "
+            "another GPU) against a torch peer copy of the same bytes, and FinishTrainStep with "
+            "and without publication."
+        ),
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    shape = p.add_argument_group("model (Llama family, config-only: megatron initialises it)")
+    for key in _MODEL_KEYS:
+        shape.add_argument(f"--{key.replace('_', '-')}", type=int)
+    run = p.add_argument_group("run")
+    run.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available"
+    )
+    run.add_argument(
+        "--dest-gpu", type=int, default=1, help="the puller's GPU (the trainer's rank uses GPU 0)"
+    )
+    run.add_argument(
+        "--params-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: bfloat16 on cuda, float32 on cpu",
+    )
+    run.add_argument("--seq-len", type=int)
+    run.add_argument("--seqs-per-microbatch", type=int)
+    run.add_argument("--microbatches", type=int)
+    run.add_argument("--warmup", type=int, help="untimed steps first")
+    run.add_argument("--steps", type=int, help="timed steps per trainer run")
+    run.add_argument("--pulls", type=int, help="timed pulls (and copies of each kind)")
+    run.add_argument("--slots", type=int, default=2, help="--refit-slots of the trainer")
+    run.add_argument("--no-verify", action="store_true", help="skip the check against ExportHF")
+    run.add_argument("--lr", type=float, default=1e-5)
+    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument("--timeout", type=float, default=900.0, help="seconds for a process's start")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("runs/refit_pull.json"))
+    out.add_argument("--log-dir", type=Path, default=None, help="default: beside --out")
+    out.add_argument("--work-dir", type=Path, default=None, help="default: a temporary directory")
+    out.add_argument(
+        "--trainer-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    p.add_argument("--puller-plan", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--puller-result", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.device is None:
+        import torch  # only to pick the default device
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.params_dtype is None:
+        args.params_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.seq_len > args.max_positions:
+        raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}")
+    if min(args.steps, args.pulls) < 1:
+        raise SystemExit("--steps and --pulls must be >= 1")
+    args.hf_weights = False  # write_model: a config-only directory
+    return args
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "megatron-core", "nixl", "nixl-cu13", "nixl-cu12", "grpcio"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "-"
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.puller_plan is not None:
+        puller_main(args.puller_plan, args.puller_result)
+        return
+    args = resolve(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench] %(levelname)s %(message)s")
+    log_dir = args.log_dir or args.out.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cuda = args.device == "cuda"
+    with tempfile.TemporaryDirectory(prefix="refit-pull-bench-") as scratch:
+        work = args.work_dir or Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        model_dir = write_model(work / "model", args)
+        trainer_args = [
+            *("--model", str(model_dir), "--tp", "1", "--device", args.device),
+            *("--params-dtype", args.params_dtype, "--lr", str(args.lr), "--seed", str(args.seed)),
+            *("--max-seq-len", str(args.seq_len), "--log-level", args.trainer_log_level),
+        ]
+        batches = make_batches(dict(vars(args)))
+        runs: dict[str, dict[str, Any]] = {}
+        with sidecar_server(work, log_dir / "sidecar.log", args.timeout) as sidecar:
+            publishing = [*trainer_args, "--sidecar", sidecar, "--refit-slots", str(args.slots)]
+            plan = dict(trainer_args=publishing, timeout_s=args.timeout)
+            log.info("trainer args: %s", " ".join(publishing))
+            with trainer_server(plan, work, log_dir / "trainer-publish.log") as (target, _):
+                runs["publish"] = train(target, batches, args)
+                export = None
+                if not args.no_verify:
+                    export = work / "export"
+                    with TrainerClient(target) as client:
+                        client.export_hf(export)
+                puller_plan = dict(
+                    sidecar=sidecar,
+                    version=runs["publish"]["weights_version"],
+                    dest=f"cuda:{args.dest_gpu}" if cuda else "cpu",
+                    source="cuda:0" if cuda else "cpu",
+                    pulls=args.pulls,
+                    export=str(export) if export else None,
+                    model_dir=str(model_dir),
+                    timeout_s=args.timeout + 600,
+                )
+                pull = run_puller(puller_plan, work, log_dir / "puller.log")
+        plan = dict(trainer_args=trainer_args, timeout_s=args.timeout)
+        with trainer_server(plan, work, log_dir / "trainer-plain.log") as (target, _):
+            runs["plain"] = train(target, batches, args)
+    summary = summarize(pull, runs)
+    meta = dict(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=" ".join(
+            [
+                os.path.basename(sys.executable),
+                "-m",
+                "benchmarks.refit_pull",
+                *(argv or sys.argv[1:]),
+            ]
+        ),
+        preset=args.preset,
+        model={k: getattr(args, k) for k in _MODEL_KEYS},
+        params_dtype=args.params_dtype,
+        num_parameters=runs["publish"]["num_parameters"],
+        device=runs["publish"]["device"],
+        refit_snapshot_bytes=runs["publish"]["refit_snapshot_bytes"],
+        slots=args.slots,
+        batch=dict(
+            seq_len=args.seq_len,
+            seqs_per_microbatch=args.seqs_per_microbatch,
+            microbatches=args.microbatches,
+        ),
+        warmup=args.warmup,
+        steps=args.steps,
+        pulls=args.pulls,
+        versions=_versions(),
+        ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
+    )
+    args.out.write_text(
+        json.dumps(dict(meta=meta, summary=summary, pull=pull, runs=runs), indent=1) + "\n"
+    )
+    print_summary(summary)
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
