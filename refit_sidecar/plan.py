@@ -10,10 +10,11 @@ region is read once, from the source agent with the fewest bytes assigned so far
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,6 +88,9 @@ class PullPlan:
     """The source agents the reads go to."""
     nbytes: int
     """Destination buffer size."""
+    layout: str = ""
+    """`layout_key` of the manifest planned from: `rebase` replays the plan on any version
+    with the same key."""
 
     @property
     def num_reads(self) -> int:
@@ -130,7 +134,40 @@ def plan_pull(manifest: Manifest, wants: Sequence[Want], *, align: int = 256) ->
     reads = tuple(_merge(manifest, name, shard, parts) for (name, shard), parts in runs.items())
     agents = {r.location.agent: manifest.agents[r.location.agent] for r in reads}
     end = max((t.offset + t.nbytes for t in targets), default=0)
-    return PullPlan(manifest.version, tuple(targets), reads, agents, end)
+    return PullPlan(manifest.version, tuple(targets), reads, agents, end, layout_key(manifest))
+
+
+def layout_key(manifest: Manifest) -> str:
+    """A digest of everything a plan depends on except where the bytes are: names, shapes,
+    dtypes, and per shard its rank, pieces and local layout. Versions published by the same
+    trainer layout share it, whichever slot (agent, address) holds them."""
+    digest = hashlib.blake2b(digest_size=16)
+    for record in manifest.parameters:
+        digest.update(repr((record.name, record.shape, record.dtype.value)).encode())
+        for shard in record.shards:
+            loc = shard.location
+            shape = (loc.shape, loc.strides, loc.nbytes, loc.mem_type.value, loc.device_id)
+            digest.update(repr((shard.rank, shard.pieces, shape)).encode())
+    return digest.hexdigest()
+
+
+def rebase(plan: PullPlan, manifest: Manifest) -> PullPlan:
+    """`plan` replayed on `manifest`, a version of the same layout: the same byte ranges and
+    destinations, read from wherever that version's shards live (O(shards), no re-planning)."""
+    key = layout_key(manifest)
+    if key != plan.layout:
+        raise UnsupportedRequest(
+            f"manifest version {manifest.version} has another layout than the plan's "
+            f"(version {plan.version}); plan it anew"
+        )
+    reads = []
+    for r in plan.reads:
+        record = manifest.get(r.parameter)
+        assert record is not None  # same layout key, so same names and shards
+        shard = record.shards[r.shard]
+        reads.append(replace(r, location=shard.location, crc32=shard.crc32))
+    agents = {r.location.agent: manifest.agents[r.location.agent] for r in reads}
+    return replace(plan, version=manifest.version, reads=tuple(reads), agents=agents)
 
 
 def _record(manifest: Manifest, want: Want) -> ParameterRecord:

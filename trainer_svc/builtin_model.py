@@ -18,6 +18,7 @@ def write_builtin_model(path: Path, *, seed: int) -> Path:
         hidden_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=32,  # the smallest head size vLLM's CPU attention supports
         intermediate_size=128,
         seed=seed,
     )

@@ -1,0 +1,331 @@
+"""One receiver's refit, engine-agnostic: lease a version, pull the slices of it this receiver
+needs into a staging buffer, verify them, and only then hand HF-named tensors to an installer.
+
+Nothing reaches the installer until every byte of the version is local and checked, so a
+source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old version.
+The pull plan is made once per (trainer layout, receiver layout) and replayed (`rebase`) for
+every later version; the staging buffer is allocated and registered with NIXL once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from inference_ext.slices import ReceiverLayout, hf_slice
+from inference_ext.translate import Source, megatron_sources
+from megatron_hf.convert import hf_shape
+from megatron_hf.spec import ModelSpec
+from refit_sidecar.client import SidecarClient
+from refit_sidecar.manifest import Box, DType, Manifest, MemType
+from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.plan import PullPlan, UnsupportedRequest, Want, layout_key, plan_pull, rebase
+from refit_sidecar.transport import PullStats, Region
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.FLOAT32: torch.float32,
+    DType.BFLOAT16: torch.bfloat16,
+    DType.FLOAT16: torch.float16,
+}
+
+Installer = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+
+
+class RefitError(RuntimeError):
+    """A refit did not happen; the receiver still serves the version it served before."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitOptions:
+    """How a receiver talks to the sidecar and its sources. JSON-friendly (`from_dict`), so it
+    can travel through `collective_rpc` and vLLM's `--additional-config`."""
+
+    receiver_id: str = "receiver"
+    """Names this receiver in leases and its NIXL agent (with the TP rank appended)."""
+    lease_ttl_s: float = 300.0
+    """Lease held on the version while pulling; longer than a pull takes."""
+    pull_timeout_s: float = 300.0
+    connect_timeout_s: float = 30.0
+    rpc_timeout_s: float = 30.0
+    verify_checksums: bool = True
+    """Check the CRC-32 of every source shard read whole (host staging only)."""
+
+    def __post_init__(self) -> None:
+        if not self.receiver_id:
+            raise ValueError("receiver_id must not be empty")
+        timeouts = (self.lease_ttl_s, self.pull_timeout_s, self.connect_timeout_s)
+        if min(*timeouts, self.rpc_timeout_s) <= 0:
+            raise ValueError(f"timeouts must be positive: {self}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> RefitOptions:
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown refit options {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """What one receiver did for one `refit_to`; seconds per phase."""
+
+    version: int
+    bytes_pulled: int
+    plan_s: float
+    pull_s: float
+    translate_s: float
+    install_s: float
+    reads: int
+    verified_shards: int
+    replanned: bool
+    """False when the plan of an earlier version was replayed."""
+    tp_rank: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class HFSlice:
+    """The part `box` of HF tensor `name` (full shape `shape`) this receiver installs,
+    assembled from pulled Megatron boxes: (index into the plan's targets, HF sub-box)."""
+
+    name: str
+    shape: tuple[int, ...]
+    box: Box
+    parts: tuple[tuple[int, Box], ...]
+
+
+@dataclass(frozen=True)
+class ReceiverPlan:
+    pull: PullPlan
+    slices: tuple[HFSlice, ...]
+
+
+def wanted_slices(
+    spec: ModelSpec, layout: ReceiverLayout, hf_names: Sequence[str]
+) -> list[tuple[str, Box, list[Source]]]:
+    """(HF name, box this rank keeps, Megatron sources) for each name it keeps anything of."""
+    out = []
+    for name in hf_names:
+        box = hf_slice(name, spec, layout)
+        if box is not None:
+            out.append((name, box, megatron_sources(name, box, spec)))
+    return out
+
+
+def plan_receiver(
+    manifest: Manifest, spec: ModelSpec, layout: ReceiverLayout, hf_names: Sequence[str]
+) -> ReceiverPlan:
+    """Pull plan for this rank's slices, each Megatron box read once even when several HF
+    slices use it (a KV head replicated to several query heads' ranks stays one read)."""
+    wants: dict[tuple[str, Box], int] = {}
+    slices = []
+    for name, box, sources in wanted_slices(spec, layout, hf_names):
+        parts = []
+        for source in sources:
+            key = (source.megatron_name, source.megatron_box)
+            index = wants.setdefault(key, len(wants))
+            parts.append((index, source.hf_box))
+        slices.append(HFSlice(name, hf_shape(name, spec), box, tuple(parts)))
+    plan = plan_pull(manifest, [Want(name, box) for name, box in wants])
+    return ReceiverPlan(plan, tuple(slices))
+
+
+class Staging:
+    """The receiver's destination buffer: one byte tensor on `device`, registered with the
+    transport once and regrown only when a plan needs more."""
+
+    def __init__(self, transport: NixlTransport, device: torch.device) -> None:
+        self._transport = transport
+        self._device = device
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=device)
+        self.region: Region | None = None
+
+    def ensure(self, nbytes: int) -> Region:
+        if self.region is not None and self.region.nbytes >= nbytes:
+            return self.region
+        self.release()
+        self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._device)
+        cuda = self._device.type == "cuda"
+        self.region = Region(
+            self.buffer.data_ptr(),
+            self.buffer.numel(),
+            MemType.VRAM if cuda else MemType.DRAM,
+            (self.buffer.device.index or 0) if cuda else 0,
+            owner=self.buffer,
+        )
+        self._transport.register(self.region)
+        return self.region
+
+    def release(self) -> None:
+        if self.region is not None:
+            self._transport.deregister(self.region)
+            self.region = None
+
+    def target(self, plan: PullPlan, index: int) -> torch.Tensor:
+        """Pulled target `index` as a tensor (a view of the buffer)."""
+        target = plan.targets[index]
+        raw = self.buffer[target.offset : target.offset + target.nbytes]
+        return raw.view(TORCH_DTYPES[target.dtype]).view(target.box.shape)
+
+
+class Receiver:
+    """Refits one receiver (one vLLM worker, or one HF model) from a sidecar.
+
+    `refit(version, install)` is two-phase so a group of receivers can be atomic: `fetch`
+    pulls and verifies (nothing changes for the engine), `install` hands the tensors over.
+    """
+
+    def __init__(
+        self,
+        sidecar: str,
+        spec: ModelSpec,
+        layout: ReceiverLayout,
+        hf_names: Sequence[str],
+        *,
+        options: RefitOptions,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.hf_names = tuple(hf_names)
+        self.options = options
+        self.client = SidecarClient(sidecar, timeout=options.rpc_timeout_s)
+        agent = f"{options.receiver_id}-tp{layout.tp_rank}"
+        self.transport = NixlTransport.create(
+            NixlConfig(
+                name=agent,
+                connect_timeout_s=options.connect_timeout_s,
+                pull_timeout_s=options.pull_timeout_s,
+            )
+        )
+        self.staging = Staging(self.transport, device)
+        self.installed_version: int | None = None
+        self._plans: dict[str, ReceiverPlan] = {}
+        self._fetched: tuple[ReceiverPlan, PullStats, float, bool] | None = None
+        self._staged: ReceiverPlan | None = None
+        """The plan of the installed version while staging still holds its bytes."""
+
+    def latest_version(self) -> int | None:
+        return self.client.latest_version()
+
+    def fetch(self, version: int) -> None:
+        """Lease `version`, pull and verify this receiver's slices into staging; RefitError
+        (with the cause) when any of it fails."""
+        self._fetched = None
+        self._staged = None
+        begin = time.perf_counter()
+        try:
+            lease = self.client.acquire_lease(
+                version, self.options.receiver_id, self.options.lease_ttl_s
+            )
+        except Exception as e:
+            raise RefitError(f"cannot lease version {version}: {e}") from e
+        try:
+            manifest = self.client.manifest(version)
+            plan, replanned = self._plan(manifest)
+            plan_s = time.perf_counter() - begin
+            region = self.staging.ensure(plan.pull.nbytes)
+            verify = self.options.verify_checksums and region.mem_type is MemType.DRAM
+            stats = self.transport.pull(plan.pull, region, verify=verify)
+        except RefitError:
+            raise
+        except Exception as e:
+            raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
+        finally:
+            try:
+                self.client.release_lease(lease)
+            except Exception as e:  # an expired lease is no reason to fail a good pull
+                log.warning("releasing lease %s failed: %s", lease.lease_id, e)
+        self._fetched = (plan, stats, plan_s, replanned)
+
+    def install(self, installer: Installer) -> RefitStats:
+        """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
+        order; only this receiver's box of each tensor is filled (its loader reads no more)."""
+        if self._fetched is None:
+            raise RefitError("nothing fetched to install")
+        plan, stats, plan_s, replanned = self._fetched
+        self._fetched = None
+        translate_s = 0.0
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal translate_s
+            for hf in plan.slices:
+                start = time.perf_counter()
+                tensor = self._assemble(plan.pull, hf)
+                translate_s += time.perf_counter() - start
+                yield hf.name, tensor
+
+        start = time.perf_counter()
+        installer(tensors())
+        install_s = time.perf_counter() - start - translate_s
+        self.installed_version = plan.pull.version
+        self._staged = plan
+        return RefitStats(
+            version=plan.pull.version,
+            bytes_pulled=stats.nbytes,
+            plan_s=plan_s,
+            pull_s=stats.seconds,
+            translate_s=translate_s,
+            install_s=install_s,
+            reads=stats.reads,
+            verified_shards=stats.verified_shards,
+            replanned=replanned,
+            tp_rank=self.layout.tp_rank,
+        )
+
+    def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:
+        """The HF slices (box, tensor copy) of the installed version, read back from staging:
+        what the installer was given. Empty once a later fetch reused the staging buffer."""
+        plan = self._staged
+        if plan is None:
+            return {}
+        wanted = set(names) if names is not None else None
+        out = {}
+        for hf in plan.slices:
+            if wanted is None or hf.name in wanted:
+                full = self._assemble(plan.pull, hf)
+                out[hf.name] = (hf.box, full[_index(hf.box)].clone())
+        return out
+
+    def _plan(self, manifest: Manifest) -> tuple[ReceiverPlan, bool]:
+        key = layout_key(manifest)
+        cached = self._plans.get(key)
+        if cached is not None:
+            plan = ReceiverPlan(rebase(cached.pull, manifest), cached.slices)
+            self._plans[key] = plan
+            return plan, False
+        try:
+            plan = plan_receiver(manifest, self.spec, self.layout, self.hf_names)
+        except UnsupportedRequest as e:
+            raise RefitError(f"the trainer's manifest does not fit this model: {e}") from e
+        self._plans[key] = plan
+        return plan, True
+
+    def _assemble(self, pull: PullPlan, hf: HFSlice) -> torch.Tensor:
+        if len(hf.parts) == 1 and hf.box == Box.full(hf.shape):
+            return self.staging.target(pull, hf.parts[0][0])
+        dtype = TORCH_DTYPES[pull.targets[hf.parts[0][0]].dtype]
+        full = torch.empty(hf.shape, dtype=dtype, device=self.staging.buffer.device)
+        for index, sub_box in hf.parts:
+            full[_index(sub_box)].copy_(self.staging.target(pull, index))
+        return full
+
+    def close(self) -> None:
+        self.staging.release()
+        self.transport.close()
+        self.client.close()
+
+
+def _index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box.ranges)
