@@ -28,7 +28,7 @@ EXTENSION = "inference_ext.RefitWorkerExtension"
 class EngineRefit:
     version: int
     workers: tuple[RefitStats, ...]
-    """Per worker, in TP-rank order; empty when the engine already served `version`."""
+    """Per worker, in TP-rank order."""
 
     @property
     def bytes_pulled(self) -> int:
@@ -57,8 +57,6 @@ class RefitEngine:
         failures = [r["error"] for r in replies if not r["ok"]]
         if failures:
             raise RefitError(failures[0])
-        if any(r.get("unchanged") for r in replies):
-            return EngineRefit(int(replies[0]["version"]), ())
         self.llm.reset_prefix_cache()
         stats = tuple(RefitStats(**{k: v for k, v in r.items() if k != "ok"}) for r in replies)
         return EngineRefit(stats[0].version, tuple(sorted(stats, key=lambda s: s.tp_rank)))

@@ -45,8 +45,13 @@ def megatron_part(hf_name: str, spec: ModelSpec) -> tuple[str, int]:
     if hf_name.startswith(_LAYER_PREFIX):
         index, _, suffix = hf_name[len(_LAYER_PREFIX) :].partition(".")
         if index.isdigit() and suffix in _LAYER_SOURCES:
+            if int(index) >= spec.num_layers:
+                raise ValueError(
+                    f"no Megatron counterpart for HF name {hf_name!r}: the model has "
+                    f"{spec.num_layers} layers"
+                )
             meg_suffix, part = _LAYER_SOURCES[suffix]
-            return f"decoder.layers.{index}.{meg_suffix}", part
+            return f"decoder.layers.{int(index)}.{meg_suffix}", part
     raise ValueError(f"no Megatron counterpart for HF name {hf_name!r}")
 
 

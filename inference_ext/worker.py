@@ -65,7 +65,8 @@ class RefitWorkerExtension:
 
     def refit_to(self, version: int | None = None) -> dict[str, Any]:
         """Switch to `version` (None: the latest). Returns this worker's stats with
-        ``ok: True``, or ``ok: False`` and ``error`` when the engine stayed where it was."""
+        ``ok: True``, or ``ok: False`` and ``error`` when the engine stayed where it was.
+        Always pulls: a restarted trainer may publish other weights under a number seen before."""
         from vllm.distributed.parallel_state import get_world_group
 
         group = get_world_group()
@@ -76,8 +77,6 @@ class RefitWorkerExtension:
             version = group.broadcast_object(latest, src=0)
             if version is None:
                 return {"ok": False, "error": "no version has been published yet"}
-        if version == receiver.installed_version:
-            return {"ok": True, "version": version, "unchanged": True}
         try:
             receiver.fetch(version)
         except RefitError as e:

