@@ -5,9 +5,6 @@ Each container's argv is taken from the rendered pod template and expanded the w
 parser the program itself uses: torchrun's, trainer_svc.cli.build_parser(),
 refit_sidecar.cli.build_parser() and `vllm serve`'s. The parsed values must agree with the pod's
 GPUs, ports, probes and Services.
-
-Parts whose programs do not exist yet are strict xfails: they start failing (XPASS) the day the
-code lands, which is the signal to delete the marker.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from trainer_svc.cli import config_from_args
 RenderedSet = Callable[[str], Rendered]
 VllmCli = tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], None]]
 
-EXTENSION_PENDING = "inference_ext.RefitWorkerExtension does not exist yet"
 
 
 @functools.cache
@@ -222,7 +218,6 @@ def test_vllm_flags_exist_in_vllm_serve_parser(
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
 
 
-@pytest.mark.xfail(strict=True, raises=ImportError, reason=EXTENSION_PENDING)
 def test_worker_extension_class_exists() -> None:
     module, _, cls = _values("default")["vllm"]["workerExtensionCls"].rpartition(".")
     assert hasattr(importlib.import_module(module), cls)
