@@ -10,6 +10,7 @@ every later version; the staging buffer is allocated and registered with NIXL on
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -58,11 +59,18 @@ class RefitOptions:
     """Check the CRC-32 of every source shard read whole (host staging only)."""
 
     def __post_init__(self) -> None:
-        if not self.receiver_id:
-            raise ValueError("receiver_id must not be empty")
-        timeouts = (self.lease_ttl_s, self.pull_timeout_s, self.connect_timeout_s)
-        if min(*timeouts, self.rpc_timeout_s) <= 0:
-            raise ValueError(f"timeouts must be positive: {self}")
+        # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
+        if not isinstance(self.receiver_id, str) or not self.receiver_id:
+            raise ValueError(f"receiver_id must be a non-empty string, got {self.receiver_id!r}")
+        for name in ("lease_ttl_s", "pull_timeout_s", "connect_timeout_s", "rpc_timeout_s"):
+            value = getattr(self, name)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.verify_checksums, bool):
+            raise ValueError(
+                f"verify_checksums must be true or false, got {self.verify_checksums!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> RefitOptions:

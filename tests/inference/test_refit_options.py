@@ -1,0 +1,53 @@
+"""`RefitOptions` travel as JSON (collective_rpc, vLLM's --additional-config): a misspelt
+key or a timeout that is not a positive number fails when the options are read, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from inference_ext.receiver import RefitOptions
+
+
+def test_refit_options_from_dict() -> None:
+    assert RefitOptions.from_dict(None) == RefitOptions()
+    assert RefitOptions.from_dict({}) == RefitOptions()
+    options = RefitOptions.from_dict(
+        {"receiver_id": "r", "pull_timeout_s": 5, "verify_checksums": False}
+    )
+    assert (options.receiver_id, options.pull_timeout_s, options.verify_checksums) == (
+        "r",
+        5,
+        False,
+    )
+    assert RefitOptions.from_dict(dataclasses.asdict(options)) == options
+
+
+def test_refit_options_reject_unknown_keys_naming_the_known_ones() -> None:
+    known = sorted(f.name for f in dataclasses.fields(RefitOptions))
+    with pytest.raises(ValueError) as error:
+        RefitOptions.from_dict({"pull_timeout": 5, "sidecar": "x:1", "receiver_id": "r"})
+    assert str(error.value) == f"unknown refit options ['pull_timeout', 'sidecar']; known: {known}"
+
+
+@pytest.mark.parametrize(
+    "field", ["lease_ttl_s", "pull_timeout_s", "connect_timeout_s", "rpc_timeout_s"]
+)
+@pytest.mark.parametrize("value", [0, -1.5, float("nan"), float("inf"), "30", None, True])
+def test_refit_options_reject_bad_timeouts(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} must be a positive number of seconds, got"):
+        RefitOptions.from_dict({field: value})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"receiver_id": ""}, "^receiver_id must be a non-empty string"),
+        ({"receiver_id": 3}, "^receiver_id must be a non-empty string"),
+        ({"verify_checksums": "no"}, "^verify_checksums must be true or false, got 'no'"),
+    ],
+)
+def test_refit_options_reject_bad_values(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RefitOptions.from_dict(values)
