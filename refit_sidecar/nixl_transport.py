@@ -75,7 +75,10 @@ class NixlTransport:
 
     @classmethod
     def create(cls, config: NixlConfig) -> NixlTransport:
-        conf = nixl_agent_config(enable_listen_thread=True, listen_port=0, backends=[])
+        # No progress thread: `PendingPull.wait` progresses the worker while it polls.
+        conf = nixl_agent_config(
+            enable_prog_thread=False, enable_listen_thread=True, listen_port=0, backends=[]
+        )
         agent = nixl_agent(config.name, conf)
         agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
         return cls(agent, config)

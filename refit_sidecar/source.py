@@ -48,6 +48,10 @@ class SourceConfig:
     """Global trainer rank this source serves (recorded in the manifest, as the next two)."""
     tensor_rank: int = 0
     pipeline_stage: int = 0
+    progress_thread: bool = True
+    """Run NIXL's progress thread. UCX needs the target to progress to wire up a puller's
+    endpoint (seen on shared memory here), so sources keep it; it yields in a loop, so each
+    source costs a share of a core while idle (pullers need none: they progress while polling)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -100,6 +104,7 @@ class ShardSource:
         agent = nixl_agent(
             config.name,
             nixl_agent_config(
+                enable_prog_thread=config.progress_thread,
                 enable_listen_thread=config.listen_port is not None,
                 listen_port=config.listen_port or 0,
                 backends=[],
