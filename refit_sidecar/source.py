@@ -11,12 +11,13 @@ belong to the sidecar.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from refit_sidecar.arena import Arena, HostArena
 from refit_sidecar.checksum import checksum
@@ -48,16 +49,19 @@ class SourceConfig:
     """Global trainer rank this source serves (recorded in the manifest, as the next two)."""
     tensor_rank: int = 0
     pipeline_stage: int = 0
-    progress_thread: bool = True
-    """Run NIXL's progress thread. UCX needs the target to progress to wire up a puller's
-    endpoint (seen on shared memory here), so sources keep it; it yields in a loop, so each
-    source costs a share of a core while idle (pullers need none: they progress while polling)."""
+    progress_poll_s: float | None = 0.002
+    """How this source's UCX worker is progressed (a puller's endpoint wire-up needs the
+    target to progress, seen on shared memory here; the reads themselves are one-sided): by
+    a thread polling it every `progress_poll_s` seconds, or, with None, by NIXL's progress
+    thread, which yields in a tight loop and so takes a core's share on a small machine."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a source needs an agent name")
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {self.alignment}")
+        if self.progress_poll_s is not None and not self.progress_poll_s > 0:
+            raise ValueError(f"progress_poll_s must be positive, got {self.progress_poll_s}")
 
 
 def arena_offsets(specs: Sequence[ShardSpec], alignment: int) -> tuple[dict[str, int], int]:
@@ -86,6 +90,21 @@ class ShardSource:
         self._specs = specs
         self._offsets = offsets
         self._registration = registration
+        self._stop_progress = threading.Event()
+        self._progress: threading.Thread | None = None
+        if config.progress_poll_s is not None:
+            self._progress = threading.Thread(
+                target=self._poll_progress,
+                args=(config.progress_poll_s,),
+                name=f"nixl-progress-{config.name}",
+                daemon=True,
+            )
+            self._progress.start()
+
+    def _poll_progress(self, interval: float) -> None:
+        # Fetching notifications progresses the agent's UCX workers.
+        while not self._stop_progress.wait(interval):
+            self._agent.get_new_notifs()
 
     @classmethod
     def create(
@@ -104,10 +123,11 @@ class ShardSource:
         agent = nixl_agent(
             config.name,
             nixl_agent_config(
-                enable_prog_thread=config.progress_thread,
+                enable_prog_thread=config.progress_poll_s is None,
                 enable_listen_thread=config.listen_port is not None,
                 listen_port=config.listen_port or 0,
                 backends=[],
+                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             ),
         )
         agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
@@ -177,6 +197,10 @@ class ShardSource:
         return Manifest(version, tuple(records), {self.config.name: self.agent_record()})
 
     def close(self) -> None:
+        self._stop_progress.set()
+        if self._progress is not None:
+            self._progress.join()
+            self._progress = None
         if self._registration is not None:
             self._agent.deregister_memory(self._registration)
             self._registration = None
