@@ -1,0 +1,783 @@
+"""Refit into a transformers model on another GPU: from FinishTrainStep's return to the weights
+installed, against a torch peer copy of the same bytes.
+
+* ``python -m refit_sidecar`` and the real trainer, ``python -m trainer_svc --model DIR --tp 1
+  --device cuda --sidecar ADDR --refit-slots 2`` (one rank on GPU 0, bf16 parameters, the
+  config-only Llama directory of ``benchmarks.refit_pull``), run as subprocesses.
+* A receiver subprocess (this script with ``--receiver-settings``) builds the HF model
+  (``AutoModelForCausalLM.from_config`` of the same ``config.json``, in the trainer's dtype) on
+  GPU ``--dest-gpu`` and an ``inference_ext.receiver.Receiver`` (TP=1 layout, staging on the same
+  GPU) whose installer ``copy_()``s each (HF name, tensor) into the model's parameter of that
+  name, then synchronizes the GPU. It is started before the trainer, so its setup is not timed.
+* This process trains ``--warmup + --steps`` steps over gRPC. Right after each FinishTrainStep
+  returns it reads ``time.monotonic()`` and writes the new version and that instant down a pipe
+  to the receiver, which at once runs ``Receiver.fetch(version)`` (lease, manifest, plan or
+  replayed plan, NIXL pull into staging) and ``Receiver.install`` and answers when the GPU is
+  synchronized. **Latency** = the receiver's ``time.monotonic()`` then minus the driver's
+  instant: CLOCK_MONOTONIC is one clock for every process of the machine, so the number covers
+  everything from the trainer's reply to installed weights, the pipe hop included (tens of
+  microseconds; reported as ``notify``). The sidecar's WatchVersions would announce a version
+  no earlier than the RPC returns (the version is readable just before the reply), so the pipe
+  does not flatter the result. The driver waits for the answer before the next step: the refit
+  runs on idle GPUs, not under training.
+* The phases come from ``RefitStats`` (plan: lease + manifest + plan/rebase; pull; translate;
+  install: the copies and the synchronize) and the receiver's own clock (``fetch``). The first
+  refit connects, plans, registers staging and prepares the NIXL requests of its slot and is
+  reported apart; the first refit on each of the trainer's slots is a warm-up (``--warmup``,
+  default the slot count); later ones replay the plan (``rebase``) onto cached requests.
+* Baseline, in the receiver process and alternating with the refits (before the step on odd
+  steps, after the refit on even ones): one tensor of each HF parameter's shape and dtype on
+  GPU 0 ``copy_()``d into a tensor of the same shape on the receiver's GPU, both GPUs
+  synchronized, timed with the same clock: the GPUs' own peer copy of the bytes a refit moves.
+* Once, after the last refit and untimed: the HF model's state_dict against ExportHF of that
+  version, bit for bit, and the HF model's logprobs on a fixed batch against the trainer's
+  Forward (reported as a gap: bf16 kernels differ between Megatron and transformers).
+
+``--device cpu`` runs the same path on the CPU (DRAM slots and staging, host copies as the
+baseline) as a smoke test.
+
+    python -m benchmarks.refit_install --preset 1b --device cuda --dest-gpu 1 --out runs/ri.json
+    python -m benchmarks.refit_install --preset tiny --device cpu --out /tmp/refit_install.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from benchmarks.refit_pull import _MODEL_KEYS, sidecar_server
+from benchmarks.refit_pull import PRESETS as PULL_PRESETS
+from benchmarks.trainer_step import REPO, _child_env, _tail, make_batches, trainer_server
+from benchmarks.trainer_step import write_model as _write_model
+from trainer_svc.client import TrainerClient
+from trainer_svc.domain import LossConfig, SequenceBatch
+
+log = logging.getLogger("benchmarks.refit_install")
+
+_BATCH_KEYS = ("seq_len", "seqs_per_microbatch", "microbatches")
+PRESETS: dict[str, dict[str, Any]] = {
+    name: {
+        **{k: PULL_PRESETS[name][k] for k in (*_MODEL_KEYS, *_BATCH_KEYS)},
+        "steps": steps,
+    }
+    for name, steps in (("1b", 10), ("tiny", 3))
+}
+_DTYPES = ("float32", "bfloat16")
+_CHECK_SEQUENCES, _CHECK_LENGTH = 4, 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one run needs, resolved from the command line and the preset."""
+
+    preset: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    max_positions: int
+    device: str
+    dest_gpu: int
+    params_dtype: str
+    seq_len: int
+    seqs_per_microbatch: int
+    microbatches: int
+    slots: int
+    warmup: int
+    steps: int
+    verify: bool
+    lr: float
+    seed: int
+    timeout: float
+    refit_timeout: float
+    out: Path
+    log_dir: Path
+    work_dir: Path | None
+    trainer_log_level: str
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def refits(self) -> int:
+        return self.warmup + self.steps
+
+    def trainer_args(self, model_dir: Path, sidecar: str) -> list[str]:
+        return [
+            *("--model", str(model_dir), "--tp", "1", "--device", self.device),
+            *("--params-dtype", self.params_dtype, "--lr", str(self.lr), "--seed", str(self.seed)),
+            *("--max-seq-len", str(self.seq_len), "--log-level", self.trainer_log_level),
+            *("--sidecar", sidecar, "--refit-slots", str(self.slots)),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverSettings:
+    """What the receiver subprocess is told (as JSON, in a file)."""
+
+    sidecar: str
+    model_dir: str
+    params_dtype: str
+    dest: str
+    """The receiver's device: staging, HF model, peer-copy destinations."""
+    source: str
+    """Where the peer copy's sources live (the trainer's GPU)."""
+    timeout_s: float
+    """A refit's lease and pull timeout."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ReceiverSettings:
+        values = json.loads(text)
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
+
+# -- the receiver (a subprocess of this script) ---------------------------------------------------
+
+
+def _synchronize(*devices: Any) -> None:
+    import torch
+
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def build_hf_model(settings: ReceiverSettings) -> Any:
+    """The transformers model of the config directory, initialised on the receiver's device in
+    the trainer's dtype (its random weights are overwritten by the first refit)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(settings.model_dir)
+    with torch.device(settings.dest):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, settings.params_dtype)
+        )
+    return model.to(settings.dest).eval()  # a no-op unless something was made elsewhere
+
+
+def hf_parameters(model: Any, names: list[str], tied: bool) -> dict[str, Any]:
+    """The model's parameters by HF checkpoint name; refuses a model whose names differ from
+    megatron_hf's (a tied lm_head is the embedding and is never installed on its own)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(names) - params.keys())
+    extra = sorted(params.keys() - set(names) - ({"lm_head.weight"} if tied else set()))
+    if missing or extra:
+        raise RuntimeError(
+            f"HF model and megatron_hf names differ: missing {missing[:5]}, "
+            f"not installed {extra[:5]}"
+        )
+    return {name: params[name] for name in names}
+
+
+class PeerCopy:
+    """The baseline: one tensor per installed parameter (same shape and dtype) on the source
+    device, copied into one of the same shape on the destination device."""
+
+    def __init__(self, params: dict[str, Any], source: Any, dest: Any) -> None:
+        import torch
+
+        self.devices = (source, dest)
+        self.sources = [torch.ones_like(p, device=source) for p in params.values()]
+        self.dests = [torch.empty_like(p, device=dest) for p in params.values()]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.sources)
+        self.seconds()  # untimed: the first peer copy enables peer access
+
+    def seconds(self) -> float:
+        _synchronize(*self.devices)
+        start = time.monotonic()
+        for src, dst in zip(self.sources, self.dests, strict=True):
+            dst.copy_(src, non_blocking=True)
+        _synchronize(*self.devices)
+        return time.monotonic() - start
+
+
+class InstallEndpoint:
+    """The receiver process's state and its answers to the driver's requests."""
+
+    def __init__(self, settings: ReceiverSettings) -> None:
+        import torch
+
+        from inference_ext.receiver import Receiver, RefitOptions
+        from inference_ext.slices import ReceiverLayout
+        from megatron_hf.convert import hf_names
+        from megatron_hf.spec import ModelSpec
+
+        self.dest, source = torch.device(settings.dest), torch.device(settings.source)
+        if self.dest.type == "cuda":
+            torch.cuda.set_device(self.dest)  # staging and the installer's copies run here
+        started = time.monotonic()
+        self.spec = ModelSpec.from_pretrained_dir(settings.model_dir)
+        self.model = build_hf_model(settings)
+        names = hf_names(self.spec)  # lm_head omitted when tied
+        self.params = hf_parameters(self.model, names, self.spec.tie_word_embeddings)
+        options = RefitOptions(
+            receiver_id="refit-install-benchmark",
+            lease_ttl_s=settings.timeout_s,
+            pull_timeout_s=settings.timeout_s,
+        )
+        self.receiver = Receiver(
+            settings.sidecar,
+            self.spec,
+            ReceiverLayout(0, 1),
+            names,
+            options=options,
+            device=self.dest,
+        )
+        self.peer = PeerCopy(self.params, source, self.dest)
+        self.setup_s = time.monotonic() - started
+
+    def ready(self) -> dict[str, Any]:
+        import torch
+
+        names = {}
+        if self.dest.type == "cuda":
+            names = {str(d): torch.cuda.get_device_name(d) for d in self.peer.devices}
+        return dict(
+            setup_s=self.setup_s,
+            installed_tensors=len(self.params),
+            installed_bytes=self.peer.nbytes,
+            hf_model_class=type(self.model).__name__,
+            device_names=names,
+        )
+
+    def install(self, tensors: Iterator[tuple[str, Any]]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, tensor in tensors:
+                param = self.params[name]
+                if param.shape != tensor.shape or param.dtype != tensor.dtype:
+                    raise RuntimeError(
+                        f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not fit "
+                        f"{param.dtype} {tuple(param.shape)}"
+                    )
+                param.copy_(tensor, non_blocking=True)
+        _synchronize(self.dest)
+
+    def refit(self, version: int, finished_at: float) -> dict[str, Any]:
+        received = time.monotonic()
+        self.receiver.fetch(version)
+        fetched = time.monotonic()
+        stats = self.receiver.install(self.install)
+        installed = time.monotonic()
+        return dict(
+            version=version,
+            latency_s=installed - finished_at,
+            notify_s=received - finished_at,
+            fetch_s=fetched - received,
+            install_call_s=installed - fetched,
+            stats=stats.to_dict(),
+        )
+
+    def peer_copy(self) -> dict[str, Any]:
+        return dict(seconds=self.peer.seconds(), nbytes=self.peer.nbytes)
+
+    def check(self, export: str, prompts: list[list[int]], logprobs: list[list[float]]) -> Any:
+        import torch
+
+        from megatron_hf.checkpoint import load_hf_state_dict
+
+        exported = load_hf_state_dict(export)
+        state = {k: v.cpu() for k, v in self.model.state_dict().items()}
+        differing = sorted(
+            name
+            for name, tensor in exported.items()
+            if name not in state
+            or state[name].dtype != tensor.dtype
+            or not torch.equal(state[name], tensor)
+        )
+        gaps = [
+            float(np.abs(np.asarray(a) - np.asarray(b)).max())
+            for a, b in zip(self.logprobs(prompts), logprobs, strict=True)
+        ]
+        not_exported = sorted(set(self.params) - set(exported))
+        return dict(
+            checked_tensors=len(exported),
+            identical=not differing and not not_exported,
+            not_exported=not_exported[:10],
+            differing=differing[:10],
+            max_logprob_gap=max(gaps),
+            logprob_gap_per_sequence=gaps,
+        )
+
+    def logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each token's logprob given the tokens before it (from the second token on), as
+        Forward reports them."""
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt], device=self.dest)
+                logits = self.model(input_ids=ids).logits[0, :-1].float()
+                picked = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+                out.append(picked.cpu().tolist())
+        return out
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def receiver_main(settings_path: Path, command_fd: int, reply_fd: int) -> None:
+    """Serves the driver's requests, one JSON line each way, until "stop" or end of input."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s [receiver] %(levelname)s %(message)s"
+    )
+    settings = ReceiverSettings.from_json(settings_path.read_text())
+    with os.fdopen(command_fd, "r") as commands, os.fdopen(reply_fd, "w") as replies:
+
+        def reply(message: dict[str, Any]) -> None:
+            replies.write(json.dumps(message) + "\n")
+            replies.flush()
+
+        endpoint = InstallEndpoint(settings)
+        try:
+            reply(endpoint.ready())
+            for line in commands:
+                request = json.loads(line)
+                op = request.pop("op")
+                if op == "stop":
+                    break
+                result = getattr(endpoint, op)(**request)
+                log.info("%s: %s", op, result)
+                reply(result)
+        finally:
+            endpoint.close()
+
+
+# -- the driver's side of the receiver -----------------------------------------------------------
+
+
+class ReceiverProcess:
+    """The receiver subprocess and the two pipes to it."""
+
+    def __init__(self, settings: ReceiverSettings, run_dir: Path, log_path: Path) -> None:
+        settings_path = run_dir / "receiver-settings.json"
+        settings_path.write_text(settings.to_json())
+        command_r, command_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        command = [sys.executable, "-m", "benchmarks.refit_install"]
+        self.process = subprocess.Popen(
+            [
+                *command,
+                "--receiver-settings",
+                str(settings_path),
+                "--command-fd",
+                str(command_r),
+                "--reply-fd",
+                str(reply_w),
+            ],
+            cwd=REPO,
+            env=_child_env(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(command_r, reply_w),
+            start_new_session=True,
+        )
+        os.close(command_r)  # the child's ends: EOF reaches each side when the other goes
+        os.close(reply_w)
+        self._commands: IO[str] = os.fdopen(command_w, "w")
+        self._replies: IO[str] = os.fdopen(reply_r, "r")
+
+    def send(self, op: str, **request: Any) -> None:
+        self._commands.write(json.dumps({"op": op, **request}) + "\n")
+        self._commands.flush()
+
+    def reply(self, timeout_s: float) -> dict[str, Any]:
+        ready, _, _ = select.select([self._replies], [], [], timeout_s)
+        line = self._replies.readline() if ready else ""
+        if not line:
+            why = "exited" if ready else f"did not answer within {timeout_s} s"
+            raise RuntimeError(f"the receiver {why}, {self.log_path}:\n{_tail(self.log_path)}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def request(self, op: str, timeout_s: float, **request: Any) -> dict[str, Any]:
+        self.send(op, **request)
+        return self.reply(timeout_s)
+
+    def stop(self) -> None:
+        if self.process.poll() is None and not self._commands.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.send("stop")
+        with contextlib.suppress(BrokenPipeError):
+            self._commands.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the group of the receiver we started
+            self.process.wait()
+        self._replies.close()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def receiver_process(
+    settings: ReceiverSettings, run_dir: Path, log_path: Path
+) -> Iterator[ReceiverProcess]:
+    process = ReceiverProcess(settings, run_dir, log_path)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+# -- the driver: steps, refits, copies ------------------------------------------------------------
+
+
+def train_step(client: TrainerClient, step_id: str, batches: list[Any]) -> dict[str, Any]:
+    """One step; ``finished_at`` is time.monotonic() right after FinishTrainStep returned."""
+    start = time.monotonic()
+    client.begin_step(step_id, LossConfig())
+    for j, batch in enumerate(batches):
+        client.train_microbatch(step_id, f"{step_id}-mb{j}", batch)
+    sent = time.monotonic()
+    result = client.finish_step(step_id)
+    finished_at = time.monotonic()
+    return dict(
+        version=result.weights_version,
+        finished_at=finished_at,
+        step_s=finished_at - start,
+        finish_s=finished_at - sent,
+        loss=result.metrics.loss,
+    )
+
+
+def run_refits(
+    client: TrainerClient, receiver: ReceiverProcess, batches: list[Any], config: RunConfig
+) -> list[dict[str, Any]]:
+    records = []
+    for index in range(config.refits):
+        peer_first = index % 2 == 1
+        peer = receiver.request("peer_copy", config.timeout) if peer_first else None
+        step = train_step(client, f"step-{index}", batches)
+        receiver.send("refit", version=step["version"], finished_at=step["finished_at"])
+        refit = receiver.reply(config.refit_timeout + 30)
+        if not peer_first:
+            peer = receiver.request("peer_copy", config.timeout)
+        assert peer is not None
+        records.append(
+            dict(index=index, warmup=index < config.warmup, step=step, refit=refit, peer_copy=peer)
+        )
+        log.info(
+            "refit %d (version %d%s): %.2f ms from Finish to installed, peer copy %.2f ms",
+            index,
+            step["version"],
+            ", warm-up" if index < config.warmup else "",
+            1e3 * refit["latency_s"],
+            1e3 * peer["seconds"],
+        )
+    return records
+
+
+def check_batch(config: RunConfig) -> list[list[int]]:
+    rng = np.random.default_rng(config.seed + 1)
+    length = min(_CHECK_LENGTH, config.seq_len)
+    return [rng.integers(0, config.vocab, size=length).tolist() for _ in range(_CHECK_SEQUENCES)]
+
+
+def verify(
+    client: TrainerClient, receiver: ReceiverProcess, work: Path, config: RunConfig
+) -> dict[str, Any]:
+    """The installed model against ExportHF and Forward of the same (the latest) version."""
+    export = work / "export"
+    client.export_hf(export)
+    prompts = check_batch(config)
+    batch = SequenceBatch.from_lists(prompts, loss_mask=[[True] * len(p) for p in prompts])
+    result = client.forward(batch)
+    assert result.logprobs is not None
+    bounds = np.cumsum([0, *map(len, prompts)])
+    trainer = [result.logprobs[a + 1 : b].tolist() for a, b in itertools.pairwise(bounds)]
+    check = receiver.request(
+        "check", config.timeout, export=str(export), prompts=prompts, logprobs=trainer
+    )
+    check["version"] = result.weights_version
+    return check
+
+
+# -- summary --------------------------------------------------------------------------------------
+
+_PHASES = ("notify_s", "fetch_s", "plan_s", "pull_s", "translate_s", "install_s")
+
+
+def _phases(refit: dict[str, Any]) -> dict[str, float]:
+    flat = {**refit, **refit["stats"]}
+    return {k: flat[k] for k in ("latency_s", *_PHASES)}
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = [r for r in records if not r["warmup"]]
+    if not timed:
+        raise RuntimeError("no timed refits: --steps must be >= 1")
+    phases = [_phases(r["refit"]) for r in timed]
+    median = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    peer_s = statistics.median(r["peer_copy"]["seconds"] for r in timed)
+    refit_bytes = timed[-1]["refit"]["stats"]["bytes_pulled"]
+    peer_bytes = timed[-1]["peer_copy"]["nbytes"]
+    return dict(
+        refit_bytes=refit_bytes,
+        peer_copy_bytes=peer_bytes,
+        timed_refits=len(timed),
+        median_ms={k.removesuffix("_s"): 1e3 * v for k, v in median.items()},
+        peer_copy_ms=1e3 * peer_s,
+        latency_over_peer_copy=median["latency_s"] / peer_s,
+        gb_per_s=dict(
+            refit=refit_bytes / median["latency_s"] / 1e9,
+            pull=refit_bytes / median["pull_s"] / 1e9,
+            peer_copy=peer_bytes / peer_s / 1e9,
+        ),
+        first_refit_ms={
+            k.removesuffix("_s"): 1e3 * v for k, v in _phases(records[0]["refit"]).items()
+        },
+        warmup_latency_ms=[1e3 * r["refit"]["latency_s"] for r in records if r["warmup"]],
+        replanned=[r["refit"]["stats"]["replanned"] for r in records],
+        finish_median_ms=1e3 * statistics.median(r["step"]["finish_s"] for r in timed),
+        step_median_ms=1e3 * statistics.median(r["step"]["step_s"] for r in timed),
+    )
+
+
+def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None:
+    m = summary["median_ms"]
+    print(
+        f"\nbytes per refit: {summary['refit_bytes']:,} (peer copy {summary['peer_copy_bytes']:,})"
+    )
+    print(
+        f"{summary['timed_refits']} timed refits, FinishTrainStep returned -> installed, medians:"
+    )
+    print(
+        f"  latency {m['latency']:.3f} ms; phases: notify {m['notify']:.3f}, fetch "
+        f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}), translate "
+        f"{m['translate']:.3f}, install {m['install']:.3f} ms"
+    )
+    g = summary["gb_per_s"]
+    print(
+        f"  peer copy {summary['peer_copy_ms']:.3f} ms; latency / peer copy "
+        f"{summary['latency_over_peer_copy']:.3f}"
+    )
+    print(
+        f"  GB/s: refit {g['refit']:.1f}, pull alone {g['pull']:.1f}, "
+        f"peer copy {g['peer_copy']:.1f}"
+    )
+    first = summary["first_refit_ms"]
+    print(
+        f"first refit (connect, plan, register): {first['latency']:.1f} ms "
+        f"(plan {first['plan']:.1f}, pull {first['pull']:.1f}); warm-up refits "
+        + ", ".join(f"{v:.1f}" for v in summary["warmup_latency_ms"])
+        + " ms"
+    )
+    print(
+        f"FinishTrainStep median {summary['finish_median_ms']:.2f} ms, "
+        f"step {summary['step_median_ms']:.1f} ms"
+    )
+    if check is not None:
+        print(
+            f"installed model equals ExportHF of version {check['version']}: {check['identical']} "
+            f"({check['checked_tensors']} tensors); max |logprob gap| HF vs Forward "
+            f"{check['max_logprob_gap']:.3g}"
+        )
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.refit_install",
+        description=(
+            "Time from FinishTrainStep's return to the new weights installed in a transformers "
+            "model on another GPU (Receiver: lease, NIXL pull, translate, copy), against a torch "
+            "peer copy of the same bytes."
+        ),
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    shape = p.add_argument_group("model (Llama family, config-only: megatron initialises it)")
+    for key in _MODEL_KEYS:
+        shape.add_argument(f"--{key.replace('_', '-')}", type=int)
+    run = p.add_argument_group("run")
+    run.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    run.add_argument("--dest-gpu", type=int, default=1, help="the receiver's GPU (the trainer: 0)")
+    run.add_argument(
+        "--params-dtype", choices=_DTYPES, help="default: bfloat16 on cuda, else float32"
+    )
+    run.add_argument("--seq-len", type=int)
+    run.add_argument("--seqs-per-microbatch", type=int)
+    run.add_argument("--microbatches", type=int)
+    run.add_argument("--slots", type=int, default=2, help="--refit-slots of the trainer")
+    run.add_argument("--warmup", type=int, help="untimed refits first (default: --slots)")
+    run.add_argument("--steps", type=int, help="timed steps, each refitted")
+    run.add_argument("--no-verify", action="store_true", help="skip the checks against the trainer")
+    run.add_argument("--lr", type=float, default=1e-5)
+    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds for a start or a request"
+    )
+    run.add_argument(
+        "--refit-timeout", type=float, default=120.0, help="seconds for one refit's pull"
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("runs/refit_install.json"))
+    out.add_argument("--log-dir", type=Path, help="default: beside --out")
+    out.add_argument("--work-dir", type=Path, help="default: a temporary directory")
+    out.add_argument(
+        "--trainer-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    p.add_argument("--receiver-settings", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--command-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def resolve(args: argparse.Namespace) -> RunConfig:
+    values = {k: getattr(args, k) for k in vars(args) if getattr(args, k) is not None}
+    values = {**PRESETS[args.preset], **values}
+    if "device" not in values:
+        import torch  # only to pick the default device
+
+        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    values.setdefault("params_dtype", "bfloat16" if values["device"] == "cuda" else "float32")
+    values.setdefault("warmup", values["slots"])
+    values.setdefault("log_dir", args.out.parent)
+    values.setdefault("work_dir", None)
+    values["verify"] = not values.pop("no_verify")
+    config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
+    if config.seq_len > config.max_positions:
+        raise SystemExit(
+            f"--seq-len {config.seq_len} exceeds --max-positions {config.max_positions}"
+        )
+    if config.steps < 1 or config.warmup < 1 or config.slots < 1:
+        raise SystemExit(
+            "--steps, --warmup and --slots must be >= 1 (the first refit is a warm-up)"
+        )
+    if config.cuda and config.dest_gpu == 0:
+        raise SystemExit("--dest-gpu must not be 0: the trainer's rank uses GPU 0")
+    return config
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in (
+        "torch",
+        "transformers",
+        "megatron-core",
+        "nixl",
+        "nixl-cu13",
+        "nixl-cu12",
+        "grpcio",
+    ):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "-"
+    return out
+
+
+def write_model(path: Path, config: RunConfig) -> Path:
+    return _write_model(path, argparse.Namespace(**asdict(config), hf_weights=False))
+
+
+def run(config: RunConfig, work: Path) -> dict[str, Any]:
+    model_dir = write_model(work / "model", config)
+    batches = make_batches(asdict(config))
+    logs = config.log_dir
+    with contextlib.ExitStack() as stack:
+        sidecar = stack.enter_context(sidecar_server(work, logs / "sidecar.log", config.timeout))
+        settings = ReceiverSettings(
+            sidecar=sidecar,
+            model_dir=str(model_dir),
+            params_dtype=config.params_dtype,
+            dest=f"cuda:{config.dest_gpu}" if config.cuda else "cpu",
+            source="cuda:0" if config.cuda else "cpu",
+            timeout_s=config.refit_timeout,
+        )
+        # Started first: its setup (imports, model build) overlaps the trainer's start.
+        receiver = stack.enter_context(receiver_process(settings, work, logs / "receiver.log"))
+        trainer_args = config.trainer_args(model_dir, sidecar)
+        log.info("trainer args: %s", " ".join(trainer_args))
+        plan = dict(trainer_args=trainer_args, timeout_s=config.timeout)
+        target, startup_s = stack.enter_context(trainer_server(plan, work, logs / "trainer.log"))
+        ready = receiver.reply(config.timeout)
+        log.info("receiver ready: %s", ready)
+        with TrainerClient(target) as client:
+            status = client.status()
+            records = run_refits(client, receiver, batches, config)
+            check = verify(client, receiver, work, config) if config.verify else None
+        receiver.stop()
+    return dict(
+        receiver=ready,
+        trainer=dict(
+            startup_s=startup_s,
+            num_parameters=status.model.num_parameters,
+            device=status.device,
+            refit_snapshot_bytes=status.refit_snapshot_bytes,
+            args=trainer_args,
+        ),
+        records=records,
+        check=check,
+    )
+
+
+def _meta(config: RunConfig, argv: list[str] | None) -> dict[str, Any]:
+    args = sys.argv[1:] if argv is None else argv
+    return dict(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=" ".join(
+            [os.path.basename(sys.executable), "-m", "benchmarks.refit_install", *args]
+        ),
+        config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        versions=_versions(),
+        ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.receiver_settings is not None:
+        receiver_main(args.receiver_settings, args.command_fd, args.reply_fd)
+        return
+    config = resolve(args)
+    # Stopped from outside, still stop the sidecar, trainer and receiver this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench] %(levelname)s %(message)s")
+    config.log_dir.mkdir(parents=True, exist_ok=True)
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="refit-install-bench-") as scratch:
+        work = config.work_dir or Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        result = run(config, work)
+    summary = summarize(result["records"])
+    output = dict(meta=_meta(config, argv), summary=summary, **result)
+    config.out.write_text(json.dumps(output, indent=1) + "\n")
+    print_summary(summary, result["check"])
+    print(f"results: {config.out}")
+
+
+if __name__ == "__main__":
+    main()
