@@ -272,11 +272,11 @@ class InstallEndpoint:
         with torch.no_grad():
             for name, tensor in tensors:
                 param = self.params[name]
-                if param.shape != tensor.shape or param.dtype != tensor.dtype:
+                if param.shape != tensor.shape:
                     raise RuntimeError(
-                        f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not fit "
-                        f"{param.dtype} {tuple(param.shape)}"
+                        f"{name}: {tuple(tensor.shape)} does not fit {tuple(param.shape)}"
                     )
+                # Megatron keeps RMSNorm weights in fp32 under bf16 params; copy_ casts them.
                 param.copy_(tensor, non_blocking=True)
         _synchronize(self.dest)
 
@@ -305,13 +305,14 @@ class InstallEndpoint:
 
         exported = load_hf_state_dict(export)
         state = {k: v.cpu() for k, v in self.model.state_dict().items()}
+        # Exported tensors keep the trainer's dtype (fp32 norms under bf16 params); the
+        # model holds them in its own dtype, so compare after the same cast the install did.
         differing = sorted(
             name
             for name, tensor in exported.items()
-            if name not in state
-            or state[name].dtype != tensor.dtype
-            or not torch.equal(state[name], tensor)
+            if name not in state or not torch.equal(state[name], tensor.to(state[name].dtype))
         )
+        cast = sorted(n for n, t in exported.items() if n in state and state[n].dtype != t.dtype)
         gaps = [
             float(np.abs(np.asarray(a) - np.asarray(b)).max())
             for a, b in zip(self.logprobs(prompts), logprobs, strict=True)
@@ -320,6 +321,7 @@ class InstallEndpoint:
         return dict(
             checked_tensors=len(exported),
             identical=not differing and not not_exported,
+            cast_to_model_dtype=len(cast),
             not_exported=not_exported[:10],
             differing=differing[:10],
             max_logprob_gap=max(gaps),
@@ -600,7 +602,8 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
     if check is not None:
         print(
             f"installed model equals ExportHF of version {check['version']}: {check['identical']} "
-            f"({check['checked_tensors']} tensors); max |logprob gap| HF vs Forward "
+            f"({check['checked_tensors']} tensors, {check['cast_to_model_dtype']} cast to the "
+            f"model's dtype); max |logprob gap| HF vs Forward "
             f"{check['max_logprob_gap']:.3g}"
         )
 
