@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -111,6 +111,9 @@ class HFSlice:
     shape: tuple[int, ...]
     box: Box
     parts: tuple[tuple[int, Box], ...]
+    contiguous: bool = False
+    """The parts lie back to back in staging in the tensor's own row order and cover it
+    whole, so the tensor is a view of staging (q, k and v of a TP=1 receiver, for one)."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,20 @@ def plan_receiver(
             parts.append((index, source.hf_box))
         slices.append(HFSlice(name, hf_shape(name, spec), box, tuple(parts)))
     plan = plan_pull(manifest, [Want(name, box) for name, box in wants])
-    return ReceiverPlan(plan, tuple(slices))
+    return ReceiverPlan(plan, tuple(_mark_contiguous(plan, s) for s in slices))
+
+
+def _mark_contiguous(plan: PullPlan, hf: HFSlice) -> HFSlice:
+    if hf.box != Box.full(hf.shape):
+        return hf
+    row, end = 0, plan.targets[hf.parts[0][0]].offset
+    for index, sub_box in hf.parts:
+        target = plan.targets[index]
+        rows, rest = sub_box.ranges[0], sub_box.ranges[1:]
+        if target.offset != end or rows[0] != row or rest != hf.box.ranges[1:]:
+            return hf
+        row, end = rows[1], target.offset + target.nbytes
+    return replace(hf, contiguous=True)
 
 
 class Staging:
@@ -321,9 +337,12 @@ class Receiver:
         return plan, True
 
     def _assemble(self, pull: PullPlan, hf: HFSlice) -> torch.Tensor:
-        if len(hf.parts) == 1 and hf.box == Box.full(hf.shape):
-            return self.staging.target(pull, hf.parts[0][0])
-        dtype = TORCH_DTYPES[pull.targets[hf.parts[0][0]].dtype]
+        first = pull.targets[hf.parts[0][0]]
+        dtype = TORCH_DTYPES[first.dtype]
+        if hf.contiguous:
+            size = math.prod(hf.shape) * first.dtype.itemsize
+            raw = self.staging.buffer[first.offset : first.offset + size]
+            return raw.view(dtype).view(hf.shape)
         full = torch.empty(hf.shape, dtype=dtype, device=self.staging.buffer.device)
         for index, sub_box in hf.parts:
             full[_index(sub_box)].copy_(self.staging.target(pull, index))

