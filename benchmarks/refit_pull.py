@@ -51,6 +51,7 @@ from benchmarks.trainer_step import (
     Driver,
     _child_env,
     _tail,
+    apply_preset,
     make_batches,
     run_steps,
     trainer_server,
@@ -403,15 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.device is None:
-        import torch  # only to pick the default device
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.params_dtype is None:
-        args.params_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    apply_preset(args, PRESETS)
     if args.seq_len > args.max_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}")
     if min(args.steps, args.pulls) < 1:

@@ -731,8 +731,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    for key, value in PRESETS[args.preset].items():
+def apply_preset(args: argparse.Namespace, presets: dict[str, dict[str, Any]]) -> None:
+    """Fill the options left unset from `args.preset`; the device defaults to CUDA when there
+    is one, params to bf16 on CUDA and fp32 on the CPU."""
+    for key, value in presets[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.device is None:
@@ -741,6 +743,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.params_dtype is None:
         args.params_dtype = "bfloat16" if args.device == "cuda" else "float32"
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    apply_preset(args, PRESETS)
     if args.hf_weights:
         args.vocab = 101  # megatron_hf.tiny's character tokenizer
     if args.seq_len > args.max_positions:

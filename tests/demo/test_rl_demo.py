@@ -16,7 +16,7 @@ import psutil
 
 from tests.support.trainer import TEST_ENV
 
-SHORT_RUN = ["--iterations", "20"]
+SHORT_RUN = ["--iterations", "30"]
 SUMMARY_LINE = re.compile(r"reward ([0-9.]+) -> ([0-9.]+) .* largest fidelity gap ([0-9.e+-]+)")
 VERSION_LINE = re.compile(r"^v(\d+)\s+reward ([0-9.]+) .* gap ([0-9.e+-]+)$", re.MULTILINE)
 
