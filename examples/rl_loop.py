@@ -129,10 +129,9 @@ class Engine:
         return Group(prompt, completions, logprobs, rewards)
 
     def close(self) -> None:
-        try:
-            self.refit.close()
-        finally:
-            self.llm.llm_engine.engine_core.shutdown()
+        # Stopping the engine ends its workers and their receivers with them; no RPC first,
+        # since after a Ctrl-C the engine's processes may already be gone.
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def sampled_logprobs(steps: Any, tokens: Sequence[int]) -> list[float]:

@@ -3,12 +3,14 @@
 `LocalStack` starts ``python -m refit_sidecar`` and ``python -m trainer_svc --sidecar ...`` on
 free ports, waits until both serve, and stops them (SIGTERM, then SIGKILL after a grace period)
 when the block ends, also on Ctrl-C or an exception. Each runs in its own session so a Ctrl-C
-in the terminal reaches only the caller, which then shuts the stack down in order.
+in the terminal reaches only the caller, which then shuts the stack down in order; if the
+caller dies without doing so, each gets SIGTERM from the kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -21,6 +23,9 @@ from types import TracebackType
 from typing import IO
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +108,7 @@ class LocalStack:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_terminate_with_parent,  # noqa: PLW1509 (one foreign call, resolved before the fork)
         )
         self._processes.append(_Process(name, popen, log_path, log_file))
 
@@ -131,6 +137,13 @@ class LocalStack:
             process.popen.wait()
             process.log_file.close()
         self._processes.clear()
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies, even by
+    SIGKILL, so a stack never outlives its owner (Linux prctl PR_SET_PDEATHSIG)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _kill_group(pid: int) -> None:
