@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt scripts/bootstrap_venv
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m trainer_svc.demo
+	$(PY) -m examples.rl_loop
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
