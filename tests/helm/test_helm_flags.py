@@ -39,7 +39,6 @@ RenderedSet = Callable[[str], Rendered]
 VllmCli = tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], None]]
 
 
-
 @functools.cache
 def _values(name: str) -> dict[str, Any]:
     with helm.Chart.load(CHART_DIR) as chart:

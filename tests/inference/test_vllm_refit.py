@@ -5,7 +5,9 @@ and a refit whose source died leaves the engines generating exactly as before.""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +74,8 @@ def _gap(a: list, b: list) -> float:
 
 def _kill_tree(process: psutil.Process) -> None:
     for proc in [*process.children(recursive=True), process]:
-        proc.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 @pytest.mark.parametrize(
@@ -126,11 +129,15 @@ def _check_installed_slices(per_worker: list[dict], exported: dict, tp: int) -> 
         assert bool(covered.all()), f"{name} is not fully installed across the workers"
 
 
-def test_a_refit_from_a_dead_source_leaves_the_engines_unchanged(tmp_path, model_dir, engines):
+def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_dir, engines):
+    """A TP=2 trainer loses rank 1 after publishing version 2 (its launcher is paused so it
+    cannot stop rank 0): every engine worker still reads rank 0's shards, fails on rank 1's,
+    and no worker of either engine installs anything."""
     with running_sidecar(tmp_path / "sidecar") as sidecar:
         trainer = TrainerProcess(
-            tmp_path / "trainer", ["--model", str(model_dir), "--sidecar", sidecar]
+            tmp_path / "trainer", ["--tp", "2", "--model", str(model_dir), "--sidecar", sidecar]
         )
+        launcher = psutil.Process(trainer.process.pid)
         try:
             for tp, engine in engines.items():
                 engine.call("refit_init", sidecar, _options(tp))
@@ -139,11 +146,16 @@ def test_a_refit_from_a_dead_source_leaves_the_engines_unchanged(tmp_path, model
                 engine.call("refit_to", 1)
             served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
             assert _train_step(trainer, "s2", seed=5) == 2
+            launcher.suspend()
+            (rank1,) = [p for p in launcher.children() if p.environ().get("RANK") == "1"]
+            rank1.kill()
+            while rank1.status() != psutil.STATUS_ZOMBIE:  # its paused parent cannot reap it
+                time.sleep(0.05)
+            for tp, engine in engines.items():
+                with pytest.raises(EngineError, match="RefitError: pulling version 2 failed"):
+                    engine.call("refit_to", 2)
+                assert engine.call("installed_version") == 1
+                assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
         finally:
-            _kill_tree(psutil.Process(trainer.process.pid))
+            _kill_tree(launcher)
             trainer.stop()
-        for tp, engine in engines.items():
-            with pytest.raises(EngineError, match="RefitError: pulling version 2 failed"):
-                engine.call("refit_to", 2)
-            assert engine.call("installed_version") == 1
-            assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} engine changed"
