@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import random
 import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,19 +144,27 @@ def sampled_logprobs(steps: Any, tokens: Sequence[int]) -> list[float]:
 def rollouts(
     engines: Sequence[Engine], task: ReverseTask, prompts: list[Prompt], n: int, seed: int
 ) -> Iterator[Group]:
-    """Groups in the order they complete; prompts are dealt to the engines round-robin and each
-    engine samples one group at a time."""
-    pools = [ThreadPoolExecutor(1, thread_name_prefix=e.name) for e in engines]
-    try:
-        futures = [
-            pools[i % len(engines)].submit(engines[i % len(engines)].sample, task, p, n, seed + i)
-            for i, p in enumerate(prompts)
-        ]
-        for future in as_completed(futures):
-            yield future.result()
-    finally:
-        for pool in pools:
-            pool.shutdown(cancel_futures=True)
+    """Groups in the order they complete. Prompts are dealt to the engines round-robin; one
+    thread per engine samples its groups one at a time. The threads are daemons, so a Ctrl-C
+    never waits for an engine that died under them."""
+    done: queue.Queue[Group | BaseException] = queue.Queue()
+
+    def sample_all(engine: Engine, jobs: list[tuple[int, Prompt]]) -> None:
+        try:
+            for i, prompt in jobs:
+                done.put(engine.sample(task, prompt, n, seed + i))
+        except BaseException as error:
+            done.put(error)
+
+    numbered = list(enumerate(prompts))
+    for k, engine in enumerate(engines):
+        jobs = numbered[k :: len(engines)]
+        threading.Thread(target=sample_all, args=(engine, jobs), daemon=True).start()
+    for _ in prompts:
+        item = done.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def grpo_batch(group: Group) -> SequenceBatch | None:
