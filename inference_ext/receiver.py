@@ -326,7 +326,7 @@ class Receiver:
         key = layout_key(manifest)
         cached = self._plans.get(key)
         if cached is not None:
-            plan = ReceiverPlan(rebase(cached.pull, manifest), cached.slices)
+            plan = ReceiverPlan(rebase(cached.pull, manifest, layout=key), cached.slices)
             self._plans[key] = plan
             return plan, False
         try:

@@ -151,10 +151,11 @@ def layout_key(manifest: Manifest) -> str:
     return digest.hexdigest()
 
 
-def rebase(plan: PullPlan, manifest: Manifest) -> PullPlan:
+def rebase(plan: PullPlan, manifest: Manifest, *, layout: str | None = None) -> PullPlan:
     """`plan` replayed on `manifest`, a version of the same layout: the same byte ranges and
-    destinations, read from wherever that version's shards live (O(shards), no re-planning)."""
-    key = layout_key(manifest)
+    destinations, read from wherever that version's shards live (O(shards), no re-planning).
+    `layout` is `layout_key(manifest)` when the caller has it already."""
+    key = layout_key(manifest) if layout is None else layout
     if key != plan.layout:
         raise UnsupportedRequest(
             f"manifest version {manifest.version} has another layout than the plan's "

@@ -11,9 +11,10 @@ belong to the sidecar.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -163,7 +164,9 @@ class ShardSource:
             raise ValueError(f"{parameter}: got {raw.nbytes} bytes for a {view.nbytes}-byte shard")
         view[:] = raw
 
-    def agent_record(self) -> AgentRecord:
+    @functools.cached_property
+    def _agent_record(self) -> AgentRecord:
+        # The metadata covers the arena, registered once in `create`, so it never changes.
         return AgentRecord(
             self.config.name,
             self._agent.get_agent_metadata(),
@@ -172,29 +175,41 @@ class ShardSource:
             self.config.rank,
         )
 
-    def manifest(self, version: int, *, checksums: bool | None = None) -> Manifest:
-        """The current contents as `version`. Checksums (None: when the arena is host memory)
-        need the bytes on the host, so a device arena publishes none."""
-        arena = self.arena
-        if checksums is None:
-            checksums = arena.mem_type is MemType.DRAM
+    def agent_record(self) -> AgentRecord:
+        return self._agent_record
+
+    @functools.cached_property
+    def _records(self) -> tuple[ParameterRecord, ...]:
+        """Every shard's record without a checksum: only checksums change between versions."""
+        arena, cfg = self.arena, self.config
         records = []
         for name, spec in self._specs.items():
             location = ShardLocation.contiguous(
-                agent=self.config.name,
+                agent=cfg.name,
                 address=arena.address + self._offsets[name],
                 shape=spec.local_shape,
                 itemsize=spec.dtype.itemsize,
                 mem_type=arena.mem_type,
                 device_id=arena.device_id,
             )
-            crc = checksum(self.view(name)) if checksums else None
-            cfg = self.config
             shard = ShardRecord(
-                location, spec.pieces, crc, cfg.rank, cfg.tensor_rank, cfg.pipeline_stage
+                location, spec.pieces, None, cfg.rank, cfg.tensor_rank, cfg.pipeline_stage
             )
             records.append(ParameterRecord(name, spec.shape, spec.dtype, (shard,)))
-        return Manifest(version, tuple(records), {self.config.name: self.agent_record()})
+        return tuple(records)
+
+    def manifest(self, version: int, *, checksums: bool | None = None) -> Manifest:
+        """The current contents as `version`. Checksums (None: when the arena is host memory)
+        need the bytes on the host, so a device arena publishes none."""
+        if checksums is None:
+            checksums = self.arena.mem_type is MemType.DRAM
+        records = self._records
+        if checksums:
+            records = tuple(
+                replace(r, shards=(replace(r.shards[0], crc32=checksum(self.view(r.name))),))
+                for r in records
+            )
+        return Manifest(version, records, {self.config.name: self._agent_record})
 
     def close(self) -> None:
         self._stop_progress.set()

@@ -38,7 +38,8 @@ def in_child_process(test: Callable[..., None]) -> Callable[..., None]:
         try:
             failure = receive.recv()
         except EOFError:
-            failure = "the child process died before reporting"
+            child.join()
+            failure = f"the child process died before reporting (exit code {child.exitcode})"
         child.join()
         if failure is not None:
             raise AssertionError(f"the test failed in its child process:\n{failure}")
