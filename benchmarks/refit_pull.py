@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -57,6 +59,7 @@ from benchmarks.trainer_step import (
     trainer_server,
     write_model,
 )
+from refit_sidecar.client import SidecarClient
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig
 
@@ -159,7 +162,6 @@ def puller_main(plan_path: Path, result_path: Path) -> None:
     # torch, NIXL and the data plane only here: the driving process stays light.
     import torch
 
-    from refit_sidecar.client import SidecarClient
     from refit_sidecar.manifest import MemType
     from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
     from refit_sidecar.plan import plan_pull, whole
@@ -279,13 +281,44 @@ def run_puller(plan: dict[str, Any], run_dir: Path, log_path: Path) -> dict[str,
 # -- the trainer runs -----------------------------------------------------------------------------
 
 
-def train(target: str, batches: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+def _watch_readable(sidecar: str, readable_at: dict[int, float]) -> Callable[[], None]:
+    """Records when each version becomes readable (perf_counter, this process) from a
+    WatchVersions stream on a thread; returns the function that stops it."""
+
+    client = SidecarClient(sidecar)
+    versions = client.watch(0)
+
+    def watch() -> None:
+        with contextlib.suppress(Exception):  # ends when the client closes
+            for version in versions:
+                readable_at.setdefault(version, time.perf_counter())
+
+    thread = threading.Thread(target=watch, name="watch-versions", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        client.close()
+        thread.join(10)
+
+    return stop
+
+
+def train(
+    target: str, batches: list[Any], args: argparse.Namespace, sidecar: str | None = None
+) -> dict[str, Any]:
+    """Runs the steps; with `sidecar`, also when each version became readable, in ms after
+    its FinishTrainStep returned."""
+    returned_at: dict[int, float] = {}
+    readable_at: dict[int, float] = {}
+    stop_watch = _watch_readable(sidecar, readable_at) if sidecar else None
     with TrainerClient(target) as client:
         status = client.status()
         loss = LossConfig()
 
         def finish(step_id: str) -> tuple[float, float, int]:
-            m = client.finish_step(step_id).metrics
+            result = client.finish_step(step_id)
+            returned_at[result.weights_version] = time.perf_counter()
+            m = result.metrics
             return m.loss, m.grad_norm, m.counts.valid_tokens
 
         driver = Driver(
@@ -295,13 +328,33 @@ def train(target: str, batches: list[Any], args: argparse.Namespace) -> dict[str
         )
         records = run_steps(driver, batches, args.warmup, args.steps)
         end = client.status()
+    if sidecar is not None and stop_watch is not None:
+        if end.weights_version:
+            with SidecarClient(sidecar) as check:
+                check.wait_visible(end.weights_version)
+        time.sleep(0.1)  # the watcher thread records the last version
+        stop_watch()
+    readable_ms = {
+        v: 1e3 * (readable_at[v] - t) for v, t in returned_at.items() if v in readable_at
+    }
     return dict(
         records=records,
+        readable_after_finish_ms=[readable_ms.get(v) for v in sorted(returned_at)],
         num_parameters=status.model.num_parameters,
         device=status.device,
         refit_snapshot_bytes=status.refit_snapshot_bytes,
         weights_version=end.weights_version,
     )
+
+
+def _holdup_s(records: list[dict[str, Any]]) -> list[float]:
+    """FinishTrainStep plus the next BeginTrainStep of each timed step: what a step's end
+    holds the next one up."""
+    return [
+        done["finish_s"] + after["begin_s"]
+        for done, after in itertools.pairwise(records)
+        if not done["warmup"]
+    ]
 
 
 def _median_ms(values: list[float]) -> float:
@@ -316,6 +369,13 @@ def summarize(pull: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str
         mode: _median_ms([r["finish_s"] for r in run["records"] if not r["warmup"]])
         for mode, run in runs.items()
     }
+    holdup = {mode: _median_ms(_holdup_s(run["records"])) for mode, run in runs.items()}
+    timed = [r["warmup"] for r in runs["publish"]["records"]]
+    readable = [
+        ms
+        for ms, warmup in zip(runs["publish"]["readable_after_finish_ms"], timed, strict=False)
+        if ms is not None and not warmup
+    ]
     losses = [[r["loss"] for r in run["records"]] for run in runs.values()]
     return dict(
         bytes=nbytes,
@@ -325,6 +385,9 @@ def summarize(pull: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str
         first_pull_ms=1e3 * pull["first_pull_s"],
         finish_median_ms=finish,
         publication_ms=finish["publish"] - finish["plain"],
+        holdup_median_ms=holdup,
+        publication_holdup_ms=holdup["publish"] - holdup["plain"],
+        readable_after_finish_ms=statistics.median(readable) if readable else None,
         local_copy_ms=1e3 * seconds["local_copy"],
         max_loss_difference=max(abs(a - b) for a, b in zip(*losses, strict=True)),
         pulled_equals_export=(pull["check_against_export"] or {}).get("identical"),
@@ -345,6 +408,16 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"(+{summary['publication_ms']:.2f} ms; device-local copy {summary['local_copy_ms']:.2f} "
         "ms)"
     )
+    h = summary["holdup_median_ms"]
+    print(
+        f"FinishTrainStep + next BeginTrainStep median: {h['publish']:.2f} ms publishing, "
+        f"{h['plain']:.2f} ms without (+{summary['publication_holdup_ms']:.2f} ms)"
+    )
+    if summary["readable_after_finish_ms"] is not None:
+        print(
+            "version readable after FinishTrainStep returned: median "
+            f"{summary['readable_after_finish_ms']:.2f} ms"
+        )
     print(
         f"pulled weights equal ExportHF: {summary['pulled_equals_export']}; "
         f"max |loss difference| between the runs: {summary['max_loss_difference']:.3g}"
@@ -450,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             plan = dict(trainer_args=publishing, timeout_s=args.timeout)
             log.info("trainer args: %s", " ".join(publishing))
             with trainer_server(plan, work, log_dir / "trainer-publish.log") as (target, _):
-                runs["publish"] = train(target, batches, args)
+                runs["publish"] = train(target, batches, args, sidecar)
                 export = None
                 if not args.no_verify:
                     export = work / "export"

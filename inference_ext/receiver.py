@@ -22,7 +22,7 @@ from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.plan import PullPlan, UnsupportedRequest, Want, layout_key, plan_pull, rebase
@@ -55,6 +55,9 @@ class RefitOptions:
     pull_timeout_s: float = 300.0
     connect_timeout_s: float = 30.0
     rpc_timeout_s: float = 30.0
+    visible_timeout_s: float = 30.0
+    """How long a refit to a version the trainer has returned waits for it to be readable:
+    trainer ranks report a version to the sidecar just after the step that made it."""
     verify_checksums: bool = True
     """Check the CRC-32 of every source shard read whole (host staging only)."""
 
@@ -62,7 +65,13 @@ class RefitOptions:
         # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
         if not isinstance(self.receiver_id, str) or not self.receiver_id:
             raise ValueError(f"receiver_id must be a non-empty string, got {self.receiver_id!r}")
-        for name in ("lease_ttl_s", "pull_timeout_s", "connect_timeout_s", "rpc_timeout_s"):
+        for name in (
+            "lease_ttl_s",
+            "pull_timeout_s",
+            "connect_timeout_s",
+            "rpc_timeout_s",
+            "visible_timeout_s",
+        ):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not number or not 0 < value < math.inf:
@@ -250,9 +259,7 @@ class Receiver:
         self._staged = None
         begin = time.perf_counter()
         try:
-            lease = self.client.acquire_lease(
-                version, self.options.receiver_id, self.options.lease_ttl_s
-            )
+            lease = self._lease(version)
         except Exception as e:
             raise RefitError(f"cannot lease version {version}: {e}") from e
         try:
@@ -272,6 +279,16 @@ class Receiver:
             except Exception as e:  # an expired lease is no reason to fail a good pull
                 log.warning("releasing lease %s failed: %s", lease.lease_id, e)
         self._fetched = (plan, stats, plan_s, replanned)
+
+    def _lease(self, version: int) -> Lease:
+        """A lease on `version`; one not readable yet is waited for (it returns at once when
+        the version, or a newer one, is readable) and asked for once more."""
+        options = self.options
+        try:
+            return self.client.acquire_lease(version, options.receiver_id, options.lease_ttl_s)
+        except UnknownVersion:
+            self.client.wait_visible(version, options.visible_timeout_s)
+        return self.client.acquire_lease(version, options.receiver_id, options.lease_ttl_s)
 
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-wait-seconds", type=float, default=RegistryConfig.max_wait_seconds)
     parser.add_argument("--max-lease-seconds", type=float, default=RegistryConfig.max_lease_seconds)
     parser.add_argument(
+        "--publish-timeout-seconds",
+        type=float,
+        default=RegistryConfig.publish_timeout_seconds,
+        help="how long a slot reservation waits for every rank to report the previous version",
+    )
+    parser.add_argument(
         "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO"
     )
     return parser
@@ -61,6 +67,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, str]
                 full_policy=FullPolicy(args.when_all_slots_leased),
                 max_wait_seconds=args.max_wait_seconds,
                 max_lease_seconds=args.max_lease_seconds,
+                publish_timeout_seconds=args.publish_timeout_seconds,
             ),
         )
     except ValueError as exc:

@@ -2,8 +2,8 @@
 
 Status codes come back as the registry's domain errors: NOT_FOUND as `UnknownVersion` (calls
 naming a version) or `UnknownLease` (calls naming a lease), RESOURCE_EXHAUSTED as
-`SlotsExhausted`, INVALID_ARGUMENT as ValueError. Anything else (UNAVAILABLE,
-DEADLINE_EXCEEDED, ...) is raised as the `grpc.RpcError` it is.
+`SlotsExhausted`, FAILED_PRECONDITION as `PublicationPending`, INVALID_ARGUMENT as ValueError.
+Anything else (UNAVAILABLE, DEADLINE_EXCEEDED, ...) is raised as the `grpc.RpcError` it is.
 
 Versions start at 1: the wire uses 0 for "none" (no readable version, no retired version),
 which the client returns as None.
@@ -21,7 +21,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_sidecar.manifest import Manifest
-from refit_sidecar.registry import SlotsExhausted, UnknownLease, UnknownVersion
+from refit_sidecar.registry import (
+    PublicationPending,
+    SlotsExhausted,
+    UnknownLease,
+    UnknownVersion,
+)
 from refit_sidecar.wire import manifest_from_proto, publish_request
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
@@ -29,6 +34,7 @@ from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 
 __all__ = [
     "Lease",
+    "PublicationPending",
     "SidecarClient",
     "SlotsExhausted",
     "TrainerLayout",
@@ -145,24 +151,48 @@ class SidecarClient:
         request = pb.RegisterTrainerRequest(layout=layout.to_proto(), num_slots=num_slots)
         self._call(self._stub.RegisterTrainer, request)
 
-    def reserve_slot(self, version: int) -> tuple[int, int | None]:
-        """(slot for `version`, the version retired to free it, or None)."""
+    def reserve_slot(self, version: int, *, ahead: bool = False) -> tuple[int, int | None]:
+        """(slot for `version`, the version retired to free it, or None). `ahead`: before the
+        step that makes `version`; keeps the latest version readable and never waits for a
+        lease (SlotsExhausted instead)."""
         if version < 1:
             raise ValueError(f"versions start at 1, got {version}")
-        reply = self._call(self._stub.ReserveSlot, pb.ReserveSlotRequest(version=version))
+        request = pb.ReserveSlotRequest(version=version, ahead=ahead)
+        reply = self._call(self._stub.ReserveSlot, request)
         return reply.slot, reply.retired_version or None
 
     def publish(self, version: int, rank: int, partial: Manifest) -> bool:
         """Publish `rank`'s part of `version` (one agent, with its metadata blob, and its
         shards); True when this made the version readable."""
-        reply = self._call(self._stub.PublishShards, publish_request(version, rank, partial))
-        return reply.visible
+        return self.send_publication(publish_request(version, rank, partial))
+
+    def send_publication(self, request: pb.PublishShardsRequest) -> bool:
+        """`publish` for a request built ahead (`wire.publish_request`)."""
+        return self._call(self._stub.PublishShards, request).visible
 
     # -- receiver side ------------------------------------------------------------------------
 
     def latest_version(self) -> int | None:
         reply = self._call(self._stub.GetLatestVersion, pb.GetLatestVersionRequest())
         return reply.version or None
+
+    def wait_visible(self, version: int, timeout: float = 30.0) -> int:
+        """Block until `version` or a newer one is readable; returns the latest. Trainer ranks
+        report a finished step in the background, so its version becomes readable a moment
+        after FinishTrainStep returns it. TimeoutError after `timeout` seconds."""
+        request = pb.WatchVersionsRequest(after_version=version - 1)
+        call = self._stub.WatchVersions(request, timeout=timeout)
+        try:
+            for info in call:
+                return info.version
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        finally:
+            call.cancel()
+        raise TimeoutError(
+            f"version {version} did not become readable at {self.target} within {timeout} s"
+        )
 
     def manifest(self, version: int) -> Manifest:
         """The merged manifest of a readable version (UnknownVersion otherwise)."""
@@ -212,6 +242,8 @@ def _domain_error(error: grpc.RpcError, not_found: type[LookupError]) -> Excepti
         return not_found(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return SlotsExhausted(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return PublicationPending(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(details)
     return None

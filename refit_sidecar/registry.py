@@ -4,7 +4,10 @@ Each trainer rank keeps ``num_slots`` snapshot buffers. At FinishTrainStep the t
 slot for the new version (``reserve_slot``); the registry hands out a free slot or the slot of the
 oldest version nobody leases, retiring that version first, so a leased version's bytes are never
 overwritten. Each rank then copies its shards into the slot and reports them (``publish``); the
-version becomes visible once every rank has. Leases expire after their TTL, so a dead receiver
+version becomes visible once every rank has. Ranks report in the background, so the next
+reservation may arrive before the last report: it is served only once no version is being
+published (``PublicationPending``), which also keeps the latest readable version from being
+retired before its successor is readable. Leases expire after their TTL, so a dead receiver
 cannot pin a slot for ever.
 """
 
@@ -30,6 +33,12 @@ class SlotsExhausted(RuntimeError):
     """Every slot holds a leased version (maps to RESOURCE_EXHAUSTED)."""
 
 
+class PublicationPending(RuntimeError):
+    """An earlier version is still being published: reservations follow publications in
+    order, so the caller waits for it to become visible (maps to FAILED_PRECONDITION when the
+    wait runs out)."""
+
+
 class FullPolicy(enum.Enum):
     """What FinishTrainStep does when every slot holds a leased version."""
 
@@ -42,7 +51,6 @@ class FullPolicy(enum.Enum):
 class VersionState(enum.Enum):
     PUBLISHING = "publishing"
     VISIBLE = "visible"
-    RETIRED = "retired"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,10 +59,14 @@ class RegistryConfig:
     max_wait_seconds: float = 60.0
     """How long a slot reservation waits for a lease to end under FullPolicy.WAIT."""
     max_lease_seconds: float = 600.0
+    publish_timeout_seconds: float = 60.0
+    """How long a slot reservation waits for the previous version's ranks to report."""
 
     def __post_init__(self) -> None:
         if self.max_wait_seconds < 0 or self.max_lease_seconds <= 0:
             raise ValueError("max_wait_seconds must be >= 0 and max_lease_seconds > 0")
+        if self.publish_timeout_seconds <= 0:
+            raise ValueError("publish_timeout_seconds must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +106,8 @@ class Registry:
         self._slot_owner: dict[int, int] = {}
         self._leases: dict[str, Lease] = {}
         self._lease_ids = itertools.count(1)
-        self.latest: int | None = None
+        self._newest = 0
+        """The highest version ever reserved in this generation: numbers only grow."""
         self.trainer: TrainerShape | None = None
 
     def register_trainer(self, trainer: TrainerShape) -> None:
@@ -103,7 +116,7 @@ class Registry:
         self._versions.clear()
         self._slot_owner.clear()
         self._leases.clear()
-        self.latest = None
+        self._newest = 0
 
     def _shape(self) -> TrainerShape:
         if self.trainer is None:
@@ -112,30 +125,55 @@ class Registry:
 
     # -- trainer side -----------------------------------------------------------------------
 
-    def reserve_slot(self, version: int) -> tuple[int, int | None]:
+    def reserve_slot(self, version: int, *, ahead: bool = False) -> tuple[int, int | None]:
         """Chooses the slot that will hold ``version`` and retires the version it held (returned
-        second). Raises SlotsExhausted when all are leased; the caller applies the wait policy.
+        second). Raises SlotsExhausted when all are leased (the caller applies the wait policy)
+        and PublicationPending while an earlier version is being published (the caller waits).
+        Reserving again a version no rank has published yet (its step failed before
+        publication) returns the same slot. `ahead`: reserved before the step that makes
+        `version`, so the latest readable version is not a candidate.
         """
         shape = self._shape()
-        if version in self._versions:
+        record = self._versions.get(version)
+        if record is not None:
+            if record.state is VersionState.PUBLISHING and not record.shards_by_rank:
+                return record.slot, None
             raise ValueError(f"version {version} was already reserved")
-        if self.latest is not None and version <= self.latest:
-            raise ValueError(f"version {version} is not newer than the latest ({self.latest})")
-        slot = self._free_slot()
+        if version <= self._newest:
+            raise ValueError(f"version {version} is not newer than the latest ({self._newest})")
+        pending = self._publishing()
+        if pending:
+            raise PublicationPending("; ".join(self._describe_pending(v) for v in pending))
+        slot = self._free_slot(keep=self.latest if ahead else None)
         if slot is None:
             leased = sorted(self._leased_versions())
+            if ahead:
+                raise SlotsExhausted(
+                    f"no slot to reserve ahead for version {version}: the latest readable "
+                    f"version is {self.latest}, leased are {leased}"
+                )
             raise SlotsExhausted(
                 f"all {shape.num_slots} snapshot slots hold leased versions {leased}; "
                 "release a lease or start the trainer with more slots"
             )
         previous = self._slot_owner.get(slot)
         if previous is not None:
-            self._versions[previous].state = VersionState.RETIRED
+            del self._versions[previous]  # retired: unknown from now on, its shards dropped
         self._slot_owner[slot] = version
         self._versions[version] = VersionRecord(version=version, slot=slot)
+        self._newest = version
         return slot, previous
 
-    def _free_slot(self) -> int | None:
+    def _publishing(self) -> list[int]:
+        return sorted(v for v, r in self._versions.items() if r.state is VersionState.PUBLISHING)
+
+    def _describe_pending(self, version: int) -> str:
+        reported = self._versions[version].shards_by_rank
+        missing = sorted(set(range(self._shape().world_size)) - set(reported))
+        return f"version {version} is still being published: ranks {missing} have not reported it"
+
+    def _free_slot(self, keep: int | None = None) -> int | None:
+        """A never-used slot, else the slot of the oldest unleased version but `keep`."""
         for slot in range(self._shape().num_slots):
             if slot not in self._slot_owner:
                 return slot
@@ -143,8 +181,7 @@ class Registry:
         candidates = [
             (version, slot)
             for slot, version in self._slot_owner.items()
-            if version not in leased
-            and self._versions[version].state is not VersionState.PUBLISHING
+            if version not in leased and version != keep
         ]
         return min(candidates)[1] if candidates else None
 
@@ -160,8 +197,14 @@ class Registry:
         if len(record.shards_by_rank) < world_size:
             return False
         record.state = VersionState.VISIBLE
-        self.latest = version
         return True
+
+    @property
+    def latest(self) -> int | None:
+        """The newest readable version: None before the first, and while a single slot's
+        version is retired for its successor that is still being published."""
+        visible = [v for v, r in self._versions.items() if r.state is VersionState.VISIBLE]
+        return max(visible, default=None)
 
     # -- receiver side ----------------------------------------------------------------------
 

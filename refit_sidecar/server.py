@@ -14,6 +14,7 @@ import grpc
 from refit_sidecar.cli import SidecarConfig
 from refit_sidecar.registry import (
     FullPolicy,
+    PublicationPending,
     Registry,
     SlotsExhausted,
     TrainerShape,
@@ -34,6 +35,7 @@ _grpc_errors = status_codes(
         (UnknownVersion, grpc.StatusCode.NOT_FOUND),
         (UnknownLease, grpc.StatusCode.NOT_FOUND),
         (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (PublicationPending, grpc.StatusCode.FAILED_PRECONDITION),
         (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     ]
 )
@@ -76,20 +78,36 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def ReserveSlot(self, request: pb.ReserveSlotRequest, context: Any) -> Any:
+        """Waits, bounded, for the previous version's last reports (always) and for a lease
+        to end (under FullPolicy.WAIT, and not for a reservation ahead of its step)."""
         config = self.registry.config
-        deadline = time.monotonic() + config.max_wait_seconds
+        now = time.monotonic()
+        lease_deadline = now + config.max_wait_seconds
+        publish_deadline = now + config.publish_timeout_seconds
         while True:
             try:
-                slot, retired = self.registry.reserve_slot(request.version)
+                slot, retired = self.registry.reserve_slot(request.version, ahead=request.ahead)
                 return pb.ReserveSlotResponse(slot=slot, retired_version=retired or 0)
+            except PublicationPending as pending:
+                if time.monotonic() >= publish_deadline:
+                    raise PublicationPending(
+                        f"{pending} after {config.publish_timeout_seconds:g} s; a trainer rank "
+                        "may have failed: restart the trainer"
+                    ) from None
+                deadline = publish_deadline
             except SlotsExhausted:
-                if config.full_policy is FullPolicy.FAIL or time.monotonic() >= deadline:
+                if (
+                    request.ahead
+                    or config.full_policy is FullPolicy.FAIL
+                    or time.monotonic() >= lease_deadline
+                ):
                     raise
-            expiry = self.registry.next_expiry()
-            timeout = min(deadline, expiry if expiry is not None else deadline) - time.monotonic()
+                expiry = self.registry.next_expiry()
+                deadline = min(lease_deadline, expiry if expiry is not None else lease_deadline)
             async with self._changed:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=max(timeout, 0.01))
+                    timeout = max(deadline - time.monotonic(), 0.01)
+                    await asyncio.wait_for(self._changed.wait(), timeout=timeout)
 
     @_grpc_errors
     async def PublishShards(self, request: pb.PublishShardsRequest, context: Any) -> Any:

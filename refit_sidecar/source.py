@@ -2,11 +2,15 @@
 
 A `ShardSource` lays every shard it serves out in one aligned arena (`arena.Arena`: host DRAM by
 default, or any arena the caller allocates, such as a `torch_arena.TorchArena` in VRAM),
-registers it with its own NIXL agent when it is built, and is refreshed in place (`write` or
-`view` for host memory, device copies into the arena for device memory); the registration, and
-with it the agent metadata, stays valid across refreshes. `manifest(version)` describes the
-current contents. Leases and double buffering (never overwrite a version a receiver still reads)
-belong to the sidecar.
+registers it with a NIXL agent when it is built, and is refreshed in place (`write` or `view`
+for host memory, device copies into the arena for device memory); the registration, and with it
+the agent metadata, stays valid across refreshes. `manifest(version)` describes the current
+contents. Leases and double buffering (never overwrite a version a receiver still reads) belong
+to the sidecar.
+
+A `SourceAgent` is the NIXL agent with its progress thread. Sources may share one: a trainer
+rank's snapshot slots do, so a puller loads the rank's metadata and wires up to it once,
+whichever slot it reads, and the rank runs one progress thread, not one per slot.
 """
 
 from __future__ import annotations
@@ -50,11 +54,13 @@ class SourceConfig:
     """Global trainer rank this source serves (recorded in the manifest, as the next two)."""
     tensor_rank: int = 0
     pipeline_stage: int = 0
-    progress_poll_s: float | None = 0.002
-    """How this source's UCX worker is progressed (a puller's endpoint wire-up needs the
-    target to progress, seen on shared memory here; the reads themselves are one-sided): by
-    a thread polling it every `progress_poll_s` seconds, or, with None, by NIXL's progress
-    thread, which yields in a tight loop and so takes a core's share on a small machine."""
+    progress_poll_s: float | None = 0.01
+    """How the agent's UCX worker is progressed (a puller's endpoint wire-up needs the target
+    to progress, seen on shared memory here; the reads themselves are one-sided): by a thread
+    polling it every `progress_poll_s` seconds, or, with None, by NIXL's progress thread,
+    which yields in a tight loop and so takes a core's share on a small machine. Each poll
+    takes the GIL from the trainer for a moment; only a puller's first connection waits for
+    it (a few polls), so the default leans towards the trainer."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -74,23 +80,13 @@ def arena_offsets(specs: Sequence[ShardSpec], alignment: int) -> tuple[dict[str,
     return offsets, size
 
 
-class ShardSource:
-    def __init__(
-        self,
-        *,
-        config: SourceConfig,
-        agent: nixl_agent,
-        arena: Arena,
-        specs: dict[str, ShardSpec],
-        offsets: dict[str, int],
-        registration: Any,
-    ) -> None:
+class SourceAgent:
+    """A NIXL agent serving registered memory to pullers, with its progress thread."""
+
+    def __init__(self, config: SourceConfig, agent: nixl_agent) -> None:
         self.config = config
-        self._agent = agent
-        self.arena = arena
-        self._specs = specs
-        self._offsets = offsets
-        self._registration = registration
+        self.agent = agent
+        self._record: AgentRecord | None = None
         self._stop_progress = threading.Event()
         self._progress: threading.Thread | None = None
         if config.progress_poll_s is not None:
@@ -102,25 +98,8 @@ class ShardSource:
             )
             self._progress.start()
 
-    def _poll_progress(self, interval: float) -> None:
-        # Fetching notifications progresses the agent's UCX workers.
-        while not self._stop_progress.wait(interval):
-            self._agent.get_new_notifs()
-
     @classmethod
-    def create(
-        cls,
-        config: SourceConfig,
-        specs: Sequence[ShardSpec],
-        allocate: Allocator = HostArena.allocate,
-    ) -> ShardSource:
-        by_name = {s.parameter: s for s in specs}
-        if len(by_name) != len(specs) or not specs:
-            raise ValueError("a source serves one shard per parameter, and at least one")
-        offsets, size = arena_offsets(specs, config.alignment)
-        arena = allocate(size, config.alignment)
-        if arena.nbytes != size or arena.address % config.alignment:
-            raise ValueError(f"the allocator gave {arena.nbytes} bytes at {arena.address:#x}")
+    def create(cls, config: SourceConfig) -> SourceAgent:
         agent = nixl_agent(
             config.name,
             nixl_agent_config(
@@ -132,16 +111,93 @@ class ShardSource:
             ),
         )
         agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
-        registration = agent.register_memory(
+        return cls(config, agent)
+
+    def _poll_progress(self, interval: float) -> None:
+        # Fetching notifications progresses the agent's UCX workers.
+        while not self._stop_progress.wait(interval):
+            self.agent.get_new_notifs()
+
+    def register(self, arena: Arena) -> Any:
+        """Registers the arena's memory; returns the handle `deregister` takes."""
+        self._record = None
+        return self.agent.register_memory(
             [(arena.address, arena.nbytes, arena.device_id, "")], arena.mem_type.value
         )
+
+    def deregister(self, registration: Any) -> None:
+        self._record = None
+        self.agent.deregister_memory(registration)
+
+    def record(self) -> AgentRecord:
+        """The agent as a manifest lists it; its metadata covers the memory registered so far,
+        so take it after the last registration."""
+        if self._record is None:
+            config = self.config
+            self._record = AgentRecord(
+                config.name,
+                self.agent.get_agent_metadata(),
+                config.host if config.listen_port is not None else "",
+                config.listen_port,
+                config.rank,
+            )
+        return self._record
+
+    def close(self) -> None:
+        self._stop_progress.set()
+        if self._progress is not None:
+            self._progress.join()
+            self._progress = None
+
+
+class ShardSource:
+    def __init__(
+        self,
+        *,
+        config: SourceConfig,
+        agent: SourceAgent,
+        arena: Arena,
+        specs: dict[str, ShardSpec],
+        offsets: dict[str, int],
+        registration: Any,
+        owns_agent: bool = False,
+    ) -> None:
+        self.config = config
+        self.agent = agent
+        self.arena = arena
+        self._specs = specs
+        self._offsets = offsets
+        self._registration = registration
+        self._owns_agent = owns_agent
+
+    @classmethod
+    def create(
+        cls,
+        config: SourceConfig,
+        specs: Sequence[ShardSpec],
+        allocate: Allocator = HostArena.allocate,
+        agent: SourceAgent | None = None,
+    ) -> ShardSource:
+        """A source of `specs` in a new arena, registered with `agent` (None: an agent of its
+        own, named by `config`, closed with the source)."""
+        by_name = {s.parameter: s for s in specs}
+        if len(by_name) != len(specs) or not specs:
+            raise ValueError("a source serves one shard per parameter, and at least one")
+        offsets, size = arena_offsets(specs, config.alignment)
+        arena = allocate(size, config.alignment)
+        if arena.nbytes != size or arena.address % config.alignment:
+            raise ValueError(f"the allocator gave {arena.nbytes} bytes at {arena.address:#x}")
+        owns_agent = agent is None
+        if agent is None:
+            agent = SourceAgent.create(config)
         return cls(
             config=config,
             agent=agent,
             arena=arena,
             specs=by_name,
             offsets=offsets,
-            registration=registration,
+            registration=agent.register(arena),
+            owns_agent=owns_agent,
         )
 
     @property
@@ -164,19 +220,8 @@ class ShardSource:
             raise ValueError(f"{parameter}: got {raw.nbytes} bytes for a {view.nbytes}-byte shard")
         view[:] = raw
 
-    @functools.cached_property
-    def _agent_record(self) -> AgentRecord:
-        # The metadata covers the arena, registered once in `create`, so it never changes.
-        return AgentRecord(
-            self.config.name,
-            self._agent.get_agent_metadata(),
-            self.config.host if self.config.listen_port is not None else "",
-            self.config.listen_port,
-            self.config.rank,
-        )
-
     def agent_record(self) -> AgentRecord:
-        return self._agent_record
+        return self.agent.record()
 
     @functools.cached_property
     def _records(self) -> tuple[ParameterRecord, ...]:
@@ -185,7 +230,7 @@ class ShardSource:
         records = []
         for name, spec in self._specs.items():
             location = ShardLocation.contiguous(
-                agent=cfg.name,
+                agent=self.agent.config.name,
                 address=arena.address + self._offsets[name],
                 shape=spec.local_shape,
                 itemsize=spec.dtype.itemsize,
@@ -209,13 +254,12 @@ class ShardSource:
                 replace(r, shards=(replace(r.shards[0], crc32=checksum(self.view(r.name))),))
                 for r in records
             )
-        return Manifest(version, records, {self.config.name: self._agent_record})
+        agent = self.agent.record()
+        return Manifest(version, records, {agent.name: agent})
 
     def close(self) -> None:
-        self._stop_progress.set()
-        if self._progress is not None:
-            self._progress.join()
-            self._progress = None
         if self._registration is not None:
-            self._agent.deregister_memory(self._registration)
+            self.agent.deregister(self._registration)
             self._registration = None
+        if self._owns_agent:
+            self.agent.close()

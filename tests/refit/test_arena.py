@@ -14,7 +14,7 @@ import torch
 
 from refit_sidecar.arena import HostArena
 from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import DType, MemType
+from refit_sidecar.manifest import AgentRecord, DType, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.plan import plan_pull, whole
 from refit_sidecar.source import ShardSource, SourceConfig, arena_offsets
@@ -91,8 +91,10 @@ class _DeviceArena:
 
 
 class _Agent:
-    def get_agent_metadata(self) -> bytes:
-        return b"agent-metadata"
+    config = SourceConfig(name="rank0-slot0")
+
+    def record(self) -> AgentRecord:
+        return AgentRecord("rank0-slot0", b"agent-metadata", "", None, 0)
 
 
 def test_a_device_source_publishes_device_locations_without_checksums():

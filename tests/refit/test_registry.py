@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from refit_sidecar.registry import (
+    PublicationPending,
     Registry,
     RegistryConfig,
     SlotsExhausted,
@@ -128,3 +129,55 @@ def test_a_new_trainer_generation_retires_everything():
 def test_nothing_is_reserved_before_a_trainer_registers():
     with pytest.raises(ValueError, match="no trainer has registered"):
         Registry(RegistryConfig()).reserve_slot(1)
+
+
+def test_a_reservation_waits_until_the_previous_version_is_readable():
+    registry = make(world_size=2, num_slots=2)
+    publish_all(registry, 1)
+    registry.reserve_slot(2)
+    registry.publish(2, 1, "rank 1's report arrived first")
+    with pytest.raises(PublicationPending, match=r"version 2 .* ranks \[0\] have not reported"):
+        registry.reserve_slot(3)
+    assert registry.latest == 1  # not retired while its successor is not readable
+    registry.publish(2, 0, "rank 0's report")
+    assert registry.reserve_slot(3) == (0, 1)
+
+
+def test_a_version_no_rank_published_can_be_reserved_again():
+    registry = make(world_size=2, num_slots=1)
+    assert registry.reserve_slot(1) == (0, None)
+    assert registry.reserve_slot(1) == (0, None)  # its step failed before publishing; retried
+    registry.publish(1, 0, "x")
+    with pytest.raises(ValueError, match="already reserved"):
+        registry.reserve_slot(1)
+
+
+def test_with_one_slot_no_version_is_readable_while_its_successor_is_published():
+    registry = make(world_size=1, num_slots=1)
+    publish_all(registry, 1)
+    assert registry.reserve_slot(2) == (0, 1)
+    assert registry.latest is None
+    with pytest.raises(UnknownVersion, match="readable now: \\[\\]"):
+        registry.visible(1)
+    registry.publish(2, 0, "x")
+    assert registry.latest == 2
+
+
+def test_a_reservation_ahead_keeps_the_latest_version_and_never_waits():
+    registry = make(num_slots=2)
+    publish_all(registry, 1)
+    assert registry.reserve_slot(2, ahead=True) == (1, None)  # a never-used slot
+    registry.publish(2, 0, "x")
+    assert registry.reserve_slot(3, ahead=True) == (0, 1)  # the older version, not the latest
+    registry.publish(3, 0, "x")
+    lease = registry.acquire_lease(2, "r", ttl_seconds=30)
+    with pytest.raises(SlotsExhausted, match=r"ahead for version 4: the latest .* is 3"):
+        registry.reserve_slot(4, ahead=True)  # 2 is leased, 3 is the latest
+    assert registry.reserve_slot(4) == (0, 3)  # at the step, the latest may go
+    registry.release_lease(lease.lease_id)
+
+    single = make(num_slots=1)
+    publish_all(single, 1)
+    with pytest.raises(SlotsExhausted):
+        single.reserve_slot(2, ahead=True)
+    assert single.latest == 1

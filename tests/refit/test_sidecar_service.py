@@ -5,12 +5,15 @@ NOT_FOUND."""
 from __future__ import annotations
 
 import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from refit_sidecar.client import SidecarClient
 from tests.support.sidecar import running_sidecar
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
@@ -118,3 +121,38 @@ def test_wait_policy_waits_for_an_expiring_lease_and_watchers_see_new_versions(s
     _publish(stub, 2, rank=0)
     assert next(watch).version == 2
     watch.cancel()
+
+
+def test_a_reservation_waits_for_the_last_report_of_the_previous_version(start_sidecar):
+    stub = start_sidecar("--when-all-slots-leased", "fail", "--publish-timeout-seconds", "1")
+    _register(stub, world_size=2, slots=1)
+    stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
+    _publish(stub, 1, rank=0)
+    reserve = stub.ReserveSlot.future(pb.ReserveSlotRequest(version=2))
+    time.sleep(0.2)
+    assert not reserve.done()  # held until rank 1 reports version 1
+    assert _publish(stub, 1, rank=1) is True
+    assert reserve.result().retired_version == 1
+
+    _publish(stub, 2, rank=1)  # rank 0 never reports version 2
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ReserveSlot(pb.ReserveSlotRequest(version=3))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "ranks [0] have not reported it after 1 s" in info.value.details()
+
+
+def test_wait_visible_returns_when_the_last_rank_reports(tmp_path):
+    with running_sidecar(tmp_path / "sidecar") as address, SidecarClient(address) as client:
+        stub = pb_grpc.RefitServiceStub(grpc.insecure_channel(address))
+        _register(stub, world_size=2, slots=2)
+        stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
+        _publish(stub, 1, rank=0)
+        with pytest.raises(TimeoutError, match="version 1 did not become readable"):
+            client.wait_visible(1, timeout=0.3)
+        with ThreadPoolExecutor(1) as pool:
+            waited = pool.submit(client.wait_visible, 1, 30.0)
+            time.sleep(0.2)
+            assert not waited.done()
+            _publish(stub, 1, rank=1)
+            assert waited.result() == 1
+        assert client.wait_visible(1, timeout=0.3) == 1  # readable already: at once

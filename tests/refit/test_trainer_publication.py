@@ -4,6 +4,7 @@ for bit; a leased version survives later steps."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from megatron_hf.convert import megatron_to_hf
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.client import SidecarClient, UnknownVersion
 from refit_sidecar.manifest import Box
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.plan import Want, plan_pull, whole
@@ -41,6 +42,7 @@ def _step(trainer: TrainerProcess, step_id: str) -> int:
 
 def _pull(client: SidecarClient, transport: NixlTransport, version: int, wants=None):
     """{(name, box): tensor} of the wanted pieces (default: every whole tensor)."""
+    client.wait_visible(version)  # ranks report a version just after the step that made it
     manifest = client.manifest(version)
     plan = plan_pull(manifest, whole(manifest) if wants is None else wants)
     dest = np.zeros(plan.nbytes, np.uint8)
@@ -52,6 +54,17 @@ def _pull(client: SidecarClient, transport: NixlTransport, version: int, wants=N
         ).reshape(t.box.shape)
         for t in plan.targets
     }
+
+
+def _wait_retired(client: SidecarClient, version: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            client.manifest(version)
+        except UnknownVersion:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"version {version} is still readable")
 
 
 def _pull_hf(client: SidecarClient, transport: NixlTransport, version: int, spec: ModelSpec):
@@ -90,7 +103,7 @@ def test_published_versions_equal_export_and_survive_while_leased(tmp_path, side
         assert status.sidecar == sidecar and status.refit_snapshot_bytes > 0
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
         assert _step(trainer, "s1") == 1
-        assert client.latest_version() == 1
+        assert client.wait_visible(1) == 1
         exported_1 = trainer.export("v1")
         lease = client.acquire_lease(1, "test", ttl=120)
         assert_bit_identical(_pull_hf(client, transport, 1, spec), exported_1)
@@ -120,24 +133,30 @@ def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar)
         saved = trainer.export("saved")
         trainer.client.save_checkpoint(tmp_path / "ckpt")
         assert _step(trainer, "s2") == 2
+        # The slot of version 3 is reserved as soon as version 2 is readable, not at the step
+        # that makes version 3: unleased version 1 is retired then.
+        _wait_retired(client, 1)
         assert _step(trainer, "s3") == 3
 
         loaded = trainer.client.load_checkpoint(tmp_path / "ckpt")
-        assert loaded.weights_version == 4 and client.latest_version() == 4
+        assert loaded.weights_version == 4 and client.wait_visible(4) == 4
         exported = trainer.export("loaded")
         assert_bit_identical(exported, saved)
         assert_bit_identical(_pull_hf(client, transport, 4, spec), exported)
 
         # Both slots leased and the sidecar's policy is `fail`: the load is refused before the
         # weights change, and nothing is published.
-        leases = [client.acquire_lease(v, "test", ttl=120) for v in (3, 4)]
+        leases = [client.acquire_lease(4, "test", ttl=120)]
+        assert trainer.client.load_checkpoint(tmp_path / "ckpt").weights_version == 5
+        assert client.wait_visible(5) == 5
+        leases.append(client.acquire_lease(5, "test", ttl=120))
         with pytest.raises(FailedPrecondition, match="cannot publish"):
             trainer.client.load_checkpoint(tmp_path / "ckpt")
-        assert trainer.client.status().weights_version == 4 and client.latest_version() == 4
+        assert trainer.client.status().weights_version == 5 and client.latest_version() == 5
         for lease in leases:
             client.release_lease(lease)
-        assert trainer.client.load_checkpoint(tmp_path / "ckpt").weights_version == 5
-        assert_bit_identical(_pull_hf(client, transport, 5, spec), saved)
+        assert trainer.client.load_checkpoint(tmp_path / "ckpt").weights_version == 6
+        assert_bit_identical(_pull_hf(client, transport, 6, spec), saved)
     finally:
         client.close()
         transport.close()

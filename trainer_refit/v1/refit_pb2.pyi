@@ -176,10 +176,12 @@ class RegisterTrainerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReserveSlotRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "ahead")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, version: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class ReserveSlotResponse(_message.Message):
     __slots__ = ("slot", "retired_version")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -43,9 +44,19 @@ class Leader:
         immediate = self.engine.precheck(command)
         if immediate is not None:
             return immediate
+        start = time.perf_counter()
         command = self.engine.prepare(command)
+        prepared = time.perf_counter()
         _broadcast(command, self.engine.topology.control_group)
-        return self.engine.execute(command)
+        result = self.engine.execute(command)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: prepare %.3f ms, broadcast and execute %.3f ms",
+                type(command).__name__,
+                1e3 * (prepared - start),
+                1e3 * (time.perf_counter() - prepared),
+            )
+        return result
 
     async def submit(self, command: cmd.Command) -> Any:
         async with self._lock:

@@ -8,6 +8,7 @@ results that live elsewhere (the last pipeline stage) are brought to rank 0.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.registry import SlotsExhausted
+from refit_sidecar.registry import PublicationPending, SlotsExhausted
 from trainer_svc.config import OptimizerConfig
 from trainer_svc.domain import (
     FailedPrecondition,
@@ -188,7 +189,7 @@ class StepEngine:
         if isinstance(command, cmd.FinishStep | cmd.LoadCheckpoint) and self.publisher is not None:
             try:
                 slot = self.publisher.reserve(self.weights_version + 1)
-            except SlotsExhausted as exc:
+            except (SlotsExhausted, PublicationPending) as exc:
                 raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
             return replace(command, slot=slot)
         return command
@@ -197,14 +198,20 @@ class StepEngine:
         """Publishes the current weights as `weights_version` into the reserved slot."""
         if self.publisher is None or slot is None:
             return
+        start = time.perf_counter()
         self.publisher.publish(self.weights_version, slot)
-        # Every rank has published once all pass here, so the version is readable when the
-        # command that made it returns its number.
-        dist.barrier(group=self.topology.control_group)
+        log.debug(
+            "refit: version %d queued for slot %d in %.3f ms",
+            self.weights_version,
+            slot,
+            1e3 * (time.perf_counter() - start),
+        )
 
     # -- execution on every rank ------------------------------------------------------------
 
     def execute(self, command: cmd.Command) -> Any:
+        if self.publisher is not None:
+            self.publisher.fence()
         match command:
             case cmd.BeginStep():
                 return self._begin(command)

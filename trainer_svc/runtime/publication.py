@@ -6,23 +6,34 @@ readable once every rank reported.
 The arenas live where the parameters do: VRAM on a GPU, so a snapshot is a device-local copy on
 a side stream and no byte crosses to the host; DRAM on the CPU. CRC-32s are computed (on the
 host) only for DRAM slots: a device slot publishes none (see docs/refit.md).
+
+Only the copy is on the trainer's path, and on a GPU not even its completion: the copy runs on
+a side stream, the trainer's stream waits for it before the parameters change again (`fence`),
+and a reporter thread waits for it, adds the checksums and sends the rank's report, which was
+built once per slot. The version becomes readable a moment after the command that made it
+returns; receivers wait for it (`SidecarClient.wait_visible`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import SidecarClient, TrainerLayout
+from refit_sidecar.checksum import checksum
+from refit_sidecar.client import SidecarClient, SlotsExhausted, TrainerLayout
 from refit_sidecar.layout import ShardSpec, placement_spec
-from refit_sidecar.manifest import DType
-from refit_sidecar.source import ShardSource, SourceConfig
+from refit_sidecar.manifest import DType, MemType
+from refit_sidecar.source import ShardSource, SourceAgent, SourceConfig
 from refit_sidecar.torch_arena import TorchArena
+from refit_sidecar.wire import publish_request
+from trainer_refit.v1 import refit_pb2 as pb
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import local_parameters
 
@@ -69,8 +80,19 @@ def shard_specs(parameters: dict[str, torch.nn.Parameter], topology: Topology) -
 @dataclass(frozen=True)
 class Slot:
     source: ShardSource
-    views: dict[str, torch.Tensor]
-    """Per parameter, a view of the arena with the parameter's dtype and shape."""
+    destinations: list[torch.Tensor]
+    """Per published parameter, in order, a view of the arena with its dtype and shape."""
+    report: pb.PublishShardsRequest
+    """This rank's report of the slot, built once: a version sets its number (and checksums)."""
+
+    def request(self, version: int) -> pb.PublishShardsRequest:
+        request = pb.PublishShardsRequest()
+        request.CopyFrom(self.report)
+        request.version = version
+        if self.source.arena.mem_type is MemType.DRAM:
+            for parameter in request.parameters:
+                parameter.shards[0].crc32 = checksum(self.source.view(parameter.name))
+        return request
 
 
 def create_slot(
@@ -78,17 +100,19 @@ def create_slot(
     specs: list[ShardSpec],
     parameters: dict[str, torch.nn.Parameter],
     device: torch.device,
-) -> Slot:
+    agent: SourceAgent,
+) -> tuple[ShardSource, list[torch.Tensor]]:
+    """A slot's source, registered with the rank's agent, and its typed destination views."""
     source = ShardSource.create(
-        config, specs, functools.partial(TorchArena.allocate, device=device)
+        config, specs, functools.partial(TorchArena.allocate, device=device), agent
     )
     arena = source.arena
     assert isinstance(arena, TorchArena)
-    views = {
-        name: arena.tensor_view(source.offset(name), param.dtype, param.shape)
+    destinations = [
+        arena.tensor_view(source.offset(name), param.dtype, param.shape)
         for name, param in parameters.items()
-    }
-    return Slot(source, views)
+    ]
+    return source, destinations
 
 
 @dataclass
@@ -100,6 +124,16 @@ class Publisher:
     device: torch.device
     stream: torch.cuda.Stream | None = None
     """The side stream of the device copies (CUDA only)."""
+    agent: SourceAgent | None = None
+    """The rank's NIXL agent, shared by its slots."""
+    _reporter: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="refit-report")
+    )
+    _copied: torch.cuda.Event | None = None
+    _report: Future[bool] | None = None
+    _ahead: Future[tuple[int, int] | None] | None = None
+    """Rank 0: the (version, slot) reserved for the next version once the last one was
+    reported, or None when no slot could be reserved ahead."""
 
     @classmethod
     def create(
@@ -114,19 +148,22 @@ class Publisher:
     ) -> Publisher:
         parameters = published_parameters(model, spec, topology)
         specs = shard_specs(parameters, topology)
-        built = [
-            create_slot(
-                SourceConfig(
-                    name=f"trainer-rank{topology.rank}-slot{slot}",
-                    rank=topology.rank,
-                    tensor_rank=topology.tp_rank,
-                    pipeline_stage=topology.pp_rank,
-                ),
-                specs,
-                parameters,
-                device,
-            )
-            for slot in range(slots)
+        config = SourceConfig(
+            name=f"trainer-rank{topology.rank}",
+            rank=topology.rank,
+            tensor_rank=topology.tp_rank,
+            pipeline_stage=topology.pp_rank,
+        )
+        agent = SourceAgent.create(config)
+        built = [create_slot(config, specs, parameters, device, agent) for _ in range(slots)]
+        # Built after every slot is registered: the agent metadata in them covers all slots.
+        reports = [
+            publish_request(0, topology.rank, source.manifest(0, checksums=False))
+            for source, _ in built
+        ]
+        filled = [
+            Slot(source, destinations, report)
+            for (source, destinations), report in zip(built, reports, strict=True)
         ]
         client = SidecarClient(sidecar)
         if topology.is_leader:
@@ -141,8 +178,8 @@ class Publisher:
                 slots,
             )
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        publisher = cls(client, built, parameters, topology, device, stream)
-        arena = built[0].source.arena
+        publisher = cls(client, filled, parameters, topology, device, stream, agent)
+        arena = filled[0].source.arena
         log.info(
             "refit: %d snapshot slots of %d bytes each in %s (device %d)",
             slots,
@@ -158,33 +195,94 @@ class Publisher:
         return sum(slot.source.arena.nbytes for slot in self.slots)
 
     def reserve(self, version: int) -> int:
-        """Rank 0, before the weights change: the slot the new version goes to."""
+        """Rank 0, before the weights change: the slot the new version goes to. Usually
+        reserved already, ahead of the step (`_reserve_ahead`); else reserved now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            reserved = ahead.result()
+            if reserved is not None and reserved[0] == version:
+                return reserved[1]
         slot, retired = self.client.reserve_slot(version)
         if retired is not None:
             log.info("refit: version %d retired to make room for %d", retired, version)
         return slot
 
+    def _reserve_ahead(self, version: int) -> tuple[int, int] | None:
+        """On the reporter thread of rank 0, after its report of `version - 1`: the slot of
+        `version`, unless the sidecar has none to give without retiring the latest version
+        or waiting for a lease (the step then reserves, with the sidecar's policy)."""
+        try:
+            slot, retired = self.client.reserve_slot(version, ahead=True)
+        except SlotsExhausted as e:
+            log.debug("refit: %s", e)
+            return None
+        except Exception as e:  # the step reserves again and reports what is wrong
+            log.warning("refit: reserving a slot ahead for version %d failed: %s", version, e)
+            return None
+        if retired is not None:
+            log.info("refit: version %d retired to make room for %d", retired, version)
+        return version, slot
+
     @torch.no_grad()
-    def snapshot(self, slot: int) -> None:
-        """Copies the parameters into the slot; returns once the copies are complete."""
-        views = self.slots[slot].views
+    def snapshot(self, slot: int) -> torch.cuda.Event | None:
+        """Copies the parameters into the slot: done on return on the CPU; on a GPU, queued on
+        the side stream after the trainer's pending work, with the event that marks its end."""
+        destinations = self.slots[slot].destinations
+        sources: list[torch.Tensor] = list(self.parameters.values())
         stream = self.stream
         if stream is None:
-            for name, param in self.parameters.items():
-                views[name].copy_(param)
-            return
+            torch._foreach_copy_(destinations, sources)
+            return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for name, param in self.parameters.items():
-                views[name].copy_(param, non_blocking=True)
-        stream.synchronize()
+            torch._foreach_copy_(destinations, sources, non_blocking=True)
+            copied = stream.record_event()
+        self._copied = copied
+        return copied
 
     def publish(self, version: int, slot: int) -> None:
-        self.snapshot(slot)
-        source = self.slots[slot].source
-        self.client.publish(version, self.topology.rank, source.manifest(version))
+        """Snapshots the parameters as `version` into the reserved `slot` and hands the report
+        to the reporter thread (reports leave in order)."""
+        copied = self.snapshot(slot)
+        self._report = self._reporter.submit(self._send, version, slot, copied)
+        if self.topology.is_leader:
+            self._ahead = self._reporter.submit(self._reserve_ahead, version + 1)
+
+    def _send(self, version: int, slot: int, copied: torch.cuda.Event | None) -> bool:
+        start = time.perf_counter()
+        try:
+            if copied is not None:
+                copied.synchronize()
+            copy_done = time.perf_counter()
+            visible = self.client.send_publication(self.slots[slot].request(version))
+            log.debug(
+                "refit: version %d reported (copy waited %.3f ms, report %.3f ms, readable: %s)",
+                version,
+                1e3 * (copy_done - start),
+                1e3 * (time.perf_counter() - copy_done),
+                visible,
+            )
+            return visible
+        except Exception:
+            log.exception("refit: rank %d could not report version %d", self.topology.rank, version)
+            raise
+
+    def fence(self) -> None:
+        """Before the parameters change: the trainer's stream waits for the last snapshot
+        copy (on the GPU, without blocking the host)."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+            self._copied = None
+
+    def flush(self) -> bool | None:
+        """Waits for the last report; whether it made its version readable (None: none sent).
+        Raises what sending it raised."""
+        return None if self._report is None else self._report.result()
 
     def close(self) -> None:
+        self._reporter.shutdown(wait=True)
         for slot in self.slots:
             slot.source.close()
+        if self.agent is not None:
+            self.agent.close()
         self.client.close()
