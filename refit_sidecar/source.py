@@ -177,13 +177,19 @@ class ShardSource:
         specs: Sequence[ShardSpec],
         allocate: Allocator = HostArena.allocate,
         agent: SourceAgent | None = None,
+        layout: tuple[dict[str, int], int] | None = None,
     ) -> ShardSource:
         """A source of `specs` in a new arena, registered with `agent` (None: an agent of its
-        own, named by `config`, closed with the source)."""
+        own, named by `config`, closed with the source). `layout`: each shard's byte offset
+        and the arena size (None: `arena_offsets`, shards back to back)."""
         by_name = {s.parameter: s for s in specs}
         if len(by_name) != len(specs) or not specs:
             raise ValueError("a source serves one shard per parameter, and at least one")
-        offsets, size = arena_offsets(specs, config.alignment)
+        offsets, size = arena_offsets(specs, config.alignment) if layout is None else layout
+        if set(offsets) != set(by_name) or any(
+            not 0 <= offsets[n] <= size - by_name[n].nbytes for n in by_name
+        ):
+            raise ValueError("the layout must place every shard inside the arena")
         arena = allocate(size, config.alignment)
         if arena.nbytes != size or arena.address % config.alignment:
             raise ValueError(f"the allocator gave {arena.nbytes} bytes at {arena.address:#x}")

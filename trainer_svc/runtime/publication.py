@@ -30,6 +30,7 @@ from refit_sidecar.checksum import checksum
 from refit_sidecar.client import SidecarClient, SlotsExhausted, TrainerLayout
 from refit_sidecar.layout import ShardSpec, placement_spec
 from refit_sidecar.manifest import DType, MemType
+from refit_sidecar.snapshot_layout import Placement, SnapshotLayout, snapshot_layout
 from refit_sidecar.source import ShardSource, SourceAgent, SourceConfig
 from refit_sidecar.torch_arena import TorchArena
 from refit_sidecar.wire import publish_request
@@ -80,8 +81,8 @@ def shard_specs(parameters: dict[str, torch.nn.Parameter], topology: Topology) -
 @dataclass(frozen=True)
 class Slot:
     source: ShardSource
-    destinations: list[torch.Tensor]
-    """Per published parameter, in order, a view of the arena with its dtype and shape."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    """(slot bytes, parameter bytes) per region of the snapshot layout."""
     report: pb.PublishShardsRequest
     """This rank's report of the slot, built once: a version sets its number (and checksums)."""
 
@@ -95,24 +96,55 @@ class Slot:
         return request
 
 
+def _storage_bytes(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes [start, stop) of the tensor's storage as a uint8 tensor (no copy)."""
+    view = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return view.set_(tensor.untyped_storage(), start, (stop - start,), (1,))
+
+
+def parameter_layout(
+    parameters: dict[str, torch.nn.Parameter], alignment: int
+) -> tuple[SnapshotLayout, dict[int, torch.nn.Parameter]]:
+    """The slot layout of the parameters (one region per Megatron buffer), and one parameter
+    of each storage, to reach the storage's bytes."""
+    placements: list[Placement] = []
+    holders: dict[int, torch.nn.Parameter] = {}
+    for name, param in parameters.items():
+        if not param.is_contiguous():
+            raise ValueError(f"{name} is not contiguous; a snapshot copies whole byte ranges")
+        storage = param.untyped_storage()
+        holders.setdefault(storage.data_ptr(), param)
+        start = param.data_ptr() - storage.data_ptr()
+        placements.append(Placement(name, storage.data_ptr(), start, param.nbytes))
+    return snapshot_layout(placements, alignment), holders
+
+
 def create_slot(
     config: SourceConfig,
     specs: list[ShardSpec],
     parameters: dict[str, torch.nn.Parameter],
     device: torch.device,
     agent: SourceAgent,
-) -> tuple[ShardSource, list[torch.Tensor]]:
-    """A slot's source, registered with the rank's agent, and its typed destination views."""
+) -> tuple[ShardSource, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A slot's source, registered with the rank's agent, and its copies."""
+    layout, holders = parameter_layout(parameters, config.alignment)
     source = ShardSource.create(
-        config, specs, functools.partial(TorchArena.allocate, device=device), agent
+        config,
+        specs,
+        functools.partial(TorchArena.allocate, device=device),
+        agent,
+        (layout.offsets, layout.nbytes),
     )
     arena = source.arena
     assert isinstance(arena, TorchArena)
-    destinations = [
-        arena.tensor_view(source.offset(name), param.dtype, param.shape)
-        for name, param in parameters.items()
+    copies = [
+        (
+            arena.tensor_view(region.offset, torch.uint8, torch.Size([region.nbytes])),
+            _storage_bytes(holders[region.storage], region.start, region.stop),
+        )
+        for region in layout.regions
     ]
-    return source, destinations
+    return source, copies
 
 
 @dataclass
@@ -156,14 +188,19 @@ class Publisher:
         )
         agent = SourceAgent.create(config)
         built = [create_slot(config, specs, parameters, device, agent) for _ in range(slots)]
+        log.info(
+            "refit: a snapshot copies %d memory regions holding %d parameters",
+            len(built[0][1]),
+            len(parameters),
+        )
         # Built after every slot is registered: the agent metadata in them covers all slots.
         reports = [
             publish_request(0, topology.rank, source.manifest(0, checksums=False))
             for source, _ in built
         ]
         filled = [
-            Slot(source, destinations, report)
-            for (source, destinations), report in zip(built, reports, strict=True)
+            Slot(source, copies, report)
+            for (source, copies), report in zip(built, reports, strict=True)
         ]
         client = SidecarClient(sidecar)
         if topology.is_leader:
@@ -227,15 +264,16 @@ class Publisher:
     def snapshot(self, slot: int) -> torch.cuda.Event | None:
         """Copies the parameters into the slot: done on return on the CPU; on a GPU, queued on
         the side stream after the trainer's pending work, with the event that marks its end."""
-        destinations = self.slots[slot].destinations
-        sources: list[torch.Tensor] = list(self.parameters.values())
+        copies = self.slots[slot].copies
         stream = self.stream
         if stream is None:
-            torch._foreach_copy_(destinations, sources)
+            for destination, source in copies:
+                destination.copy_(source)
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            torch._foreach_copy_(destinations, sources, non_blocking=True)
+            for destination, source in copies:
+                destination.copy_(source, non_blocking=True)
             copied = stream.record_event()
         self._copied = copied
         return copied

@@ -23,7 +23,8 @@ from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
 from trainer_svc.runtime.engine import StepEngine
 from trainer_svc.runtime.model_factory import build_model, wrap_for_training
-from trainer_svc.runtime.publication import Publisher
+from trainer_svc.runtime.param_buffers import pack_parameters
+from trainer_svc.runtime.publication import Publisher, published_parameters
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import load_global_state
 from trainer_svc.server.app import create_server
@@ -116,6 +117,8 @@ def build_engine(
             load_global_state(model, megatron_state, spec, topology)
             del megatron_state
             log.info("loaded HF weights from %s", model_dir)
+        if config.refit.sidecar is not None:
+            pack_parameters(published_parameters(model, spec, topology).values())
         built = wrap_for_training(model, transformer_config, topology, config.optimizer)
     publisher = None
     if config.refit.sidecar is not None:
