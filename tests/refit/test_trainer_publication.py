@@ -90,7 +90,11 @@ def _check_sub_boxes(client: SidecarClient, transport: NixlTransport, version: i
         assert torch.equal(tensor, full[name][index]), name
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["--tp", "2"], ["--pp", "2"], ["--dp", "2"]],
+    ids=["tp2", "pp2", "dp2-distributed-optimizer"],
+)
 @in_child_process
 def test_published_versions_equal_export_and_survive_while_leased(tmp_path, sidecar, layout):
     trainer = TrainerProcess(

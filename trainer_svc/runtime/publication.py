@@ -166,6 +166,11 @@ class Publisher:
     _ahead: Future[tuple[int, int] | None] | None = None
     """Rank 0: the (version, slot) reserved for the next version once the last one was
     reported, or None when no slot could be reserved ahead."""
+    _addresses: tuple[int, ...] = ()
+    """Where each parameter lived when the slots were laid out."""
+
+    def __post_init__(self) -> None:
+        self._addresses = tuple(p.data_ptr() for p in self.parameters.values())
 
     @classmethod
     def create(
@@ -264,6 +269,11 @@ class Publisher:
     def snapshot(self, slot: int) -> torch.cuda.Event | None:
         """Copies the parameters into the slot: done on return on the CPU; on a GPU, queued on
         the side stream after the trainer's pending work, with the event that marks its end."""
+        if tuple(p.data_ptr() for p in self.parameters.values()) != self._addresses:
+            raise RuntimeError(
+                "a published parameter moved since the snapshot slots were laid out; "
+                "parameters must be updated in place"
+            )
         copies = self.slots[slot].copies
         stream = self.stream
         if stream is None:
