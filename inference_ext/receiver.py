@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -25,7 +26,15 @@ from megatron_hf.spec import ModelSpec
 from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.plan import PullPlan, UnsupportedRequest, Want, layout_key, plan_pull, rebase
+from refit_sidecar.plan import (
+    PullPlan,
+    UnsupportedRequest,
+    Want,
+    layout_key,
+    plan_pull,
+    rebase,
+    with_checksums,
+)
 from refit_sidecar.transport import PullStats, Region
 
 log = logging.getLogger(__name__)
@@ -37,6 +46,8 @@ TORCH_DTYPES: dict[DType, torch.dtype] = {
 }
 
 Installer = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+_KNOWN_MANIFESTS = 16
+"""Plans kept by manifest key: one per snapshot slot of the trainers met lately."""
 
 
 class RefitError(RuntimeError):
@@ -105,6 +116,9 @@ class RefitStats:
     verified_shards: int
     replanned: bool
     """False when the plan of an earlier version was replayed."""
+    replayed_by_key: bool = False
+    """The plan of an earlier version in the same slot was replayed on its manifest key, so
+    no manifest was parsed or rebased."""
     tp_rank: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -245,7 +259,10 @@ class Receiver:
         self.staging = Staging(self.transport, device)
         self.installed_version: int | None = None
         self._plans: dict[str, ReceiverPlan] = {}
-        self._fetched: tuple[ReceiverPlan, PullStats, float, bool] | None = None
+        self._by_manifest_key: OrderedDict[bytes, ReceiverPlan] = OrderedDict()
+        self._verifies = options.verify_checksums and device.type == "cpu"
+        """Staging is host memory on the CPU, and only host staging is checked."""
+        self._fetched: tuple[ReceiverPlan, PullStats, float, bool, bool] | None = None
         self._staged: ReceiverPlan | None = None
         """The plan of the installed version while staging still holds its bytes."""
 
@@ -262,10 +279,16 @@ class Receiver:
             lease = self._lease(version)
         except Exception as e:
             raise RefitError(f"cannot lease version {version}: {e}") from e
+        leased = time.perf_counter()
         try:
-            manifest = self.client.manifest(version)
-            plan, replanned = self._plan(manifest)
+            plan, replanned, by_key = self._plan_for(lease)
             plan_s = time.perf_counter() - begin
+            log.debug(
+                "version %d: lease %.3f ms, manifest and plan %.3f ms",
+                version,
+                1e3 * (leased - begin),
+                1e3 * (begin + plan_s - leased),
+            )
             region = self.staging.ensure(plan.pull.nbytes)
             verify = self.options.verify_checksums and region.mem_type is MemType.DRAM
             stats = self.transport.pull(plan.pull, region, verify=verify)
@@ -278,7 +301,28 @@ class Receiver:
                 self.client.release_lease(lease)
             except Exception as e:  # an expired lease is no reason to fail a good pull
                 log.warning("releasing lease %s failed: %s", lease.lease_id, e)
-        self._fetched = (plan, stats, plan_s, replanned)
+        self._fetched = (plan, stats, plan_s, replanned, by_key)
+
+    def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
+        """The leased version's plan, whether it was planned anew, and whether it was replayed
+        by manifest key: a version whose manifest key this receiver has met (the same slot of
+        the same trainer) replays that plan without GetManifest; only its checksums are
+        fetched, when they will be checked."""
+        version, key = lease.version, lease.manifest_key
+        known = self._by_manifest_key.get(key) if key else None
+        if known is not None:
+            self._by_manifest_key.move_to_end(key)
+            if self._verifies:
+                pull = with_checksums(known.pull, version, self.client.checksums(version))
+            else:
+                pull = replace(known.pull, version=version)
+            return ReceiverPlan(pull, known.slices), False, True
+        plan, replanned = self._plan(self.client.manifest(version))
+        if key:
+            self._by_manifest_key[key] = plan
+            while len(self._by_manifest_key) > _KNOWN_MANIFESTS:
+                self._by_manifest_key.popitem(last=False)
+        return plan, replanned, False
 
     def _lease(self, version: int) -> Lease:
         """A lease on `version`; one not readable yet is waited for (it returns at once when
@@ -295,7 +339,7 @@ class Receiver:
         order; only this receiver's box of each tensor is filled (its loader reads no more)."""
         if self._fetched is None:
             raise RefitError("nothing fetched to install")
-        plan, stats, plan_s, replanned = self._fetched
+        plan, stats, plan_s, replanned, by_key = self._fetched
         self._fetched = None
         translate_s = 0.0
 
@@ -322,6 +366,7 @@ class Receiver:
             reads=stats.reads,
             verified_shards=stats.verified_shards,
             replanned=replanned,
+            replayed_by_key=by_key,
             tp_rank=self.layout.tp_rank,
         )
 

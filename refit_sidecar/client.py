@@ -77,10 +77,13 @@ class Lease:
     version: int
     expires_in_seconds: float
     """Seconds until the lease ended, as the sidecar saw it when it answered."""
+    manifest_key: bytes = b""
+    """Equal for versions whose manifests differ only in version and checksums (same slot);
+    empty from renewals."""
 
 
 def _lease(reply: pb.Lease) -> Lease:
-    return Lease(reply.lease_id, reply.version, reply.expires_in_seconds)
+    return Lease(reply.lease_id, reply.version, reply.expires_in_seconds, reply.manifest_key)
 
 
 class SidecarClient:
@@ -198,6 +201,15 @@ class SidecarClient:
         """The merged manifest of a readable version (UnknownVersion otherwise)."""
         reply = self._call(self._stub.GetManifest, pb.GetManifestRequest(version=version))
         return manifest_from_proto(reply)
+
+    def checksums(self, version: int) -> dict[str, tuple[int | None, ...]]:
+        """Per parameter, the CRC-32 of each shard (None: none published) of a readable
+        version: what a replayed plan needs from its manifest when it verifies."""
+        reply = self._call(self._stub.GetManifest, pb.GetManifestRequest(version=version))
+        return {
+            p.name: tuple(s.crc32 if s.HasField("crc32") else None for s in p.shards)
+            for p in reply.parameters
+        }
 
     def acquire_lease(self, version: int, receiver_id: str, ttl: float) -> Lease:
         request = pb.AcquireLeaseRequest(version=version, receiver_id=receiver_id, ttl_seconds=ttl)

@@ -171,6 +171,16 @@ def rebase(plan: PullPlan, manifest: Manifest, *, layout: str | None = None) -> 
     return replace(plan, version=manifest.version, reads=tuple(reads), agents=agents)
 
 
+def with_checksums(
+    plan: PullPlan, version: int, checksums: Mapping[str, Sequence[int | None]]
+) -> PullPlan:
+    """`plan` for `version`, a version with the same manifest but its version number and
+    checksums (`Lease.manifest_key` equal): same reads, the checksums given per parameter and
+    shard."""
+    reads = tuple(replace(r, crc32=checksums[r.parameter][r.shard]) for r in plan.reads)
+    return replace(plan, version=version, reads=reads)
+
+
 def _record(manifest: Manifest, want: Want) -> ParameterRecord:
     record = manifest.get(want.name)
     if record is None:

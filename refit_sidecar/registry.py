@@ -199,20 +199,23 @@ class Registry:
         record.state = VersionState.VISIBLE
         return True
 
+    def readable(self) -> list[int]:
+        return sorted(v for v, r in self._versions.items() if r.state is VersionState.VISIBLE)
+
     @property
     def latest(self) -> int | None:
         """The newest readable version: None before the first, and while a single slot's
         version is retired for its successor that is still being published."""
-        visible = [v for v, r in self._versions.items() if r.state is VersionState.VISIBLE]
-        return max(visible, default=None)
+        return max(self.readable(), default=None)
 
     # -- receiver side ----------------------------------------------------------------------
 
     def visible(self, version: int) -> VersionRecord:
         record = self._versions.get(version)
         if record is None or record.state is not VersionState.VISIBLE:
-            known = sorted(v for v, r in self._versions.items() if r.state is VersionState.VISIBLE)
-            raise UnknownVersion(f"version {version} is not readable; readable now: {known}")
+            raise UnknownVersion(
+                f"version {version} is not readable; readable now: {self.readable()}"
+            )
         return record
 
     def shards(self, version: int) -> Mapping[int, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +29,18 @@ from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+
+def manifest_key(manifest: pb.Manifest) -> bytes:
+    """`Lease.manifest_key`: a digest of the manifest with its version and checksums cleared."""
+    bare = pb.Manifest()
+    bare.CopyFrom(manifest)
+    bare.version = 0
+    for parameter in bare.parameters:
+        for shard in parameter.shards:
+            shard.ClearField("crc32")
+    return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
+
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
 
 _grpc_errors = status_codes(
@@ -46,6 +59,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self.registry = registry
         self._changed = asyncio.Condition()
         self._layout = common_pb2.ParallelLayout()
+        self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -70,6 +84,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             TrainerShape(world_size=layout.world_size, num_slots=request.num_slots)
         )
         self._layout = layout
+        self._manifests.clear()
         log.info(
             "trainer registered: world size %d, %d slots", layout.world_size, request.num_slots
         )
@@ -135,8 +150,15 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> Any:
-        by_rank = self.registry.shards(request.version)
-        manifest = pb.Manifest(version=request.version, layout=self._layout)
+        return self._manifest(request.version)
+
+    def _manifest(self, version: int) -> pb.Manifest:
+        """The merged manifest of a readable version, built once and kept while it is."""
+        by_rank = self.registry.shards(version)
+        cached = self._manifests.get(version)
+        if cached is not None:
+            return cached[0]
+        manifest = pb.Manifest(version=version, layout=self._layout)
         merged: dict[str, pb.ParameterRecord] = {}
         for rank in sorted(by_rank):
             published: pb.PublishShardsRequest = by_rank[rank]
@@ -148,13 +170,19 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     )
                 merged[parameter.name].shards.extend(parameter.shards)
         manifest.parameters.extend(merged[name] for name in sorted(merged))
+        key = manifest_key(manifest)
+        readable = set(self.registry.readable())
+        for stale in [v for v in self._manifests if v not in readable]:
+            del self._manifests[stale]
+        self._manifests[version] = (manifest, key)
         return manifest
 
-    def _lease(self, lease: Any) -> pb.Lease:
+    def _lease(self, lease: Any, key: bytes = b"") -> pb.Lease:
         return pb.Lease(
             lease_id=lease.lease_id,
             version=lease.version,
             expires_in_seconds=lease.expires_at - time.monotonic(),
+            manifest_key=key,
         )
 
     @_grpc_errors
@@ -162,7 +190,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         lease = self.registry.acquire_lease(
             request.version, request.receiver_id, request.ttl_seconds
         )
-        return self._lease(lease)
+        self._manifest(request.version)
+        return self._lease(lease, self._manifests[request.version][1])
 
     @_grpc_errors
     async def RenewLease(self, request: pb.RenewLeaseRequest, context: Any) -> Any:

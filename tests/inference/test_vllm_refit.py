@@ -104,11 +104,28 @@ def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layo
                 assert _gap(after, trained) <= FIDELITY, f"TP={tp} engine differs from trainer"
                 assert _gap(before[tp], trained) > 100 * FIDELITY, "the step changed nothing"
                 _check_installed_slices(engine.call("slices", None), exported, tp)
+            if not layout:
+                _refit_through_both_slots(trainer, engines, seed)
         finally:
             assert trainer.stop() == 0
     whole = refits[1].workers[0].bytes_pulled
     halves = [w.bytes_pulled for w in refits[2].workers]
     assert all(0.4 * whole < h < 0.55 * whole for h in halves), (whole, halves)
+
+
+def _refit_through_both_slots(trainer: TrainerProcess, engines: dict, seed: int) -> None:
+    """Versions 2 and 3 land in the other slot and then in the first one again: the third
+    refit replays the first one's plan by manifest key, checksums included."""
+    for step in (2, 3):
+        version = _train_step(trainer, f"s{step}", seed + step)
+        for engine in engines.values():
+            refit = engine.call("refit_to", version)
+            assert refit.version == version
+            assert all(w.replayed_by_key == (step == 3) for w in refit.workers)
+            assert all(w.verified_shards > 0 for w in refit.workers)
+    exported = trainer.export("v3")
+    for tp, engine in engines.items():
+        _check_installed_slices(engine.call("slices", None), exported, tp)
 
 
 def _check_installed_slices(per_worker: list[dict], exported: dict, tp: int) -> None:

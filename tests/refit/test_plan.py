@@ -16,7 +16,7 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
-from refit_sidecar.plan import PullPlan, UnsupportedRequest, Want, plan_pull, whole
+from refit_sidecar.plan import PullPlan, UnsupportedRequest, Want, plan_pull, whole, with_checksums
 from refit_sidecar.transport import InMemoryTransport, Region, SourceLost
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
 
@@ -210,3 +210,18 @@ def test_in_memory_transport_refuses_unregistered_memory() -> None:
         InMemoryTransport({"d0-tp0": [placed[0][2]], "d0-tp1": [placed[0][2]]}).pull(plan, dest)
     with pytest.raises(ValueError, match="destination"):
         InMemoryTransport({}).pull(plan, Region.of_array(np.zeros(1, np.uint8)))
+
+
+def test_a_plan_replayed_with_new_checksums_verifies_the_new_bytes() -> None:
+    _, placed = _publish("w", (4, 6), dim=0, parts=1, tp=2)
+    plan = plan_pull(in_memory_manifest(1, placed), whole(in_memory_manifest(1, placed)))
+    placed[1][2][0, 0, 0] ^= 1  # the same slot, refreshed for version 2
+    fresh = in_memory_manifest(2, placed)
+    checksums = {r.name: tuple(s.crc32 for s in r.shards) for r in fresh.parameters}
+    replayed = with_checksums(plan, 2, checksums)
+    assert replayed.version == 2 and replayed.targets == plan.targets
+    transport = InMemoryTransport({agent: [buffer] for agent, _, buffer in placed})
+    dest = np.zeros(plan.nbytes, np.uint8)
+    assert transport.pull(replayed, Region.of_array(dest), verify=True).verified_shards == 2
+    with pytest.raises(ChecksumMismatch):
+        transport.pull(plan, Region.of_array(dest), verify=True)  # the old checksums

@@ -156,3 +156,44 @@ def test_wait_visible_returns_when_the_last_rank_reports(tmp_path):
             _publish(stub, 1, rank=1)
             assert waited.result() == 1
         assert client.wait_visible(1, timeout=0.3) == 1  # readable already: at once
+
+
+def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_path):
+    with running_sidecar(tmp_path / "sidecar") as address, SidecarClient(address) as client:
+        stub = pb_grpc.RefitServiceStub(grpc.insecure_channel(address))
+        _register(stub, world_size=1, slots=2)
+
+        def publish(version: int, crc: int) -> bytes:
+            slot = stub.ReserveSlot(pb.ReserveSlotRequest(version=version)).slot
+            request = pb.PublishShardsRequest(
+                version=version,
+                rank=0,
+                agent=pb.SourceAgent(name="rank-0", metadata=b"meta", rank=0),
+                parameters=[
+                    pb.ParameterRecord(
+                        name="w",
+                        shape=[4],
+                        dtype=common_pb2.DTYPE_FLOAT32,
+                        shards=[
+                            pb.ShardRecord(
+                                location=pb.ShardLocation(
+                                    agent="rank-0", address=4096 * (slot + 1), nbytes=16
+                                ),
+                                pieces=[pb.ShardPiece(box=pb.Box(start=[0], stop=[4]))],
+                                crc32=crc,
+                            )
+                        ],
+                    )
+                ],
+            )
+            assert stub.PublishShards(request).visible
+            lease = client.acquire_lease(version, "r", ttl=30)
+            client.release_lease(lease)
+            assert client.checksums(version) == {"w": (crc,)}
+            return lease.manifest_key
+
+        first, second, third = publish(1, crc=11), publish(2, crc=22), publish(3, crc=33)
+        assert len(first) == 16 and first == third  # slot 0 again; only version and CRC differ
+        assert second != first  # slot 1: other addresses
+        renewed = client.renew_lease(client.acquire_lease(3, "r", ttl=30), ttl=30)
+        assert renewed.manifest_key == b""

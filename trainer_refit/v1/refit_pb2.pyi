@@ -136,14 +136,16 @@ class AcquireLeaseRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "version", "expires_in_seconds")
+    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     expires_in_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+    manifest_key: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_seconds")
