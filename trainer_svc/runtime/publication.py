@@ -27,7 +27,12 @@ import torch
 from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.checksum import checksum
-from refit_sidecar.client import SidecarClient, SlotsExhausted, TrainerLayout
+from refit_sidecar.client import (
+    PublicationPending,
+    SidecarClient,
+    SlotsExhausted,
+    TrainerLayout,
+)
 from refit_sidecar.layout import ShardSpec, placement_spec
 from refit_sidecar.manifest import DType, MemType
 from refit_sidecar.snapshot_layout import Placement, SnapshotLayout, snapshot_layout
@@ -258,6 +263,8 @@ class Publisher:
         except SlotsExhausted as e:
             log.debug("refit: %s", e)
             return None
+        except PublicationPending:
+            raise  # a rank never reported: the step fails with this, without waiting again
         except Exception as e:  # the step reserves again and reports what is wrong
             log.warning("refit: reserving a slot ahead for version %d failed: %s", version, e)
             return None
