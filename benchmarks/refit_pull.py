@@ -328,11 +328,10 @@ def train(
         )
         records = run_steps(driver, batches, args.warmup, args.steps)
         end = client.status()
-    if sidecar is not None and stop_watch is not None:
-        if end.weights_version:
-            with SidecarClient(sidecar) as check:
-                check.wait_visible(end.weights_version)
-        time.sleep(0.1)  # the watcher thread records the last version
+    if stop_watch is not None:
+        deadline = time.monotonic() + 30
+        while end.weights_version not in readable_at and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the watcher has stamped the last version
         stop_watch()
     readable_ms = {
         v: 1e3 * (readable_at[v] - t) for v, t in returned_at.items() if v in readable_at

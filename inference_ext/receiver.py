@@ -290,8 +290,7 @@ class Receiver:
                 1e3 * (begin + plan_s - leased),
             )
             region = self.staging.ensure(plan.pull.nbytes)
-            verify = self.options.verify_checksums and region.mem_type is MemType.DRAM
-            stats = self.transport.pull(plan.pull, region, verify=verify)
+            stats = self.transport.pull(plan.pull, region, verify=self._verifies)
         except RefitError:
             raise
         except Exception as e:

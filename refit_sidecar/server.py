@@ -150,14 +150,15 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> Any:
-        return self._manifest(request.version)
+        return self._manifest(request.version)[0]
 
-    def _manifest(self, version: int) -> pb.Manifest:
-        """The merged manifest of a readable version, built once and kept while it is."""
+    def _manifest(self, version: int) -> tuple[pb.Manifest, bytes]:
+        """The merged manifest of a readable version and its `manifest_key`, built once and
+        kept while the version is readable."""
         by_rank = self.registry.shards(version)
         cached = self._manifests.get(version)
         if cached is not None:
-            return cached[0]
+            return cached
         manifest = pb.Manifest(version=version, layout=self._layout)
         merged: dict[str, pb.ParameterRecord] = {}
         for rank in sorted(by_rank):
@@ -170,12 +171,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     )
                 merged[parameter.name].shards.extend(parameter.shards)
         manifest.parameters.extend(merged[name] for name in sorted(merged))
-        key = manifest_key(manifest)
         readable = set(self.registry.readable())
         for stale in [v for v in self._manifests if v not in readable]:
             del self._manifests[stale]
-        self._manifests[version] = (manifest, key)
-        return manifest
+        self._manifests[version] = (manifest, manifest_key(manifest))
+        return self._manifests[version]
 
     def _lease(self, lease: Any, key: bytes = b"") -> pb.Lease:
         return pb.Lease(
@@ -190,8 +190,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         lease = self.registry.acquire_lease(
             request.version, request.receiver_id, request.ttl_seconds
         )
-        self._manifest(request.version)
-        return self._lease(lease, self._manifests[request.version][1])
+        return self._lease(lease, self._manifest(request.version)[1])
 
     @_grpc_errors
     async def RenewLease(self, request: pb.RenewLeaseRequest, context: Any) -> Any:

@@ -226,9 +226,6 @@ class ShardSource:
             raise ValueError(f"{parameter}: got {raw.nbytes} bytes for a {view.nbytes}-byte shard")
         view[:] = raw
 
-    def agent_record(self) -> AgentRecord:
-        return self.agent.record()
-
     @functools.cached_property
     def _records(self) -> tuple[ParameterRecord, ...]:
         """Every shard's record without a checksum: only checksums change between versions."""

@@ -167,7 +167,6 @@ class Publisher:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="refit-report")
     )
     _copied: torch.cuda.Event | None = None
-    _report: Future[bool] | None = None
     _ahead: Future[tuple[int, int] | None] | None = None
     """Rank 0: the (version, slot) reserved for the next version once the last one was
     reported, or None when no slot could be reserved ahead."""
@@ -249,7 +248,10 @@ class Publisher:
             reserved = ahead.result()
             if reserved is not None and reserved[0] == version:
                 return reserved[1]
-        slot, retired = self.client.reserve_slot(version)
+        return self._reserve(version, ahead=False)
+
+    def _reserve(self, version: int, *, ahead: bool) -> int:
+        slot, retired = self.client.reserve_slot(version, ahead=ahead)
         if retired is not None:
             log.info("refit: version %d retired to make room for %d", retired, version)
         return slot
@@ -259,7 +261,7 @@ class Publisher:
         `version`, unless the sidecar has none to give without retiring the latest version
         or waiting for a lease (the step then reserves, with the sidecar's policy)."""
         try:
-            slot, retired = self.client.reserve_slot(version, ahead=True)
+            return version, self._reserve(version, ahead=True)
         except SlotsExhausted as e:
             log.debug("refit: %s", e)
             return None
@@ -268,14 +270,12 @@ class Publisher:
         except Exception as e:  # the step reserves again and reports what is wrong
             log.warning("refit: reserving a slot ahead for version %d failed: %s", version, e)
             return None
-        if retired is not None:
-            log.info("refit: version %d retired to make room for %d", retired, version)
-        return version, slot
 
     @torch.no_grad()
     def snapshot(self, slot: int) -> torch.cuda.Event | None:
         """Copies the parameters into the slot: done on return on the CPU; on a GPU, queued on
-        the side stream after the trainer's pending work, with the event that marks its end."""
+        the side stream after the trainer's pending work; returns the event that marks its end
+        (None on the CPU)."""
         if tuple(p.data_ptr() for p in self.parameters.values()) != self._addresses:
             raise RuntimeError(
                 "a published parameter moved since the snapshot slots were laid out; "
@@ -291,19 +291,18 @@ class Publisher:
         with torch.cuda.stream(stream):
             for destination, source in copies:
                 destination.copy_(source, non_blocking=True)
-            copied = stream.record_event()
-        self._copied = copied
-        return copied
+            return stream.record_event()
 
     def publish(self, version: int, slot: int) -> None:
         """Snapshots the parameters as `version` into the reserved `slot` and hands the report
         to the reporter thread (reports leave in order)."""
         copied = self.snapshot(slot)
-        self._report = self._reporter.submit(self._send, version, slot, copied)
+        self._copied = copied
+        self._reporter.submit(self._send, version, slot, copied)
         if self.topology.is_leader:
             self._ahead = self._reporter.submit(self._reserve_ahead, version + 1)
 
-    def _send(self, version: int, slot: int, copied: torch.cuda.Event | None) -> bool:
+    def _send(self, version: int, slot: int, copied: torch.cuda.Event | None) -> None:
         start = time.perf_counter()
         try:
             if copied is not None:
@@ -317,7 +316,6 @@ class Publisher:
                 1e3 * (time.perf_counter() - copy_done),
                 visible,
             )
-            return visible
         except Exception:
             log.exception("refit: rank %d could not report version %d", self.topology.rank, version)
             raise
@@ -328,11 +326,6 @@ class Publisher:
         if self._copied is not None:
             torch.cuda.current_stream(self.device).wait_event(self._copied)
             self._copied = None
-
-    def flush(self) -> bool | None:
-        """Waits for the last report; whether it made its version readable (None: none sent).
-        Raises what sending it raised."""
-        return None if self._report is None else self._report.result()
 
     def close(self) -> None:
         self._reporter.shutdown(wait=True)
