@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model (a tiny Llama built locally, head_dim 32)")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--hidden", type=int, default=64, help="a multiple of 64")
+    model.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="share the input embedding with the LM head (as small Qwen and Llama models do)",
+    )
     run = parser.add_argument_group("training")
     run.add_argument("--warmup-steps", type=int, default=60, help="supervised steps first")
     run.add_argument("--iterations", type=int, default=60, help="GRPO iterations")
@@ -264,6 +269,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
         num_key_value_heads=args.hidden // 32,
         head_dim=32,  # the smallest head size vLLM's CPU attention supports
         intermediate_size=2 * args.hidden,
+        tie_word_embeddings=args.tie_embeddings,
         seed=args.seed,
     )
     from transformers import AutoTokenizer

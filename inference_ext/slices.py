@@ -67,6 +67,43 @@ def _even(total: int, layout: ReceiverLayout, what: str) -> tuple[int, int]:
     return layout.tp_rank * per_rank, (layout.tp_rank + 1) * per_rank
 
 
+def receiver_layout_problems(spec: ModelSpec, tp_size: int) -> list[str]:
+    """Every reason a vLLM engine at TP=`tp_size` cannot hold `spec` by the rules above, each
+    naming its numbers; empty when it can."""
+    problems = []
+    heads, kv = spec.num_attention_heads, spec.num_query_groups
+    if heads % tp_size:
+        problems.append(f"{heads} attention heads do not split over tensor parallel {tp_size}")
+    if kv >= tp_size and kv % tp_size:
+        problems.append(f"{kv} key/value heads do not split over tensor parallel {tp_size}")
+    if kv < tp_size and tp_size % kv:
+        problems.append(
+            f"tensor parallel {tp_size} cannot replicate {kv} key/value heads evenly"
+        )
+    if spec.ffn_hidden_size % tp_size:
+        problems.append(
+            f"MLP hidden size {spec.ffn_hidden_size} does not split over tensor parallel "
+            f"{tp_size}"
+        )
+    padded = -(-spec.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    if padded % tp_size:
+        problems.append(
+            f"vocabulary {spec.vocab_size} (padded to {padded}) does not split over tensor "
+            f"parallel {tp_size}"
+        )
+    return problems
+
+
+def check_receiver_layout(spec: ModelSpec, layout: ReceiverLayout) -> None:
+    """Raise `UnsupportedLayout` listing every problem of `receiver_layout_problems`."""
+    problems = receiver_layout_problems(spec, layout.tp_size)
+    if problems:
+        raise UnsupportedLayout(
+            f"the model cannot be refit into an engine at TP={layout.tp_size}: "
+            + "; ".join(problems)
+        )
+
+
 def hf_slice(hf_name: str, spec: ModelSpec, layout: ReceiverLayout) -> Box | None:
     """The box of HF tensor `hf_name` that this rank's loader keeps; None when it keeps
     nothing (a vocabulary shard made only of padding)."""

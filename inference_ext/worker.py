@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from inference_ext.receiver import Receiver, RefitError, RefitOptions
-from inference_ext.slices import ReceiverLayout, vocab_rows
+from inference_ext.slices import (
+    ReceiverLayout,
+    UnsupportedLayout,
+    check_receiver_layout,
+    vocab_rows,
+)
+from inference_ext.tied import refresh_tied_heads, tied_heads
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.manifest import Box
@@ -28,6 +34,7 @@ from refit_sidecar.manifest import Box
 log = logging.getLogger(__name__)
 
 _STATE = "_refit_state"
+_TIED = "_refit_tied_heads"
 
 
 class RefitWorkerExtension:
@@ -52,8 +59,13 @@ class RefitWorkerExtension:
         layout = ReceiverLayout(
             get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         )
+        try:
+            check_receiver_layout(spec, layout)
+        except UnsupportedLayout as e:
+            raise RefitError(str(e)) from None
         check_engine_layout(self.model_runner.model, spec, layout)
         self.refit_close()
+        setattr(self, _TIED, tied_heads(self.model_runner.model))
         names = [n for n in hf_names(spec) if n != "lm_head.weight" or not spec.tie_word_embeddings]
         setattr(
             self,
@@ -96,6 +108,7 @@ class RefitWorkerExtension:
         def install(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
             with torch.no_grad():
                 self.reload_weights(weights_iterator=weights)
+                refresh_tied_heads(getattr(self, _TIED, ()))
 
         stats = receiver.install(install)
         return {"ok": True, **stats.to_dict()}

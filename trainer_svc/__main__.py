@@ -21,6 +21,23 @@ def _model_dir(config: TrainerConfig, work: Path) -> Path:
     return write_builtin_model(work / "builtin-model", seed=config.seed)
 
 
+def _check_layout(config: TrainerConfig, model_dir: Path) -> None:
+    """Exit with a usage error, before any rank starts, when the model cannot be split into
+    the requested layout."""
+    from megatron_hf.spec import ModelSpec
+    from megatron_hf.splits import check_trainer_layout
+
+    try:
+        check_trainer_layout(
+            ModelSpec.from_pretrained_dir(model_dir),
+            tensor_parallel=config.layout.tensor_parallel,
+            pipeline_parallel=config.layout.pipeline_parallel,
+        )
+    except ValueError as e:
+        print(f"trainer-svc: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # megatron's checkpoint writer forks worker processes; gRPC's fork handlers must stay out of
@@ -40,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="trainer-svc-") as scratch:
         work = config.work_dir or Path(scratch)
         model_dir = _model_dir(config, work)
+        _check_layout(config, model_dir)
         if identity is None:
             from trainer_svc.launch import spawn_world
 

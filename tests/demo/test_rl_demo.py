@@ -17,6 +17,8 @@ import psutil
 from tests.support.trainer import TEST_ENV
 
 SHORT_RUN = ["--iterations", "30"]
+# The short run trains the tied-embedding variant; the fidelity tests cover untied models too.
+TIED = ["--tie-embeddings"]
 SUMMARY_LINE = re.compile(r"reward ([0-9.]+) -> ([0-9.]+) .* largest fidelity gap ([0-9.e+-]+)")
 VERSION_LINE = re.compile(r"^v(\d+)\s+reward ([0-9.]+) .* gap ([0-9.e+-]+)$", re.MULTILINE)
 
@@ -58,7 +60,7 @@ def _wait_gone(process: subprocess.Popen[str], workdir: Path) -> list[str]:
 
 def test_short_demo_learns_keeps_fidelity_and_cleans_up(tmp_path: Path) -> None:
     workdir = tmp_path / "run"
-    process, log_path = _start(workdir, *SHORT_RUN)
+    process, log_path = _start(workdir, *SHORT_RUN, *TIED)
     assert process.wait(timeout=1500) == 0, log_path.read_text()[-4000:]
     output = log_path.read_text()
     versions = VERSION_LINE.findall(output)

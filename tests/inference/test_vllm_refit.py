@@ -6,26 +6,20 @@ and a refit whose source died leaves the engines generating exactly as before.""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import torch
 
 from inference_ext.engine import EngineRefit
 from inference_ext.receiver import RefitOptions
-from tests.support.batches import make_batch
 from tests.support.engine import EngineError, EngineProcess
+from tests.support.fidelity import FIDELITY, PROMPTS, gap, train_step, trainer_logprobs
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess
 from trainer_svc.builtin_model import write_builtin_model
-from trainer_svc.domain import LossConfig, OptimizerOverrides, SequenceBatch
-
-PROMPTS = [[5, 17, 33, 2, 9, 40, 41, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [60, 61, 3]]
-FIDELITY = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -50,28 +44,6 @@ def _options(tp: int) -> RefitOptions:
     return RefitOptions(receiver_id=f"engine-tp{tp}", pull_timeout_s=60)
 
 
-def _train_step(trainer: TrainerProcess, step_id: str, seed: int) -> int:
-    loss = LossConfig()
-    trainer.client.begin_step(step_id, loss, OptimizerOverrides(learning_rate=2e-2))
-    batch = make_batch(seed=seed, lengths=[12, 9, 15], loss=loss)
-    trainer.client.train_microbatch(step_id, "r", batch)
-    return trainer.client.finish_step(step_id).weights_version
-
-
-def _trainer_logprobs(trainer: TrainerProcess) -> list[np.ndarray]:
-    batch = SequenceBatch.from_lists(PROMPTS, loss_mask=[[True] * len(p) for p in PROMPTS])
-    logprobs = trainer.client.forward(batch).logprobs
-    assert logprobs is not None
-    bounds = np.cumsum([0, *map(len, PROMPTS)])
-    return [logprobs[start + 1 : stop] for start, stop in itertools.pairwise(bounds)]
-
-
-def _gap(a: list, b: list) -> float:
-    return max(
-        float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b, strict=True)
-    )
-
-
 def _kill_tree(process: psutil.Process) -> None:
     for proc in [*process.children(recursive=True), process]:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -91,8 +63,8 @@ def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layo
             for tp, engine in engines.items():
                 engine.call("refit_init", sidecar, _options(tp))
             before = {tp: engine.call("probe", PROMPTS) for tp, engine in engines.items()}
-            version = _train_step(trainer, "s1", seed)
-            trained = _trainer_logprobs(trainer)
+            version = train_step(trainer, "s1", seed)
+            trained = trainer_logprobs(trainer)
             exported = trainer.export("v1")
             refits: dict[int, EngineRefit] = {}
             for tp, engine in engines.items():
@@ -101,8 +73,8 @@ def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layo
                 assert len(refits[tp].workers) == tp
                 assert engine.call("installed_version") == version
                 after = engine.call("probe", PROMPTS)
-                assert _gap(after, trained) <= FIDELITY, f"TP={tp} engine differs from trainer"
-                assert _gap(before[tp], trained) > 100 * FIDELITY, "the step changed nothing"
+                assert gap(after, trained) <= FIDELITY, f"TP={tp} engine differs from trainer"
+                assert gap(before[tp], trained) > 100 * FIDELITY, "the step changed nothing"
                 _check_installed_slices(engine.call("slices", None), exported, tp)
             if not layout:
                 _refit_through_both_slots(trainer, engines, seed)
@@ -117,7 +89,7 @@ def _refit_through_both_slots(trainer: TrainerProcess, engines: dict, seed: int)
     """Versions 2 and 3 land in the other slot and then in the first one again: the third
     refit replays the first one's plan by manifest key, checksums included."""
     for step in (2, 3):
-        version = _train_step(trainer, f"s{step}", seed + step)
+        version = train_step(trainer, f"s{step}", seed + step)
         for engine in engines.values():
             refit = engine.call("refit_to", version)
             assert refit.version == version
@@ -158,11 +130,11 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
         try:
             for tp, engine in engines.items():
                 engine.call("refit_init", sidecar, _options(tp))
-            assert _train_step(trainer, "s1", seed=4) == 1
+            assert train_step(trainer, "s1", seed=4) == 1
             for engine in engines.values():
                 engine.call("refit_to", 1)
             served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
-            assert _train_step(trainer, "s2", seed=5) == 2
+            assert train_step(trainer, "s2", seed=5) == 2
             launcher.suspend()
             (rank1,) = [p for p in launcher.children() if p.environ().get("RANK") == "1"]
             rank1.kill()

@@ -2,6 +2,11 @@
 
 The engine lives in a spawned child so vLLM's native state and environment never touch the
 pytest process; the test sends `RefitEngine` calls (and greedy generation) over a pipe.
+
+`EngineHost` is a child that builds one engine after another (`load`), for tests that refit
+many models: it imports vLLM once and runs the engine core in its own process (no engine-core
+process per model); a TP=1 engine's worker runs there too, a TP=2 engine keeps its two worker
+processes. The refit path through the workers is the same as in a default engine.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ class EngineError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, model: Path, tensor_parallel: int, log_path: Path) -> None:
+    def __init__(self, model: Path | None, tensor_parallel: int, log_path: Path) -> None:
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         self.log_path = log_path
         self.process = context.Process(
-            target=_serve, args=(child, str(model), tensor_parallel, str(log_path))
+            target=_serve,
+            args=(child, str(model) if model else None, tensor_parallel, str(log_path)),
         )
         self.process.start()
         child.close()
@@ -40,7 +46,14 @@ class EngineProcess:
         self._reply()
 
     def call(self, method: str, *args: Any) -> Any:
+        self.submit(method, *args)
+        return self.result()
+
+    def submit(self, method: str, *args: Any) -> None:
+        """Start a call; `result` waits for it (so several processes can work at once)."""
         self._conn.send((method, args))
+
+    def result(self) -> Any:
         return self._reply()
 
     def _reply(self) -> Any:
@@ -67,7 +80,46 @@ class EngineProcess:
         return self.process.exitcode
 
 
-def _serve(conn: Any, model: str, tensor_parallel: int, log_path: str) -> None:
+class EngineHost(EngineProcess):
+    """One child process that serves engines for several models in turn, all at
+    `tensor_parallel`: `load` replaces the engine it holds."""
+
+    def __init__(self, tensor_parallel: int, log_path: Path) -> None:
+        super().__init__(None, tensor_parallel, log_path)
+        self.wait_ready()
+
+    def load(self, model: Path) -> None:
+        """Start replacing the engine with one serving `model`; `result` waits for it."""
+        self.submit(_LOAD, str(model))
+
+
+_LOAD = "_load"
+
+
+def _build(model: str, tensor_parallel: int, hosted: bool) -> Any:
+    from vllm import LLM
+
+    from inference_ext.engine import EXTENSION, RefitEngine
+
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        tensor_parallel_size=tensor_parallel,
+        worker_extension_cls=EXTENSION,
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        distributed_executor_backend="uni" if hosted and tensor_parallel == 1 else None,
+    )
+    return RefitEngine(llm)
+
+
+def _shutdown(engine: Any) -> None:
+    engine.close()
+    engine.llm.llm_engine.engine_core.shutdown()
+
+
+def _serve(conn: Any, model: str | None, tensor_parallel: int, log_path: str) -> None:
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -75,21 +127,13 @@ def _serve(conn: Any, model: str, tensor_parallel: int, log_path: str) -> None:
     sys.stderr = sys.stdout
     os.environ.update(ENGINE_ENV)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel))
+    hosted = model is None
+    if hosted:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine = None
     try:
-        from vllm import LLM
-
-        from inference_ext.engine import EXTENSION, RefitEngine
-
-        llm = LLM(
-            model=model,
-            dtype="float32",
-            tensor_parallel_size=tensor_parallel,
-            worker_extension_cls=EXTENSION,
-            max_model_len=256,
-            enforce_eager=True,
-            seed=0,
-        )
-        engine = RefitEngine(llm)
+        if model is not None:
+            engine = _build(model, tensor_parallel, hosted)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -97,14 +141,23 @@ def _serve(conn: Any, model: str, tensor_parallel: int, log_path: str) -> None:
     while (request := conn.recv()) is not None:
         method, args = request
         try:
-            value = (
-                _generate(llm, *args) if method == "generate" else getattr(engine, method)(*args)
-            )
+            if method == _LOAD:
+                if engine is not None:
+                    _shutdown(engine)
+                    engine = None
+                engine = _build(args[0], tensor_parallel, hosted)
+                value = None
+            elif engine is None:
+                raise RuntimeError("no engine loaded")
+            elif method == "generate":
+                value = _generate(engine.llm, *args)
+            else:
+                value = getattr(engine, method)(*args)
             conn.send(("ok", value))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
-    engine.close()
-    llm.llm_engine.engine_core.shutdown()
+    if engine is not None:
+        _shutdown(engine)
 
 
 def _generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Any]:
