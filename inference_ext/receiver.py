@@ -296,11 +296,24 @@ class Receiver:
         except Exception as e:
             raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
         finally:
-            try:
-                self.client.release_lease(lease)
-            except Exception as e:  # an expired lease is no reason to fail a good pull
-                log.warning("releasing lease %s failed: %s", lease.lease_id, e)
+            held = self._release(lease)
+        if not held:
+            # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
+            # protect the slot for the whole pull: the trainer may have overwritten it.
+            raise RefitError(
+                f"the lease on version {version} ended before its pull did (expired, or the "
+                "sidecar restarted); the bytes may have been overwritten, so nothing installs"
+            )
         self._fetched = (plan, stats, plan_s, replanned, by_key)
+
+    def _release(self, lease: Lease) -> bool:
+        """Release `lease`; True when the sidecar still held it (it was valid all along)."""
+        try:
+            self.client.release_lease(lease)
+        except Exception as e:
+            log.warning("releasing lease %s failed: %s", lease.lease_id, e)
+            return False
+        return True
 
     def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
         """The leased version's plan, whether it was planned anew, and whether it was replayed

@@ -2,7 +2,8 @@
 
 Status codes come back as the registry's domain errors: NOT_FOUND as `UnknownVersion` (calls
 naming a version) or `UnknownLease` (calls naming a lease), RESOURCE_EXHAUSTED as
-`SlotsExhausted`, FAILED_PRECONDITION as `PublicationPending`, INVALID_ARGUMENT as ValueError.
+`SlotsExhausted`, FAILED_PRECONDITION as `PublicationPending`, ABORTED as `NotRegistered` (the
+sidecar restarted: register again), INVALID_ARGUMENT as ValueError.
 Anything else (UNAVAILABLE, DEADLINE_EXCEEDED, ...) is raised as the `grpc.RpcError` it is.
 
 Versions start at 1: the wire uses 0 for "none" (no readable version, no retired version),
@@ -22,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_sidecar.manifest import Manifest
 from refit_sidecar.registry import (
+    NotRegistered,
     PublicationPending,
     SlotsExhausted,
     UnknownLease,
@@ -34,6 +36,7 @@ from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 
 __all__ = [
     "Lease",
+    "NotRegistered",
     "PublicationPending",
     "SidecarClient",
     "SlotsExhausted",
@@ -43,6 +46,11 @@ __all__ = [
 ]
 
 Reply = TypeVar("Reply")
+_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _SERVICE = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
 
 
@@ -93,7 +101,9 @@ class SidecarClient:
     def __init__(self, target: str, timeout: float | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        # A restarted sidecar is found again within a second, not after gRPC's default
+        # exponential backoff (up to two minutes).
+        self._channel = grpc.insecure_channel(target, options=_RECONNECT)
         self._stub = pb_grpc.RefitServiceStub(self._channel)
 
     def __enter__(self) -> SidecarClient:
@@ -256,6 +266,8 @@ def _domain_error(error: grpc.RpcError, not_found: type[LookupError]) -> Excepti
         return SlotsExhausted(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return PublicationPending(details)
+    if code == grpc.StatusCode.ABORTED:
+        return NotRegistered(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(details)
     return None

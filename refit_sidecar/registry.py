@@ -29,6 +29,11 @@ class UnknownLease(LookupError):
     """The lease does not exist, was released or has expired (maps to NOT_FOUND)."""
 
 
+class NotRegistered(RuntimeError):
+    """No trainer has registered in this sidecar's life (it started, or restarted, since):
+    the trainer registers again and retries (maps to ABORTED)."""
+
+
 class SlotsExhausted(RuntimeError):
     """Every slot holds a leased version (maps to RESOURCE_EXHAUSTED)."""
 
@@ -120,7 +125,9 @@ class Registry:
 
     def _shape(self) -> TrainerShape:
         if self.trainer is None:
-            raise ValueError("no trainer has registered with this sidecar yet")
+            raise NotRegistered(
+                "no trainer has registered with this sidecar (it started or restarted since)"
+            )
         return self.trainer
 
     # -- trainer side -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ import grpc
 from refit_sidecar.cli import SidecarConfig
 from refit_sidecar.registry import (
     FullPolicy,
+    NotRegistered,
     PublicationPending,
     Registry,
     SlotsExhausted,
@@ -48,6 +49,7 @@ _grpc_errors = status_codes(
         (UnknownVersion, grpc.StatusCode.NOT_FOUND),
         (UnknownLease, grpc.StatusCode.NOT_FOUND),
         (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (NotRegistered, grpc.StatusCode.ABORTED),
         (PublicationPending, grpc.StatusCode.FAILED_PRECONDITION),
         (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     ]

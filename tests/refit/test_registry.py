@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from refit_sidecar.registry import (
+    NotRegistered,
     PublicationPending,
     Registry,
     RegistryConfig,
@@ -127,7 +128,7 @@ def test_a_new_trainer_generation_retires_everything():
 
 
 def test_nothing_is_reserved_before_a_trainer_registers():
-    with pytest.raises(ValueError, match="no trainer has registered"):
+    with pytest.raises(NotRegistered, match="no trainer has registered"):
         Registry(RegistryConfig()).reserve_slot(1)
 
 

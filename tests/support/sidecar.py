@@ -12,18 +12,25 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def start_sidecar(workdir: Path, *args: str, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """A refit-sidecar process on `port` (0: a free one) and its HOST:PORT, once it serves."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port_file = workdir / "sidecar-port"
+    port_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "refit_sidecar", "--port", str(port), "--host", "127.0.0.1"]
+    process = subprocess.Popen([*command, "--port-file", str(port_file), *args], env=os.environ)
+    while not port_file.exists():
+        assert process.poll() is None, "refit-sidecar exited early"
+        time.sleep(0.05)
+    return process, f"127.0.0.1:{port_file.read_text()}"
+
+
 @contextmanager
 def running_sidecar(workdir: Path, *args: str) -> Iterator[str]:
     """Yields the sidecar's HOST:PORT; asserts a clean exit on SIGTERM afterwards."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    port_file = workdir / "sidecar-port"
-    command = [sys.executable, "-m", "refit_sidecar", "--port", "0", "--host", "127.0.0.1"]
-    process = subprocess.Popen([*command, "--port-file", str(port_file), *args], env=os.environ)
+    process, address = start_sidecar(workdir, *args)
     try:
-        while not port_file.exists():
-            assert process.poll() is None, "refit-sidecar exited early"
-            time.sleep(0.05)
-        yield f"127.0.0.1:{port_file.read_text()}"
+        yield address
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0

@@ -191,6 +191,12 @@ class StepEngine:
                 slot = self.publisher.reserve(self.weights_version + 1)
             except (SlotsExhausted, PublicationPending) as exc:
                 raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
+            except Exception as exc:  # the sidecar is unreachable or failed: nothing changed
+                problem = self.publisher.health_problem or f"{type(exc).__name__}: {exc}"
+                raise FailedPrecondition(
+                    f"cannot publish the new version ({problem}); nothing changed: retry when "
+                    "the refit sidecar is back"
+                ) from exc
             return replace(command, slot=slot)
         return command
 

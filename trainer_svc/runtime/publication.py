@@ -22,12 +22,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.checksum import checksum
 from refit_sidecar.client import (
+    NotRegistered,
     PublicationPending,
     SidecarClient,
     SlotsExhausted,
@@ -172,6 +174,13 @@ class Publisher:
     reported, or None when no slot could be reserved ahead."""
     _addresses: tuple[int, ...] = ()
     """Where each parameter lived when the slots were laid out."""
+    problem: str | None = None
+    """Why this rank's last reservation or report failed; None once a report succeeds."""
+    unreachable: str | None = None
+    """Set while the sidecar does not answer its health check (`check_sidecar`)."""
+    _ahead_suspect: bool = False
+    """A problem was seen since the reservation ahead was made: the sidecar may have lost it
+    (a restart), so the step reserves again instead of trusting it."""
 
     def __post_init__(self) -> None:
         self._addresses = tuple(p.data_ptr() for p in self.parameters.values())
@@ -212,19 +221,11 @@ class Publisher:
             for (source, copies), report in zip(built, reports, strict=True)
         ]
         client = SidecarClient(sidecar)
-        if topology.is_leader:
-            client.wait_ready()
-            layout = topology.layout
-            client.register_trainer(
-                TrainerLayout(
-                    tensor_parallel=layout.tensor_parallel,
-                    pipeline_parallel=layout.pipeline_parallel,
-                    data_parallel=layout.data_parallel,
-                ),
-                slots,
-            )
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         publisher = cls(client, filled, parameters, topology, device, stream, agent)
+        if topology.is_leader:
+            client.wait_ready()
+            publisher.register()
         arena = filled[0].source.arena
         log.info(
             "refit: %d snapshot slots of %d bytes each in %s (device %d)",
@@ -246,12 +247,58 @@ class Publisher:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             reserved = ahead.result()
-            if reserved is not None and reserved[0] == version:
+            suspect, self._ahead_suspect = self._ahead_suspect, False
+            if reserved is not None and reserved[0] == version and not suspect:
                 return reserved[1]
         return self._reserve(version, ahead=False)
 
+    @property
+    def health_problem(self) -> str | None:
+        """Why this rank cannot publish now; None when it can."""
+        return self.problem or self.unreachable
+
+    def check_sidecar(self) -> None:
+        """Updates `unreachable`: set when the sidecar's health service does not answer
+        SERVING within a second (blocking; the trainer's health watcher calls it)."""
+        try:
+            self.client.wait_ready(timeout=1.0)
+        except Exception as e:
+            self.unreachable = f"the refit sidecar does not answer: {_describe(e)}"
+            self._ahead_suspect = True
+        else:
+            self.unreachable = None
+
+    def _note(self, problem: str) -> None:
+        self.problem = problem
+        self._ahead_suspect = True
+
+    def register(self) -> None:
+        """Rank 0: start a trainer generation at the sidecar (this world's layout and slots)."""
+        layout = self.topology.layout
+        self.client.register_trainer(
+            TrainerLayout(
+                tensor_parallel=layout.tensor_parallel,
+                pipeline_parallel=layout.pipeline_parallel,
+                data_parallel=layout.data_parallel,
+            ),
+            len(self.slots),
+        )
+
     def _reserve(self, version: int, *, ahead: bool) -> int:
-        slot, retired = self.client.reserve_slot(version, ahead=ahead)
+        try:
+            try:
+                slot, retired = self.client.reserve_slot(version, ahead=ahead)
+            except NotRegistered:
+                # The sidecar restarted: versions it served are gone, so start a new generation
+                # (its receivers' leases are gone too; they fail closed on release).
+                log.warning("refit: the sidecar lost its trainer registration; registering again")
+                self.register()
+                slot, retired = self.client.reserve_slot(version, ahead=ahead)
+        except (SlotsExhausted, PublicationPending):
+            raise
+        except Exception as e:
+            self._note(f"cannot reserve a slot for version {version}: {_describe(e)}")
+            raise
         if retired is not None:
             log.info("refit: version %d retired to make room for %d", retired, version)
         return slot
@@ -309,6 +356,7 @@ class Publisher:
                 copied.synchronize()
             copy_done = time.perf_counter()
             visible = self.client.send_publication(self.slots[slot].request(version))
+            self.problem = None
             log.debug(
                 "refit: version %d reported (copy waited %.3f ms, report %.3f ms, readable: %s)",
                 version,
@@ -316,8 +364,11 @@ class Publisher:
                 1e3 * (time.perf_counter() - copy_done),
                 visible,
             )
-        except Exception:
-            log.exception("refit: rank %d could not report version %d", self.topology.rank, version)
+        except Exception as e:
+            self._note(
+                f"rank {self.topology.rank} could not report version {version}: {_describe(e)}"
+            )
+            log.warning("refit: %s", self.problem)
             raise
 
     def fence(self) -> None:
@@ -334,3 +385,10 @@ class Publisher:
         if self.agent is not None:
             self.agent.close()
         self.client.close()
+
+
+def _describe(error: Exception) -> str:
+    """One line for a sidecar error: a gRPC status as its code and details."""
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"

@@ -28,6 +28,7 @@ from trainer_svc.runtime.publication import Publisher, published_parameters
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import load_global_state
 from trainer_svc.server.app import create_server
+from trainer_svc.server.publication_health import watch_publication
 from trainer_svc.server.status import ServiceInfo
 from trainer_svc.validation import BatchLimits
 
@@ -176,7 +177,12 @@ async def _serve(engine: StepEngine, info: ServiceInfo, config: TrainerConfig) -
         config.layout.describe(),
     )
     write_port_file(config.server.port_file, running.port)
+    watcher = None
+    if engine.publisher is not None:
+        watcher = asyncio.create_task(watch_publication(running.health, engine.publisher))
     received = await wait_for_stop_signal()
+    if watcher is not None:
+        watcher.cancel()
     log.info("shutting down (%s)", received.name)
     await running.stop(config.server.grace_seconds)
     await leader.shutdown()

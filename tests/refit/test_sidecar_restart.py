@@ -1,0 +1,124 @@
+"""A refit sidecar that dies and comes back: the trainer's publication health goes NOT_SERVING,
+a FinishTrainStep that cannot publish is refused with its step left open, and once a sidecar
+serves again on the same address the trainer registers anew, publishes the finished step, and a
+receiver refits to it bit for bit. A lease the sidecar no longer holds when the pull ends fails
+the refit closed."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference_ext.receiver import Receiver, RefitError, RefitOptions
+from inference_ext.slices import ReceiverLayout
+from megatron_hf.convert import hf_names
+from megatron_hf.spec import ModelSpec
+from tests.support.batches import make_batch
+from tests.support.fidelity import train_step
+from tests.support.isolation import in_child_process
+from tests.support.sidecar import start_sidecar
+from tests.support.trainer import TrainerProcess
+from trainer_svc.domain import FailedPrecondition, LossConfig, OptimizerOverrides
+from trainer_svc.server.publication_health import SERVICE_NAME
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _wait_publication(trainer: TrainerProcess, status: int, timeout: float = 20.0) -> None:
+    health = health_pb2_grpc.HealthStub(trainer.channel)
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        try:
+            seen = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
+        except grpc.RpcError as error:
+            seen = error.code()
+        if seen == status:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"publication health stayed {seen}, expected {status}")
+
+
+def _refit(receiver: Receiver, version: int) -> dict[str, torch.Tensor]:
+    receiver.fetch(version)
+    installed: dict[str, torch.Tensor] = {}
+    receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
+    return installed
+
+
+def _assert_exported(
+    trainer: TrainerProcess, installed: dict[str, torch.Tensor], name: str
+) -> None:
+    exported = trainer.export(name)
+    assert set(installed) == set(exported)
+    for key, tensor in installed.items():
+        assert torch.equal(tensor, torch.from_numpy(exported[key])), key
+
+
+def _finish_when_published(trainer: TrainerProcess, step_id: str) -> int:
+    """FinishTrainStep, retried as its refusal says, until the trainer reaches the sidecar."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return trainer.client.finish_step(step_id).weights_version
+        except FailedPrecondition:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@in_child_process
+def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) -> None:
+    sidecar, address = start_sidecar(tmp_path / "sidecar")
+    port = int(address.rpartition(":")[2])
+    trainer = TrainerProcess(
+        tmp_path / "trainer", ["--tp", "2", "--sidecar", address, "--refit-slots", "2"]
+    )
+    spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
+    names = hf_names(spec)
+    options = RefitOptions(receiver_id="restart", pull_timeout_s=60)
+    receiver = Receiver(
+        address, spec, ReceiverLayout(), names, options=options, device=torch.device("cpu")
+    )
+    try:
+        _wait_publication(trainer, SERVING)
+        assert train_step(trainer, "s1", seed=1) == 1
+        _assert_exported(trainer, _refit(receiver, 1), "v1")
+
+        sidecar.send_signal(signal.SIGKILL)
+        sidecar.wait()
+        _wait_publication(trainer, NOT_SERVING)
+        loss = LossConfig()
+        trainer.client.begin_step("s2", loss, OptimizerOverrides(learning_rate=2e-2))
+        trainer.client.train_microbatch("s2", "r", make_batch(seed=2, lengths=[7, 11], loss=loss))
+        with pytest.raises(FailedPrecondition, match="cannot publish the new version"):
+            trainer.client.finish_step("s2")
+        assert trainer.client.status().weights_version == 1
+
+        sidecar, _ = start_sidecar(tmp_path / "sidecar-again", port=port)
+        assert _finish_when_published(trainer, "s2") == 2
+        _assert_exported(trainer, _refit(receiver, 2), "v2")
+        _wait_publication(trainer, SERVING)
+
+        # A lease that runs out before the pull ends protects nothing: the refit fails closed.
+        brief = RefitOptions(receiver_id="brief", pull_timeout_s=60, lease_ttl_s=1e-4)
+        short = Receiver(
+            address, spec, ReceiverLayout(), names, options=brief, device=torch.device("cpu")
+        )
+        try:
+            with pytest.raises(RefitError, match="lease on version 2 ended before its pull"):
+                short.fetch(2)
+        finally:
+            short.close()
+    finally:
+        receiver.close()
+        assert trainer.stop() == 0
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(timeout=60)
