@@ -77,13 +77,10 @@ def receiver_layout_problems(spec: ModelSpec, tp_size: int) -> list[str]:
     if kv >= tp_size and kv % tp_size:
         problems.append(f"{kv} key/value heads do not split over tensor parallel {tp_size}")
     if kv < tp_size and tp_size % kv:
-        problems.append(
-            f"tensor parallel {tp_size} cannot replicate {kv} key/value heads evenly"
-        )
+        problems.append(f"tensor parallel {tp_size} cannot replicate {kv} key/value heads evenly")
     if spec.ffn_hidden_size % tp_size:
         problems.append(
-            f"MLP hidden size {spec.ffn_hidden_size} does not split over tensor parallel "
-            f"{tp_size}"
+            f"MLP hidden size {spec.ffn_hidden_size} does not split over tensor parallel {tp_size}"
         )
     padded = -(-spec.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     if padded % tp_size:

@@ -17,6 +17,11 @@ class FailedPrecondition(RuntimeError):
     """The request is well-formed but the service state forbids it. Maps to FAILED_PRECONDITION."""
 
 
+class Internal(RuntimeError):
+    """A command failed for a reason that is not the request's fault (a bug, a rank's
+    resources); every rank failed it together, so the service keeps serving. Maps to INTERNAL."""
+
+
 class LossKind(enum.Enum):
     CROSS_ENTROPY = "cross_entropy"
     PPO = "ppo"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer_svc.domain import LossConfig, LossKind, Normalization, SequenceBatch
-from trainer_svc.runtime.losses import SUM_FIELDS, TokenInputs, loss_sums
+from trainer_svc.runtime.losses import LOG_RATIO_LIMIT, SUM_FIELDS, TokenInputs, loss_sums
 from trainer_svc.runtime.packing import pack
 
 TOKEN, SEQUENCE = Normalization.TOKEN, Normalization.SEQUENCE
@@ -234,6 +234,62 @@ def test_sequence_normalization_sums_row_means() -> None:
     assert float(token["loss"]) == pytest.approx(1 + 3 + 2)
     assert float(sequence["loss"]) == pytest.approx((1 + 3) / 2 + 2)
     assert float(sequence["valid_tokens"]) == 3.0
+
+
+def test_extreme_importance_ratios_give_finite_clipped_losses() -> None:
+    # Valid float32 inputs whose log-ratios (+-95) would overflow exp: each is clamped to
+    # +-LOG_RATIO_LIMIT, then clipped as usual; no gradient flows through a clamped ratio.
+    config = LossConfig(kind=PPO, clip_low=0.2, clip_high=0.2)
+    logprobs = torch.tensor([[-5.0, -5.0, -100.0, -100.0]], requires_grad=True)
+    inputs = TokenInputs(
+        mask=torch.ones(1, 4, dtype=torch.bool),
+        advantages=torch.tensor([[-1.0, 1.0, -1.0, 1.0]]),
+        behaviour_logprobs=torch.tensor([[-100.0, -100.0, -5.0, -5.0]]),
+    )
+    sums = loss_sums(logprobs, inputs, config)
+    big, small = math.exp(LOG_RATIO_LIMIT), math.exp(-LOG_RATIO_LIMIT)
+    # A<0, r=e^20: unclipped +e^20 wins. A>0, r=e^20: clipped to -1.2. A<0, r=e^-20: clipped
+    # to +0.8. A>0, r=e^-20: unclipped -e^-20.
+    assert float(sums["policy"]) == pytest.approx(big - 1.2 + 0.8 - small, rel=1e-6)
+    assert float(sums["clipped_tokens"]) == 2.0
+    assert float(sums["ratio"]) == pytest.approx(2 * big, rel=1e-6)
+    assert all(math.isfinite(float(v)) for v in sums.values())
+    sums["loss"].backward()
+    assert logprobs.grad is not None
+    assert torch.equal(logprobs.grad, torch.zeros_like(logprobs))
+
+
+def test_extreme_kl_log_ratio_is_clamped_above_only() -> None:
+    config = LossConfig(kl_coef=1.0)
+    logprobs = torch.tensor([[-100.0, -1.0]], requires_grad=True)
+    reference = torch.tensor([[0.0, -100.0]])
+    inputs = TokenInputs(mask=torch.ones(1, 2, dtype=torch.bool), reference_logprobs=reference)
+    sums = loss_sums(logprobs, inputs, config)
+    # d = ref - lp: 100 is clamped to 20; -99 is exact (exp cannot overflow below).
+    expected = (math.exp(20.0) - 21.0) + (math.exp(-99.0) + 99.0 - 1.0)
+    assert float(sums["kl"]) == pytest.approx(expected, rel=1e-6)
+    sums["loss"].backward()
+    assert logprobs.grad is not None
+    grad = logprobs.grad[0].tolist()
+    assert grad[0] == pytest.approx(-1.0)  # cross-entropy only: the KL term is clamped
+    assert grad[1] == pytest.approx(-1.0 + 1.0 - math.exp(-99.0))
+
+
+@pytest.mark.parametrize("log_ratio", [-19.5, -3.0, 0.3, 19.5])
+def test_log_ratios_inside_the_limit_are_exact(log_ratio: float) -> None:
+    config = LossConfig(kind=PPO, clip_high=0.3, kl_coef=0.5)
+    case = Case(
+        logprobs=np.array([[-30.0]]),
+        mask=np.array([[True]]),
+        advantages=np.array([[-1.5]]),
+        behaviour=np.array([[-30.0 - log_ratio]]),
+        reference=np.array([[-30.0 + log_ratio]]),
+    )
+    sums, grad = computed(case, config)
+    expected = reference_sums(case, config, case.logprobs)
+    for field in SUM_FIELDS:
+        assert sums[field] == pytest.approx(expected[field], rel=1e-12), field
+    np.testing.assert_allclose(grad, reference_gradient(case, config), rtol=1e-12)
 
 
 SPLITS = [

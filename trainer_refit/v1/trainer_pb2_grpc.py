@@ -32,6 +32,10 @@ class TrainerServiceStub:
     optimizer step) or AbortTrainStep (nothing changes). Microbatches accumulate raw sums; finish
     divides by the global count of valid tokens or sequences, so streaming a batch in k pieces
     gives the same update as sending it whole.
+
+    Errors: INVALID_ARGUMENT for a malformed request and FAILED_PRECONDITION for one that the
+    service state or the filesystem does not allow (both change nothing); INTERNAL for a fault of
+    the service. A call fails on every rank together, and the service keeps serving after it.
     """
 
     def __init__(self, channel):
@@ -94,6 +98,10 @@ class TrainerServiceServicer:
     optimizer step) or AbortTrainStep (nothing changes). Microbatches accumulate raw sums; finish
     divides by the global count of valid tokens or sequences, so streaming a batch in k pieces
     gives the same update as sending it whole.
+
+    Errors: INVALID_ARGUMENT for a malformed request and FAILED_PRECONDITION for one that the
+    service state or the filesystem does not allow (both change nothing); INTERNAL for a fault of
+    the service. A call fails on every rank together, and the service keeps serving after it.
     """
 
     def BeginTrainStep(self, request, context):
@@ -109,7 +117,13 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FinishTrainStep(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Applies one optimizer step and makes a new weights version. A step whose loss or
+        gradients are not finite (inf or NaN on any rank) is refused with FAILED_PRECONDITION
+        before the optimizer runs: weights, optimizer state and the weights version are unchanged,
+        and the step is closed as failed (its gradients dropped, as by AbortTrainStep; aborting it
+        again returns aborted = false). Begin a new step to go on. Refusals made before the step
+        runs (no valid tokens, no refit slot) leave the step open.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -127,13 +141,16 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every rank writes its own shards: the directory must be on storage every rank can reach.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LoadCheckpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Refuses (FAILED_PRECONDITION) a directory without a complete checkpoint before any weights
+        change: trainer_state.json must parse and every shard file must be present and whole.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -213,6 +230,10 @@ class TrainerService:
     optimizer step) or AbortTrainStep (nothing changes). Microbatches accumulate raw sums; finish
     divides by the global count of valid tokens or sequences, so streaming a batch in k pieces
     gives the same update as sending it whole.
+
+    Errors: INVALID_ARGUMENT for a malformed request and FAILED_PRECONDITION for one that the
+    service state or the filesystem does not allow (both change nothing); INTERNAL for a fault of
+    the service. A call fails on every rank together, and the service keeps serving after it.
     """
 
     @staticmethod

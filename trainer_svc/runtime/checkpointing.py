@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hf.checkpoint import save_hf_checkpoint
-from trainer_svc.domain import FailedPrecondition, InvalidArgument
+from trainer_svc.domain import FailedPrecondition
 from trainer_svc.runtime import cpu_compat
+from trainer_svc.runtime.agreement import phase
+from trainer_svc.runtime.checkpoint_files import (
+    STATE_FILE,
+    TrainerState,
+    check_checkpoint,
+    check_new_directory,
+    filesystem_errors,
+    make_directory,
+)
 from trainer_svc.runtime.weights import gather_hf_state
 
 if TYPE_CHECKING:
@@ -22,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -63,35 +73,43 @@ def _set_adam_steps(optimizer: object, step: int) -> None:
                 state["step"] = torch.full_like(state["step"], float(step))
 
 
+def _reason(error: BaseException) -> str:
+    """The first line of what went wrong (torch's CheckpointException: of each rank's cause)."""
+    if isinstance(error, CheckpointException):
+        causes = {_reason(exc) for exc, _ in error.failures.values()}
+        return "; ".join(sorted(causes))
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+@contextmanager
+def _storage_errors(action: str) -> Iterator[None]:
+    """Turns what megatron's and torch's checkpoint readers and writers raise for a storage
+    problem into FailedPrecondition. torch's CheckpointException is a BaseException that
+    torch raises on every rank (it gathers the failures itself); it must not escape a phase."""
+    try:
+        yield
+    except (OSError, CheckpointingException, CheckpointException) as e:
+        raise FailedPrecondition(f"{action}: {_reason(e)}") from e
+
+
 class Checkpointer:
+    """Save, load and export on every rank. Rank 0's precheck (`check_*`) refuses what it can
+    see is wrong before any rank acts; each step that can still fail on one rank runs as an
+    agreed phase (`runtime/agreement.py`) before or after the collectives, never between them,
+    so a failure fails the command on every rank and the world keeps serving."""
+
     def __init__(self, hf_source_dir: Path | None) -> None:
         self.hf_source_dir = hf_source_dir
 
-    @staticmethod
-    def _absolute(path: Path) -> Path:
-        if not path.is_absolute():
-            raise InvalidArgument(f"checkpoint paths must be absolute, got {str(path)!r}")
-        return path
-
     def check_savable(self, path: Path) -> None:
-        path = self._absolute(path)
-        if path.exists() and any(path.iterdir()):
-            raise FailedPrecondition(
-                f"{path} is not empty; choose a new directory for the checkpoint"
-            )
+        check_new_directory(path, "checkpoint")
 
     def check_loadable(self, path: Path) -> None:
-        path = self._absolute(path)
-        if not (path / STATE_FILE).is_file():
-            raise FailedPrecondition(
-                f"{path} holds no trainer checkpoint ({STATE_FILE} missing); "
-                "pass a directory written by SaveCheckpoint"
-            )
+        check_checkpoint(path)
 
     def check_exportable(self, path: Path) -> None:
-        path = self._absolute(path)
-        if path.exists() and any(path.iterdir()):
-            raise FailedPrecondition(f"{path} is not empty; choose a new directory for the export")
+        check_new_directory(path, "export")
 
     def _sharded_state(self, engine: StepEngine, *, loading: bool) -> dict:
         model = engine.built.model
@@ -102,40 +120,69 @@ class Checkpointer:
         return {"model": model_state, "optimizer": optimizer_state}
 
     def save(self, path: Path, engine: StepEngine) -> SaveSummary:
-        if engine.topology.is_leader:
-            path.mkdir(parents=True, exist_ok=True)
-        dist.barrier(group=engine.topology.control_group)
-        with cpu_compat.active():
-            state = self._sharded_state(engine, loading=False)
-            dist_checkpointing.save(state, str(path), content_metadata=_METADATA)
-        if engine.topology.is_leader:
-            info = {
-                "weights_version": engine.weights_version,
-                "optimizer_step": engine.optimizer_step,
-                "layout": engine.topology.layout.describe(),
-            }
-            (path / STATE_FILE).write_text(json.dumps(info, indent=2))
-        dist.barrier(group=engine.topology.control_group)
+        topology = engine.topology
+        phase(topology, lambda: make_directory(path, "checkpoint") if topology.is_leader else None)
+
+        def write_shards() -> None:
+            with cpu_compat.active(), _storage_errors(f"cannot write the checkpoint to {path}"):
+                state = self._sharded_state(engine, loading=False)
+                dist_checkpointing.save(state, str(path), content_metadata=_METADATA)
+
+        phase(topology, write_shards)
+        info = TrainerState(
+            weights_version=engine.weights_version,
+            optimizer_step=engine.optimizer_step,
+            layout=engine.topology.layout.describe(),
+        )
+
+        def write_state() -> None:
+            # Written last: LoadCheckpoint refuses a directory without it.
+            if topology.is_leader:
+                with filesystem_errors(f"cannot write {path / STATE_FILE}"):
+                    (path / STATE_FILE).write_text(info.to_json())
+
+        phase(topology, write_state)
         log.info("saved checkpoint %s at optimizer step %d", path, engine.optimizer_step)
         return SaveSummary(path, engine.weights_version, engine.optimizer_step)
 
     def load(self, path: Path, engine: StepEngine) -> None:
-        info = json.loads((path / STATE_FILE).read_text())
+        """megatron reads the shards into the live parameters and optimizer state, so a read
+        that fails part-way would leave a mix: the precheck (`check_checkpoint`) verifies that
+        every shard file the metadata names is there and long enough before any rank reads."""
+        topology = engine.topology
+        info = phase(topology, lambda: TrainerState.read(path))
+
+        def read() -> dict:
+            with cpu_compat.active(), torch.no_grad():
+                state = self._sharded_state(engine, loading=True)
+                try:
+                    return dist_checkpointing.load(state, str(path))
+                except (Exception, CheckpointException) as e:
+                    # Whatever reading the files raises (unpickling, a torch archive, a shape
+                    # that does not fit) says the checkpoint's content is unusable.
+                    raise FailedPrecondition(
+                        f"cannot load the checkpoint {path}: {_reason(e)}"
+                    ) from e
+
+        loaded = phase(topology, read)
         with cpu_compat.active(), torch.no_grad():
-            state = self._sharded_state(engine, loading=True)
-            loaded = dist_checkpointing.load(state, str(path))
             _restore_zero_step(loaded["optimizer"])
             engine.built.model.load_state_dict(loaded["model"])
             engine.built.optimizer.load_state_dict(loaded["optimizer"])
-            _set_adam_steps(engine.built.optimizer, int(info["optimizer_step"]))
-        engine.optimizer_step = int(info["optimizer_step"])
+            _set_adam_steps(engine.built.optimizer, info.optimizer_step)
+        engine.optimizer_step = info.optimizer_step
         log.info("loaded checkpoint %s (optimizer step %d)", path, engine.optimizer_step)
 
     def export_hf(self, path: Path, engine: StepEngine) -> ExportSummary | None:
-        hf_state = gather_hf_state(engine.built.model, engine.spec, engine.topology)
+        """The write on rank 0 comes after the last collective; the engine agrees on its
+        outcome with every rank."""
+        topology = engine.topology
+        phase(topology, lambda: make_directory(path, "export") if topology.is_leader else None)
+        hf_state = gather_hf_state(engine.built.model, engine.spec, topology)
         if hf_state is None:
             return None
-        save_hf_checkpoint(path, hf_state, self.hf_source_dir)
+        with filesystem_errors(f"cannot write the export to {path}"):
+            save_hf_checkpoint(path, hf_state, self.hf_source_dir)
         num_bytes = sum(t.numel() * t.element_size() for t in hf_state.values())
         log.info("exported %d tensors (%d bytes) to %s", len(hf_state), num_bytes, path)
         return ExportSummary(path, engine.weights_version, len(hf_state), num_bytes)

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer_svc.runtime import commands as cmd
+from trainer_svc.runtime.agreement import CommandFailed
 from trainer_svc.runtime.engine import StepEngine
 
 log = logging.getLogger(__name__)
@@ -23,10 +24,14 @@ def _broadcast(command: cmd.Command | None, group: Any) -> cmd.Command:
 
 
 def follow(engine: StepEngine) -> None:
-    """The loop of every rank but 0: apply broadcast commands until Shutdown."""
+    """The loop of every rank but 0: apply broadcast commands until Shutdown. A command that
+    failed failed on every rank (rank 0 answers it); anything else escaping is a bug."""
     while True:
         command = _broadcast(None, engine.topology.control_group)
-        engine.execute(command)
+        try:
+            engine.execute(command)
+        except CommandFailed as failed:
+            log.debug("%s failed on every rank: %s", type(command).__name__, failed)
         if isinstance(command, cmd.Shutdown):
             return
 
@@ -48,7 +53,10 @@ class Leader:
         command = self.engine.prepare(command)
         prepared = time.perf_counter()
         _broadcast(command, self.engine.topology.control_group)
-        result = self.engine.execute(command)
+        try:
+            result = self.engine.execute(command)
+        except CommandFailed as failed:
+            raise failed.error from failed
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: prepare %.3f ms, broadcast and execute %.3f ms",

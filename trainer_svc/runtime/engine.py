@@ -2,15 +2,17 @@
 
 Rank 0 calls ``precheck`` before broadcasting a command, so a request that would fail is refused
 before any rank changes anything. ``execute`` then runs the command's collectives on every rank;
-results that live elsewhere (the last pipeline stage) are brought to rank 0.
+results that live elsewhere (the last pipeline stage) are brought to rank 0. Its outcome is agreed
+by every rank (`runtime/agreement.py`): a command that fails on any rank fails on all of them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ from trainer_svc.domain import (
 )
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime import cpu_compat
+from trainer_svc.runtime.agreement import phase
 from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
@@ -216,6 +219,11 @@ class StepEngine:
     # -- execution on every rank ------------------------------------------------------------
 
     def execute(self, command: cmd.Command) -> Any:
+        """Runs the command on this rank; raises `CommandFailed` on every rank if it failed on
+        any."""
+        return phase(self.topology, lambda: self._execute(command))
+
+    def _execute(self, command: cmd.Command) -> Any:
         if self.publisher is not None:
             self.publisher.fence()
         match command:
@@ -300,10 +308,36 @@ class StepEngine:
                     group["eps"] = chosen.adam_eps
         return chosen
 
-    def _global_sums(self, step: _OpenStep) -> dict[str, float]:
-        totals = torch.tensor(step.sums, dtype=torch.float64)
+    def _gradients_finite(self) -> bool:
+        """Whether this rank's gradient buffers hold only finite values."""
+        ddp = self.built.ddp
+        buffers = ddp.buffers + ddp.expert_parallel_buffers
+        return all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in buffers)
+
+    def _global_sums(self, step: _OpenStep) -> tuple[dict[str, float], int]:
+        """The step's loss sums over every rank, and how many ranks hold a non-finite
+        gradient (one all-reduce for both)."""
+        local = [*step.sums, 0.0 if self._gradients_finite() else 1.0]
+        totals = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(totals, group=self.topology.control_group)
-        return dict(zip(SUM_FIELDS, totals.tolist(), strict=True))
+        values = totals.tolist()
+        return dict(zip(SUM_FIELDS, values[:-1], strict=True)), int(values[-1])
+
+    def _refuse_non_finite(self, step: _OpenStep, loss: float, bad_ranks: int) -> NoReturn:
+        """Every rank has the same sums and count, so every rank refuses together, before the
+        optimizer runs: the step is closed as failed (its gradients dropped, as by an abort)."""
+        self._zero_grads()
+        self.open_step = None
+        reason = (
+            f"its gradients are not finite on {bad_ranks} ranks (loss {loss})"
+            if bad_ranks
+            else f"its loss is not finite ({loss})"
+        )
+        raise FailedPrecondition(
+            f"step {step.step_id!r} was not applied: {reason}; weights, optimizer state and "
+            f"weights version {self.weights_version} are unchanged and the step is closed: "
+            "begin a new step"
+        )
 
     def _finish(self, command: cmd.FinishStep) -> FinishResult:
         step = self.open_step
@@ -313,12 +347,15 @@ class StepEngine:
         with cpu_compat.active():
             finalize_model_grads([self.built.ddp])
             self.built.ddp.scale_gradients(1.0 / divisor)
+        sums, bad_ranks = self._global_sums(step)
+        if bad_ranks or not math.isfinite(sums["loss"]):
+            self._refuse_non_finite(step, sums["loss"] / divisor, bad_ranks)
+        with cpu_compat.active():
             _, grad_norm, _ = self.built.optimizer.step()
             if self.device.type == "cuda":
                 # The new version must exist when its number is returned: readers of the
                 # weights (export, publication) do not order on the trainer's CUDA stream.
                 torch.cuda.synchronize(self.device)
-        sums = self._global_sums(step)
         self.open_step = None
         self.weights_version += 1
         self.optimizer_step += 1

@@ -11,6 +11,22 @@ from trainer_svc.domain import LossConfig, LossKind, Normalization
 
 SUM_FIELDS = ("loss", "policy", "kl", "clipped_tokens", "ratio", "valid_tokens")
 
+LOG_RATIO_LIMIT = 20.0
+"""Log-ratios are clamped to at most 20 before exp: the PPO ratio's to [-20, 20], the KL
+estimate's (reference - policy) to <= 20.
+
+Valid inputs can be far apart (a behaviour logprob of -100 against a policy logprob of -5 is a
+log-ratio of 95, and exp(95) is inf in float32), and one inf turns the loss and every gradient
+into inf/NaN. e^20 ~ 4.9e8 is far outside any clip range, so the loss stays finite for any
+realistic advantage, and within the limit it is exactly the unclamped loss. A clamped token
+gets no gradient through its ratio (like a clipped one). Below, exp cannot overflow: the KL
+estimate keeps its exact value there; a PPO ratio under e^-20 contributes ~0 either way."""
+
+
+def _clamped(log_ratio: torch.Tensor, *, symmetric: bool) -> torch.Tensor:
+    low = -LOG_RATIO_LIMIT if symmetric else None
+    return log_ratio.clamp(low, LOG_RATIO_LIMIT)
+
 
 @dataclass
 class TokenInputs:
@@ -31,7 +47,7 @@ def _per_token_terms(
     else:
         assert inputs.advantages is not None and inputs.behaviour_logprobs is not None
         log_ratio = torch.where(inputs.mask, logprobs - inputs.behaviour_logprobs, zeros)
-        ratio = log_ratio.exp()
+        ratio = _clamped(log_ratio, symmetric=True).exp()
         clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
         unclipped = -inputs.advantages * ratio
         clipped = -inputs.advantages * clipped_ratio
@@ -43,6 +59,7 @@ def _per_token_terms(
     if config.needs_reference:
         assert inputs.reference_logprobs is not None
         delta = torch.where(inputs.mask, inputs.reference_logprobs - logprobs, zeros)
+        delta = _clamped(delta, symmetric=False)
         terms["kl"] = delta.exp() - delta - 1.0
     else:
         terms["kl"] = zeros

@@ -11,7 +11,7 @@ from trainer_refit.serving import status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
-from trainer_svc.domain import FailedPrecondition, InvalidArgument
+from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime.control import Leader
 from trainer_svc.server import convert
@@ -24,6 +24,7 @@ _grpc_errors = status_codes(
     [
         (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
         (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+        (Internal, grpc.StatusCode.INTERNAL),
     ]
 )
 

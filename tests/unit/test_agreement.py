@@ -1,0 +1,125 @@
+"""Agreed phases in a real two-rank gloo world: a failure on either rank fails the phase on
+both, with the same domain error, and the ranks stay in step for the next collective."""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer_svc.config import ParallelLayout
+from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
+from trainer_svc.runtime.agreement import CommandFailed, phase
+from trainer_svc.runtime.topology import Topology
+
+WORLD = 2
+
+
+def _fail_on(rank: int, error: Exception) -> Callable[[Topology], Any]:
+    def work(topology: Topology) -> Any:
+        if topology.rank == rank:
+            raise error
+        return f"done on {topology.rank}"
+
+    return work
+
+
+def _nested(topology: Topology) -> Any:
+    # A failure agreed in an inner phase passes the outer one without another round.
+    return phase(topology, lambda: _fail_on(1, FailedPrecondition("inner"))(topology))
+
+
+def _both_fail_differently(topology: Topology) -> Any:
+    raise InvalidArgument(f"bad on {topology.rank}")
+
+
+SCENARIOS: dict[str, Callable[[Topology], Any]] = {
+    "no failure": lambda topology: f"done on {topology.rank}",
+    "rank 1 refuses": _fail_on(1, FailedPrecondition("disk full")),
+    "rank 0 breaks": _fail_on(0, OSError(5, "Input/output error")),
+    "both refuse": _both_fail_differently,
+    "nested": _nested,
+}
+
+
+def _outcome(topology: Topology, work: Callable[[Topology], Any]) -> tuple:
+    try:
+        return ("ok", phase(topology, lambda: work(topology)))
+    except CommandFailed as failed:
+        return (type(failed.error).__name__, str(failed.error))
+
+
+def _rank_main(rank: int, store: str, report: Any) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+        topology = Topology(
+            layout=ParallelLayout(data_parallel=WORLD),
+            rank=rank,
+            tp_rank=0,
+            pp_rank=0,
+            dp_rank=rank,
+            tp_group=None,
+            pp_group=None,
+            dp_group=None,
+            control_group=dist.group.WORLD,
+        )
+        outcomes = {name: _outcome(topology, work) for name, work in SCENARIOS.items()}
+        # Still in step: one more collective lines up.
+        total = torch.tensor([rank + 1])
+        dist.all_reduce(total)
+        outcomes["in step"] = ("ok", int(total.item()))
+        dist.destroy_process_group()
+        report.send(outcomes)
+    except BaseException:
+        report.send(traceback.format_exc())
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, tuple]]:
+    store = str(Path(tmp_path_factory.mktemp("agreement")) / "rendezvous")
+    context = multiprocessing.get_context("spawn")
+    pipes, ranks = [], []
+    for rank in range(WORLD):
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=_rank_main, args=(rank, store, send))
+        process.start()
+        pipes.append(receive)
+        ranks.append(process)
+    results = []
+    for receive, process in zip(pipes, ranks, strict=True):
+        if not receive.poll(120):
+            for stuck in ranks:
+                stuck.kill()
+            pytest.fail("a rank did not report within 120 s (stuck in a collective?)")
+        result = receive.recv()
+        process.join(timeout=30)
+        assert isinstance(result, dict), result
+        results.append(result)
+    return results
+
+
+def test_without_failures_each_rank_gets_its_own_result(outcomes) -> None:
+    assert [o["no failure"] for o in outcomes] == [("ok", "done on 0"), ("ok", "done on 1")]
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("rank 1 refuses", (FailedPrecondition.__name__, "on rank 1: disk full")),
+        ("rank 0 breaks", (Internal.__name__, "OSError: [Errno 5] Input/output error")),
+        ("both refuse", (InvalidArgument.__name__, "bad on 0")),
+        ("nested", (FailedPrecondition.__name__, "on rank 1: inner")),
+    ],
+)
+def test_a_failure_on_any_rank_fails_every_rank_alike(outcomes, name, expected) -> None:
+    assert [o[name] for o in outcomes] == [expected, expected]
+
+
+def test_ranks_stay_in_step_after_failures(outcomes) -> None:
+    assert [o["in step"] for o in outcomes] == [("ok", 3), ("ok", 3)]
