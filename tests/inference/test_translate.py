@@ -3,7 +3,6 @@ tensors (`translate`), against transformers' own models of every supported layou
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -30,6 +29,7 @@ from megatron_hf.convert import hf_names, hf_shape, hf_to_megatron, megatron_to_
 from megatron_hf.spec import ModelFamily, ModelSpec, padded_vocab_size
 from refit_sidecar.manifest import Box
 from tests.inference.conftest import Tiny
+from tests.support.specs import synthetic_spec
 
 Models = Callable[[str], Tiny]
 TOKENS = torch.tensor([[1, 23, 24, 17, 25, 26, 35, 26, 28, 5, 40]])
@@ -44,26 +44,7 @@ def _within(inner: Box, outer: Box) -> Box:
     return Box(tuple((a - o, b - o) for (a, b), o in zip(inner.ranges, outer.start, strict=True)))
 
 
-def _spec(**changes: object) -> ModelSpec:
-    """A synthetic Llama spec (4 heads of 16, 2 KV heads, vocab 101) with `changes`."""
-    base = ModelSpec(
-        family=ModelFamily.LLAMA,
-        architecture="LlamaForCausalLM",
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        vocab_size=101,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        qk_layernorm=False,
-    )
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+_spec = synthetic_spec
 
 
 def _receiver_names(spec: ModelSpec) -> list[str]:

@@ -13,26 +13,10 @@ from inference_ext.slices import (
     check_receiver_layout,
     receiver_layout_problems,
 )
-from megatron_hf.spec import ModelFamily, ModelSpec
 from megatron_hf.splits import UnsplittableModel, check_trainer_layout, trainer_layout_problems
+from tests.support.specs import synthetic_spec
 
-SPEC = ModelSpec(
-    family=ModelFamily.LLAMA,
-    architecture="LlamaForCausalLM",
-    num_layers=4,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=32,
-    vocab_size=101,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    qkv_bias=False,
-    qk_layernorm=False,
-)
+SPEC = synthetic_spec(num_layers=4, head_dim=32, tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 4), (1, 4)])
