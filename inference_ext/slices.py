@@ -40,7 +40,10 @@ def vocab_rows(spec: ModelSpec, layout: ReceiverLayout) -> tuple[int, int]:
     """[start, stop) of the real vocabulary rows this rank's embedding / LM head holds."""
     padded = -(-spec.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     if padded % layout.tp_size:
-        raise UnsupportedLayout(f"padded vocab {padded} does not split over {layout.tp_size}")
+        raise UnsupportedLayout(
+            f"vocabulary {spec.vocab_size} (padded to {padded}) does not split over "
+            f"{layout.tp_size} ranks"
+        )
     per_rank = padded // layout.tp_size
     start = min(layout.tp_rank * per_rank, spec.vocab_size)
     return start, min(start + per_rank, spec.vocab_size)
@@ -68,26 +71,21 @@ def _even(total: int, layout: ReceiverLayout, what: str) -> tuple[int, int]:
 
 
 def receiver_layout_problems(spec: ModelSpec, tp_size: int) -> list[str]:
-    """Every reason a vLLM engine at TP=`tp_size` cannot hold `spec` by the rules above, each
-    naming its numbers; empty when it can."""
+    """Every reason a vLLM engine at TP=`tp_size` cannot hold `spec` by the rules above (the
+    same functions `hf_slice` uses), each naming its numbers; empty when it can."""
+    layout = ReceiverLayout(0, tp_size)
+    checks = (
+        lambda: _even(spec.num_attention_heads, layout, "attention heads"),
+        lambda: kv_heads(spec, layout),
+        lambda: _even(spec.ffn_hidden_size, layout, "ffn_hidden_size"),
+        lambda: vocab_rows(spec, layout),
+    )
     problems = []
-    heads, kv = spec.num_attention_heads, spec.num_query_groups
-    if heads % tp_size:
-        problems.append(f"{heads} attention heads do not split over tensor parallel {tp_size}")
-    if kv >= tp_size and kv % tp_size:
-        problems.append(f"{kv} key/value heads do not split over tensor parallel {tp_size}")
-    if kv < tp_size and tp_size % kv:
-        problems.append(f"tensor parallel {tp_size} cannot replicate {kv} key/value heads evenly")
-    if spec.ffn_hidden_size % tp_size:
-        problems.append(
-            f"MLP hidden size {spec.ffn_hidden_size} does not split over tensor parallel {tp_size}"
-        )
-    padded = -(-spec.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-    if padded % tp_size:
-        problems.append(
-            f"vocabulary {spec.vocab_size} (padded to {padded}) does not split over tensor "
-            f"parallel {tp_size}"
-        )
+    for check in checks:
+        try:
+            check()
+        except UnsupportedLayout as e:
+            problems.append(str(e))
     return problems
 
 

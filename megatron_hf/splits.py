@@ -8,6 +8,7 @@ vocabulary is padded to a multiple of ``vocab_multiple * TP`` rows, so it always
 
 from __future__ import annotations
 
+from megatron_hf.sharding import stage_layers
 from megatron_hf.spec import ModelSpec
 
 
@@ -36,8 +37,10 @@ def trainer_layout_problems(
             f"MLP hidden size (intermediate_size) {spec.ffn_hidden_size} does not split over "
             f"tensor parallel {tp}"
         )
-    if spec.num_layers % pp:
-        problems.append(f"{spec.num_layers} layers do not split evenly over pipeline parallel {pp}")
+    try:
+        stage_layers(spec.num_layers, pp, 0)
+    except ValueError as e:
+        problems.append(str(e))
     return problems
 
 

@@ -377,7 +377,12 @@ def test_unknown_hf_names_are_rejected(name: str) -> None:
             "model.layers.0.mlp.down_proj.weight",
             r"ffn_hidden_size \(100\) does not split over 8 ranks",
         ),
-        (_spec(), 3, "lm_head.weight", "padded vocab 128 does not split over 3"),
+        (
+            _spec(),
+            3,
+            "lm_head.weight",
+            r"vocabulary 101 \(padded to 128\) does not split over 3 ranks",
+        ),
     ],
 )
 def test_layouts_vllm_cannot_split_are_rejected(

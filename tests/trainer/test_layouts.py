@@ -52,7 +52,11 @@ def test_tensor_parallel_two_matches_one(tmp_path, family):
             ["--tp", "2"],
             "1 key/value heads (query groups) do not split over tensor parallel 2",
         ),
-        ({"num_layers": 3}, ["--pp", "2"], "3 layers do not split evenly over pipeline parallel 2"),
+        (
+            {"num_layers": 3},
+            ["--pp", "2"],
+            "num_layers (3) must be divisible by pipeline_parallel (2)",
+        ),
     ],
     ids=["mqa-tp2", "layers-pp2"],
 )

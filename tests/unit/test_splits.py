@@ -32,7 +32,8 @@ def test_every_trainer_problem_is_named_with_its_numbers():
         "6 attention heads do not split over tensor parallel 4",
         "3 key/value heads (query groups) do not split over tensor parallel 4",
         "MLP hidden size (intermediate_size) 102 does not split over tensor parallel 4",
-        "4 layers do not split evenly over pipeline parallel 3",
+        "num_layers (4) must be divisible by pipeline_parallel (3); uneven pipeline splits are "
+        "not supported",
     ]
     with pytest.raises(UnsplittableModel, match=r"TP=4 PP=3: 6 attention heads"):
         check_trainer_layout(spec, tensor_parallel=4, pipeline_parallel=3)
@@ -57,17 +58,17 @@ def test_every_receiver_problem_is_named_with_its_numbers():
         SPEC, num_attention_heads=6, num_query_groups=6, ffn_hidden_size=102, vocab_size=101
     )
     assert receiver_layout_problems(spec, 4) == [
-        "6 attention heads do not split over tensor parallel 4",
-        "6 key/value heads do not split over tensor parallel 4",
-        "MLP hidden size 102 does not split over tensor parallel 4",
+        "attention heads (6) does not split over 4 ranks",
+        "6 key/value heads do not split over 4 ranks",
+        "ffn_hidden_size (102) does not split over 4 ranks",
     ]
     assert receiver_layout_problems(dataclasses.replace(SPEC, num_query_groups=4), 8)[0] == (
-        "4 attention heads do not split over tensor parallel 8"
+        "attention heads (4) does not split over 8 ranks"
     )
     three = dataclasses.replace(SPEC, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=96)
     assert receiver_layout_problems(three, 3) == [
-        "tensor parallel 3 cannot replicate 2 key/value heads evenly",
-        "vocabulary 101 (padded to 128) does not split over tensor parallel 3",
+        "3 ranks cannot replicate 2 key/value heads evenly",
+        "vocabulary 101 (padded to 128) does not split over 3 ranks",
     ]
-    with pytest.raises(UnsupportedLayout, match=r"engine at TP=3: tensor parallel 3 cannot"):
+    with pytest.raises(UnsupportedLayout, match=r"engine at TP=3: 3 ranks cannot"):
         check_receiver_layout(three, ReceiverLayout(0, 3))

@@ -284,16 +284,19 @@ class Publisher:
             len(self.slots),
         )
 
+    def _reserve_registered(self, version: int, *, ahead: bool) -> tuple[int, int | None]:
+        try:
+            return self.client.reserve_slot(version, ahead=ahead)
+        except NotRegistered:
+            # The sidecar restarted: versions it served are gone, so start a new generation
+            # (its receivers' leases are gone too; they fail closed on release).
+            log.warning("refit: the sidecar lost its trainer registration; registering again")
+            self.register()
+            return self.client.reserve_slot(version, ahead=ahead)
+
     def _reserve(self, version: int, *, ahead: bool) -> int:
         try:
-            try:
-                slot, retired = self.client.reserve_slot(version, ahead=ahead)
-            except NotRegistered:
-                # The sidecar restarted: versions it served are gone, so start a new generation
-                # (its receivers' leases are gone too; they fail closed on release).
-                log.warning("refit: the sidecar lost its trainer registration; registering again")
-                self.register()
-                slot, retired = self.client.reserve_slot(version, ahead=ahead)
+            slot, retired = self._reserve_registered(version, ahead=ahead)
         except (SlotsExhausted, PublicationPending):
             raise
         except Exception as e:
