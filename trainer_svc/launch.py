@@ -6,22 +6,29 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger(__name__)
 
 _SHUTDOWN_SECONDS = 60.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def rendezvous_store() -> TCPStore:
+    """The world's rendezvous store, held by the launcher for the world's lifetime (as
+    torchrun's agent does): it binds a free port itself, so no other process can take the port
+    between choosing it and the first rank binding it; every rank connects as a client
+    (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _threads_per_rank(world_size: int) -> int:
@@ -31,7 +38,7 @@ def _threads_per_rank(world_size: int) -> int:
 def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
     """Runs ``world_size`` copies of ``python -m trainer_svc argv`` as ranks; returns the exit
     code."""
-    port = free_port()
+    store = rendezvous_store()
     children: list[subprocess.Popen[bytes]] = []
     for rank in range(world_size):
         env = dict(os.environ)
@@ -40,7 +47,8 @@ def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
             LOCAL_RANK=str(rank),
             WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
         )
         env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(world_size)))
         command = [sys.executable, "-m", "trainer_svc", *argv, "--model", str(model_dir)]

@@ -60,7 +60,7 @@ ENGINE_TPS = (1, 2)
 DEFAULT: dict[str, tuple[str, tuple[int, ...]]] = {
     "llama-gqa": ("pp2", (1,)),
     "llama-mqa-tied": ("tp1", (1, 2)),
-    "qwen2-gqa": ("tp2", (1, 2)),
+    "qwen2-gqa": ("tp2", (1,)),
     "qwen2-mha-tied": ("pp2", (1,)),
     "qwen3-gqa-tied": ("tp2", (1, 2)),
     "qwen3-mha": ("tp1", (1,)),

@@ -34,6 +34,7 @@ class EngineProcess:
     def __init__(self, model: Path | None, tensor_parallel: int, log_path: Path) -> None:
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
+        self._outstanding = 1  # the ready message
         self.log_path = log_path
         self.process = context.Process(
             target=_serve,
@@ -50,8 +51,17 @@ class EngineProcess:
         return self.result()
 
     def submit(self, method: str, *args: Any) -> None:
-        """Start a call; `result` waits for it (so several processes can work at once)."""
+        """Start a call; `result` waits for it (so several processes can work at once). A reply
+        still owed to a caller that gave up (a test that failed between `submit` and `result`)
+        is awaited and dropped first, so replies never pair with the wrong call."""
+        while self._outstanding:
+            try:
+                self._reply()
+            except EngineError:
+                if not self.process.is_alive():
+                    raise
         self._conn.send((method, args))
+        self._outstanding += 1
 
     def result(self) -> Any:
         return self._reply()
@@ -61,6 +71,7 @@ class EngineProcess:
             if not self.process.is_alive():
                 raise EngineError(f"engine process died:\n{self.log_tail()}")
         status, value = self._conn.recv()
+        self._outstanding -= 1
         if status == "error":
             raise EngineError(value)
         return value
