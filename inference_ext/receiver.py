@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from refit_sidecar.plan import (
     with_checksums,
 )
 from refit_sidecar.transport import PullStats, Region
+from trainer_refit.auth import ClientAuth
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,17 @@ class RefitOptions:
     trainer ranks report a version to the sidecar just after the step that made it."""
     verify_checksums: bool = True
     """Check the CRC-32 of every source shard read whole (host staging only)."""
+    token_file: str | None = None
+    """File holding the receiver role's bearer token for the sidecar (docs/security.md);
+    required unless `insecure`."""
+    tls_ca: str | None = None
+    """PEM CA bundle of the sidecar's certificate: connect with TLS."""
+    tls_cert: str | None = None
+    """PEM client certificate (with `tls_key`), for a sidecar that requires mutual TLS."""
+    tls_key: str | None = None
+    """PEM private key of `tls_cert`."""
+    insecure: bool = False
+    """Send no token: the sidecar runs with --insecure."""
 
     def __post_init__(self) -> None:
         # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
@@ -87,10 +100,28 @@ class RefitOptions:
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not number or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.verify_checksums, bool):
-            raise ValueError(
-                f"verify_checksums must be true or false, got {self.verify_checksums!r}"
-            )
+        for name in ("verify_checksums", "insecure"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a file path or null, got {value!r}")
+        self.client_auth()  # the combination is valid
+
+    def client_auth(self) -> ClientAuth:
+        """How this receiver authenticates at the sidecar."""
+
+        def path(value: str | None) -> Path | None:
+            return None if value is None else Path(value)
+
+        return ClientAuth(
+            token_file=path(self.token_file),
+            tls_ca=path(self.tls_ca),
+            tls_cert=path(self.tls_cert),
+            tls_key=path(self.tls_key),
+            insecure=self.insecure,
+        )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> RefitOptions:
@@ -247,7 +278,9 @@ class Receiver:
         self.layout = layout
         self.hf_names = tuple(hf_names)
         self.options = options
-        self.client = SidecarClient(sidecar, timeout=options.rpc_timeout_s)
+        self.client = SidecarClient(
+            sidecar, timeout=options.rpc_timeout_s, auth=options.client_auth()
+        )
         agent = f"{options.receiver_id}-tp{layout.tp_rank}"
         self.transport = NixlTransport.create(
             NixlConfig(

@@ -15,6 +15,8 @@ log = logging.getLogger("refit_sidecar")
 async def serve(config: SidecarConfig) -> None:
     running = await create_server(config)
     log.info("refit sidecar serving gRPC on %s:%d", config.host, running.port)
+    level = logging.WARNING if config.auth.insecure else logging.INFO
+    log.log(level, "authentication: %s", config.auth.describe())
     write_port_file(config.port_file, running.port)
     received = await wait_for_stop_signal()
     log.info("shutting down (%s)", received.name)

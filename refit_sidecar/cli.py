@@ -7,7 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refit_sidecar.access import METHOD_ROLES
 from refit_sidecar.registry import FullPolicy, RegistryConfig
+from trainer_refit import auth_flags
+from trainer_refit.auth import ServerAuth, roles_in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,6 +21,9 @@ class SidecarConfig:
     port_file: Path | None = None
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     grace_seconds: float = 5.0
+    auth: ServerAuth = field(default_factory=lambda: ServerAuth(insecure=True))
+    """Who may call (docs/security.md). The CLI never falls back to this default: it needs
+    --auth-token-dir or an explicit --insecure."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -35,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=SidecarConfig.host)
     parser.add_argument("--port", type=int, default=SidecarConfig.port, help="0 picks a free port")
     parser.add_argument("--port-file", type=Path, default=None)
+    auth_flags.add_server_flags(parser)
     parser.add_argument(
         "--when-all-slots-leased",
         choices=[p.value for p in FullPolicy],
@@ -63,6 +70,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, str]
             host=args.host,
             port=args.port,
             port_file=args.port_file,
+            auth=auth_flags.server_auth(args, roles_in(METHOD_ROLES)),
             registry=RegistryConfig(
                 full_policy=FullPolicy(args.when_all_slots_leased),
                 max_wait_seconds=args.max_wait_seconds,

@@ -3,11 +3,16 @@
 Status codes come back as the registry's domain errors: NOT_FOUND as `UnknownVersion` (calls
 naming a version) or `UnknownLease` (calls naming a lease), RESOURCE_EXHAUSTED as
 `SlotsExhausted`, FAILED_PRECONDITION as `PublicationPending`, ABORTED as `NotRegistered` (the
-sidecar restarted: register again), INVALID_ARGUMENT as ValueError.
+sidecar restarted: register again), INVALID_ARGUMENT as `InvalidRequest` (a ValueError; its
+`field` names the request field at fault when the sidecar named one).
 Anything else (UNAVAILABLE, DEADLINE_EXCEEDED, ...) is raised as the `grpc.RpcError` it is.
 
 Versions start at 1: the wire uses 0 for "none" (no readable version, no retired version),
 which the client returns as None.
+
+Every call carries the bearer token of `auth` (`trainer_refit.auth.ClientAuth`): the trainer
+role's for the trainer-side calls, the receiver role's for the rest (docs/security.md). A
+refused token is the `grpc.RpcError` UNAUTHENTICATED or PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ from refit_sidecar.registry import (
     UnknownVersion,
 )
 from refit_sidecar.wire import manifest_from_proto, publish_request
+from trainer_refit.auth import ClientAuth, open_channel
+from trainer_refit.errors import InvalidRequest
+from trainer_refit.status_details import violated_field
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 
 __all__ = [
+    "InvalidRequest",
     "Lease",
     "NotRegistered",
     "PublicationPending",
@@ -88,22 +97,31 @@ class Lease:
     manifest_key: bytes = b""
     """Equal for versions whose manifests differ only in version and checksums (same slot);
     empty from renewals."""
+    receiver_id: str = ""
+    """The holder: only it may renew or release the lease."""
 
 
 def _lease(reply: pb.Lease) -> Lease:
-    return Lease(reply.lease_id, reply.version, reply.expires_in_seconds, reply.manifest_key)
+    return Lease(
+        reply.lease_id,
+        reply.version,
+        reply.expires_in_seconds,
+        reply.manifest_key,
+        reply.receiver_id,
+    )
 
 
 class SidecarClient:
-    """`SidecarClient("host:port")`; a context manager closing its channel. `timeout` is the
-    deadline in seconds of each unary call (None: none); `watch` streams have no deadline."""
+    """`SidecarClient("host:port", auth=ClientAuth(token_file=...))`; a context manager
+    closing its channel. `timeout` is the deadline in seconds of each unary call (None: none);
+    `watch` streams have no deadline."""
 
-    def __init__(self, target: str, timeout: float | None = None) -> None:
+    def __init__(self, target: str, timeout: float | None = None, *, auth: ClientAuth) -> None:
         self.target = target
         self.timeout = timeout
         # A restarted sidecar is found again within a second, not after gRPC's default
         # exponential backoff (up to two minutes).
-        self._channel = grpc.insecure_channel(target, options=_RECONNECT)
+        self._channel = open_channel(target, auth, options=_RECONNECT)
         self._stub = pb_grpc.RefitServiceStub(self._channel)
 
     def __enter__(self) -> SidecarClient:
@@ -225,12 +243,18 @@ class SidecarClient:
         request = pb.AcquireLeaseRequest(version=version, receiver_id=receiver_id, ttl_seconds=ttl)
         return _lease(self._call(self._stub.AcquireLease, request))
 
-    def renew_lease(self, lease: Lease | str, ttl: float) -> Lease:
-        request = pb.RenewLeaseRequest(lease_id=_lease_id(lease), ttl_seconds=ttl)
+    def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        """Extend `lease` (as its holder, `lease.receiver_id`); UnknownLease when it ended or
+        another receiver holds it."""
+        request = pb.RenewLeaseRequest(
+            lease_id=lease.lease_id, ttl_seconds=ttl, receiver_id=lease.receiver_id
+        )
         return _lease(self._call(self._stub.RenewLease, request, UnknownLease))
 
-    def release_lease(self, lease: Lease | str) -> None:
-        request = pb.ReleaseLeaseRequest(lease_id=_lease_id(lease))
+    def release_lease(self, lease: Lease) -> None:
+        """End `lease` (as its holder); UnknownLease when it ended or another receiver holds
+        it."""
+        request = pb.ReleaseLeaseRequest(lease_id=lease.lease_id, receiver_id=lease.receiver_id)
         self._call(self._stub.ReleaseLease, request, UnknownLease)
 
     def watch(self, after_version: int = 0) -> Iterator[int]:
@@ -252,10 +276,6 @@ class SidecarClient:
             call.cancel()
 
 
-def _lease_id(lease: Lease | str) -> str:
-    return lease.lease_id if isinstance(lease, Lease) else lease
-
-
 def _domain_error(error: grpc.RpcError, not_found: type[LookupError]) -> Exception | None:
     """The domain error for `error`'s status code; None to raise the RpcError itself."""
     code = error.code()
@@ -269,5 +289,5 @@ def _domain_error(error: grpc.RpcError, not_found: type[LookupError]) -> Excepti
     if code == grpc.StatusCode.ABORTED:
         return NotRegistered(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(details)
+        return InvalidRequest(details, field=violated_field(error))
     return None

@@ -7,7 +7,11 @@ NIXL 1.5.1 behaviour this relies on (checked on the CPU machine, UCX over DRAM):
   the source's progress thread, so a stalled source stalls the pull: the deadline catches that.
 - `fetch_remote_metadata` needs the puller's own listener thread (port 0 works), is asynchronous
   and fails silently (connection refused is only logged): it is repeated until
-  `check_remote_metadata` says the source's memory is known.
+  `check_remote_metadata` says the source's memory is known. That listener binds every
+  interface (NIXL takes no address) and hands this agent's metadata, and with it the
+  descriptors of its registered destinations, to whoever asks: it runs only when
+  `NixlConfig.metadata_listener` is set. Sources published through the sidecar carry their
+  metadata in the manifest and need none.
 Lists of `prep_threshold` or more descriptors are prepped; requests are cached per (agent,
 destination, descriptors), so a refit of an unchanged layout re-posts ready requests.
 """
@@ -27,6 +31,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from refit_sidecar.checksum import verify_checksums
 from refit_sidecar.manifest import AgentRecord, MemType
+from refit_sidecar.nixl_network import NixlNetwork, create_ucx_backend
 from refit_sidecar.plan import PullPlan
 from refit_sidecar.transport import PullStats, Region, SourceLost, host_view
 
@@ -47,10 +52,19 @@ class NixlConfig:
     """Descriptor count from which descriptor lists are prepped."""
     cache_size: int = 64
     """Transfer requests kept for re-posting."""
+    metadata_listener: bool = False
+    """Run NIXL's metadata listener, which fetching a source's metadata from the source's own
+    listener needs (`AgentRecord` without a blob)."""
+    host: str | None = None
+    """An address of the interface this puller's UCX endpoints listen on (`NixlNetwork`); None:
+    every interface."""
+    net_devices: tuple[str, ...] = ()
+    """RDMA ports (``mlx5_0:1``) the endpoints may use besides the interface of `host`."""
 
     def __post_init__(self) -> None:
         if not self.name or min(self.connect_timeout_s, self.pull_timeout_s) <= 0:
             raise ValueError(f"bad NIXL transport config {self}")
+        NixlNetwork(host=self.host, extra_devices=self.net_devices)  # raises for bad values
 
 
 @dataclass(eq=False)
@@ -77,10 +91,13 @@ class NixlTransport:
     def create(cls, config: NixlConfig) -> NixlTransport:
         # No progress thread: `PendingPull.wait` progresses the worker while it polls.
         conf = nixl_agent_config(
-            enable_prog_thread=False, enable_listen_thread=True, listen_port=0, backends=[]
+            enable_prog_thread=False,
+            enable_listen_thread=config.metadata_listener,
+            listen_port=0,
+            backends=[],
         )
         agent = nixl_agent(config.name, conf)
-        agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+        create_ucx_backend(agent, NixlNetwork(host=config.host, extra_devices=config.net_devices))
         return cls(agent, config)
 
     def register(self, dest: Region) -> None:
@@ -177,6 +194,11 @@ class NixlTransport:
                 return
             if record.metadata or record.port is None:
                 raise SourceLost(f"{name}: its metadata does not cover the planned memory")
+            if not self._config.metadata_listener:
+                raise SourceLost(
+                    f"{name} publishes no metadata blob, only a listener at {record.host}:"
+                    f"{record.port}; fetching from it needs NixlConfig.metadata_listener"
+                )
             deadline = time.monotonic() + self._config.connect_timeout_s
             while time.monotonic() < deadline:
                 self._agent.fetch_remote_metadata(name, record.host, record.port)

@@ -8,17 +8,23 @@ version becomes visible once every rank has. Ranks report in the background, so 
 reservation may arrive before the last report: it is served only once no version is being
 published (``PublicationPending``), which also keeps the latest readable version from being
 retired before its successor is readable. Leases expire after their TTL, so a dead receiver
-cannot pin a slot for ever.
+cannot pin a slot for ever. Lease ids are unguessable, and only a lease's holder (the receiver
+id that acquired it) may renew or release it: to anyone else it does not exist.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
+import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from trainer_refit.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 
 class UnknownVersion(LookupError):
@@ -26,7 +32,8 @@ class UnknownVersion(LookupError):
 
 
 class UnknownLease(LookupError):
-    """The lease does not exist, was released or has expired (maps to NOT_FOUND)."""
+    """The lease does not exist, was released, has expired, or is held by another receiver
+    (maps to NOT_FOUND)."""
 
 
 class NotRegistered(RuntimeError):
@@ -83,8 +90,12 @@ class TrainerShape:
     num_slots: int
 
     def __post_init__(self) -> None:
-        if self.num_slots < 1 or self.world_size < 1:
-            raise ValueError("num_slots and world_size must be >= 1")
+        if self.num_slots < 1:
+            raise InvalidRequest(f"num_slots must be >= 1, got {self.num_slots}", field="num_slots")
+        if self.world_size < 1:
+            raise InvalidRequest(
+                f"world_size must be >= 1, got {self.world_size}", field="layout.world_size"
+            )
 
 
 @dataclass
@@ -110,7 +121,6 @@ class Registry:
         self._versions: dict[int, VersionRecord] = {}
         self._slot_owner: dict[int, int] = {}
         self._leases: dict[str, Lease] = {}
-        self._lease_ids = itertools.count(1)
         self._newest = 0
         """The highest version ever reserved in this generation: numbers only grow."""
         self.trainer: TrainerShape | None = None
@@ -145,9 +155,12 @@ class Registry:
         if record is not None:
             if record.state is VersionState.PUBLISHING and not record.shards_by_rank:
                 return record.slot, None
-            raise ValueError(f"version {version} was already reserved")
+            raise InvalidRequest(f"version {version} was already reserved", field="version")
         if version <= self._newest:
-            raise ValueError(f"version {version} is not newer than the latest ({self._newest})")
+            raise InvalidRequest(
+                f"version {version} is not newer than the latest ({self._newest})",
+                field="version",
+            )
         pending = self._publishing()
         if pending:
             raise PublicationPending("; ".join(self._describe_pending(v) for v in pending))
@@ -199,7 +212,7 @@ class Registry:
             raise UnknownVersion(f"version {version} has no reserved slot being published")
         world_size = self._shape().world_size
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside the world of {world_size}")
+            raise InvalidRequest(f"rank {rank} is outside the world of {world_size}", field="rank")
         record.shards_by_rank[rank] = shards
         if len(record.shards_by_rank) < world_size:
             return False
@@ -229,9 +242,11 @@ class Registry:
         return dict(self.visible(version).shards_by_rank)
 
     def acquire_lease(self, version: int, receiver_id: str, ttl_seconds: float) -> Lease:
+        if not receiver_id:
+            raise InvalidRequest("a lease needs a receiver id (its holder)", field="receiver_id")
         self.visible(version)
         lease = Lease(
-            lease_id=f"lease-{next(self._lease_ids)}",
+            lease_id=secrets.token_urlsafe(16),
             version=version,
             receiver_id=receiver_id,
             expires_at=self._clock() + self._ttl(ttl_seconds),
@@ -239,31 +254,47 @@ class Registry:
         self._leases[lease.lease_id] = lease
         return lease
 
-    def renew_lease(self, lease_id: str, ttl_seconds: float) -> Lease:
-        lease = self._live_lease(lease_id)
+    def renew_lease(self, lease_id: str, ttl_seconds: float, *, receiver_id: str) -> Lease:
+        lease = self._held_lease(lease_id, receiver_id)
         renewed = Lease(
             lease.lease_id, lease.version, lease.receiver_id, self._clock() + self._ttl(ttl_seconds)
         )
         self._leases[lease_id] = renewed
         return renewed
 
-    def release_lease(self, lease_id: str) -> None:
-        self._live_lease(lease_id)
+    def release_lease(self, lease_id: str, *, receiver_id: str) -> None:
+        self._held_lease(lease_id, receiver_id)
         del self._leases[lease_id]
 
     def _ttl(self, ttl_seconds: float) -> float:
         if not 0 < ttl_seconds <= self.config.max_lease_seconds:
-            raise ValueError(
+            raise InvalidRequest(
                 f"lease ttl must lie in (0, {self.config.max_lease_seconds}] seconds, "
-                f"got {ttl_seconds}"
+                f"got {ttl_seconds}",
+                field="ttl_seconds",
             )
         return ttl_seconds
 
-    def _live_lease(self, lease_id: str) -> Lease:
+    def _held_lease(self, lease_id: str, receiver_id: str) -> Lease:
+        """The live lease `lease_id` of `receiver_id`. Held by another receiver, it is
+        UnknownLease with the same message as a lease that does not exist, so a caller learns
+        nothing about other receivers' leases."""
         self._expire()
-        if lease_id not in self._leases:
-            raise UnknownLease(f"lease {lease_id!r} does not exist, was released or expired")
-        return self._leases[lease_id]
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.receiver_id != receiver_id:
+            log.warning(
+                "receiver %r named a lease of receiver %r on version %d: refused",
+                receiver_id,
+                lease.receiver_id,
+                lease.version,
+            )
+            lease = None
+        if lease is None:
+            raise UnknownLease(
+                f"receiver {receiver_id!r} holds no lease {lease_id!r} (never acquired, "
+                "released, or expired)"
+            )
+        return lease
 
     def _expire(self) -> None:
         now = self._clock()

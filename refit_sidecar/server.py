@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from refit_sidecar.access import METHOD_ROLES
 from refit_sidecar.cli import SidecarConfig
 from refit_sidecar.registry import (
     FullPolicy,
@@ -185,6 +186,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             version=lease.version,
             expires_in_seconds=lease.expires_at - time.monotonic(),
             manifest_key=key,
+            receiver_id=lease.receiver_id,
         )
 
     @_grpc_errors
@@ -196,11 +198,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def RenewLease(self, request: pb.RenewLeaseRequest, context: Any) -> Any:
-        return self._lease(self.registry.renew_lease(request.lease_id, request.ttl_seconds))
+        lease = self.registry.renew_lease(
+            request.lease_id, request.ttl_seconds, receiver_id=request.receiver_id
+        )
+        return self._lease(lease)
 
     @_grpc_errors
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> Any:
-        self.registry.release_lease(request.lease_id)
+        self.registry.release_lease(request.lease_id, receiver_id=request.receiver_id)
         await self._notify()
         return pb.ReleaseLeaseResponse()
 
@@ -212,4 +217,6 @@ async def create_server(config: SidecarConfig) -> RunningServer:
         SERVICE_NAME,
         host=config.host,
         port=config.port,
+        credentials=config.auth.credentials(),
+        interceptors=config.auth.interceptors(METHOD_ROLES),
     )

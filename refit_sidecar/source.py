@@ -35,6 +35,7 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
+from refit_sidecar.nixl_network import NixlNetwork, create_ucx_backend
 
 Allocator = Callable[[int, int], Arena]
 """(nbytes, alignment) -> an arena of exactly nbytes whose address is aligned."""
@@ -47,7 +48,11 @@ class SourceConfig:
     listen_port: int | None = None
     """Serve agent metadata on this port so pullers can fetch it; None: no listener."""
     host: str = "127.0.0.1"
-    """Address advertised with the listener port."""
+    """An address of the network interface the source's NIXL (UCX) endpoints listen on, and
+    advertise with the listener port when there is one (`nixl_network.NixlNetwork`; 0.0.0.0:
+    every interface). The default keeps a source reachable from its own host only."""
+    net_devices: tuple[str, ...] = ()
+    """RDMA ports (``mlx5_0:1``) the endpoints may use besides the interface of `host`."""
     alignment: int = 256
     """Byte alignment of each shard in the arena."""
     rank: int = 0
@@ -69,6 +74,11 @@ class SourceConfig:
             raise ValueError(f"alignment must be a power of two, got {self.alignment}")
         if self.progress_poll_s is not None and not self.progress_poll_s > 0:
             raise ValueError(f"progress_poll_s must be positive, got {self.progress_poll_s}")
+        NixlNetwork(host=self.host, extra_devices=self.net_devices)  # raises for bad values
+
+    @property
+    def network(self) -> NixlNetwork:
+        return NixlNetwork(host=self.host, extra_devices=self.net_devices)
 
 
 def arena_offsets(specs: Sequence[ShardSpec], alignment: int) -> tuple[dict[str, int], int]:
@@ -110,7 +120,7 @@ class SourceAgent:
                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             ),
         )
-        agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+        create_ucx_backend(agent, config.network)
         return cls(config, agent)
 
     def _poll_progress(self, interval: float) -> None:

@@ -5,6 +5,10 @@ free ports, waits until both serve, and stops them (SIGTERM, then SIGKILL after 
 when the block ends, also on Ctrl-C or an exception. Each runs in its own session so a Ctrl-C
 in the terminal reaches only the caller, which then shuts the stack down in order; if the
 caller dies without doing so, each gets SIGTERM from the kernel.
+
+Authentication is on: fresh random tokens for every role are written to ``<workdir>/tokens``
+(mode 0700, files 0600) and both services read them from there; `auth(role)` gives a client
+the role's token (docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO
+
+from trainer_refit.auth import ClientAuth, Role, write_token_dir
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,15 @@ class LocalStack:
         self._processes: list[_Process] = []
         self.sidecar_address = ""
         self.trainer_address = ""
+        self.token_dir = config.workdir / "tokens"
+
+    def token_file(self, role: Role) -> Path:
+        """The file holding `role`'s token (valid once the stack started)."""
+        return self.token_dir / role.value
+
+    def auth(self, role: Role) -> ClientAuth:
+        """How a client of `role` authenticates at the stack's services."""
+        return ClientAuth(token_file=self.token_file(role))
 
     def __enter__(self) -> LocalStack:
         try:
@@ -77,10 +92,12 @@ class LocalStack:
     def start(self) -> None:
         cfg = self.config
         cfg.workdir.mkdir(parents=True, exist_ok=True)
+        write_token_dir(self.token_dir)
+        tokens = ("--auth-token-dir", str(self.token_dir))
         sidecar_port = cfg.workdir / "sidecar.port"
         self._spawn(
             "refit-sidecar",
-            ["-m", "refit_sidecar", "--host", "127.0.0.1", "--port", "0"],
+            ["-m", "refit_sidecar", "--host", "127.0.0.1", "--port", "0", *tokens],
             sidecar_port,
         )
         self.sidecar_address = f"127.0.0.1:{self._wait_for_port(sidecar_port)}"
@@ -92,6 +109,7 @@ class LocalStack:
                 *("--tp", str(cfg.tensor_parallel), "--pp", str(cfg.pipeline_parallel)),
                 *("--dp", str(cfg.data_parallel), "--seed", str(cfg.seed)),
                 *("--sidecar", self.sidecar_address, "--refit-slots", str(cfg.refit_slots)),
+                *("--sidecar-token-file", str(self.token_file(Role.TRAINER)), *tokens),
                 *("--host", "127.0.0.1", "--port", "0"),
                 *("--work-dir", str(cfg.workdir / "trainer")),
             ],

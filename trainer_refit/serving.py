@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import signal
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,11 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+
+from trainer_refit.decoding import RequestDecoding
+from trainer_refit.errors import InvalidRequest
+from trainer_refit.reflection import enable_reflection
+from trainer_refit.status_details import error_status
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +30,11 @@ Handler = Callable[..., Awaitable[Reply]]
 def status_codes(
     table: Sequence[tuple[type[Exception], grpc.StatusCode]],
 ) -> Callable[[Handler[Reply]], Handler[Reply]]:
-    """Decorates servicer methods: an exception of a listed type becomes its status code with
-    the exception's message; any other becomes INTERNAL and is logged with its traceback."""
+    """Decorates servicer methods: an exception of a listed type (the first match) becomes its
+    status code with the exception's message, bounded (`errors.bounded`), and for an
+    `InvalidRequest` naming a field a BadRequest detail naming it. Any other exception is a
+    fault of the service: logged once with its traceback under a fresh error id, answered
+    INTERNAL "internal error <id>; see the server log" (no exception text leaves the server)."""
 
     def decorate(method: Handler[Reply]) -> Handler[Reply]:
         @functools.wraps(method)
@@ -36,9 +44,16 @@ def status_codes(
             except Exception as exc:
                 code = next((c for kind, c in table if isinstance(exc, kind)), None)
                 if code is None:
-                    log.exception("%s failed", method.__name__)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-                await context.abort(code, str(exc))
+                    error_id = uuid.uuid4().hex[:12]
+                    log.exception("%s failed (error %s)", method.__name__, error_id)
+                    status = error_status(
+                        grpc.StatusCode.INTERNAL,
+                        f"internal error {error_id}; see the server log",
+                    )
+                else:
+                    field = exc.field if isinstance(exc, InvalidRequest) else None
+                    status = error_status(code, str(exc), field)
+                await context.abort_with_status(status)
             raise AssertionError("unreachable")
 
         return wrapper
@@ -64,16 +79,22 @@ async def start_server(
     host: str,
     port: int,
     options: Sequence[tuple[str, int]] = (),
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
-    """Binds host:port (0 picks a free port), serves health (SERVING) and reflection."""
-    server = grpc.aio.server(options=list(options))
+    """Binds host:port (0 picks a free port), serves health (SERVING) and reflection (v1 and
+    v1alpha); request bodies that do not parse are refused before any servicer
+    (`decoding.RequestDecoding`). `credentials`: TLS (None: plaintext); `interceptors` run
+    first, before the request is decoded (`auth.ServerAuth.interceptors`)."""
+    server = grpc.aio.server(options=list(options), interceptors=[*interceptors, RequestDecoding()])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    enable_reflection(server, (service_name, health.SERVICE_NAME))
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()

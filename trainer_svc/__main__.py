@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from trainer_svc.cli import parse_config
@@ -55,13 +56,17 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("megatron").setLevel(logging.WARNING)
         warnings.filterwarnings("ignore", module=r"megatron\.")
     with tempfile.TemporaryDirectory(prefix="trainer-svc-") as scratch:
+        # The work dir in use is the default path root (`TrainerConfig.checkpoint_roots`);
+        # the ranks of a local world share the launcher's.
         work = config.work_dir or Path(scratch)
+        config = replace(config, work_dir=work)
         model_dir = _model_dir(config, work)
         _check_layout(config, model_dir)
         if identity is None:
             from trainer_svc.launch import spawn_world
 
-            sys.exit(spawn_world(argv, config.layout.world_size, model_dir))
+            world_argv = [*argv, "--work-dir", str(work)]
+            sys.exit(spawn_world(world_argv, config.layout.world_size, model_dir))
         from trainer_svc.runtime.rank import run_rank
 
         run_rank(config, identity, model_dir)

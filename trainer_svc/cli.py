@@ -6,8 +6,11 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainer_refit import auth_flags
+from trainer_refit.auth import Role, roles_in
 from trainer_svc.config import (
     Device,
+    LivenessConfig,
     ModelConfig,
     OptimizerConfig,
     OptimizerKind,
@@ -17,6 +20,7 @@ from trainer_svc.config import (
     ServerConfig,
     TrainerConfig,
 )
+from trainer_svc.server.access import METHOD_ROLES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--max-microbatch-tokens", type=int, default=ServerConfig.max_microbatch_tokens
     )
+    auth_flags.add_server_flags(parser)
     refit = parser.add_argument_group("refit publication")
     refit.add_argument(
         "--sidecar",
@@ -79,9 +84,45 @@ def build_parser() -> argparse.ArgumentParser:
         default=RefitConfig.slots,
         help="snapshot slots per rank (versions readable or leased at once)",
     )
+    refit.add_argument(
+        "--nixl-host",
+        default=RefitConfig.nixl_host,
+        help="an IP address of the network interface the ranks' NIXL endpoints listen on for "
+        "receivers (a pod: its pod IP); 0.0.0.0: every interface; default: loopback, for "
+        "receivers on the same host",
+    )
+    refit.add_argument(
+        "--nixl-net-device",
+        action="append",
+        default=[],
+        dest="nixl_net_devices",
+        metavar="DEVICE",
+        help="an RDMA port (UCX name, e.g. mlx5_0:1) NIXL may use besides the interface of "
+        "--nixl-host (repeatable)",
+    )
+    auth_flags.add_client_flags(parser, "sidecar", Role.TRAINER)
+    liveness = parser.add_argument_group("rank liveness")
+    liveness.add_argument(
+        "--peer-timeout-seconds",
+        type=float,
+        default=LivenessConfig.peer_timeout_seconds,
+        help="a rank silent this long counts as dead (a dead process is noticed at once); "
+        "rank 0 then answers UNAVAILABLE and exits non-zero",
+    )
     parser.add_argument("--seed", type=int, default=TrainerConfig.seed)
     parser.add_argument(
         "--work-dir", type=Path, default=None, help="where the built-in model is written"
+    )
+    parser.add_argument(
+        "--path-root",
+        type=Path,
+        action="append",
+        default=[],
+        dest="path_roots",
+        metavar="DIR",
+        help="an absolute directory that SaveCheckpoint, LoadCheckpoint and ExportHF paths must "
+        "resolve into (repeatable; a relative request path lies under the first); default: "
+        "the work dir (a temporary one, removed at exit, without --work-dir)",
     )
     parser.add_argument(
         "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO"
@@ -111,11 +152,20 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             port=args.port,
             port_file=args.port_file,
             max_microbatch_tokens=args.max_microbatch_tokens,
+            auth=auth_flags.server_auth(args, roles_in(METHOD_ROLES)),
         ),
-        refit=RefitConfig(sidecar=args.sidecar, slots=args.refit_slots),
+        refit=RefitConfig(
+            sidecar=args.sidecar,
+            slots=args.refit_slots,
+            auth=auth_flags.client_auth(args, "sidecar", used=args.sidecar is not None),
+            nixl_host=args.nixl_host,
+            nixl_net_devices=tuple(args.nixl_net_devices),
+        ),
+        liveness=LivenessConfig(peer_timeout_seconds=args.peer_timeout_seconds),
         device=Device(args.device),
         seed=args.seed,
         work_dir=args.work_dir,
+        path_roots=tuple(args.path_roots),
     )
 
 

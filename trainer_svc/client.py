@@ -1,11 +1,13 @@
 """Typed Python client of the trainer service, sync and asyncio, speaking domain types.
 
-    with TrainerClient("localhost:50051") as trainer:
+    auth = ClientAuth(token_file=Path("tokens/orchestrator"))  # docs/security.md
+    with TrainerClient("localhost:50051", auth=auth) as trainer:
         trainer.begin_step("step-1", LossConfig(kind=LossKind.PPO))
         trainer.train_microbatch("step-1", "group-0", batch)
         result = trainer.finish_step("step-1")
 
-Refused requests raise ``InvalidArgument`` or ``FailedPrecondition`` (from trainer_svc.domain)
+Refused requests raise ``InvalidArgument`` (its ``field`` names the request field at fault when
+the server named one), ``FailedPrecondition`` or ``AlreadyExists`` (from trainer_svc.domain)
 with the server's message; other failures raise ``grpc.RpcError``.
 """
 
@@ -20,9 +22,12 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from trainer_refit.auth import ClientAuth, open_aio_channel, open_channel
+from trainer_refit.status_details import violated_field
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
 from trainer_svc.domain import (
+    AlreadyExists,
     FailedPrecondition,
     ForwardOutput,
     ForwardResult,
@@ -169,17 +174,19 @@ def forward_result(reply: pb.ForwardResponse, num_tokens: int) -> ForwardResult:
 def _translate(error: grpc.RpcError) -> Exception:
     code = error.code() if hasattr(error, "code") else None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(error.details())
+        return InvalidArgument(error.details(), field=violated_field(error))
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(error.details())
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(error.details())
     return error
 
 
 class TrainerClient:
     """Blocking client. ``timeout`` (seconds) applies to every call; None waits as needed."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    def __init__(self, target: str, *, auth: ClientAuth, timeout: float | None = None) -> None:
+        self._channel = open_channel(target, auth, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.TrainerServiceStub(self._channel)
         self._timeout = timeout
 
@@ -252,8 +259,8 @@ class TrainerClient:
 class AsyncTrainerClient:
     """The asyncio twin of TrainerClient (same methods, awaitable)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    def __init__(self, target: str, *, auth: ClientAuth, timeout: float | None = None) -> None:
+        self._channel = open_aio_channel(target, auth, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.TrainerServiceStub(self._channel)
         self._timeout = timeout
 

@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refit_sidecar.nixl_network import NixlNetwork
+from trainer_refit.auth import ClientAuth, ServerAuth
+
 
 class OptimizerKind(enum.Enum):
     ADAM = "adam"
@@ -100,6 +103,9 @@ class ServerConfig:
     max_microbatch_tokens: int = 1 << 20
     """A TrainMicrobatch or Forward request with more tokens than this is rejected."""
     grace_seconds: float = 5.0
+    auth: ServerAuth = field(default_factory=lambda: ServerAuth(insecure=True))
+    """Who may call (docs/security.md). The CLI never falls back to this default: it needs
+    --auth-token-dir or an explicit --insecure."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -114,14 +120,49 @@ class RefitConfig:
     """HOST:PORT of the refit sidecar; None publishes nothing."""
     slots: int = 2
     """Snapshot slots per rank: versions that can be readable (or leased) at once."""
+    auth: ClientAuth = field(default_factory=lambda: ClientAuth(insecure=True))
+    """How the ranks authenticate at the sidecar (the trainer role's token file)."""
+    nixl_host: str = "127.0.0.1"
+    """An address of the network interface each rank's NIXL (UCX) endpoints listen on, which
+    receivers read the published weights from (`refit_sidecar/nixl_network.py`); 0.0.0.0:
+    every interface. The default serves receivers on the same host only; a pod gives its IP."""
+    nixl_net_devices: tuple[str, ...] = ()
+    """RDMA ports (``mlx5_0:1``) the NIXL endpoints may use besides that interface."""
 
     def __post_init__(self) -> None:
         if self.slots < 1:
             raise ValueError(f"refit slots must be >= 1, got {self.slots}")
+        NixlNetwork(host=self.nixl_host, extra_devices=self.nixl_net_devices)  # raises if bad
         if self.sidecar is not None:
             host, _, port = self.sidecar.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--sidecar must be HOST:PORT, got {self.sidecar!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LivenessConfig:
+    """How the ranks watch each other, apart from torch.distributed (runtime/liveness.py)."""
+
+    heartbeat_seconds: float = 1.0
+    """Period of the heartbeats each rank sends over its link with rank 0."""
+    peer_timeout_seconds: float = 5.0
+    """A rank silent this long (hung, or its node lost) counts as dead; a rank whose process
+    died is noticed at once, from its closed connection."""
+    exit_grace_seconds: float = 3.0
+    """Rank 0 keeps answering UNAVAILABLE (health NOT_SERVING) this long after a rank died,
+    then exits non-zero so that the orchestrator restarts the world."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.heartbeat_seconds) and self.heartbeat_seconds > 0):
+            raise ValueError(f"heartbeat_seconds must be > 0, got {self.heartbeat_seconds}")
+        timeout = self.peer_timeout_seconds
+        if not (math.isfinite(timeout) and timeout >= 2 * self.heartbeat_seconds):
+            raise ValueError(
+                f"peer_timeout_seconds must be finite and at least twice heartbeat_seconds "
+                f"({self.heartbeat_seconds}), got {timeout}"
+            )
+        if not (math.isfinite(self.exit_grace_seconds) and self.exit_grace_seconds >= 0):
+            raise ValueError(f"exit_grace_seconds must be >= 0, got {self.exit_grace_seconds}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +172,26 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
     device: Device = Device.AUTO
     seed: int = 1234
     work_dir: Path | None = None
     """Where the embedded tiny model is written; None uses a temporary directory."""
+    path_roots: tuple[Path, ...] = ()
+    """Directories SaveCheckpoint, LoadCheckpoint and ExportHF paths must resolve into
+    (`runtime/path_roots.py`); a relative request path lies under the first. Empty: the work
+    dir alone (the temporary one, removed at exit, when work_dir is None)."""
+
+    def __post_init__(self) -> None:
+        for root in self.path_roots:
+            if not root.is_absolute():
+                raise ValueError(f"--path-root must be an absolute directory, got {str(root)!r}")
+
+    def checkpoint_roots(self) -> tuple[Path, ...]:
+        """The path roots in force: path_roots, else the work dir (which the entrypoint sets
+        to its temporary directory when none was given)."""
+        if self.path_roots:
+            return self.path_roots
+        if self.work_dir is None:
+            raise ValueError("no path roots: give path_roots or a work_dir")
+        return (self.work_dir.absolute(),)

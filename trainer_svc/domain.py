@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from trainer_refit.errors import InvalidRequest
 
-class InvalidArgument(ValueError):
-    """The request itself is wrong; nothing was changed. Maps to INVALID_ARGUMENT."""
+
+class InvalidArgument(InvalidRequest):
+    """The request itself is wrong; nothing was changed. Maps to INVALID_ARGUMENT, with a
+    BadRequest detail naming `field` (the dotted path in the request message) when given."""
 
 
 class FailedPrecondition(RuntimeError):
     """The request is well-formed but the service state forbids it. Maps to FAILED_PRECONDITION."""
+
+
+class AlreadyExists(FailedPrecondition):
+    """The request names something that exists already with other contents (a microbatch's
+    request_id reused for different data); nothing was changed. Maps to ALREADY_EXISTS (a
+    refusal by the service's state, so a FailedPrecondition to code that catches those)."""
+
+
+class PathNotAllowed(FailedPrecondition):
+    """A checkpoint or export path outside the directories the service is configured to use
+    (`runtime/path_roots.py`); nothing was changed. Maps to PERMISSION_DENIED (a refusal by
+    the service's configuration, so a FailedPrecondition to code that catches those)."""
 
 
 class Internal(RuntimeError):
@@ -48,11 +64,18 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0):
-            raise InvalidArgument(f"clip_low must lie in [0, 1), got {self.clip_low}")
+            raise InvalidArgument(
+                f"clip_low must lie in [0, 1), got {self.clip_low}", field="loss.clip_low"
+            )
         if not (self.clip_high >= 0.0 and np.isfinite(self.clip_high)):
-            raise InvalidArgument(f"clip_high must be a finite value >= 0, got {self.clip_high}")
+            raise InvalidArgument(
+                f"clip_high must be a finite value >= 0, got {self.clip_high}",
+                field="loss.clip_high",
+            )
         if not (self.kl_coef >= 0.0 and np.isfinite(self.kl_coef)):
-            raise InvalidArgument(f"kl_coef must be a finite value >= 0, got {self.kl_coef}")
+            raise InvalidArgument(
+                f"kl_coef must be a finite value >= 0, got {self.kl_coef}", field="loss.kl_coef"
+            )
 
     @property
     def needs_policy_inputs(self) -> bool:
@@ -77,13 +100,28 @@ class OptimizerOverrides:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if value is not None and not (np.isfinite(value) and value >= 0):
-                raise InvalidArgument(f"optimizer.{name} must be a finite value >= 0, got {value}")
+                raise InvalidArgument(
+                    f"optimizer.{name} must be a finite value >= 0, got {value}",
+                    field=f"optimizer.{name}",
+                )
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if value is not None and value >= 1.0:
-                raise InvalidArgument(f"optimizer.{name} must be < 1, got {value}")
+                raise InvalidArgument(
+                    f"optimizer.{name} must be < 1, got {value}", field=f"optimizer.{name}"
+                )
         if self.adam_eps is not None and self.adam_eps <= 0:
-            raise InvalidArgument("optimizer.adam_eps must be > 0")
+            raise InvalidArgument("optimizer.adam_eps must be > 0", field="optimizer.adam_eps")
+
+
+_BATCH_ARRAYS = (
+    "tokens",
+    "offsets",
+    "loss_mask",
+    "advantages",
+    "behaviour_logprobs",
+    "reference_logprobs",
+)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -128,6 +166,21 @@ class SequenceBatch:
             behaviour_logprobs=flat(behaviour_logprobs, np.float32),
             reference_logprobs=flat(reference_logprobs, np.float32),
         )
+
+    def digest(self) -> bytes:
+        """A 16-byte BLAKE2b digest of every array, its dtype and shape, and which optional
+        arrays are present: equal batches have equal digests, and a changed element, a
+        different length or a missing array changes it."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name in _BATCH_ARRAYS:
+            values = getattr(self, name)
+            if values is None:
+                digest.update(f"{name}:absent;".encode())
+                continue
+            array = np.ascontiguousarray(values)
+            digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+            digest.update(array.tobytes())
+        return digest.digest()
 
     def per_sequence(self, values: np.ndarray) -> list[np.ndarray]:
         """Splits a per-token array back into one array per sequence."""

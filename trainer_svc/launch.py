@@ -1,5 +1,11 @@
 """Starts a local world of ranks when trainer-svc is not run under torchrun, and supervises it:
-if any rank dies the others are stopped, and SIGINT/SIGTERM shut the world down cleanly."""
+SIGINT/SIGTERM shut the world down cleanly, and when a rank fails the world ends with a
+non-zero status.
+
+The ranks notice a lost rank themselves (`runtime/liveness.py`): rank 0 answers UNAVAILABLE
+naming the rank for a few seconds, then exits; the others exit when rank 0 is gone. So the
+launcher leaves them `_SETTLE_SECONDS` to do that before it terminates them, and exits with the
+status of the rank that failed first."""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +25,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SHUTDOWN_SECONDS = 60.0
+_SETTLE_SECONDS = 20.0
+"""After a rank failed, how long the others have to exit on their own (with the default
+liveness settings they do within about 10 s) before they are terminated."""
+_TERMINATE_SECONDS = 10.0
 
 
 def rendezvous_store() -> TCPStore:
@@ -66,21 +76,45 @@ def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    return _supervise(children, lambda: stopping)
+
+
+def _status(code: int) -> int:
+    """A child's return code as a shell would report it (a signal N as 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], bool]) -> int:
+    first_failure: int | None = None
+    exited: set[int] = set()
+    settle: float | None = None
     deadline: float | None = None
     while True:
-        codes = [child.poll() for child in children]
-        if all(code is not None for code in codes):
-            return next((c for c in codes if c), 0)
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed and deadline is None:
-            log.error("rank %d exited with %d; stopping the others", *failed[0])
+        for rank, child in enumerate(children):
+            code = child.poll()
+            if code is None or rank in exited:
+                continue
+            exited.add(rank)
+            if code != 0 and first_failure is None:
+                first_failure = _status(code)
+                settle = time.monotonic() + _SETTLE_SECONDS
+                log.error("rank %d exited with status %d", rank, first_failure)
+            elif first_failure is not None:
+                log.info("rank %d exited with status %d", rank, _status(code))
+        if len(exited) == len(children):
+            return first_failure or 0
+        now = time.monotonic()
+        if settle is not None and now > settle:
+            log.error(
+                "stopping the ranks still running %.0f s after a rank failed", _SETTLE_SECONDS
+            )
             for child in children:
                 if child.poll() is None:
                     child.terminate()
-            deadline = time.monotonic() + 10.0
-        if stopping and deadline is None:
-            deadline = time.monotonic() + _SHUTDOWN_SECONDS
-        if deadline is not None and time.monotonic() > deadline:
+            settle, deadline = None, now + _TERMINATE_SECONDS
+        if stopping() and deadline is None and settle is None:
+            deadline = now + _SHUTDOWN_SECONDS
+        if deadline is not None and now > deadline:
             for child in children:
                 if child.poll() is None:
                     child.kill()

@@ -7,6 +7,7 @@ offline; ``helm_python`` embeds Helm's Go engine (no helm binary, no cluster).
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import io
 import re
@@ -26,6 +27,10 @@ NAMESPACE = "train"
 
 GPU_RESOURCE = "nvidia.com/gpu"
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+SAMPLE_POD_IP = "10.4.0.17"
+"""What the downward API's status.podIP gives a sample pod."""
+TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")
+"""Keys of the TLS Secret the chart reads (auth.tls.secretName)."""
 LWS_KIND = "LeaderWorkerSet"
 
 
@@ -194,6 +199,8 @@ def _downward_sample(pod: PodTemplate, source: dict[str, Any]) -> str:
         return str(pod.pod_index)
     if field == "metadata.namespace":
         return NAMESPACE
+    if field == "status.podIP":
+        return SAMPLE_POD_IP
     raise AssertionError(f"no sample value for valueFrom {source}")
 
 
@@ -226,3 +233,41 @@ def leaf_paths(values: dict[str, Any], prefix: str = "") -> Iterator[str]:
             yield from leaf_paths(value, f"{path}.")
         else:
             yield path
+
+
+def mount_secrets(
+    pod: PodTemplate, container: dict[str, Any], rendered: Rendered, root: Path
+) -> dict[str, Path]:
+    """What the kubelet does for the container's Secret volumes, under `root`: each mounted
+    Secret's files (its `items`, or the TLS keys), holding the rendered Secret's value when the
+    release renders it and a sample otherwise. Returns {mountPath: local directory}."""
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    rendered_secrets = {m["metadata"]["name"]: m for m in rendered.of_kind("Secret")}
+    mounted: dict[str, Path] = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        assert mount.get("readOnly") is True, f"{mount['name']} is mounted writable"
+        local = root / mount["mountPath"].lstrip("/")
+        local.mkdir(parents=True, exist_ok=True)
+        keys = [item["key"] for item in secret.get("items", [])] or list(TLS_KEYS)
+        data = rendered_secrets.get(secret["secretName"], {}).get("data", {})
+        for key in keys:
+            value = base64.b64decode(data[key]) if key in data else b"sample-" + key.encode()
+            (local / key).write_bytes(value + b"\n")
+        mounted[mount["mountPath"]] = local
+    return mounted
+
+
+def localized(argv: Sequence[str], mounted: dict[str, Path]) -> list[str]:
+    """`argv` with paths inside the mounts replaced by their local copies (`mount_secrets`)."""
+
+    def local(arg: str) -> str:
+        for path, copy in mounted.items():
+            flag, sep, value = arg.rpartition("=")
+            if value == path or value.startswith(f"{path}/"):
+                return f"{flag}{sep}{copy}{value[len(path) :]}"
+        return arg
+
+    return [local(arg) for arg in argv]

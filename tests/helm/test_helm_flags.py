@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -28,6 +29,8 @@ from chart_harness import (
     Rendered,
     expanded_args,
     load_value_set,
+    localized,
+    mount_secrets,
     parse_strictly,
     pod_templates,
     value_set_names,
@@ -92,6 +95,7 @@ def test_trainer_flags_exist_in_torchrun_and_trainer_parsers(
     torchrun_parser: argparse.ArgumentParser,
     trainer_parser: argparse.ArgumentParser,
     name: str,
+    tmp_path: Path,
 ) -> None:
     rendered, values = rendered_set(name), _values(name)
     trainer = values["trainer"]
@@ -102,7 +106,11 @@ def test_trainer_flags_exist_in_torchrun_and_trainer_parsers(
         container = pod.container("trainer")
         run = _torchrun(pod, rendered, torchrun_parser)
         args = parse_strictly(trainer_parser, run.training_script_args)
-        config = config_from_args(args)  # the trainer's own validation of the values
+        # The trainer's own validation of the values, token and TLS files included: those of
+        # the Secrets mounted in the container.
+        mounted = mount_secrets(pod, container, rendered, tmp_path / str(pod.role))
+        local = localized(run.training_script_args, mounted)
+        config = config_from_args(parse_strictly(trainer_parser, local))
 
         nnodes, nproc = int(run.nnodes), int(run.nproc_per_node)
         assert run.rdzv_backend == "static"
@@ -170,8 +178,10 @@ def test_sidecar_probes_and_service_use_its_port(rendered_set: RenderedSet, name
     assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(port, port)]
 
 
-def test_sidecar_flags_exist_in_refit_sidecar_parser(rendered_set: RenderedSet) -> None:
-    from refit_sidecar.cli import build_parser
+def test_sidecar_flags_exist_in_refit_sidecar_parser(
+    rendered_set: RenderedSet, tmp_path: Path
+) -> None:
+    from refit_sidecar.cli import build_parser, parse_config
 
     for name in _sets_with("trainer", "sidecar"):
         rendered = rendered_set(name)
@@ -180,6 +190,9 @@ def test_sidecar_flags_exist_in_refit_sidecar_parser(rendered_set: RenderedSet) 
         argv = expanded_args(head, sidecar, rendered)
         args = parse_strictly(build_parser(), argv[1:])
         assert args.port == _values(name)["sidecar"]["port"]
+        mounted = mount_secrets(head, sidecar, rendered, tmp_path / name)
+        config, _ = parse_config(localized(argv[1:], mounted))  # its own validation
+        assert config.port == args.port
 
 
 @pytest.mark.parametrize("name", _sets_with("vllm"))
@@ -207,7 +220,12 @@ def test_vllm_flags_exist_in_vllm_serve_parser(
         address = f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
     else:
         address = receiver["sidecarAddress"]
-    assert args.additional_config == {"refit": {"sidecar": address, "auto": receiver["autoRefit"]}}
+    refit = args.additional_config["refit"]
+    assert (refit.pop("sidecar"), refit.pop("auto")) == (address, receiver["autoRefit"])
+    # What the worker extension passes on to each receiver.
+    from inference_ext.receiver import RefitOptions
+
+    RefitOptions.from_dict(refit)
     assert args.port == _container_port(container, "http")
     assert _probe_ports(container, "httpGet") == {"http"}
     assert {container[f"{k}Probe"]["httpGet"]["path"] for k in ("startup", "liveness")} == {

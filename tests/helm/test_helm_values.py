@@ -73,6 +73,36 @@ BAD_VALUES: list[tuple[str, dict[str, Any], list[str]]] = [
     ("misspelt-key", {"trainer": {"gpuPerNode": 8}}, ["/trainer", "gpuPerNode"]),
     ("port-out-of-range", {"sidecar": {"port": 70000}}, ["/sidecar/port", "maximum"]),
     (
+        "receivers-of-another-sidecar-without-its-token",
+        {**(load_value_set("vllm-only") or {}), "auth": {"existingSecret": ""}},
+        ["auth.existingSecret is required for receivers of another release's sidecar"],
+    ),
+    (
+        "mutual-tls-without-certificates",
+        {"auth": {"tls": {"mutual": True}}},
+        ["auth.tls.mutual needs auth.tls.secretName"],
+    ),
+    (
+        "nixl-port-range-reversed",
+        {"nixl": {"tcpPortRange": {"start": 44000, "end": 43000}}},
+        ["nixl.tcpPortRange.start = 44000 is after nixl.tcpPortRange.end = 43000"],
+    ),
+    (
+        "nixl-port-below-1024",
+        {"nixl": {"tcpPortRange": {"start": 80, "end": 90}}},
+        ["/nixl/tcpPortRange/start", "minimum"],
+    ),
+    (
+        "relative-path-root",
+        {"trainer": {"pathRoots": ["checkpoints"]}},
+        ["/trainer/pathRoots/0", "does not match pattern"],
+    ),
+    (
+        "misspelt-network-peer",
+        {"networkPolicy": {"orchestrators": [{"podSelektor": {}}]}},
+        ["/networkPolicy/orchestrators/0", "podSelektor"],
+    ),
+    (
         "bad-lws-restart-policy",
         {"trainer": {"leaderWorkerSet": {"enabled": True, "restartPolicy": "Sometimes"}}},
         ["/trainer/leaderWorkerSet/restartPolicy", "must be one of"],

@@ -129,15 +129,19 @@ def _refit_matrix(
         args = ["--tp", str(tp_size), "--pp", str(pp_size), "--model", str(path)]
         with running_sidecar(workdir / f"{layout}-sidecar") as sidecar:
             trainer = TrainerProcess(
-                workdir / layout, [*args, "--sidecar", sidecar, "--refit-slots", "2"]
+                workdir / layout, [*args, *sidecar.trainer_args(), "--refit-slots", "2"]
             )
             try:
                 if index == 0:
                     for tp in engine_tps:
                         hosts[tp].result()
                 for tp in engine_tps:
-                    options = RefitOptions(receiver_id=f"{name}-{layout}-tp{tp}", pull_timeout_s=60)
-                    hosts[tp].call("refit_init", sidecar, options)
+                    options = RefitOptions(
+                        receiver_id=f"{name}-{layout}-tp{tp}",
+                        pull_timeout_s=60,
+                        token_file=sidecar.token_file(),
+                    )
+                    hosts[tp].call("refit_init", sidecar.address, options)
                 if index == 0:
                     initial = trainer_logprobs(trainer)
                     for tp in engine_tps:

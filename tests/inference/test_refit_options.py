@@ -1,5 +1,6 @@
 """`RefitOptions` travel as JSON (collective_rpc, vLLM's --additional-config): a misspelt
-key or a timeout that is not a positive number fails when the options are read, naming it."""
+key or a timeout that is not a positive number fails when the options are read, naming it.
+(Their authentication settings: tests/security/test_auth_config.py.)"""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from inference_ext.receiver import RefitOptions
 
 
 def test_refit_options_from_dict() -> None:
-    assert RefitOptions.from_dict(None) == RefitOptions()
-    assert RefitOptions.from_dict({}) == RefitOptions()
+    token = {"token_file": "/run/tokens/receiver"}
+    assert RefitOptions.from_dict(token) == RefitOptions(token_file="/run/tokens/receiver")
     options = RefitOptions.from_dict(
-        {"receiver_id": "r", "pull_timeout_s": 5, "verify_checksums": False}
+        {"receiver_id": "r", "pull_timeout_s": 5, "verify_checksums": False, **token}
     )
     assert (options.receiver_id, options.pull_timeout_s, options.verify_checksums) == (
         "r",

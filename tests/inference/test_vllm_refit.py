@@ -17,7 +17,7 @@ from inference_ext.engine import EngineRefit
 from inference_ext.receiver import RefitOptions
 from tests.support.engine import EngineError, EngineProcess
 from tests.support.fidelity import FIDELITY, PROMPTS, gap, train_step, trainer_logprobs
-from tests.support.sidecar import running_sidecar
+from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import TrainerProcess
 from trainer_svc.builtin_model import write_builtin_model
 
@@ -40,8 +40,10 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             engine.stop()
 
 
-def _options(tp: int) -> RefitOptions:
-    return RefitOptions(receiver_id=f"engine-tp{tp}", pull_timeout_s=60)
+def _options(tp: int, sidecar: Sidecar) -> RefitOptions:
+    return RefitOptions(
+        receiver_id=f"engine-tp{tp}", pull_timeout_s=60, token_file=sidecar.token_file()
+    )
 
 
 def _kill_tree(process: psutil.Process) -> None:
@@ -57,11 +59,11 @@ def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layo
     with running_sidecar(tmp_path / "sidecar") as sidecar:
         trainer = TrainerProcess(
             tmp_path / "trainer",
-            [*layout, "--model", str(model_dir), "--sidecar", sidecar, "--refit-slots", "2"],
+            [*layout, "--model", str(model_dir), *sidecar.trainer_args(), "--refit-slots", "2"],
         )
         try:
             for tp, engine in engines.items():
-                engine.call("refit_init", sidecar, _options(tp))
+                engine.call("refit_init", sidecar.address, _options(tp, sidecar))
             before = {tp: engine.call("probe", PROMPTS) for tp, engine in engines.items()}
             version = train_step(trainer, "s1", seed)
             trained = trainer_logprobs(trainer)
@@ -124,12 +126,12 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
     and no worker of either engine installs anything."""
     with running_sidecar(tmp_path / "sidecar") as sidecar:
         trainer = TrainerProcess(
-            tmp_path / "trainer", ["--tp", "2", "--model", str(model_dir), "--sidecar", sidecar]
+            tmp_path / "trainer", ["--tp", "2", "--model", str(model_dir), *sidecar.trainer_args()]
         )
         launcher = psutil.Process(trainer.process.pid)
         try:
             for tp, engine in engines.items():
-                engine.call("refit_init", sidecar, _options(tp))
+                engine.call("refit_init", sidecar.address, _options(tp, sidecar))
             assert train_step(trainer, "s1", seed=4) == 1
             for engine in engines.values():
                 engine.call("refit_to", 1)

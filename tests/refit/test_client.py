@@ -15,7 +15,6 @@ import pytest
 
 from refit_sidecar.client import (
     Lease,
-    SidecarClient,
     SlotsExhausted,
     TrainerLayout,
     UnknownLease,
@@ -29,7 +28,8 @@ from refit_sidecar.source import ShardSource, SourceConfig
 from refit_sidecar.transport import Region
 from tests.refit.shards import index, random_global, shard_of
 from tests.support.isolation import in_child_process
-from tests.support.sidecar import running_sidecar
+from tests.support.sidecar import Sidecar, running_sidecar
+from trainer_refit.auth import Role
 
 SEED = 3
 # name: (global shape, dtype, split dim (None: replicated), blocks along it)
@@ -50,7 +50,7 @@ def _specs(rank: int, size: int) -> list[ShardSpec]:
 
 
 def publisher(
-    conn: Connection, target: str, ranks: list[tuple[SourceConfig, list[ShardSpec]]]
+    conn: Connection, sidecar: Sidecar, ranks: list[tuple[SourceConfig, list[ShardSpec]]]
 ) -> None:
     """The source process: fills each rank's shards, publishes version 1 through the client,
     reports (slot, retired version, visible per rank, the rank manifests) and then keeps the
@@ -62,7 +62,7 @@ def publisher(
                 full = random_global(spec.parameter, spec.shape, spec.dtype, SEED)
                 source.write(spec.parameter, shard_of(full, spec))
         partials = [source.manifest(1) for source in sources]
-        with SidecarClient(target, timeout=30) as client:
+        with sidecar.client(Role.TRAINER, timeout=30) as client:
             client.wait_ready()
             client.register_trainer(TrainerLayout(tensor_parallel=len(ranks)), num_slots=1)
             slot, retired = client.reserve_slot(1)
@@ -81,14 +81,17 @@ def publisher(
 
 
 @pytest.fixture
-def sidecar(tmp_path: Path) -> Iterator[str]:
-    with running_sidecar(tmp_path, "--when-all-slots-leased", "fail") as address:
-        yield address
+def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
+    with running_sidecar(tmp_path, "--when-all-slots-leased", "fail") as running:
+        yield running
 
 
 @in_child_process
-def test_publish_then_pull_through_the_client(sidecar: str) -> None:
-    with SidecarClient(sidecar, timeout=30) as client:
+def test_publish_then_pull_through_the_client(sidecar: Sidecar) -> None:
+    with (
+        sidecar.client(Role.RECEIVER, timeout=30) as client,
+        sidecar.client(Role.TRAINER, timeout=30) as trainer,
+    ):
         client.wait_ready(timeout=30)
         assert client.latest_version() is None
         with pytest.raises(UnknownVersion):
@@ -124,6 +127,7 @@ def test_publish_then_pull_through_the_client(sidecar: str) -> None:
 
             lease = client.acquire_lease(1, "test-receiver", ttl=30)
             assert isinstance(lease, Lease) and lease.version == 1
+            assert lease.receiver_id == "test-receiver"
             assert 0 < lease.expires_in_seconds <= 30
             plan = plan_pull(manifest, whole(manifest))
             dest = np.zeros(plan.nbytes, np.uint8)
@@ -137,12 +141,12 @@ def test_publish_then_pull_through_the_client(sidecar: str) -> None:
             renewed = client.renew_lease(lease, ttl=60)
             assert renewed.lease_id == lease.lease_id and renewed.expires_in_seconds > 30
             with pytest.raises(SlotsExhausted):
-                client.reserve_slot(2)  # the only slot holds leased version 1
+                trainer.reserve_slot(2)  # the only slot holds leased version 1
             client.release_lease(lease)
             with pytest.raises(UnknownLease):
                 client.release_lease(lease)
             with pytest.raises(UnknownLease):
-                client.renew_lease("lease-nobody", ttl=1)
+                client.renew_lease(Lease("lease-nobody", 1, 0.0, receiver_id="r"), ttl=1)
             with pytest.raises(UnknownVersion):
                 client.manifest(99)
             with pytest.raises(UnknownVersion):
@@ -150,8 +154,8 @@ def test_publish_then_pull_through_the_client(sidecar: str) -> None:
             with pytest.raises(ValueError):
                 client.acquire_lease(1, "test-receiver", ttl=-1)
             with pytest.raises(ValueError):
-                client.reserve_slot(1)  # not newer than the latest
-            assert client.reserve_slot(2) == (0, 1)
+                trainer.reserve_slot(1)  # not newer than the latest
+            assert trainer.reserve_slot(2) == (0, 1)
             with pytest.raises(UnknownVersion):
                 client.manifest(1)  # retired with its slot
         finally:

@@ -182,7 +182,9 @@ def test_metadata_fetched_from_the_source_listener(source: Source) -> None:
         n: AgentRecord(n, host=a.host, port=a.port) for n, a in source.manifest.agents.items()
     }
     manifest = dataclasses.replace(source.manifest, agents=agents)
-    transport = NixlTransport.create(NixlConfig(name="listener-puller", pull_timeout_s=60))
+    transport = NixlTransport.create(
+        NixlConfig(name="listener-puller", pull_timeout_s=60, metadata_listener=True)
+    )
     try:
         _pull_and_check(transport, manifest, whole(manifest), seed=1)
     finally:
@@ -199,11 +201,22 @@ def _lonely_manifest(agent: AgentRecord) -> Manifest:
 @in_child_process
 def test_unanswered_listener_gives_source_lost() -> None:
     manifest = _lonely_manifest(AgentRecord("ghost", host="127.0.0.1", port=_free_port()))
-    transport = NixlTransport.create(NixlConfig(name="ghost-puller", connect_timeout_s=1))
+    transport = NixlTransport.create(
+        NixlConfig(name="ghost-puller", connect_timeout_s=1, metadata_listener=True)
+    )
     plan = plan_pull(manifest, whole(manifest))
     with pytest.raises(SourceLost, match="no metadata"):
         transport.pull(plan, Region.of_array(np.zeros(plan.nbytes, np.uint8)))
     transport.close()
+
+
+def test_a_puller_without_its_listener_refuses_a_listener_only_source(
+    puller: NixlTransport,
+) -> None:
+    manifest = _lonely_manifest(AgentRecord("listener-only", host="127.0.0.1", port=1))
+    plan = plan_pull(manifest, whole(manifest))
+    with pytest.raises(SourceLost, match="metadata_listener"):
+        puller.pull(plan, Region.of_array(np.zeros(plan.nbytes, np.uint8)))
 
 
 BIG: Tensors = {"decoder.layers.0.mlp.linear_fc2.weight": ((8192, 8192), DType.FLOAT32)}  # 256 MiB

@@ -70,7 +70,7 @@ def test_a_leased_version_is_never_overwritten():
     publish_all(registry, 4)  # takes version 3's slot again
     assert registry.visible(1).state is VersionState.VISIBLE
     assert registry.shards(1)[0] == {"rank": 0, "version": 1}
-    registry.release_lease(lease.lease_id)
+    registry.release_lease(lease.lease_id, receiver_id="receiver-a")
     publish_all(registry, 5)
     with pytest.raises(UnknownVersion):
         registry.visible(1)
@@ -85,14 +85,14 @@ def test_all_slots_leased_raises_and_an_expired_lease_frees_its_slot():
         registry.reserve_slot(2)
     assert registry.next_expiry() == lease.expires_at
     clock.now += 9
-    registry.renew_lease(lease.lease_id, ttl_seconds=10)
+    registry.renew_lease(lease.lease_id, ttl_seconds=10, receiver_id="receiver-a")
     clock.now += 9
     with pytest.raises(SlotsExhausted):
         registry.reserve_slot(2)
     clock.now += 2
     assert registry.reserve_slot(2) == (0, 1)
     with pytest.raises(UnknownLease):
-        registry.renew_lease(lease.lease_id, ttl_seconds=10)
+        registry.renew_lease(lease.lease_id, ttl_seconds=10, receiver_id="receiver-a")
 
 
 def test_bad_requests_are_refused():
@@ -107,7 +107,9 @@ def test_bad_requests_are_refused():
     with pytest.raises(UnknownVersion):
         registry.acquire_lease(7, "r", ttl_seconds=5)
     with pytest.raises(UnknownLease):
-        registry.release_lease("lease-404")
+        registry.release_lease("lease-404", receiver_id="r")
+    with pytest.raises(ValueError, match="needs a receiver id"):
+        registry.acquire_lease(3, "", ttl_seconds=5)
     registry.reserve_slot(4)
     with pytest.raises(ValueError, match="outside the world"):
         registry.publish(4, 5, "x")
@@ -123,7 +125,7 @@ def test_a_new_trainer_generation_retires_everything():
     with pytest.raises(UnknownVersion):
         registry.visible(1)
     with pytest.raises(UnknownLease):
-        registry.release_lease(lease.lease_id)
+        registry.release_lease(lease.lease_id, receiver_id="r")
     assert registry.reserve_slot(1) == (0, None)
 
 
@@ -175,10 +177,32 @@ def test_a_reservation_ahead_keeps_the_latest_version_and_never_waits():
     with pytest.raises(SlotsExhausted, match=r"ahead for version 4: the latest .* is 3"):
         registry.reserve_slot(4, ahead=True)  # 2 is leased, 3 is the latest
     assert registry.reserve_slot(4) == (0, 3)  # at the step, the latest may go
-    registry.release_lease(lease.lease_id)
+    registry.release_lease(lease.lease_id, receiver_id="r")
 
     single = make(num_slots=1)
     publish_all(single, 1)
     with pytest.raises(SlotsExhausted):
         single.reserve_slot(2, ahead=True)
     assert single.latest == 1
+
+
+def test_only_its_holder_renews_or_releases_a_lease_and_ids_are_unguessable():
+    clock = Clock()
+    registry = make(num_slots=1, clock=clock)
+    publish_all(registry, 1)
+    lease = registry.acquire_lease(1, "receiver-a", ttl_seconds=10)
+    other = registry.acquire_lease(1, "receiver-b", ttl_seconds=10)
+    assert lease.lease_id != other.lease_id and len(lease.lease_id) >= 20
+    for call in (
+        lambda: registry.renew_lease(lease.lease_id, ttl_seconds=600, receiver_id="receiver-b"),
+        lambda: registry.release_lease(lease.lease_id, receiver_id="receiver-b"),
+    ):
+        # The same refusal as for a lease that does not exist: nothing about it leaks.
+        with pytest.raises(UnknownLease, match=r"^receiver 'receiver-b' holds no lease"):
+            call()
+    assert registry.next_expiry() == lease.expires_at  # unchanged
+    registry.release_lease(other.lease_id, receiver_id="receiver-b")
+    clock.now += 5
+    assert registry.renew_lease(lease.lease_id, ttl_seconds=10, receiver_id="receiver-a")
+    registry.release_lease(lease.lease_id, receiver_id="receiver-a")
+    assert registry.next_expiry() is None

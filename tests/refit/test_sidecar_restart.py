@@ -76,14 +76,16 @@ def _finish_when_published(trainer: TrainerProcess, step_id: str) -> int:
 
 @in_child_process
 def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) -> None:
-    sidecar, address = start_sidecar(tmp_path / "sidecar")
+    sidecar, running = start_sidecar(tmp_path / "sidecar")
+    address = running.address
     port = int(address.rpartition(":")[2])
     trainer = TrainerProcess(
-        tmp_path / "trainer", ["--tp", "2", "--sidecar", address, "--refit-slots", "2"]
+        tmp_path / "trainer", ["--tp", "2", *running.trainer_args(), "--refit-slots", "2"]
     )
     spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
     names = hf_names(spec)
-    options = RefitOptions(receiver_id="restart", pull_timeout_s=60)
+    token = running.token_file()
+    options = RefitOptions(receiver_id="restart", pull_timeout_s=60, token_file=token)
     receiver = Receiver(
         address, spec, ReceiverLayout(), names, options=options, device=torch.device("cpu")
     )
@@ -102,13 +104,16 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
             trainer.client.finish_step("s2")
         assert trainer.client.status().weights_version == 1
 
-        sidecar, _ = start_sidecar(tmp_path / "sidecar-again", port=port)
+        # The same tokens: the trainer and the receiver keep theirs across the restart.
+        sidecar, _ = start_sidecar(tmp_path / "sidecar-again", port=port, tokens=running.tokens)
         assert _finish_when_published(trainer, "s2") == 2
         _assert_exported(trainer, _refit(receiver, 2), "v2")
         _wait_publication(trainer, SERVING)
 
         # A lease that runs out before the pull ends protects nothing: the refit fails closed.
-        brief = RefitOptions(receiver_id="brief", pull_timeout_s=60, lease_ttl_s=1e-4)
+        brief = RefitOptions(
+            receiver_id="brief", pull_timeout_s=60, lease_ttl_s=1e-4, token_file=token
+        )
         short = Receiver(
             address, spec, ReceiverLayout(), names, options=brief, device=torch.device("cpu")
         )

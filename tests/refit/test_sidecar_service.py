@@ -1,6 +1,7 @@
 """The refit-sidecar process over gRPC: versions become readable only when every rank published,
 leased versions are never retired, the all-slots-leased policy applies, unknown versions are
-NOT_FOUND."""
+NOT_FOUND. The trainer's calls go with the trainer role's token, the receivers' with the
+receiver role's."""
 
 from __future__ import annotations
 
@@ -8,16 +9,25 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from typing import NamedTuple
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.client import InvalidRequest, TrainerLayout
 from tests.support.sidecar import running_sidecar
+from trainer_refit.auth import Role
+from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
+
+
+class Stubs(NamedTuple):
+    trainer: pb_grpc.RefitServiceStub
+    receiver: pb_grpc.RefitServiceStub
 
 
 @pytest.fixture
@@ -25,15 +35,17 @@ def start_sidecar(tmp_path):
     numbers = itertools.count()
     with ExitStack() as stack:
 
-        def start(*args: str) -> pb_grpc.RefitServiceStub:
+        def start(*args: str) -> Stubs:
             workdir = tmp_path / f"sidecar-{next(numbers)}"
-            address = stack.enter_context(running_sidecar(workdir, *args))
-            channel = grpc.insecure_channel(address)
-            health = health_pb2_grpc.HealthStub(channel)
+            sidecar = stack.enter_context(running_sidecar(workdir, *args))
+            trainer, receiver = (
+                stack.enter_context(sidecar.channel(role)) for role in (Role.TRAINER, Role.RECEIVER)
+            )
+            health = health_pb2_grpc.HealthStub(receiver)
             assert health.Check(health_pb2.HealthCheckRequest()).status == (
                 health_pb2.HealthCheckResponse.SERVING
             )
-            return pb_grpc.RefitServiceStub(channel)
+            return Stubs(pb_grpc.RefitServiceStub(trainer), pb_grpc.RefitServiceStub(receiver))
 
         yield start
 
@@ -74,15 +86,15 @@ def _code(call, request) -> grpc.StatusCode:
 
 
 def test_versions_manifests_and_leases(start_sidecar):
-    stub = start_sidecar("--when-all-slots-leased", "fail")
+    trainer, stub = start_sidecar("--when-all-slots-leased", "fail")
     assert stub.GetLatestVersion(pb.GetLatestVersionRequest()).version == 0
     assert _code(stub.GetManifest, pb.GetManifestRequest(version=1)) == grpc.StatusCode.NOT_FOUND
-    _register(stub, world_size=2, slots=1)
+    _register(trainer, world_size=2, slots=1)
 
-    assert stub.ReserveSlot(pb.ReserveSlotRequest(version=1)).slot == 0
-    assert _publish(stub, 1, rank=0) is False
+    assert trainer.ReserveSlot(pb.ReserveSlotRequest(version=1)).slot == 0
+    assert _publish(trainer, 1, rank=0) is False
     assert _code(stub.GetManifest, pb.GetManifestRequest(version=1)) == grpc.StatusCode.NOT_FOUND
-    assert _publish(stub, 1, rank=1) is True
+    assert _publish(trainer, 1, rank=1) is True
     assert stub.GetLatestVersion(pb.GetLatestVersionRequest()).version == 1
     manifest = stub.GetManifest(pb.GetManifestRequest(version=1))
     assert [a.name for a in manifest.agents] == ["rank-0", "rank-1"]
@@ -91,15 +103,16 @@ def test_versions_manifests_and_leases(start_sidecar):
     assert manifest.layout.world_size == 2
 
     lease = stub.AcquireLease(pb.AcquireLeaseRequest(version=1, receiver_id="r", ttl_seconds=60))
-    exhausted = _code(stub.ReserveSlot, pb.ReserveSlotRequest(version=2))
+    assert lease.receiver_id == "r"
+    exhausted = _code(trainer.ReserveSlot, pb.ReserveSlotRequest(version=2))
     assert exhausted == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert stub.GetManifest(pb.GetManifestRequest(version=1)).version == 1
-    stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_seconds=60))
-    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id))
-    reply = stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
+    stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, receiver_id="r", ttl_seconds=60))
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id, receiver_id="r"))
+    reply = trainer.ReserveSlot(pb.ReserveSlotRequest(version=2))
     assert (reply.slot, reply.retired_version) == (0, 1)
     assert _code(stub.GetManifest, pb.GetManifestRequest(version=1)) == grpc.StatusCode.NOT_FOUND
-    gone = pb.ReleaseLeaseRequest(lease_id=lease.lease_id)
+    gone = pb.ReleaseLeaseRequest(lease_id=lease.lease_id, receiver_id="r")
     assert _code(stub.ReleaseLease, gone) == grpc.StatusCode.NOT_FOUND
     bad_ttl = pb.AcquireLeaseRequest(version=1, receiver_id="r", ttl_seconds=-1)
     assert _code(stub.AcquireLease, bad_ttl) in (
@@ -109,22 +122,22 @@ def test_versions_manifests_and_leases(start_sidecar):
 
 
 def test_wait_policy_waits_for_an_expiring_lease_and_watchers_see_new_versions(start_sidecar):
-    stub = start_sidecar("--when-all-slots-leased", "wait", "--max-wait-seconds", "120")
-    _register(stub, world_size=1, slots=1)
-    stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
-    _publish(stub, 1, rank=0)
+    trainer, stub = start_sidecar("--when-all-slots-leased", "wait", "--max-wait-seconds", "120")
+    _register(trainer, world_size=1, slots=1)
+    trainer.ReserveSlot(pb.ReserveSlotRequest(version=1))
+    _publish(trainer, 1, rank=0)
     watch = stub.WatchVersions(pb.WatchVersionsRequest(after_version=0))
     assert next(watch).version == 1
     stub.AcquireLease(pb.AcquireLeaseRequest(version=1, receiver_id="r", ttl_seconds=0.5))
-    reply = stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
+    reply = trainer.ReserveSlot(pb.ReserveSlotRequest(version=2))
     assert reply.retired_version == 1
-    _publish(stub, 2, rank=0)
+    _publish(trainer, 2, rank=0)
     assert next(watch).version == 2
     watch.cancel()
 
 
 def test_a_reservation_waits_for_the_last_report_of_the_previous_version(start_sidecar):
-    stub = start_sidecar("--when-all-slots-leased", "fail", "--publish-timeout-seconds", "1")
+    stub, _ = start_sidecar("--when-all-slots-leased", "fail", "--publish-timeout-seconds", "1")
     _register(stub, world_size=2, slots=1)
     stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
     _publish(stub, 1, rank=0)
@@ -142,8 +155,8 @@ def test_a_reservation_waits_for_the_last_report_of_the_previous_version(start_s
 
 
 def test_wait_visible_returns_when_the_last_rank_reports(tmp_path):
-    with running_sidecar(tmp_path / "sidecar") as address, SidecarClient(address) as client:
-        stub = pb_grpc.RefitServiceStub(grpc.insecure_channel(address))
+    with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
+        stub = sidecar.stub(Role.TRAINER)
         _register(stub, world_size=2, slots=2)
         stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
         _publish(stub, 1, rank=0)
@@ -159,8 +172,8 @@ def test_wait_visible_returns_when_the_last_rank_reports(tmp_path):
 
 
 def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_path):
-    with running_sidecar(tmp_path / "sidecar") as address, SidecarClient(address) as client:
-        stub = pb_grpc.RefitServiceStub(grpc.insecure_channel(address))
+    with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
+        stub = sidecar.stub(Role.TRAINER)
         _register(stub, world_size=1, slots=2)
 
         def publish(version: int, crc: int) -> bytes:
@@ -197,3 +210,51 @@ def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_pat
         assert second != first  # slot 1: other addresses
         renewed = client.renew_lease(client.acquire_lease(3, "r", ttl=30), ttl=30)
         assert renewed.manifest_key == b""
+
+
+def test_malformed_requests_are_refused_at_the_edge(tmp_path):
+    """A body that does not parse is INVALID_ARGUMENT before any handler, logged once and
+    without a traceback; the client raises refusals as InvalidRequest (a ValueError); both
+    reflection versions list the service."""
+    log_path = tmp_path / "sidecar.log"
+    with (
+        running_sidecar(tmp_path / "sidecar", log_path=log_path) as sidecar,
+        sidecar.channel(Role.RECEIVER) as channel,
+        sidecar.client(Role.TRAINER) as trainer,
+    ):
+        for method in ("GetManifest", "AcquireLease", "RenewLease", "GetLatestVersion"):
+            call = channel.unary_unary(f"/trainer_refit.v1.RefitService/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\x0a\x10\xff", timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert info.value.details().startswith("request body is not a valid trainer_refit.v1.")
+        watch = channel.unary_stream("/trainer_refit.v1.RefitService/WatchVersions")
+        with pytest.raises(grpc.RpcError) as info:
+            next(watch(b"\xff", timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        with pytest.raises(InvalidRequest, match="num_slots") as refused:
+            trainer.register_trainer(TrainerLayout(), num_slots=0)
+        assert isinstance(refused.value, ValueError) and refused.value.field == "num_slots"
+
+        request_v1, response_v1 = v1_messages()
+        for service, request, response in [
+            (V1_SERVICE_NAME, request_v1, response_v1),
+            (
+                V1ALPHA_SERVICE_NAME,
+                reflection_pb2.ServerReflectionRequest,
+                reflection_pb2.ServerReflectionResponse,
+            ),
+        ]:
+            reflect = channel.stream_stream(
+                f"/{service}/ServerReflectionInfo",
+                request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString,
+            )
+            (reply,) = reflect(iter([request(list_services="")]), timeout=10)
+            names = {s.name for s in reply.list_services_response.service}
+            assert "trainer_refit.v1.RefitService" in names, service
+            assert {V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME} <= names, service
+    log = log_path.read_text(errors="replace")
+    assert log.count("a body that is not a valid") == 1
+    assert "Traceback" not in log

@@ -29,8 +29,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @pytest.fixture
 def sidecar(tmp_path: Path):
-    with running_sidecar(tmp_path / "sidecar", "--when-all-slots-leased", "fail") as address:
-        yield address
+    with running_sidecar(tmp_path / "sidecar", "--when-all-slots-leased", "fail") as running:
+        yield running
 
 
 def _step(trainer: TrainerProcess, step_id: str) -> int:
@@ -98,13 +98,13 @@ def _check_sub_boxes(client: SidecarClient, transport: NixlTransport, version: i
 @in_child_process
 def test_published_versions_equal_export_and_survive_while_leased(tmp_path, sidecar, layout):
     trainer = TrainerProcess(
-        tmp_path / "trainer", [*layout, "--sidecar", sidecar, "--refit-slots", "2"]
+        tmp_path / "trainer", [*layout, *sidecar.trainer_args(), "--refit-slots", "2"]
     )
     transport = NixlTransport.create(NixlConfig(name="test-puller", pull_timeout_s=60))
-    client = SidecarClient(sidecar)
+    client = sidecar.client()
     try:
         status = trainer.client.status()
-        assert status.sidecar == sidecar and status.refit_snapshot_bytes > 0
+        assert status.sidecar == sidecar.address and status.refit_snapshot_bytes > 0
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
         assert _step(trainer, "s1") == 1
         assert client.wait_visible(1) == 1
@@ -127,22 +127,22 @@ def test_published_versions_equal_export_and_survive_while_leased(tmp_path, side
 @in_child_process
 def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar):
     trainer = TrainerProcess(
-        tmp_path / "trainer", ["--tp", "2", "--sidecar", sidecar, "--refit-slots", "2"]
+        tmp_path / "trainer", ["--tp", "2", *sidecar.trainer_args(), "--refit-slots", "2"]
     )
     transport = NixlTransport.create(NixlConfig(name="load-puller", pull_timeout_s=60))
-    client = SidecarClient(sidecar)
+    client = sidecar.client()
     try:
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
         assert _step(trainer, "s1") == 1
         saved = trainer.export("saved")
-        trainer.client.save_checkpoint(tmp_path / "ckpt")
+        trainer.client.save_checkpoint(trainer.workdir / "ckpt")
         assert _step(trainer, "s2") == 2
         # The slot of version 3 is reserved as soon as version 2 is readable, not at the step
         # that makes version 3: unleased version 1 is retired then.
         _wait_retired(client, 1)
         assert _step(trainer, "s3") == 3
 
-        loaded = trainer.client.load_checkpoint(tmp_path / "ckpt")
+        loaded = trainer.client.load_checkpoint(trainer.workdir / "ckpt")
         assert loaded.weights_version == 4 and client.wait_visible(4) == 4
         exported = trainer.export("loaded")
         assert_bit_identical(exported, saved)
@@ -151,15 +151,15 @@ def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar)
         # Both slots leased and the sidecar's policy is `fail`: the load is refused before the
         # weights change, and nothing is published.
         leases = [client.acquire_lease(4, "test", ttl=120)]
-        assert trainer.client.load_checkpoint(tmp_path / "ckpt").weights_version == 5
+        assert trainer.client.load_checkpoint(trainer.workdir / "ckpt").weights_version == 5
         assert client.wait_visible(5) == 5
         leases.append(client.acquire_lease(5, "test", ttl=120))
         with pytest.raises(FailedPrecondition, match="cannot publish"):
-            trainer.client.load_checkpoint(tmp_path / "ckpt")
+            trainer.client.load_checkpoint(trainer.workdir / "ckpt")
         assert trainer.client.status().weights_version == 5 and client.latest_version() == 5
         for lease in leases:
             client.release_lease(lease)
-        assert trainer.client.load_checkpoint(tmp_path / "ckpt").weights_version == 6
+        assert trainer.client.load_checkpoint(trainer.workdir / "ckpt").weights_version == 6
         assert_bit_identical(_pull_hf(client, transport, 6, spec), saved)
     finally:
         client.close()

@@ -1,4 +1,6 @@
-"""Starts a real trainer-svc world (gRPC on port 0) for tests and stops it cleanly."""
+"""Starts a real trainer-svc world (gRPC on port 0, bearer tokens on) for tests and stops it
+cleanly. Its client, channel and stub send the orchestrator role's token; `tokens` has the
+other roles' too (which the trainer refuses)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 import numpy as np
 from safetensors.numpy import load_file
 
+from tests.support.auth import Tokens
+from trainer_refit.auth import Role, open_channel
 from trainer_refit.v1 import trainer_pb2_grpc
 from trainer_svc.client import TrainerClient
 
@@ -26,17 +29,20 @@ class TrainerProcess:
         self.workdir = workdir
         self.port_file = workdir / "port"
         self.log_path = workdir / "trainer.log"
+        self.tokens = Tokens.create(workdir / "tokens")
+        self.auth = self.tokens.client(Role.ORCHESTRATOR)
         env = {**os.environ, **TEST_ENV}
         command = [sys.executable, "-m", "trainer_svc", "--port", "0", "--host", "127.0.0.1"]
-        command += ["--port-file", str(self.port_file), "--work-dir", str(workdir), *args]
+        command += ["--port-file", str(self.port_file), "--work-dir", str(workdir)]
+        command += [*self.tokens.server_args(), *args]
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             command, env=env, stdout=self._log, stderr=subprocess.STDOUT
         )
         self.port = self._wait_for_port()
         self.target = f"127.0.0.1:{self.port}"
-        self.client = TrainerClient(self.target)
-        self.channel = grpc.insecure_channel(self.target)
+        self.client = TrainerClient(self.target, auth=self.auth)
+        self.channel = open_channel(self.target, self.auth)
         self.stub = trainer_pb2_grpc.TrainerServiceStub(self.channel)
 
     def _wait_for_port(self) -> int:

@@ -23,7 +23,9 @@ def _step(process: TrainerProcess, step_id: str, seed: int) -> None:
 
 
 def test_checkpoint_round_trip_and_hf_export(tmp_path):
-    first = TrainerProcess(tmp_path / "first", LAYOUT)
+    # Both services may use tmp_path: the checkpoint lies beside their work dirs.
+    roots = ["--path-root", str(tmp_path)]
+    first = TrainerProcess(tmp_path / "first", [*LAYOUT, *roots])
     try:
         _step(first, "s1", seed=1)
         saved = first.client.save_checkpoint(tmp_path / "ckpt")
@@ -37,7 +39,7 @@ def test_checkpoint_round_trip_and_hf_export(tmp_path):
     finally:
         assert first.stop() == 0
 
-    second = TrainerProcess(tmp_path / "second", LAYOUT)
+    second = TrainerProcess(tmp_path / "second", [*LAYOUT, *roots])
     try:
         loaded = second.client.load_checkpoint(tmp_path / "ckpt")
         assert loaded.optimizer_step == 1

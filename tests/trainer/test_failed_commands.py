@@ -1,6 +1,6 @@
-"""Commands that fail, fail on every rank: bad checkpoint and export paths, broken checkpoints
-and non-finite steps answer a status code with a reason, change nothing, and the TP=2 world
-goes on training and answering Forward."""
+"""Commands that fail, fail on every rank: bad checkpoint and export paths, paths outside the
+trainer's path roots, broken checkpoints and non-finite steps answer a status code with a
+reason, change nothing, and the TP=2 world goes on training and answering Forward."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from trainer_svc.domain import LossConfig, LossKind, OptimizerOverrides, Sequenc
 LOSS = LossConfig(kind=LossKind.PPO)
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, weight_decay=0.0)
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+DENIED = grpc.StatusCode.PERMISSION_DENIED
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +98,19 @@ def _broken_checkpoints(trainer: TrainerProcess, root: Path) -> dict[str, Path]:
     }
 
 
-def test_bad_paths_and_broken_checkpoints_fail_on_every_rank(trainer, tmp_path):
+def test_bad_paths_and_broken_checkpoints_fail_on_every_rank(trainer):
     client, stub = trainer.client, trainer.stub
     client.load_checkpoint(trainer.base)
     before = trainer.export("before-bad-paths")
     status = client.status()
-    a_file = tmp_path / "a-file"
+    scratch = trainer.workdir / "bad-paths"  # inside the path root (the work dir)
+    scratch.mkdir()
+    a_file = scratch / "a-file"
     a_file.write_text("")
     bad_paths = {
-        str(tmp_path / "nul\0byte"): INVALID,
-        "relative/ckpt": INVALID,
-        "/dev/null/ckpt": PRECONDITION,
+        str(scratch / "nul\0byte"): INVALID,
         str(a_file / "ckpt"): PRECONDITION,
+        "bad-paths/a-file/ckpt": PRECONDITION,  # relative: under the work dir
         str(a_file): PRECONDITION,
         str(trainer.base): PRECONDITION,
     }
@@ -118,7 +120,7 @@ def test_bad_paths_and_broken_checkpoints_fail_on_every_rank(trainer, tmp_path):
         export = _refusal(stub.ExportHF, pb.ExportHFRequest(path=path))
         assert export[0] == code, (path, export)
     assert _refusal(stub.LoadCheckpoint, pb.LoadCheckpointRequest(path="/x\0y"))[0] == INVALID
-    for name, path in _broken_checkpoints(trainer, tmp_path / "broken").items():
+    for name, path in _broken_checkpoints(trainer, scratch / "broken").items():
         code, details = _refusal(stub.LoadCheckpoint, pb.LoadCheckpointRequest(path=str(path)))
         assert code == PRECONDITION, (name, details)
         assert str(path) in details, (name, details)
@@ -130,6 +132,52 @@ def test_bad_paths_and_broken_checkpoints_fail_on_every_rank(trainer, tmp_path):
     )
     assert_bit_identical(trainer.export("after-bad-paths"), before)
     _assert_serving(trainer, "after-bad-paths")
+
+
+def test_paths_outside_the_path_roots_are_refused(trainer, tmp_path):
+    """The trainer's only path root is its work dir: anything that leads elsewhere, even to a
+    complete checkpoint, is refused before any rank acts, and the world trains on."""
+    client, stub = trainer.client, trainer.stub
+    client.load_checkpoint(trainer.base)
+    status = client.status()
+    root = trainer.workdir.resolve()
+    outside = tmp_path.resolve()
+    shutil.copytree(trainer.base, outside / "copied-base")
+    (root / "escape").symlink_to(outside)  # planted inside the root, leads out
+    look_alike = Path(f"{root}-evil")
+    look_alike.mkdir()
+    refused = [
+        outside / "ckpt",
+        root / "escape" / "ckpt",
+        look_alike / "ckpt",
+        root / ".." / "ckpt",
+        Path("../ckpt"),
+        Path("/dev/null/ckpt"),
+    ]
+    for path in refused:
+        for call, request in (
+            (stub.SaveCheckpoint, pb.SaveCheckpointRequest(path=str(path))),
+            (stub.ExportHF, pb.ExportHFRequest(path=str(path))),
+        ):
+            code, details = _refusal(call, request)
+            assert code == DENIED, (path, details)
+            assert str(path) in details and str(root) in details, details
+    for path in (outside / "copied-base", root / "escape" / "copied-base"):
+        code, details = _refusal(stub.LoadCheckpoint, pb.LoadCheckpointRequest(path=str(path)))
+        assert code == DENIED, (path, details)
+    assert sorted(p.name for p in outside.iterdir()) == ["copied-base"]
+    assert not any(look_alike.iterdir())
+
+    after = client.status()
+    assert (after.weights_version, after.optimizer_step) == (
+        status.weights_version,
+        status.optimizer_step,
+    )
+    _assert_serving(trainer, "after-outside-paths")
+    # A relative path is under the root, and the reply names where it went.
+    saved = client.save_checkpoint("saved-by-relative-path")
+    assert saved.path == root / "saved-by-relative-path"
+    assert (saved.path / "trainer_state.json").is_file()
 
 
 def _extreme(batch: SequenceBatch, *, behaviour: float, advantage: float) -> SequenceBatch:

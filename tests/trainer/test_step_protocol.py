@@ -3,6 +3,7 @@ gets its status code and leaves weights, optimizer state and the open step untou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import grpc
@@ -10,9 +11,13 @@ import pytest
 
 from tests.support.batches import make_batch
 from tests.support.trainer import TrainerProcess, assert_bit_identical
+from trainer_refit.errors import MAX_MESSAGE_BYTES
+from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages
+from trainer_refit.status_details import violated_field
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.client import begin_request, microbatch_request
 from trainer_svc.domain import (
+    AlreadyExists,
     FailedPrecondition,
     ForwardOutput,
     LossConfig,
@@ -45,11 +50,15 @@ def _reference_step(trainer: TrainerProcess) -> dict:
     return trainer.export("reference")
 
 
-def _code(call, request) -> grpc.StatusCode:
+def _refusal(call, request) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call(request)
     assert info.value.details(), "a refusal must say why"
-    return info.value.code()
+    return info.value
+
+
+def _code(call, request) -> grpc.StatusCode:
+    return _refusal(call, request).code()
 
 
 def _open_counts(trainer: TrainerProcess) -> pb.StepCounts:
@@ -130,19 +139,45 @@ def test_bad_requests_are_refused_and_change_nothing(trainer):
     )
     unknown_loss = begin_request("s1", LOSS, OPTIMIZER)
     unknown_loss.loss.kind = 99
-    assert _code(stub.BeginTrainStep, unknown_loss) == grpc.StatusCode.INVALID_ARGUMENT
     bad_clip = begin_request("s1", LOSS, OPTIMIZER)
     bad_clip.loss.clip_low = 1.5
-    assert _code(stub.BeginTrainStep, bad_clip) == grpc.StatusCode.INVALID_ARGUMENT
+    unspecified = begin_request("s1", LOSS, OPTIMIZER)
+    unspecified.loss.normalization = pb.NORMALIZATION_UNSPECIFIED
+    no_id = begin_request("", LOSS, OPTIMIZER)
+    long_id = begin_request("s" * 257, LOSS, OPTIMIZER)
+    for request, field in [
+        (unknown_loss, "loss.kind"),
+        (bad_clip, "loss.clip_low"),
+        (unspecified, "loss.normalization"),
+        (no_id, "step_id"),
+        (long_id, "step_id"),
+    ]:
+        error = _refusal(stub.BeginTrainStep, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert violated_field(error) == field
     assert not client.status().HasField("open_step")
 
     client.begin_step("s1", LOSS, OPTIMIZER)
     client.train_microbatch("s1", "r0", trainer.batch)
     before = _open_counts(trainer)
     expected = {"step id mismatch": grpc.StatusCode.FAILED_PRECONDITION}
+    fields = {
+        "token outside the vocab": "sequences.tokens",
+        "negative token": "sequences.tokens",
+        "inconsistent offsets": "sequences.offsets",
+        "loss_mask too short": "loss_mask",
+        "advantages too long": "advantages",
+        "NaN advantage": "advantages",
+        "infinite behaviour logprob": "behaviour_logprobs",
+        "missing reference logprobs": "reference_logprobs",
+        "oversize microbatch": "sequences.tokens",
+        "first token masked in": "loss_mask",
+        "step id mismatch": None,
+    }
     for name, request in _bad_microbatches(trainer, "s1").items():
-        code = _code(stub.TrainMicrobatch, request)
-        assert code == expected.get(name, grpc.StatusCode.INVALID_ARGUMENT), name
+        error = _refusal(stub.TrainMicrobatch, request)
+        assert error.code() == expected.get(name, grpc.StatusCode.INVALID_ARGUMENT), name
+        assert violated_field(error) == fields[name], name
         assert _open_counts(trainer) == before, name
 
     again = begin_request("s2", LOSS, OPTIMIZER)
@@ -169,6 +204,7 @@ def test_abort_leaves_weights_and_optimizer_bit_identical(trainer):
     client.train_microbatch("doomed", "r0", trainer.batch)
     assert client.abort_step("doomed") is True
     assert client.abort_step("doomed") is False
+    assert client.abort_step("never-begun") is False  # no step is open: idempotent
     assert not client.status().HasField("open_step")
     assert_bit_identical(trainer.export("after-abort"), trainer.base_weights)
 
@@ -194,6 +230,15 @@ def test_duplicate_request_id_is_applied_once(trainer):
     second = client.train_microbatch("dup", "same-id", trainer.batch)
     assert not first.duplicate and second.duplicate
     assert second.accumulated == first.accumulated
+    counts = _open_counts(trainer)
+    other = microbatch_request("dup", "same-id", trainer.batch)
+    other.advantages[4] += 0.5
+    assert _code(trainer.stub.TrainMicrobatch, other) == grpc.StatusCode.ALREADY_EXISTS
+    tokens = trainer.batch.tokens.copy()
+    tokens[1] = (tokens[1] + 1) % 100
+    with pytest.raises(AlreadyExists, match="same-id"):
+        client.train_microbatch("dup", "same-id", dataclasses.replace(trainer.batch, tokens=tokens))
+    assert _open_counts(trainer) == counts
     result = client.finish_step("dup")
     assert result.metrics.counts.microbatches == 1
     assert_bit_identical(trainer.export("after-duplicate"), trainer.reference)
@@ -213,3 +258,34 @@ def test_health_and_reflection_are_served(trainer):
     names = {s.name for s in reply.list_services_response.service}
     assert "trainer_refit.v1.TrainerService" in names
     assert "grpc.health.v1.Health" in names
+    assert {V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME} <= names
+
+    request_v1, response_v1 = v1_messages()
+    reflect_v1 = trainer.channel.stream_stream(
+        f"/{V1_SERVICE_NAME}/ServerReflectionInfo",
+        request_serializer=request_v1.SerializeToString,
+        response_deserializer=response_v1.FromString,
+    )
+    requests = [
+        request_v1(list_services=""),
+        request_v1(file_containing_symbol="trainer_refit.v1.TrainerService"),
+    ]
+    listed, described = reflect_v1(iter(requests), timeout=30)
+    assert {s.name for s in listed.list_services_response.service} == names
+    assert described.file_descriptor_response.file_descriptor_proto
+
+
+def test_undecodable_bodies_and_huge_ids_are_refused_cleanly(trainer):
+    """Unparseable bodies are INVALID_ARGUMENT without a traceback in the log; a refusal that
+    echoes a 20 KB step id keeps its code (its message is bounded)."""
+    for method in ("BeginTrainStep", "TrainMicrobatch", "Forward", "GetStatus"):
+        call = trainer.channel.unary_unary(f"/trainer_refit.v1.TrainerService/{method}")
+        error = _refusal(call, b"\x0a\x10\xff")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+        assert error.details().startswith("request body is not a valid trainer_refit.v1."), method
+    huge = pb.FinishTrainStepRequest(step_id="é" * 20_000)
+    error = _refusal(trainer.stub.FinishTrainStep, huge)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert len(error.details().encode()) <= MAX_MESSAGE_BYTES
+    assert "(20000 characters)" in error.details()
+    assert "Traceback" not in trainer.log_path.read_text(errors="replace")

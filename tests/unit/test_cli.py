@@ -18,7 +18,7 @@ from trainer_svc.config import (
 
 
 def test_defaults_are_the_config_defaults() -> None:
-    config, log_level = parse_config([])
+    config, log_level = parse_config(["--insecure"])
     assert config == TrainerConfig()
     assert log_level == "INFO"
     assert config.layout.world_size == 1
@@ -37,6 +37,7 @@ def test_parser_defaults_match_the_config_classes() -> None:
 def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
     config, log_level = parse_config(
         [
+            "--insecure",
             *("--model", str(tmp_path / "hf")),
             *("--params-dtype", "bfloat16"),
             *("--max-seq-len", "512"),
@@ -76,7 +77,7 @@ def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
     ("tp", "pp", "dp", "world"), [(1, 1, 8, 8), (2, 1, 1, 2), (2, 2, 2, 8), (4, 2, 1, 8)]
 )
 def test_layout_world_size(tp: int, pp: int, dp: int, world: int) -> None:
-    config, _ = parse_config(["--tp", str(tp), "--pp", str(pp), "--dp", str(dp)])
+    config, _ = parse_config(["--insecure", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp)])
     assert config.layout.world_size == world
 
 
@@ -107,7 +108,7 @@ def test_invalid_values_exit_with_a_usage_error(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as info:
-        parse_config(argv)
+        parse_config(["--insecure", *argv])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: trainer-svc")
@@ -121,5 +122,5 @@ def test_invalid_values_exit_with_a_usage_error(
 )
 def test_non_finite_optimizer_values_exit_with_a_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        parse_config(argv)
+        parse_config(["--insecure", *argv])
     assert info.value.code == 2

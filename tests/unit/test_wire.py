@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
 from trainer_svc import client
@@ -289,6 +290,10 @@ class RefusingServicer(pb_grpc.TrainerServiceServicer):
         context.abort(grpc.StatusCode[request.step_id], f"refused with {request.step_id}")
 
 
+NO_AUTH = ClientAuth(insecure=True)
+"""The refusing server below checks no token."""
+
+
 @pytest.fixture(scope="module")
 def target() -> Iterator[str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -334,7 +339,7 @@ def test_translate_passes_other_errors_through(target: str, code: str) -> None:
     [("INVALID_ARGUMENT", InvalidArgument), ("FAILED_PRECONDITION", FailedPrecondition)],
 )
 def test_client_raises_domain_errors(target: str, code: str, domain_error: type[Exception]) -> None:
-    with client.TrainerClient(target, timeout=10) as trainer:
+    with client.TrainerClient(target, auth=NO_AUTH, timeout=10) as trainer:
         with pytest.raises(domain_error, match=f"^refused with {code}$") as info:
             trainer.abort_step(code)
         assert not isinstance(info.value, grpc.RpcError)
@@ -348,7 +353,7 @@ def test_client_raises_domain_errors(target: str, code: str, domain_error: type[
 
 def test_async_client_raises_domain_errors(target: str) -> None:
     async def call() -> None:
-        async with client.AsyncTrainerClient(target, timeout=10) as trainer:
+        async with client.AsyncTrainerClient(target, auth=NO_AUTH, timeout=10) as trainer:
             await trainer.abort_step("FAILED_PRECONDITION")
 
     with pytest.raises(FailedPrecondition, match=r"^refused with FAILED_PRECONDITION$"):

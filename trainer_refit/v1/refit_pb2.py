@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from trainer_refit.v1 import common_pb2 as trainer__refit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrainer_refit/v1/refit.proto\x12\x10trainer_refit.v1\x1a\x1dtrainer_refit/v1/common.proto\"\"\n\x03\x42ox\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"E\n\nShardPiece\x12\"\n\x03\x62ox\x18\x01 \x01(\x0b\x32\x15.trainer_refit.v1.Box\x12\x13\n\x0blocal_start\x18\x02 \x03(\x03\"\xa0\x01\n\rShardLocation\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07strides\x18\x05 \x03(\x03\x12,\n\x06memory\x18\x06 \x01(\x0e\x32\x1c.trainer_refit.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xc7\x01\n\x0bShardRecord\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\x12,\n\x06pieces\x18\x02 \x03(\x0b\x32\x1c.trainer_refit.v1.ShardPiece\x12\x12\n\x05\x63rc32\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0btensor_rank\x18\x05 \x01(\r\x12\x16\n\x0epipeline_stage\x18\x06 \x01(\rB\x08\n\x06_crc32\"\x85\x01\n\x0fParameterRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.trainer_refit.v1.DType\x12-\n\x06shards\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.ShardRecord\";\n\x0bSourceAgent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xb3\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layout\x18\x02 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x35\n\nparameters\x18\x03 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\x12-\n\x06\x61gents\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\"3\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x19\n\x17GetLatestVersionRequest\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"P\n\x13\x41\x63quireLeaseRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"\\\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1a\n\x12\x65xpires_in_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cmanifest_key\x18\x04 \x01(\x0c\":\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"]\n\x16RegisterTrainerRequest\x12\x30\n\x06layout\x18\x01 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x19\n\x17RegisterTrainerResponse\"4\n\x12ReserveSlotRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x61head\x18\x02 \x01(\x08\"<\n\x13ReserveSlotResponse\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x17\n\x0fretired_version\x18\x02 \x01(\x04\"\x9a\x01\n\x14PublishShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12,\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\x12\x35\n\nparameters\x18\x04 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\"(\n\x15PublishShardsResponse\x12\x0f\n\x07visible\x18\x01 \x01(\x08*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02\x32\xb8\x06\n\x0cRefitService\x12\\\n\x10GetLatestVersion\x12).trainer_refit.v1.GetLatestVersionRequest\x1a\x1d.trainer_refit.v1.VersionInfo\x12X\n\rWatchVersions\x12&.trainer_refit.v1.WatchVersionsRequest\x1a\x1d.trainer_refit.v1.VersionInfo0\x01\x12O\n\x0bGetManifest\x12$.trainer_refit.v1.GetManifestRequest\x1a\x1a.trainer_refit.v1.Manifest\x12N\n\x0c\x41\x63quireLease\x12%.trainer_refit.v1.AcquireLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12J\n\nRenewLease\x12#.trainer_refit.v1.RenewLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12]\n\x0cReleaseLease\x12%.trainer_refit.v1.ReleaseLeaseRequest\x1a&.trainer_refit.v1.ReleaseLeaseResponse\x12\x66\n\x0fRegisterTrainer\x12(.trainer_refit.v1.RegisterTrainerRequest\x1a).trainer_refit.v1.RegisterTrainerResponse\x12Z\n\x0bReserveSlot\x12$.trainer_refit.v1.ReserveSlotRequest\x1a%.trainer_refit.v1.ReserveSlotResponse\x12`\n\rPublishShards\x12&.trainer_refit.v1.PublishShardsRequest\x1a\'.trainer_refit.v1.PublishShardsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrainer_refit/v1/refit.proto\x12\x10trainer_refit.v1\x1a\x1dtrainer_refit/v1/common.proto\"\"\n\x03\x42ox\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"E\n\nShardPiece\x12\"\n\x03\x62ox\x18\x01 \x01(\x0b\x32\x15.trainer_refit.v1.Box\x12\x13\n\x0blocal_start\x18\x02 \x03(\x03\"\xa0\x01\n\rShardLocation\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07strides\x18\x05 \x03(\x03\x12,\n\x06memory\x18\x06 \x01(\x0e\x32\x1c.trainer_refit.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xc7\x01\n\x0bShardRecord\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\x12,\n\x06pieces\x18\x02 \x03(\x0b\x32\x1c.trainer_refit.v1.ShardPiece\x12\x12\n\x05\x63rc32\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0btensor_rank\x18\x05 \x01(\r\x12\x16\n\x0epipeline_stage\x18\x06 \x01(\rB\x08\n\x06_crc32\"\x85\x01\n\x0fParameterRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.trainer_refit.v1.DType\x12-\n\x06shards\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.ShardRecord\";\n\x0bSourceAgent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xb3\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layout\x18\x02 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x35\n\nparameters\x18\x03 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\x12-\n\x06\x61gents\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\"3\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x19\n\x17GetLatestVersionRequest\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"P\n\x13\x41\x63quireLeaseRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"q\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1a\n\x12\x65xpires_in_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cmanifest_key\x18\x04 \x01(\x0c\x12\x13\n\x0breceiver_id\x18\x05 \x01(\t\"O\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\x12\x13\n\x0breceiver_id\x18\x03 \x01(\t\"<\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"]\n\x16RegisterTrainerRequest\x12\x30\n\x06layout\x18\x01 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x19\n\x17RegisterTrainerResponse\"4\n\x12ReserveSlotRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x61head\x18\x02 \x01(\x08\"<\n\x13ReserveSlotResponse\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x17\n\x0fretired_version\x18\x02 \x01(\x04\"\x9a\x01\n\x14PublishShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12,\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\x12\x35\n\nparameters\x18\x04 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\"(\n\x15PublishShardsResponse\x12\x0f\n\x07visible\x18\x01 \x01(\x08*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02\x32\xb8\x06\n\x0cRefitService\x12\\\n\x10GetLatestVersion\x12).trainer_refit.v1.GetLatestVersionRequest\x1a\x1d.trainer_refit.v1.VersionInfo\x12X\n\rWatchVersions\x12&.trainer_refit.v1.WatchVersionsRequest\x1a\x1d.trainer_refit.v1.VersionInfo0\x01\x12O\n\x0bGetManifest\x12$.trainer_refit.v1.GetManifestRequest\x1a\x1a.trainer_refit.v1.Manifest\x12N\n\x0c\x41\x63quireLease\x12%.trainer_refit.v1.AcquireLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12J\n\nRenewLease\x12#.trainer_refit.v1.RenewLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12]\n\x0cReleaseLease\x12%.trainer_refit.v1.ReleaseLeaseRequest\x1a&.trainer_refit.v1.ReleaseLeaseResponse\x12\x66\n\x0fRegisterTrainer\x12(.trainer_refit.v1.RegisterTrainerRequest\x1a).trainer_refit.v1.RegisterTrainerResponse\x12Z\n\x0bReserveSlot\x12$.trainer_refit.v1.ReserveSlotRequest\x1a%.trainer_refit.v1.ReserveSlotResponse\x12`\n\rPublishShards\x12&.trainer_refit.v1.PublishShardsRequest\x1a\'.trainer_refit.v1.PublishShardsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainer_refit.v1.refit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYKIND']._serialized_start=1836
-  _globals['_MEMORYKIND']._serialized_end=1921
+  _globals['_MEMORYKIND']._serialized_start=1899
+  _globals['_MEMORYKIND']._serialized_end=1984
   _globals['_BOX']._serialized_start=81
   _globals['_BOX']._serialized_end=115
   _globals['_SHARDPIECE']._serialized_start=117
@@ -59,25 +59,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACQUIRELEASEREQUEST']._serialized_start=1098
   _globals['_ACQUIRELEASEREQUEST']._serialized_end=1178
   _globals['_LEASE']._serialized_start=1180
-  _globals['_LEASE']._serialized_end=1272
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1274
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1332
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1334
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1373
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1375
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1397
-  _globals['_REGISTERTRAINERREQUEST']._serialized_start=1399
-  _globals['_REGISTERTRAINERREQUEST']._serialized_end=1492
-  _globals['_REGISTERTRAINERRESPONSE']._serialized_start=1494
-  _globals['_REGISTERTRAINERRESPONSE']._serialized_end=1519
-  _globals['_RESERVESLOTREQUEST']._serialized_start=1521
-  _globals['_RESERVESLOTREQUEST']._serialized_end=1573
-  _globals['_RESERVESLOTRESPONSE']._serialized_start=1575
-  _globals['_RESERVESLOTRESPONSE']._serialized_end=1635
-  _globals['_PUBLISHSHARDSREQUEST']._serialized_start=1638
-  _globals['_PUBLISHSHARDSREQUEST']._serialized_end=1792
-  _globals['_PUBLISHSHARDSRESPONSE']._serialized_start=1794
-  _globals['_PUBLISHSHARDSRESPONSE']._serialized_end=1834
-  _globals['_REFITSERVICE']._serialized_start=1924
-  _globals['_REFITSERVICE']._serialized_end=2748
+  _globals['_LEASE']._serialized_end=1293
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1295
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1374
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1376
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1436
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1438
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1460
+  _globals['_REGISTERTRAINERREQUEST']._serialized_start=1462
+  _globals['_REGISTERTRAINERREQUEST']._serialized_end=1555
+  _globals['_REGISTERTRAINERRESPONSE']._serialized_start=1557
+  _globals['_REGISTERTRAINERRESPONSE']._serialized_end=1582
+  _globals['_RESERVESLOTREQUEST']._serialized_start=1584
+  _globals['_RESERVESLOTREQUEST']._serialized_end=1636
+  _globals['_RESERVESLOTRESPONSE']._serialized_start=1638
+  _globals['_RESERVESLOTRESPONSE']._serialized_end=1698
+  _globals['_PUBLISHSHARDSREQUEST']._serialized_start=1701
+  _globals['_PUBLISHSHARDSREQUEST']._serialized_end=1855
+  _globals['_PUBLISHSHARDSRESPONSE']._serialized_start=1857
+  _globals['_PUBLISHSHARDSRESPONSE']._serialized_end=1897
+  _globals['_REFITSERVICE']._serialized_start=1987
+  _globals['_REFITSERVICE']._serialized_end=2811
 # @@protoc_insertion_point(module_scope)

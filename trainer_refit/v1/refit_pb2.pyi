@@ -136,30 +136,36 @@ class AcquireLeaseRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key")
+    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key", "receiver_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     expires_in_seconds: float
     manifest_key: bytes
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ...) -> None: ...
+    receiver_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ..., receiver_id: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds")
+    __slots__ = ("lease_id", "ttl_seconds", "receiver_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    receiver_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., receiver_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "receiver_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    receiver_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., receiver_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()

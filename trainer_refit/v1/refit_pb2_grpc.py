@@ -29,6 +29,14 @@ class RefitServiceStub:
     """The refit control plane (the sidecar). Trainer ranks reserve a snapshot slot for each new
     weights version and publish where their shards live; receivers find versions, read their
     manifests, and lease a version while they pull its bytes with one-sided NIXL reads.
+
+    Errors (a refused call changes nothing): INVALID_ARGUMENT for a body that does not parse as
+    the request message ("request body is not a valid <message>"; gRPC's libraries answer
+    INTERNAL there, this service keeps INTERNAL for its own faults) or a value out of range;
+    otherwise the codes each RPC names, and a google.rpc.BadRequest detail naming the field
+    when one field is at fault. INTERNAL is a fault of the service: "internal error <id>; see
+    the server log". Status messages are at most 1 KiB. Every call may also be refused
+    UNAUTHENTICATED or PERMISSION_DENIED before it runs (docs/security.md).
     """
 
     def __init__(self, channel):
@@ -88,10 +96,19 @@ class RefitServiceServicer:
     """The refit control plane (the sidecar). Trainer ranks reserve a snapshot slot for each new
     weights version and publish where their shards live; receivers find versions, read their
     manifests, and lease a version while they pull its bytes with one-sided NIXL reads.
+
+    Errors (a refused call changes nothing): INVALID_ARGUMENT for a body that does not parse as
+    the request message ("request body is not a valid <message>"; gRPC's libraries answer
+    INTERNAL there, this service keeps INTERNAL for its own faults) or a value out of range;
+    otherwise the codes each RPC names, and a google.rpc.BadRequest detail naming the field
+    when one field is at fault. INTERNAL is a fault of the service: "internal error <id>; see
+    the server log". Status messages are at most 1 KiB. Every call may also be refused
+    UNAUTHENTICATED or PERMISSION_DENIED before it runs (docs/security.md).
     """
 
     def GetLatestVersion(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Refused only as every call may be (a body that does not parse).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -112,13 +129,18 @@ class RefitServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AcquireLease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """NOT_FOUND for a version that is not readable; INVALID_ARGUMENT for an empty receiver_id
+        or ttl_seconds outside (0, the sidecar's --max-lease-seconds].
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RenewLease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Renew and release only by the lease's holder: NOT_FOUND, as for an unknown lease, when
+        `receiver_id` is not the one that acquired it (nothing changes). NOT_FOUND too for a
+        lease released or expired; RenewLease: INVALID_ARGUMENT for ttl_seconds as AcquireLease.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -131,14 +153,21 @@ class RefitServiceServicer:
 
     def RegisterTrainer(self, request, context):
         """Trainer side, once at start: its layout and snapshot slots per rank. Retires every version
-        of an earlier trainer (its sources are gone).
+        of an earlier trainer (its sources are gone). INVALID_ARGUMENT when layout.world_size or
+        num_slots is 0.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReserveSlot(self, request, context):
-        """Trainer side: which slot receives `version` (never one holding a leased version).
+        """Trainer side: which slot receives `version` (never one holding a leased version). Waits,
+        bounded, for the previous version's last reports and (--when-all-slots-leased wait) for a
+        lease to end. INVALID_ARGUMENT for a version not newer than the newest reserved (unless
+        it is that one, reserved and not yet published by any rank: its slot again);
+        RESOURCE_EXHAUSTED when every slot holds a leased version; FAILED_PRECONDITION when the
+        previous version's ranks did not all report in time; ABORTED when no trainer registered
+        since the sidecar started (register again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +175,8 @@ class RefitServiceServicer:
 
     def PublishShards(self, request, context):
         """Trainer side: one rank's shards of `version`; visible once every rank has published.
+        NOT_FOUND when `version` has no reserved slot being published; INVALID_ARGUMENT for a rank
+        outside the world; ABORTED as ReserveSlot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -211,6 +242,14 @@ class RefitService:
     """The refit control plane (the sidecar). Trainer ranks reserve a snapshot slot for each new
     weights version and publish where their shards live; receivers find versions, read their
     manifests, and lease a version while they pull its bytes with one-sided NIXL reads.
+
+    Errors (a refused call changes nothing): INVALID_ARGUMENT for a body that does not parse as
+    the request message ("request body is not a valid <message>"; gRPC's libraries answer
+    INTERNAL there, this service keeps INTERNAL for its own faults) or a value out of range;
+    otherwise the codes each RPC names, and a google.rpc.BadRequest detail naming the field
+    when one field is at fault. INTERNAL is a fault of the service: "internal error <id>; see
+    the server log". Status messages are at most 1 KiB. Every call may also be refused
+    UNAUTHENTICATED or PERMISSION_DENIED before it runs (docs/security.md).
     """
 
     @staticmethod

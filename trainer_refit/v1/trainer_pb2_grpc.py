@@ -33,9 +33,24 @@ class TrainerServiceStub:
     divides by the global count of valid tokens or sequences, so streaming a batch in k pieces
     gives the same update as sending it whole.
 
-    Errors: INVALID_ARGUMENT for a malformed request and FAILED_PRECONDITION for one that the
-    service state or the filesystem does not allow (both change nothing); INTERNAL for a fault of
-    the service. A call fails on every rank together, and the service keeps serving after it.
+    Errors (a refused call changes nothing, except where FinishTrainStep says otherwise):
+    - INVALID_ARGUMENT: the request is wrong whatever the service's state: a body that does not
+    parse as the request message ("request body is not a valid <message>"; gRPC's libraries
+    answer INTERNAL there, this service keeps INTERNAL for its own faults), or a field value
+    outside its documented range. A refusal of one field carries a google.rpc.BadRequest detail
+    (the grpc-status-details-bin trailer) naming it as a dotted path: "step_id",
+    "sequences.tokens", "loss.kind", "optimizer.adam_beta1", "top_k", "path"...
+    - FAILED_PRECONDITION: a well-formed request that the service state or the filesystem does
+    not allow (no step open, another step open, a directory that is not a checkpoint).
+    - ALREADY_EXISTS: TrainMicrobatch reusing a request_id of the open step for other data.
+    - INTERNAL: a fault of the service, or a command that failed on some rank for a reason that
+    is not the request's; "internal error <id>; see the server log" when unexpected. A call
+    fails on every rank together, and the service keeps serving after it.
+    - PERMISSION_DENIED: a checkpoint or export path outside the trainer's path roots.
+    - UNAVAILABLE: a rank of the trainer died; the service stops serving.
+    Every call may also be refused UNAUTHENTICATED (no valid token) or PERMISSION_DENIED (a
+    token whose role may not call it) before it runs (docs/security.md).
+    Status messages are at most 1 KiB; client strings echoed in them are cut to 64 characters.
     """
 
     def __init__(self, channel):
@@ -99,19 +114,42 @@ class TrainerServiceServicer:
     divides by the global count of valid tokens or sequences, so streaming a batch in k pieces
     gives the same update as sending it whole.
 
-    Errors: INVALID_ARGUMENT for a malformed request and FAILED_PRECONDITION for one that the
-    service state or the filesystem does not allow (both change nothing); INTERNAL for a fault of
-    the service. A call fails on every rank together, and the service keeps serving after it.
+    Errors (a refused call changes nothing, except where FinishTrainStep says otherwise):
+    - INVALID_ARGUMENT: the request is wrong whatever the service's state: a body that does not
+    parse as the request message ("request body is not a valid <message>"; gRPC's libraries
+    answer INTERNAL there, this service keeps INTERNAL for its own faults), or a field value
+    outside its documented range. A refusal of one field carries a google.rpc.BadRequest detail
+    (the grpc-status-details-bin trailer) naming it as a dotted path: "step_id",
+    "sequences.tokens", "loss.kind", "optimizer.adam_beta1", "top_k", "path"...
+    - FAILED_PRECONDITION: a well-formed request that the service state or the filesystem does
+    not allow (no step open, another step open, a directory that is not a checkpoint).
+    - ALREADY_EXISTS: TrainMicrobatch reusing a request_id of the open step for other data.
+    - INTERNAL: a fault of the service, or a command that failed on some rank for a reason that
+    is not the request's; "internal error <id>; see the server log" when unexpected. A call
+    fails on every rank together, and the service keeps serving after it.
+    - PERMISSION_DENIED: a checkpoint or export path outside the trainer's path roots.
+    - UNAVAILABLE: a rank of the trainer died; the service stops serving.
+    Every call may also be refused UNAUTHENTICATED (no valid token) or PERMISSION_DENIED (a
+    token whose role may not call it) before it runs (docs/security.md).
+    Status messages are at most 1 KiB; client strings echoed in them are cut to 64 characters.
     """
 
     def BeginTrainStep(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Opens a step; returns the weights version it trains from. INVALID_ARGUMENT for an empty or
+        over-long step_id or a loss or optimizer value out of range; FAILED_PRECONDITION while
+        another step is open.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def TrainMicrobatch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Runs forward and backward on one microbatch and adds its sums to the open step.
+        FAILED_PRECONDITION unless step_id names the open step; INVALID_ARGUMENT for an empty or
+        over-long request_id or inconsistent data (see TrainMicrobatchRequest). A request_id the
+        step applied already is acknowledged again with duplicate = true (nothing applied) when it
+        carries the same data, and refused with ALREADY_EXISTS when it carries other data.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -122,26 +160,39 @@ class TrainerServiceServicer:
         before the optimizer runs: weights, optimizer state and the weights version are unchanged,
         and the step is closed as failed (its gradients dropped, as by AbortTrainStep; aborting it
         again returns aborted = false). Begin a new step to go on. Refusals made before the step
-        runs (no valid tokens, no refit slot) leave the step open.
+        runs (no valid tokens, no refit slot) leave the step open. FAILED_PRECONDITION unless
+        step_id names the open step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AbortTrainStep(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Closes the open step without applying it: its gradients are dropped, weights, optimizer
+        state and weights version are unchanged; aborted = true. With no step open it answers
+        aborted = false, whatever step_id says (abort is idempotent: aborting a step that was
+        aborted, finished or refused at finish is not an error). FAILED_PRECONDITION when another
+        step is open (that step stays open).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Log-probabilities, top-k and entropy under the current weights; with or without an open
+        step, which it does not touch. INVALID_ARGUMENT for inconsistent sequences, no outputs or
+        an unknown one, or top_k out of range.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
         """Every rank writes its own shards: the directory must be on storage every rank can reach.
+        A relative path lies under the first path root (trainer-svc --path-root).
+        INVALID_ARGUMENT for an empty path or one with a NUL byte; PERMISSION_DENIED for one with
+        a `..` name or outside every path root; FAILED_PRECONDITION for a directory that cannot
+        be written (not empty, not a directory, a name too long, read-only...).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,19 +201,23 @@ class TrainerServiceServicer:
     def LoadCheckpoint(self, request, context):
         """Refuses (FAILED_PRECONDITION) a directory without a complete checkpoint before any weights
         change: trainer_state.json must parse and every shard file must be present and whole.
+        FAILED_PRECONDITION too while a step is open or when the new version cannot be published;
+        INVALID_ARGUMENT and PERMISSION_DENIED for a path as SaveCheckpoint.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ExportHF(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Errors as SaveCheckpoint.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Refused only as every call may be (a body that does not parse, UNAVAILABLE).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -231,9 +286,24 @@ class TrainerService:
     divides by the global count of valid tokens or sequences, so streaming a batch in k pieces
     gives the same update as sending it whole.
 
-    Errors: INVALID_ARGUMENT for a malformed request and FAILED_PRECONDITION for one that the
-    service state or the filesystem does not allow (both change nothing); INTERNAL for a fault of
-    the service. A call fails on every rank together, and the service keeps serving after it.
+    Errors (a refused call changes nothing, except where FinishTrainStep says otherwise):
+    - INVALID_ARGUMENT: the request is wrong whatever the service's state: a body that does not
+    parse as the request message ("request body is not a valid <message>"; gRPC's libraries
+    answer INTERNAL there, this service keeps INTERNAL for its own faults), or a field value
+    outside its documented range. A refusal of one field carries a google.rpc.BadRequest detail
+    (the grpc-status-details-bin trailer) naming it as a dotted path: "step_id",
+    "sequences.tokens", "loss.kind", "optimizer.adam_beta1", "top_k", "path"...
+    - FAILED_PRECONDITION: a well-formed request that the service state or the filesystem does
+    not allow (no step open, another step open, a directory that is not a checkpoint).
+    - ALREADY_EXISTS: TrainMicrobatch reusing a request_id of the open step for other data.
+    - INTERNAL: a fault of the service, or a command that failed on some rank for a reason that
+    is not the request's; "internal error <id>; see the server log" when unexpected. A call
+    fails on every rank together, and the service keeps serving after it.
+    - PERMISSION_DENIED: a checkpoint or export path outside the trainer's path roots.
+    - UNAVAILABLE: a rank of the trainer died; the service stops serving.
+    Every call may also be refused UNAUTHENTICATED (no valid token) or PERMISSION_DENIED (a
+    token whose role may not call it) before it runs (docs/security.md).
+    Status messages are at most 1 KiB; client strings echoed in them are cut to 64 characters.
     """
 
     @staticmethod

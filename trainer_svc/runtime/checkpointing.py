@@ -15,7 +15,8 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hf.checkpoint import save_hf_checkpoint
-from trainer_svc.domain import FailedPrecondition
+from trainer_refit.errors import quoted
+from trainer_svc.domain import FailedPrecondition, PathNotAllowed
 from trainer_svc.runtime import cpu_compat
 from trainer_svc.runtime.agreement import phase
 from trainer_svc.runtime.checkpoint_files import (
@@ -23,9 +24,11 @@ from trainer_svc.runtime.checkpoint_files import (
     TrainerState,
     check_checkpoint,
     check_new_directory,
+    checked_path,
     filesystem_errors,
     make_directory,
 )
+from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.weights import gather_hf_state
 
 if TYPE_CHECKING:
@@ -97,19 +100,38 @@ class Checkpointer:
     """Save, load and export on every rank. Rank 0's precheck (`check_*`) refuses what it can
     see is wrong before any rank acts; each step that can still fail on one rank runs as an
     agreed phase (`runtime/agreement.py`) before or after the collectives, never between them,
-    so a failure fails the command on every rank and the world keeps serving."""
+    so a failure fails the command on every rank and the world keeps serving.
 
-    def __init__(self, hf_source_dir: Path | None) -> None:
+    Paths are confined to `roots` (`runtime/path_roots.py`) in the precheck. A command must
+    carry the absolute real path the servicer confined already (`confine`): every rank acts on
+    that path as it is, so a relative one, which each rank would resolve on its own, is refused
+    here."""
+
+    def __init__(self, hf_source_dir: Path | None, roots: PathRoots) -> None:
         self.hf_source_dir = hf_source_dir
+        self.roots = roots
+
+    def confine(self, path: Path) -> Path:
+        """The request's path as every rank will use it (rank 0, at the edge)."""
+        return self.roots.confine(path)
+
+    def _checked(self, path: Path) -> Path:
+        confined = self.roots.confine(checked_path(path))
+        if confined != path:
+            raise PathNotAllowed(
+                f"{quoted(str(path), 160)} resolves to {quoted(str(confined), 160)}: pass the "
+                "resolved path, so that every rank uses the directory that was checked"
+            )
+        return path
 
     def check_savable(self, path: Path) -> None:
-        check_new_directory(path, "checkpoint")
+        check_new_directory(self._checked(path), "checkpoint")
 
     def check_loadable(self, path: Path) -> None:
-        check_checkpoint(path)
+        check_checkpoint(self._checked(path))
 
     def check_exportable(self, path: Path) -> None:
-        check_new_directory(path, "export")
+        check_new_directory(self._checked(path), "export")
 
     def _sharded_state(self, engine: StepEngine, *, loading: bool) -> dict:
         model = engine.built.model

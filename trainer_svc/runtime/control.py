@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime.agreement import CommandFailed
 from trainer_svc.runtime.engine import StepEngine
@@ -36,14 +38,41 @@ def follow(engine: StepEngine) -> None:
             return
 
 
+class WorldLost(Exception):
+    """A rank of the world died or stopped responding (`runtime/liveness.py`): no command can
+    run any more, and the process is about to exit. Maps to UNAVAILABLE."""
+
+
+_DOMAIN_ERRORS = (InvalidArgument, FailedPrecondition, Internal)
+
+
 class Leader:
     """Rank 0's side: one command at a time, on one thread that owns torch.distributed."""
 
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: StepEngine, *, notice_seconds: float = 2.0) -> None:
         self.engine = engine
+        self.notice_seconds = notice_seconds
+        """How long a command that failed outside the domain errors waits for a loss to be
+        noticed: a collective failing is often how a dead rank first shows on rank 0."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank0-commands")
         self._lock = asyncio.Lock()
         self._closed = False
+        self.lost: str | None = None
+        """Why the world is lost (a rank named), once it is."""
+        self._lost = asyncio.Event()
+
+    def world_lost(self, reason: str) -> None:
+        """On the event loop: the command running now (its thread may never come back), those
+        waiting and every later one answer `WorldLost`."""
+        self.lost = reason
+        self._lost.set()
+
+    def check_alive(self) -> None:
+        if self.lost is not None:
+            raise WorldLost(
+                f"{self.lost}; the trainer is exiting so that its world is restarted: retry "
+                "once it serves again"
+            )
 
     def _run(self, command: cmd.Command) -> Any:
         immediate = self.engine.precheck(command)
@@ -67,6 +96,30 @@ class Leader:
         return result
 
     async def submit(self, command: cmd.Command) -> Any:
+        """Runs the command on every rank; raises `WorldLost` as soon as the world is lost,
+        without waiting for the command's thread."""
+        self.check_alive()
+        work = asyncio.ensure_future(self._submit(command))
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            done, _ = await asyncio.wait((work, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not work.done():
+                work.cancel()  # stops waiting for the command's thread; the thread runs on
+        if work not in done:
+            self.check_alive()
+            raise AssertionError("the world is lost")
+        error = work.exception()
+        if error is None:
+            return work.result()
+        if not isinstance(error, _DOMAIN_ERRORS):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lost.wait(), self.notice_seconds)
+            self.check_alive()
+        raise error
+
+    async def _submit(self, command: cmd.Command) -> Any:
         async with self._lock:
             if self._closed:
                 raise RuntimeError("the trainer is shutting down")

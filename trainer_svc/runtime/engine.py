@@ -21,8 +21,10 @@ from megatron.core.distributed import finalize_model_grads
 
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.registry import PublicationPending, SlotsExhausted
+from trainer_refit.errors import quoted
 from trainer_svc.config import OptimizerConfig
 from trainer_svc.domain import (
+    AlreadyExists,
     FailedPrecondition,
     ForwardOutput,
     ForwardResult,
@@ -46,7 +48,7 @@ from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pa
 from trainer_svc.runtime.publication import Publisher
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
-from trainer_svc.validation import BatchLimits, check_sequences, check_training_batch
+from trainer_svc.validation import BatchLimits, check_id, check_sequences, check_training_batch
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,8 @@ class _OpenStep:
     loss: LossConfig
     optimizer: OptimizerOverrides
     counts: StepCounts = field(default_factory=StepCounts)
-    request_ids: set[str] = field(default_factory=set)
+    request_ids: dict[str, bytes] = field(default_factory=dict)
+    """Each applied microbatch's request_id and the digest of its batch."""
     sums: np.ndarray = field(default_factory=lambda: np.zeros(len(SUM_FIELDS)))
 
 
@@ -123,11 +126,13 @@ class StepEngine:
     def _require_open(self, step_id: str, action: str) -> _OpenStep:
         if self.open_step is None:
             raise FailedPrecondition(
-                f"{action} for step {step_id!r}, but no step is open: call BeginTrainStep first"
+                f"{action} for step {quoted(step_id)}, but no step is open: call "
+                "BeginTrainStep first"
             )
         if self.open_step.step_id != step_id:
             raise FailedPrecondition(
-                f"{action} for step {step_id!r}, but the open step is {self.open_step.step_id!r}"
+                f"{action} for step {quoted(step_id)}, but the open step is "
+                f"{quoted(self.open_step.step_id)}"
             )
         return self.open_step
 
@@ -135,32 +140,31 @@ class StepEngine:
         """Raises for a command that must not run; returns a reply for one that needs no ranks."""
         match command:
             case cmd.BeginStep(step_id=step_id):
-                if not step_id:
-                    raise FailedPrecondition("step_id must not be empty")
+                check_id(step_id, "step_id")
                 if self.open_step is not None:
                     raise FailedPrecondition(
-                        f"step {self.open_step.step_id!r} is still open: finish or abort it "
-                        f"before beginning step {step_id!r}"
+                        f"step {quoted(self.open_step.step_id)} is still open: finish or abort "
+                        f"it before beginning step {quoted(step_id)}"
                     )
             case cmd.TrainMicrobatch(step_id=step_id, request_id=request_id):
                 step = self._require_open(step_id, "TrainMicrobatch")
-                if not request_id:
-                    raise InvalidArgument("request_id must not be empty")
+                check_id(request_id, "request_id")
                 if request_id in step.request_ids:
-                    return MicrobatchAck(step_id, request_id, True, step.counts)
+                    return self._duplicate(step, command)
                 check_training_batch(command.batch, step.loss, self.limits)
             case cmd.RunForward(batch=batch, outputs=outputs, top_k=k):
                 check_sequences(batch, self.limits)
                 if ForwardOutput.TOP_K in outputs and not 1 <= k <= self.spec.vocab_size:
                     raise InvalidArgument(
                         f"top_k must lie in [1, {self.spec.vocab_size}] when TOP_K is asked for, "
-                        f"got {k}"
+                        f"got {k}",
+                        field="top_k",
                     )
             case cmd.FinishStep(step_id=step_id):
                 step = self._require_open(step_id, "FinishTrainStep")
                 if self._divisor(step) == 0:
                     raise FailedPrecondition(
-                        f"step {step_id!r} has no valid tokens to train on "
+                        f"step {quoted(step_id)} has no valid tokens to train on "
                         f"({step.counts.microbatches} microbatches): send microbatches with "
                         "loss_mask set, or abort the step"
                     )
@@ -169,14 +173,14 @@ class StepEngine:
                     return False
                 if self.open_step.step_id != step_id:
                     raise FailedPrecondition(
-                        f"cannot abort step {step_id!r}: the open step is "
-                        f"{self.open_step.step_id!r}"
+                        f"cannot abort step {quoted(step_id)}: the open step is "
+                        f"{quoted(self.open_step.step_id)}"
                     )
             case cmd.LoadCheckpoint(path=path):
                 if self.open_step is not None:
                     raise FailedPrecondition(
-                        f"step {self.open_step.step_id!r} is open: finish or abort it before "
-                        "loading a checkpoint"
+                        f"step {quoted(self.open_step.step_id)} is open: finish or abort it "
+                        "before loading a checkpoint"
                     )
                 self.checkpointer.check_loadable(path)
             case cmd.SaveCheckpoint(path=path):
@@ -184,6 +188,18 @@ class StepEngine:
             case cmd.ExportHF(path=path):
                 self.checkpointer.check_exportable(path)
         return None
+
+    @staticmethod
+    def _duplicate(step: _OpenStep, command: cmd.TrainMicrobatch) -> MicrobatchAck:
+        """A request_id the step applied already: acknowledged again when it carries the same
+        batch, refused when it carries another (a client reusing an id for new data)."""
+        if step.request_ids[command.request_id] != command.batch.digest():
+            raise AlreadyExists(
+                f"request_id {quoted(command.request_id)} was applied in step "
+                f"{quoted(step.step_id)} with different data (tokens, offsets, masks or "
+                "per-token inputs); nothing was changed: give new data a new request_id"
+            )
+        return MicrobatchAck(step.step_id, command.request_id, True, step.counts)
 
     def prepare(self, command: cmd.Command) -> cmd.Command:
         """Rank 0, after precheck: reserves the refit slot of the version a finish or a
@@ -281,7 +297,7 @@ class StepEngine:
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
                 for sums in outputs:
                     step.sums += np.array([float(sums[k]) for k in SUM_FIELDS])
-        step.request_ids.add(command.request_id)
+        step.request_ids[command.request_id] = command.batch.digest()
         step.counts = step.counts.plus(command.batch)
         return MicrobatchAck(command.step_id, command.request_id, False, step.counts)
 
@@ -339,7 +355,7 @@ class StepEngine:
             else f"its loss is not finite ({loss})"
         )
         raise FailedPrecondition(
-            f"step {step.step_id!r} was not applied: {reason}; weights, optimizer state and "
+            f"step {quoted(step.step_id)} was not applied: {reason}; weights, optimizer state and "
             f"weights version {self.weights_version} are unchanged and the step is closed: "
             "begin a new step"
         )

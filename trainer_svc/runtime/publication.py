@@ -41,6 +41,7 @@ from refit_sidecar.snapshot_layout import Placement, SnapshotLayout, snapshot_la
 from refit_sidecar.source import ShardSource, SourceAgent, SourceConfig
 from refit_sidecar.torch_arena import TorchArena
 from refit_sidecar.wire import publish_request
+from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import local_parameters
@@ -193,9 +194,14 @@ class Publisher:
         topology: Topology,
         *,
         sidecar: str,
+        auth: ClientAuth,
         slots: int,
         device: torch.device,
+        nixl_host: str,
+        nixl_net_devices: tuple[str, ...],
     ) -> Publisher:
+        """`nixl_host`, `nixl_net_devices`: where the rank's NIXL agent listens for receivers
+        (`SourceConfig.host`, `SourceConfig.net_devices`)."""
         parameters = published_parameters(model, spec, topology)
         specs = shard_specs(parameters, topology)
         config = SourceConfig(
@@ -203,6 +209,8 @@ class Publisher:
             rank=topology.rank,
             tensor_rank=topology.tp_rank,
             pipeline_stage=topology.pp_rank,
+            host=nixl_host,
+            net_devices=nixl_net_devices,
         )
         agent = SourceAgent.create(config)
         built = [create_slot(config, specs, parameters, device, agent) for _ in range(slots)]
@@ -220,7 +228,7 @@ class Publisher:
             Slot(source, copies, report)
             for (source, copies), report in zip(built, reports, strict=True)
         ]
-        client = SidecarClient(sidecar)
+        client = SidecarClient(sidecar, auth=auth)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         publisher = cls(client, filled, parameters, topology, device, stream, agent)
         if topology.is_leader:

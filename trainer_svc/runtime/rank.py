@@ -22,8 +22,11 @@ from trainer_svc.runtime import cpu_compat
 from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
 from trainer_svc.runtime.engine import StepEngine
+from trainer_svc.runtime.liveness import LeaderLink, PeerLost, reachable_host
+from trainer_svc.runtime.liveness_monitor import PeerMonitor
 from trainer_svc.runtime.model_factory import build_model, wrap_for_training
 from trainer_svc.runtime.param_buffers import pack_parameters
+from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.publication import Publisher, published_parameters
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import load_global_state
@@ -68,10 +71,7 @@ def _device(config: TrainerConfig, identity: RankIdentity) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_distributed(config: TrainerConfig, identity: RankIdentity, device: torch.device) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
+def _join_world(config: TrainerConfig, identity: RankIdentity, device: torch.device) -> None:
     layout = config.layout
     if identity.world_size != layout.world_size:
         raise ValueError(
@@ -85,6 +85,32 @@ def _init_distributed(config: TrainerConfig, identity: RankIdentity, device: tor
         world_size=identity.world_size,
         timeout=timedelta(minutes=30),
     )
+
+
+def _watch_world(config: TrainerConfig, identity: RankIdentity) -> PeerMonitor | LeaderLink:
+    """Starts this rank's side of the liveness links (`runtime/liveness.py`): rank 0 listens
+    and broadcasts its address, the others connect to it. Rank 0 starts its clock only once
+    every rank has reached the broadcast (ranks on other nodes may start much later)."""
+    monitor: PeerMonitor | None = None
+    box: list[tuple[str, int] | None] = [None]
+    if identity.rank == 0:
+        host = reachable_host(identity.master_addr, identity.master_port)
+        monitor = PeerMonitor.listen(config.liveness, world_size=identity.world_size, host=host)
+        box = [monitor.address]
+    dist.broadcast_object_list(box, src=0)
+    if monitor is not None:
+        monitor.start()
+        return monitor
+    address = box[0]
+    assert address is not None
+    return LeaderLink.connect(config.liveness, rank=identity.rank, address=address)
+
+
+def _init_model_parallel(config: TrainerConfig, device: torch.device) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    layout = config.layout
     if device.type == "cpu":
         cpu_compat.install()
     parallel_state.initialize_model_parallel(
@@ -128,8 +154,11 @@ def build_engine(
             spec,
             topology,
             sidecar=config.refit.sidecar,
+            auth=config.refit.auth,
             slots=config.refit.slots,
             device=device,
+            nixl_host=config.refit.nixl_host,
+            nixl_net_devices=config.refit.nixl_net_devices,
         )
     snapshot_bytes = publisher.snapshot_bytes if publisher else 0
     local = torch.tensor(
@@ -152,7 +181,7 @@ def build_engine(
         optimizer_defaults=config.optimizer,
         padded_vocab=padded,
         device=device,
-        checkpointer=Checkpointer(model_dir),
+        checkpointer=Checkpointer(model_dir, PathRoots.resolved(config.checkpoint_roots())),
         publisher=publisher,
     )
     info = ServiceInfo(
@@ -167,9 +196,12 @@ def build_engine(
     return engine, info
 
 
-async def _serve(engine: StepEngine, info: ServiceInfo, config: TrainerConfig) -> None:
+async def _serve(
+    engine: StepEngine, info: ServiceInfo, config: TrainerConfig, monitor: PeerMonitor
+) -> None:
     leader = Leader(engine)
     running = await create_server(leader, info, config.server)
+    lost = _lost_rank(monitor)
     log.info(
         "trainer serving gRPC on %s:%d, %s",
         config.server.host,
@@ -180,24 +212,53 @@ async def _serve(engine: StepEngine, info: ServiceInfo, config: TrainerConfig) -
     watcher = None
     if engine.publisher is not None:
         watcher = asyncio.create_task(watch_publication(running.health, engine.publisher))
-    received = await wait_for_stop_signal()
+    stop = asyncio.ensure_future(wait_for_stop_signal())
+    await asyncio.wait((stop, lost), return_when=asyncio.FIRST_COMPLETED)
     if watcher is not None:
         watcher.cancel()
-    log.info("shutting down (%s)", received.name)
+    if lost.done():
+        # Every call answers UNAVAILABLE naming the rank until the monitor ends the process.
+        stop.cancel()
+        leader.world_lost(str(lost.result()))
+        await running.health.enter_graceful_shutdown()
+        await asyncio.Event().wait()
+    lost.cancel()
+    log.info("shutting down (%s)", stop.result().name)
     await running.stop(config.server.grace_seconds)
     await leader.shutdown()
 
 
+def _lost_rank(monitor: PeerMonitor) -> asyncio.Future[PeerLost]:
+    """A future of the event loop that the monitor's thread resolves when a rank is lost."""
+    loop = asyncio.get_running_loop()
+    lost: asyncio.Future[PeerLost] = loop.create_future()
+
+    def resolve(loss: PeerLost) -> None:
+        if not lost.done():
+            lost.set_result(loss)
+
+    def notify(loss: PeerLost) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(resolve, loss)
+
+    monitor.add_listener(notify)
+    return lost
+
+
 def run_rank(config: TrainerConfig, identity: RankIdentity, model_dir: Path) -> None:
     device = _device(config, identity)
-    _init_distributed(config, identity, device)
+    _join_world(config, identity, device)
+    liveness = _watch_world(config, identity)
+    _init_model_parallel(config, device)
     engine, info = build_engine(config, model_dir, device)
-    if identity.rank == 0:
-        asyncio.run(_serve(engine, info, config))
+    if isinstance(liveness, PeerMonitor):
+        asyncio.run(_serve(engine, info, config, liveness))
     else:
         # Rank 0 coordinates shutdown; an interrupt here would strand it in a collective.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow(engine)
+    # Every rank finished the Shutdown command: from here on, a rank leaving is no loss.
+    liveness.close()
     if engine.publisher is not None:
         engine.publisher.close()
     dist.destroy_process_group()

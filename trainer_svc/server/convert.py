@@ -31,7 +31,7 @@ from trainer_svc.wire_enums import (
 def _enum(value: int, table: dict, field: str, wrapper: Any) -> Any:
     if value not in table:
         names = ", ".join(wrapper.Name(k) for k in table)
-        raise InvalidArgument(f"{field} must be one of {names}; got {value}")
+        raise InvalidArgument(f"{field} must be one of {names}; got {value}", field=field)
     return table[value]
 
 
@@ -98,7 +98,9 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
 def forward_outputs(message: pb.ForwardRequest) -> frozenset[ForwardOutput]:
     outputs = {_enum(o, FORWARD_OUTPUTS, "outputs", pb.ForwardOutput) for o in message.outputs}
     if not outputs:
-        raise InvalidArgument("outputs is empty: ask for at least one of LOGPROBS, TOP_K, ENTROPY")
+        raise InvalidArgument(
+            "outputs is empty: ask for at least one of LOGPROBS, TOP_K, ENTROPY", field="outputs"
+        )
     return frozenset(outputs)
 
 
@@ -151,5 +153,5 @@ def open_step_to_proto(info: OpenStepInfo) -> pb.OpenStep:
 
 def path(value: str, field: str) -> Path:
     if not value:
-        raise InvalidArgument(f"{field} must name a directory")
+        raise InvalidArgument(f"{field} must name a directory", field=field)
     return Path(value)

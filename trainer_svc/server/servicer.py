@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -11,9 +12,15 @@ from trainer_refit.serving import status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
-from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
+from trainer_svc.domain import (
+    AlreadyExists,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    PathNotAllowed,
+)
 from trainer_svc.runtime import commands as cmd
-from trainer_svc.runtime.control import Leader
+from trainer_svc.runtime.control import Leader, WorldLost
 from trainer_svc.server import convert
 from trainer_svc.server.status import ServiceInfo
 
@@ -23,8 +30,11 @@ log = logging.getLogger(__name__)
 _grpc_errors = status_codes(
     [
         (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+        (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+        (PathNotAllowed, grpc.StatusCode.PERMISSION_DENIED),
         (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
         (Internal, grpc.StatusCode.INTERNAL),
+        (WorldLost, grpc.StatusCode.UNAVAILABLE),
     ]
 )
 
@@ -33,6 +43,11 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     def __init__(self, leader: Leader, info: ServiceInfo) -> None:
         self.leader = leader
         self.info = info
+
+    def _path(self, value: str) -> Path:
+        """A checkpoint or export path confined to the trainer's path roots and resolved here,
+        once: every rank then acts on the same absolute directory (PathNotAllowed if none)."""
+        return self.leader.engine.checkpointer.confine(convert.path(value, "path"))
 
     @_grpc_errors
     async def BeginTrainStep(self, request: pb.BeginTrainStepRequest, context: Any) -> Any:
@@ -84,9 +99,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     @_grpc_errors
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context: Any) -> Any:
-        summary = await self.leader.submit(
-            cmd.SaveCheckpoint(path=convert.path(request.path, "path"))
-        )
+        summary = await self.leader.submit(cmd.SaveCheckpoint(path=self._path(request.path)))
         return pb.SaveCheckpointResponse(
             path=str(summary.path),
             weights_version=summary.weights_version,
@@ -95,14 +108,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     @_grpc_errors
     async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context: Any) -> Any:
-        version, step = await self.leader.submit(
-            cmd.LoadCheckpoint(path=convert.path(request.path, "path"))
-        )
+        version, step = await self.leader.submit(cmd.LoadCheckpoint(path=self._path(request.path)))
         return pb.LoadCheckpointResponse(weights_version=version, optimizer_step=step)
 
     @_grpc_errors
     async def ExportHF(self, request: pb.ExportHFRequest, context: Any) -> Any:
-        summary = await self.leader.submit(cmd.ExportHF(path=convert.path(request.path, "path")))
+        summary = await self.leader.submit(cmd.ExportHF(path=self._path(request.path)))
         return pb.ExportHFResponse(
             path=str(summary.path),
             weights_version=summary.weights_version,
@@ -112,6 +123,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     @_grpc_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> Any:
+        self.leader.check_alive()
         engine = self.leader.engine
         layout = engine.topology.layout
         response = pb.GetStatusResponse(

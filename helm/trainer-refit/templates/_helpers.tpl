@@ -216,7 +216,8 @@ envFrom:
 
 {{/*
 Native gRPC probes (startup, readiness, liveness) on a grpc.health.v1 service:
-(dict "port" 50051 "probes" .Values.x.probes).
+(dict "port" 50051 "probes" .Values.x.probes "tls" <TLS secret name or "">). The kubelet's gRPC
+probe speaks plaintext only, so with TLS the probes check that the port accepts connections.
 */}}
 {{- define "trainer-refit.grpcProbes" -}}
 {{- $port := .port | int }}
@@ -224,11 +225,16 @@ Native gRPC probes (startup, readiness, liveness) on a grpc.health.v1 service:
 {{- range $i, $kind := list "startup" "readiness" "liveness" }}
 {{- if $i }}{{ "\n" }}{{ end -}}
 {{ $kind }}Probe:
+  {{- if $.tls }}
+  tcpSocket:
+    port: {{ $port }}
+  {{- else }}
   grpc:
     port: {{ $port }}
     {{- if $service }}
     service: {{ $service | quote }}
     {{- end }}
+  {{- end }}
   {{- include "trainer-refit.probeTiming" (dict "timing" (get $.probes $kind)) | nindent 2 }}
 {{- end }}
 {{- end }}
@@ -302,4 +308,152 @@ securityContext:
 {{/* Checksum of the ConfigMap, so that a changed layout rolls the pods on upgrade. */}}
 {{- define "trainer-refit.configChecksum" -}}
 checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- end }}
+
+{{/* -- Authentication, TLS and NIXL wiring (README "Security", docs/security.md) -- */}}
+
+{{/* Secret of the role tokens: auth.existingSecret, else the one the chart generates. */}}
+{{- define "trainer-refit.authSecretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "trainer-refit.fullname" .)) }}
+{{- end }}
+
+{{- define "trainer-refit.tokenDir" -}}/var/run/secrets/trainer-refit/tokens{{- end }}
+{{- define "trainer-refit.tlsDir" -}}/var/run/secrets/trainer-refit/tls{{- end }}
+
+{{/*
+Volumes of a container's secrets: (dict "root" $ "name" "trainer-tokens" "roles" (list ...)).
+Only the tokens of `roles` are projected into the volume: each container sees the tokens it uses.
+*/}}
+{{- define "trainer-refit.secretVolumes" -}}
+{{- if .root.Values.auth.enabled }}
+- name: {{ .name }}
+  secret:
+    secretName: {{ include "trainer-refit.authSecretName" .root }}
+    items:
+      {{- range .roles }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
+{{- end }}
+{{- with .root.Values.auth.tls.secretName }}
+- name: {{ $.name }}-tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* Read-only mounts of those volumes: (dict "root" $ "name" "trainer-tokens"). */}}
+{{- define "trainer-refit.secretMounts" -}}
+{{- if .root.Values.auth.enabled }}
+- name: {{ .name }}
+  mountPath: {{ include "trainer-refit.tokenDir" .root }}
+  readOnly: true
+{{- end }}
+{{- if .root.Values.auth.tls.secretName }}
+- name: {{ .name }}-tls
+  mountPath: {{ include "trainer-refit.tlsDir" .root }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+trainer-svc's authentication flags, as args list items. Every rank parses them (rank 0 serves
+gRPC, every rank publishes to the sidecar): the orchestrator's token guards the API, the trainer's
+authenticates the ranks at the sidecar.
+*/}}
+{{- define "trainer-refit.trainerAuthArgs" -}}
+{{- $v := .Values }}
+{{- $tokens := include "trainer-refit.tokenDir" . }}
+{{- $tls := include "trainer-refit.tlsDir" . }}
+{{- if $v.auth.enabled }}
+- --auth-token-dir={{ $tokens }}
+{{- if $v.sidecar.enabled }}
+- --sidecar-token-file={{ $tokens }}/trainer
+{{- end }}
+{{- else }}
+- --insecure
+{{- end }}
+{{- if $v.auth.tls.secretName }}
+- --tls-cert={{ $tls }}/tls.crt
+- --tls-key={{ $tls }}/tls.key
+{{- if $v.auth.tls.mutual }}
+- --tls-client-ca={{ $tls }}/ca.crt
+{{- end }}
+{{- if $v.sidecar.enabled }}
+- --sidecar-tls-ca={{ $tls }}/ca.crt
+{{- if $v.auth.tls.mutual }}
+- --sidecar-tls-cert={{ $tls }}/tls.crt
+- --sidecar-tls-key={{ $tls }}/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* refit-sidecar's authentication flags, as args list items. */}}
+{{- define "trainer-refit.sidecarAuthArgs" -}}
+{{- $tls := include "trainer-refit.tlsDir" . }}
+{{- if .Values.auth.enabled }}
+- --auth-token-dir={{ include "trainer-refit.tokenDir" . }}
+{{- else }}
+- --insecure
+{{- end }}
+{{- if .Values.auth.tls.secretName }}
+- --tls-cert={{ $tls }}/tls.crt
+- --tls-key={{ $tls }}/tls.key
+{{- if .Values.auth.tls.mutual }}
+- --tls-client-ca={{ $tls }}/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A receiver's authentication at the sidecar, as inference_ext RefitOptions fields (a dict). */}}
+{{- define "trainer-refit.receiverAuthOptions" -}}
+{{- $tls := include "trainer-refit.tlsDir" . }}
+{{- $options := dict }}
+{{- if .Values.auth.enabled }}
+{{- $_ := set $options "token_file" (printf "%s/receiver" (include "trainer-refit.tokenDir" .)) }}
+{{- else }}
+{{- $_ := set $options "insecure" true }}
+{{- end }}
+{{- if .Values.auth.tls.secretName }}
+{{- $_ := set $options "tls_ca" (printf "%s/ca.crt" $tls) }}
+{{- if .Values.auth.tls.mutual }}
+{{- $_ := set $options "tls_cert" (printf "%s/tls.crt" $tls) }}
+{{- $_ := set $options "tls_key" (printf "%s/tls.key" $tls) }}
+{{- end }}
+{{- end }}
+{{- toYaml $options }}
+{{- end }}
+
+{{/*
+trainer-svc's NIXL and path flags, as args list items. The ranks' NIXL endpoints listen on the pod
+IP (and the RDMA ports of rdma.ucxNetDevices); with RDMA but no device list UCX chooses among every
+device, so no interface is singled out.
+*/}}
+{{- define "trainer-refit.trainerPlacementArgs" -}}
+{{- $v := .Values }}
+{{- $devices := list }}
+{{- if $v.rdma.enabled }}
+{{- range (splitList "," $v.rdma.ucxNetDevices) }}{{ with trim . }}{{ $devices = append $devices . }}{{ end }}{{ end }}
+{{- end }}
+{{- if and $v.rdma.enabled (not $devices) }}
+- --nixl-host=0.0.0.0
+{{- else }}
+- --nixl-host=$(POD_IP)
+{{- range $devices }}
+- --nixl-net-device={{ . }}
+{{- end }}
+{{- end }}
+{{- $roots := $v.trainer.pathRoots }}
+{{- if and (not $roots) $v.checkpoints.enabled }}{{ $roots = list $v.checkpoints.mountPath }}{{ end }}
+{{- range $roots }}
+- --path-root={{ . }}
+{{- end }}
+{{- end }}
+
+{{/* Environment of a NIXL container (trainer, vLLM): UCX's TCP listening ports, as EnvVar items. */}}
+{{- define "trainer-refit.nixlEnv" -}}
+{{- $range := .Values.nixl.tcpPortRange }}
+- name: UCX_TCP_PORT_RANGE
+  value: {{ printf "%d-%d" ($range.start | int) ($range.end | int) | quote }}
 {{- end }}

@@ -44,6 +44,7 @@ spec:
       args:
         - --host=0.0.0.0
         - --port={{ $v.sidecar.port | int }}
+        {{- include "trainer-refit.sidecarAuthArgs" $root | nindent 8 }}
         {{- range $v.sidecar.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -56,7 +57,7 @@ spec:
         - name: sidecar-grpc
           containerPort: {{ $v.sidecar.port | int }}
           protocol: TCP
-      {{- include "trainer-refit.grpcProbes" (dict "port" $v.sidecar.port "probes" $v.sidecar.probes) | nindent 6 }}
+      {{- include "trainer-refit.grpcProbes" (dict "port" $v.sidecar.port "probes" $v.sidecar.probes "tls" $v.auth.tls.secretName) | nindent 6 }}
       {{- with $v.sidecar.resources }}
       resources:
         {{- toYaml . | nindent 8 }}
@@ -65,6 +66,7 @@ spec:
       volumeMounts:
         - name: dshm
           mountPath: /dev/shm
+        {{- with (include "trainer-refit.secretMounts" (dict "root" $root "name" "sidecar-secrets") | trim) }}{{ . | nindent 8 }}{{ end }}
   {{- end }}
   containers:
     - name: trainer
@@ -102,6 +104,8 @@ spec:
         {{- if $v.sidecar.enabled }}
         - --sidecar={{ include "trainer-refit.masterAddr" $root }}:{{ $v.sidecar.port | int }}
         {{- end }}
+        {{- include "trainer-refit.trainerAuthArgs" $root | nindent 8 }}
+        {{- include "trainer-refit.trainerPlacementArgs" $root | nindent 8 }}
         {{- range $t.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -116,7 +120,13 @@ spec:
             fieldRef:
               fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
           {{- end }}
+        # The address the rank's NIXL endpoints listen on (--nixl-host).
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
         {{- with (include "trainer-refit.rdmaEnv" $root | trim) }}{{ . | nindent 8 }}{{ end }}
+        {{- include "trainer-refit.nixlEnv" $root | nindent 8 }}
         {{- with (concat ($v.env | default list) ($t.env | default list)) }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -129,7 +139,7 @@ spec:
         - name: rendezvous
           containerPort: {{ $t.rendezvousPort | int }}
           protocol: TCP
-      {{- include "trainer-refit.grpcProbes" (dict "port" $t.port "probes" $t.probes) | nindent 6 }}
+      {{- include "trainer-refit.grpcProbes" (dict "port" $t.port "probes" $t.probes "tls" $v.auth.tls.secretName) | nindent 6 }}
       {{- end }}
       resources:
         {{- include "trainer-refit.resources" (dict "resources" $t.resources "extra" (include "trainer-refit.acceleratorResources" (dict "root" $root "gpus" $t.gpusPerNode) | fromYaml)) | nindent 8 }}
@@ -141,6 +151,7 @@ spec:
         - name: checkpoints
           mountPath: {{ $v.checkpoints.mountPath }}
         {{- end }}
+        {{- with (include "trainer-refit.secretMounts" (dict "root" $root "name" "trainer-secrets") | trim) }}{{ . | nindent 8 }}{{ end }}
         {{- with $t.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -148,6 +159,10 @@ spec:
     {{- include "trainer-refit.shmVolume" (dict "sizeLimit" $t.shmSizeLimit) | nindent 4 }}
     {{- if $v.checkpoints.enabled }}
     {{- include "trainer-refit.checkpointVolume" $root | nindent 4 }}
+    {{- end }}
+    {{- with (include "trainer-refit.secretVolumes" (dict "root" $root "name" "trainer-secrets" "roles" (list "orchestrator" "trainer")) | trim) }}{{ . | nindent 4 }}{{ end }}
+    {{- if and $head $v.sidecar.enabled }}
+    {{- with (include "trainer-refit.secretVolumes" (dict "root" $root "name" "sidecar-secrets" "roles" (list "trainer" "receiver")) | trim) }}{{ . | nindent 4 }}{{ end }}
     {{- end }}
     {{- with $t.extraVolumes }}
     {{- toYaml . | nindent 4 }}

@@ -38,4 +38,13 @@ Included by templates/validate.yaml, so every install, upgrade, template and lin
 {{- if and $v.vllm.enabled (not $v.sidecar.enabled) (not $v.vllm.sidecarAddress) }}
 {{- fail "trainer-refit: vllm.sidecarAddress (HOST:PORT) is required when sidecar.enabled is false: the receivers need a refit sidecar to pull weights from" }}
 {{- end }}
+{{- if and $v.auth.enabled $v.vllm.enabled (not $v.sidecar.enabled) (not $v.auth.existingSecret) }}
+{{- fail "trainer-refit: auth.existingSecret is required for receivers of another release's sidecar (vllm.sidecarAddress): copy that release's <fullname>-auth Secret (its receiver key) into this namespace and name it here, or set auth.enabled=false for a sidecar run with --insecure" }}
+{{- end }}
+{{- if and $v.auth.tls.mutual (not $v.auth.tls.secretName) }}
+{{- fail "trainer-refit: auth.tls.mutual needs auth.tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" }}
+{{- end }}
+{{- if gt ($v.nixl.tcpPortRange.start | int) ($v.nixl.tcpPortRange.end | int) }}
+{{- fail (printf "trainer-refit: nixl.tcpPortRange.start = %d is after nixl.tcpPortRange.end = %d" ($v.nixl.tcpPortRange.start | int) ($v.nixl.tcpPortRange.end | int)) }}
+{{- end }}
 {{- end }}
