@@ -3,7 +3,10 @@ installed, against a torch peer copy of the same bytes.
 
 * ``python -m refit_sidecar`` and the real trainer, ``python -m trainer_svc --model DIR --tp 1
   --device cuda --sidecar ADDR --refit-slots 2`` (one rank on GPU 0, bf16 parameters, the
-  config-only Llama directory of ``benchmarks.refit_pull``), run as subprocesses.
+  config-only Llama directory of ``benchmarks.refit_pull``), run as subprocesses, with
+  authentication on as deployed (``benchmarks.trainer_step.Tokens``: the trainer presents the
+  trainer role's token to the sidecar, the receiver the receiver role's, this process the
+  orchestrator's).
 * A receiver subprocess (this script with ``--receiver-settings``) builds the HF model
   (``AutoModelForCausalLM.from_config`` of the same ``config.json``, in the trainer's dtype) on
   GPU ``--dest-gpu`` and an ``inference_ext.receiver.Receiver`` (TP=1 layout, staging on the same
@@ -49,6 +52,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -66,8 +70,17 @@ import numpy as np
 
 from benchmarks.refit_pull import _MODEL_KEYS, sidecar_server
 from benchmarks.refit_pull import PRESETS as PULL_PRESETS
-from benchmarks.trainer_step import REPO, _child_env, _tail, make_batches, trainer_server
+from benchmarks.trainer_step import (
+    REPO,
+    Tokens,
+    _child_env,
+    _tail,
+    make_batches,
+    trainer_root,
+    trainer_server,
+)
 from benchmarks.trainer_step import write_model as _write_model
+from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, SequenceBatch
 
@@ -124,12 +137,13 @@ class RunConfig:
     def refits(self) -> int:
         return self.warmup + self.steps
 
-    def trainer_args(self, model_dir: Path, sidecar: str) -> list[str]:
+    def trainer_args(self, model_dir: Path) -> list[str]:
+        """The model and run flags; the caller adds the sidecar, tokens and work dir."""
         return [
             *("--model", str(model_dir), "--tp", "1", "--device", self.device),
             *("--params-dtype", self.params_dtype, "--lr", str(self.lr), "--seed", str(self.seed)),
             *("--max-seq-len", str(self.seq_len), "--log-level", self.trainer_log_level),
-            *("--sidecar", sidecar, "--refit-slots", str(self.slots)),
+            *("--refit-slots", str(self.slots)),
         ]
 
 
@@ -138,6 +152,8 @@ class ReceiverSettings:
     """What the receiver subprocess is told (as JSON, in a file)."""
 
     sidecar: str
+    token_file: str
+    """The receiver role's bearer token for the sidecar."""
     model_dir: str
     params_dtype: str
     dest: str
@@ -237,6 +253,7 @@ class InstallEndpoint:
         names = hf_names(self.spec)  # lm_head omitted when tied
         self.params = hf_parameters(self.model, names, self.spec.tie_word_embeddings)
         options = RefitOptions(
+            token_file=settings.token_file,
             receiver_id="refit-install-benchmark",
             lease_ttl_s=settings.timeout_s,
             pull_timeout_s=settings.timeout_s,
@@ -507,10 +524,12 @@ def check_batch(config: RunConfig) -> list[list[int]]:
 
 
 def verify(
-    client: TrainerClient, receiver: ReceiverProcess, work: Path, config: RunConfig
+    client: TrainerClient, receiver: ReceiverProcess, root: Path, config: RunConfig
 ) -> dict[str, Any]:
-    """The installed model against ExportHF and Forward of the same (the latest) version."""
-    export = work / "export"
+    """The installed model against ExportHF (into the trainer's path root `root`) and Forward
+    of the same (the latest) version."""
+    export = root / "export"
+    shutil.rmtree(export, ignore_errors=True)  # an earlier run's, in the same work dir
     client.export_hf(export)
     prompts = check_batch(config)
     batch = SequenceBatch.from_lists(prompts, loss_mask=[[True] * len(p) for p in prompts])
@@ -648,7 +667,11 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("runs/refit_install.json"))
     out.add_argument("--log-dir", type=Path, help="default: beside --out")
-    out.add_argument("--work-dir", type=Path, help="default: a temporary directory")
+    out.add_argument(
+        "--work-dir",
+        type=Path,
+        help="the run's files: model, tokens, the trainer's work dir (default: a temporary one)",
+    )
     out.add_argument(
         "--trainer-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
@@ -710,10 +733,16 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
     model_dir = write_model(work / "model", config)
     batches = make_batches(asdict(config))
     logs = config.log_dir
+    tokens = Tokens.create(work)
+    orchestrator = tokens.client(Role.ORCHESTRATOR)
+    root = trainer_root(work)  # the trainer's path root: `verify` exports there
     with contextlib.ExitStack() as stack:
-        sidecar = stack.enter_context(sidecar_server(work, logs / "sidecar.log", config.timeout))
+        sidecar = stack.enter_context(
+            sidecar_server(work, logs / "sidecar.log", config.timeout, tokens)
+        )
         settings = ReceiverSettings(
             sidecar=sidecar,
+            token_file=str(tokens.file(Role.RECEIVER)),
             model_dir=str(model_dir),
             params_dtype=config.params_dtype,
             dest=f"cuda:{config.dest_gpu}" if config.cuda else "cpu",
@@ -722,16 +751,23 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
         )
         # Started first: its setup (imports, model build) overlaps the trainer's start.
         receiver = stack.enter_context(receiver_process(settings, work, logs / "receiver.log"))
-        trainer_args = config.trainer_args(model_dir, sidecar)
+        trainer_args = [
+            *config.trainer_args(model_dir),
+            *tokens.sidecar_args(sidecar),
+            *tokens.server_args(),
+            *("--work-dir", str(root)),
+        ]
         log.info("trainer args: %s", " ".join(trainer_args))
         plan = dict(trainer_args=trainer_args, timeout_s=config.timeout)
-        target, startup_s = stack.enter_context(trainer_server(plan, work, logs / "trainer.log"))
+        target, startup_s = stack.enter_context(
+            trainer_server(plan, work, logs / "trainer.log", auth=orchestrator)
+        )
         ready = receiver.reply(config.timeout)
         log.info("receiver ready: %s", ready)
-        with TrainerClient(target) as client:
+        with TrainerClient(target, auth=orchestrator) as client:
             status = client.status()
             records = run_refits(client, receiver, batches, config)
-            check = verify(client, receiver, work, config) if config.verify else None
+            check = verify(client, receiver, root, config) if config.verify else None
         receiver.stop()
     return dict(
         receiver=ready,
@@ -772,7 +808,7 @@ def main(argv: list[str] | None = None) -> None:
     config.log_dir.mkdir(parents=True, exist_ok=True)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="refit-install-bench-") as scratch:
-        work = config.work_dir or Path(scratch)
+        work = (config.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)
         result = run(config, work)
     summary = summarize(result["records"])

@@ -3,8 +3,10 @@ bytes, and what publication adds to FinishTrainStep.
 
 * ``python -m refit_sidecar`` and the real trainer, ``python -m trainer_svc --model DIR --tp 1
   --device cuda --sidecar ADDR --refit-slots 2`` (its one rank on GPU 0, a config-only Llama
-  directory as in ``benchmarks.trainer_step``), run as subprocesses. This process trains a few
-  steps over gRPC; every FinishTrainStep publishes the new version into a VRAM snapshot slot.
+  directory as in ``benchmarks.trainer_step``), run as subprocesses, with authentication on as
+  deployed (``benchmarks.trainer_step.Tokens``: each process and client holds its role's
+  token). This process trains a few steps over gRPC; every FinishTrainStep publishes the new
+  version into a VRAM snapshot slot.
 * A puller subprocess (this script with ``--puller-plan``) leases the latest version, plans the
   whole model (``plan_pull(manifest, whole(manifest))``) and pulls it ``--pulls`` times with
   ``NixlTransport`` into one VRAM buffer on GPU ``--dest-gpu`` (registered once; the first pull,
@@ -32,6 +34,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -51,15 +54,18 @@ from benchmarks.trainer_step import (
 from benchmarks.trainer_step import (
     REPO,
     Driver,
+    Tokens,
     _child_env,
     _tail,
     apply_preset,
     make_batches,
     run_steps,
+    trainer_root,
     trainer_server,
     write_model,
 )
 from refit_sidecar.client import SidecarClient
+from trainer_refit.auth import ClientAuth, Role
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig
 
@@ -80,11 +86,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @contextlib.contextmanager
-def sidecar_server(run_dir: Path, log_path: Path, timeout_s: float) -> Iterator[str]:
-    """Starts ``python -m refit_sidecar`` on a free port; yields its HOST:PORT."""
+def sidecar_server(
+    run_dir: Path, log_path: Path, timeout_s: float, tokens: Tokens
+) -> Iterator[str]:
+    """Starts ``python -m refit_sidecar`` on a free port, accepting `tokens`; yields its
+    HOST:PORT."""
     port_file = run_dir / "sidecar-port"
     port_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "refit_sidecar", "--host", "127.0.0.1", "--port", "0"]
+    command += tokens.server_args()
     out = log_path.open("ab")
     process = subprocess.Popen(
         [*command, "--port-file", str(port_file)],
@@ -172,7 +182,8 @@ def puller_main(plan_path: Path, result_path: Path) -> None:
     dest_device, source_device = torch.device(plan["dest"]), torch.device(plan["source"])
     if dest_device.type == "cuda":
         torch.cuda.set_device(dest_device)  # the puller's own GPU
-    client = SidecarClient(plan["sidecar"], timeout=60)
+    auth = ClientAuth(token_file=Path(plan["token_file"]))  # the receiver role's
+    client = SidecarClient(plan["sidecar"], timeout=60, auth=auth)
     lease = client.acquire_lease(plan["version"], "refit-pull-benchmark", ttl=600)
     manifest = client.manifest(plan["version"])
     pull_plan = plan_pull(manifest, whole(manifest))
@@ -281,11 +292,13 @@ def run_puller(plan: dict[str, Any], run_dir: Path, log_path: Path) -> dict[str,
 # -- the trainer runs -----------------------------------------------------------------------------
 
 
-def _watch_readable(sidecar: str, readable_at: dict[int, float]) -> Callable[[], None]:
+def _watch_readable(
+    sidecar: str, auth: ClientAuth, readable_at: dict[int, float]
+) -> Callable[[], None]:
     """Records when each version becomes readable (perf_counter, this process) from a
     WatchVersions stream on a thread; returns the function that stops it."""
 
-    client = SidecarClient(sidecar)
+    client = SidecarClient(sidecar, auth=auth)
     versions = client.watch(0)
 
     def watch() -> None:
@@ -304,14 +317,20 @@ def _watch_readable(sidecar: str, readable_at: dict[int, float]) -> Callable[[],
 
 
 def train(
-    target: str, batches: list[Any], args: argparse.Namespace, sidecar: str | None = None
+    target: str,
+    batches: list[Any],
+    args: argparse.Namespace,
+    tokens: Tokens,
+    sidecar: str | None = None,
 ) -> dict[str, Any]:
     """Runs the steps; with `sidecar`, also when each version became readable, in ms after
-    its FinishTrainStep returned."""
+    its FinishTrainStep returned (watched as a receiver)."""
     returned_at: dict[int, float] = {}
     readable_at: dict[int, float] = {}
-    stop_watch = _watch_readable(sidecar, readable_at) if sidecar else None
-    with TrainerClient(target) as client:
+    stop_watch = None
+    if sidecar:
+        stop_watch = _watch_readable(sidecar, tokens.client(Role.RECEIVER), readable_at)
+    with TrainerClient(target, auth=tokens.client(Role.ORCHESTRATOR)) as client:
         status = client.status()
         loss = LossConfig()
 
@@ -466,7 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("runs/refit_pull.json"))
     out.add_argument("--log-dir", type=Path, default=None, help="default: beside --out")
-    out.add_argument("--work-dir", type=Path, default=None, help="default: a temporary directory")
+    out.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="the run's files: model, tokens, the trainer's work dir (default: a temporary one)",
+    )
     out.add_argument(
         "--trainer-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
@@ -507,29 +531,40 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
     with tempfile.TemporaryDirectory(prefix="refit-pull-bench-") as scratch:
-        work = args.work_dir or Path(scratch)
+        work = (args.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)
         model_dir = write_model(work / "model", args)
+        tokens = Tokens.create(work)
+        orchestrator = tokens.client(Role.ORCHESTRATOR)
+        root = trainer_root(work)  # the trainer's path root: the export below goes there
         trainer_args = [
             *("--model", str(model_dir), "--tp", "1", "--device", args.device),
             *("--params-dtype", args.params_dtype, "--lr", str(args.lr), "--seed", str(args.seed)),
             *("--max-seq-len", str(args.seq_len), "--log-level", args.trainer_log_level),
+            *("--work-dir", str(root), *tokens.server_args()),
         ]
         batches = make_batches(dict(vars(args)))
         runs: dict[str, dict[str, Any]] = {}
-        with sidecar_server(work, log_dir / "sidecar.log", args.timeout) as sidecar:
-            publishing = [*trainer_args, "--sidecar", sidecar, "--refit-slots", str(args.slots)]
+        with sidecar_server(work, log_dir / "sidecar.log", args.timeout, tokens) as sidecar:
+            publishing = [
+                *trainer_args,
+                *tokens.sidecar_args(sidecar),
+                *("--refit-slots", str(args.slots)),
+            ]
             plan = dict(trainer_args=publishing, timeout_s=args.timeout)
             log.info("trainer args: %s", " ".join(publishing))
-            with trainer_server(plan, work, log_dir / "trainer-publish.log") as (target, _):
-                runs["publish"] = train(target, batches, args, sidecar)
+            trainer_log = log_dir / "trainer-publish.log"
+            with trainer_server(plan, work, trainer_log, auth=orchestrator) as (target, _):
+                runs["publish"] = train(target, batches, args, tokens, sidecar)
                 export = None
                 if not args.no_verify:
-                    export = work / "export"
-                    with TrainerClient(target) as client:
+                    export = root / "export"
+                    shutil.rmtree(export, ignore_errors=True)  # an earlier run's, same work dir
+                    with TrainerClient(target, auth=orchestrator) as client:
                         client.export_hf(export)
                 puller_plan = dict(
                     sidecar=sidecar,
+                    token_file=str(tokens.file(Role.RECEIVER)),
                     version=runs["publish"]["weights_version"],
                     dest=f"cuda:{args.dest_gpu}" if cuda else "cpu",
                     source="cuda:0" if cuda else "cpu",
@@ -540,8 +575,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 pull = run_puller(puller_plan, work, log_dir / "puller.log")
         plan = dict(trainer_args=trainer_args, timeout_s=args.timeout)
-        with trainer_server(plan, work, log_dir / "trainer-plain.log") as (target, _):
-            runs["plain"] = train(target, batches, args)
+        trainer_log = log_dir / "trainer-plain.log"
+        with trainer_server(plan, work, trainer_log, auth=orchestrator) as (target, _):
+            runs["plain"] = train(target, batches, args, tokens)
     summary = summarize(pull, runs)
     meta = dict(
         date=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -8,9 +8,10 @@ same initial weights), cross-entropy on fixed synthetic token sequences, k micro
   drives BeginTrainStep -> TrainMicrobatch x k -> FinishTrainStep through ``TrainerClient``.
 * ``inprocess``: a subprocess of this script sets RANK=0 WORLD_SIZE=1 MASTER_ADDR/PORT, joins the
   process group and builds the engine with trainer_svc.runtime.rank's own functions
-  (``_device``, ``_init_distributed``, ``build_engine``), then calls ``engine.precheck`` and
-  ``engine.execute`` with the commands the servicer would build. No gRPC, no server, no protobuf
-  conversion and no command broadcast.
+  (``_device``, ``_join_world``, ``_init_model_parallel``, ``build_engine``; a one-rank world
+  has no peers, so no liveness links), then calls ``engine.precheck`` and ``engine.execute``
+  with the commands the servicer would build. No gRPC, no server, no protobuf conversion and no
+  command broadcast.
 * ``leader`` (optional): like inprocess, but each command goes through rank 0's own command path,
   ``trainer_svc.runtime.control.Leader.submit`` (asyncio lock, hop to the command thread,
   precheck, broadcast over the control group, execute), so the gap between grpc and inprocess
@@ -29,6 +30,10 @@ machine falls on all of them.
 
 Tokens/s counts every token sent (microbatches x sequences x sequence length per step); the
 trained (predicted) tokens are one fewer per sequence and are reported too.
+
+The services run as deployed, with authentication on (`Tokens`: a fresh bearer token per role
+under the run's work dir, as ``trainer_refit.local_stack`` does); the trainer's path root is
+its own directory beside them (`trainer_root`).
 
     python -m benchmarks.trainer_step --preset 1b --out results.json          # GPU, ~1B model
     python -m benchmarks.trainer_step --preset tiny --device cpu --out /tmp/r.json   # CPU smoke
@@ -59,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer_refit.auth import ClientAuth, Role, write_token_dir
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.cli import parse_config
@@ -255,7 +261,8 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
     from trainer_svc.runtime.rank import (
         RankIdentity,
         _device,
-        _init_distributed,
+        _init_model_parallel,
+        _join_world,
         build_engine,
     )
 
@@ -264,7 +271,8 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
     identity = RankIdentity.from_env()
     assert identity is not None
     device = _device(config, identity)
-    _init_distributed(config, identity, device)
+    _join_world(config, identity, device)
+    _init_model_parallel(config, device)
     engine, info = build_engine(config, Path(plan["model_dir"]), device)
     # Like grpc's "process start to SERVING": from this process's launch to a built engine.
     startup_s = time.time() - plan["launched_at"]
@@ -400,11 +408,52 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+# -- the deployed configuration: tokens and the trainer's path root -------------------------------
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Authentication as deployed, set up as ``trainer_refit.local_stack`` does: a fresh random
+    bearer token for every role in one directory (mode 0700, files 0600) that both services
+    read (``--auth-token-dir``); each client presents its own role's token."""
+
+    directory: Path
+
+    @classmethod
+    def create(cls, work: Path) -> Tokens:
+        """New tokens in ``<work>/tokens`` (replacing those of an earlier run there)."""
+        return cls(write_token_dir(work / "tokens"))
+
+    def file(self, role: Role) -> Path:
+        return self.directory / role.value
+
+    def client(self, role: Role) -> ClientAuth:
+        return ClientAuth(token_file=self.file(role))
+
+    def server_args(self) -> list[str]:
+        """A service's flags: callers must present a role's token."""
+        return ["--auth-token-dir", str(self.directory)]
+
+    def sidecar_args(self, sidecar: str) -> list[str]:
+        """trainer-svc's flags to publish to the sidecar at `sidecar` as the trainer role."""
+        return ["--sidecar", sidecar, "--sidecar-token-file", str(self.file(Role.TRAINER))]
+
+
+def trainer_root(work: Path) -> Path:
+    """The trainer's ``--work-dir`` and so its path root: whatever it saves or exports lies
+    below it, apart from the token files and the run's other files (as in local_stack)."""
+    root = work / "trainer"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 @contextlib.contextmanager
 def trainer_server(
-    plan: dict[str, Any], run_dir: Path, log_path: Path
+    plan: dict[str, Any], run_dir: Path, log_path: Path, *, auth: ClientAuth
 ) -> Iterator[tuple[str, float]]:
-    """Starts ``python -m trainer_svc`` on a free port; yields (target, seconds to SERVING)."""
+    """Starts ``python -m trainer_svc`` on a free port (its authentication flags are in
+    plan["trainer_args"]); yields (target, seconds to SERVING) once it answers a client of
+    `auth`."""
     port_file = run_dir / "port"
     port_file.unlink(missing_ok=True)
     command = [
@@ -440,7 +489,7 @@ def trainer_server(
                 raise TimeoutError(f"trainer-svc did not serve within {plan['timeout_s']} s")
             time.sleep(0.1)
         target = f"127.0.0.1:{int(port_file.read_text())}"
-        with TrainerClient(target) as client:
+        with TrainerClient(target, auth=auth) as client:
             client.wait_ready(timeout=60.0)
         yield target, time.perf_counter() - started
     finally:
@@ -454,14 +503,16 @@ def trainer_server(
         out.close()
 
 
-def _pipelined_sender(target: str) -> tuple[Callable[[str, list[Any]], Any], Callable[[], None]]:
+def _pipelined_sender(
+    target: str, auth: ClientAuth
+) -> tuple[Callable[[str, list[Any]], Any], Callable[[], None]]:
     """grpc-pipelined: all of a step's TrainMicrobatch calls are in flight at once (asyncio
     client), so the server converts request j+1 while microbatch j runs; the service still
     executes them one at a time, in arrival order."""
     loop = asyncio.new_event_loop()
 
     async def open_client() -> AsyncTrainerClient:
-        return AsyncTrainerClient(target)
+        return AsyncTrainerClient(target, auth=auth)
 
     client = loop.run_until_complete(open_client())
 
@@ -482,12 +533,12 @@ def _pipelined_sender(target: str) -> tuple[Callable[[str, list[Any]], Any], Cal
 
 
 def run_grpc(
-    plan: dict[str, Any], run_dir: Path, log_path: Path, *, pipelined: bool = False
+    plan: dict[str, Any], run_dir: Path, log_path: Path, *, auth: ClientAuth, pipelined: bool
 ) -> dict[str, Any]:
     batches = make_batches(plan)
     with (
-        trainer_server(plan, run_dir, log_path) as (target, startup_s),
-        TrainerClient(target) as client,
+        trainer_server(plan, run_dir, log_path, auth=auth) as (target, startup_s),
+        TrainerClient(target, auth=auth) as client,
     ):
         status = client.status()
         loss = LossConfig()
@@ -503,7 +554,7 @@ def run_grpc(
         )
         close: Callable[[], None] = lambda: None  # noqa: E731
         if pipelined:
-            driver.all_microbatches, close = _pipelined_sender(target)
+            driver.all_microbatches, close = _pipelined_sender(target, auth)
         try:
             records = run_steps(driver, batches, plan["warmup"], plan["steps"])
         finally:
@@ -721,7 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--work-dir",
         type=Path,
         default=None,
-        help="where the model directory is written (default: a temporary directory)",
+        help="the run's files: the model directory, the token files, the trainer's work dir "
+        "(default: a temporary directory)",
     )
     out.add_argument(
         "--trainer-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -812,8 +864,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="trainer-step-bench-") as scratch:
-        work = args.work_dir or Path(scratch)
+        work = (args.work_dir or Path(scratch)).absolute()
         model_dir = write_model(work / "model", args)
+        tokens = Tokens.create(work)
         trainer_args = [
             "--model",
             str(model_dir),
@@ -831,6 +884,9 @@ def main(argv: list[str] | None = None) -> None:
             str(args.seq_len),
             "--log-level",
             args.trainer_log_level,
+            "--work-dir",
+            str(trainer_root(work)),
+            *tokens.server_args(),
         ]
         plan = dict(
             model_dir=str(model_dir),
@@ -855,7 +911,13 @@ def main(argv: list[str] | None = None) -> None:
                 log.info("run %d: %s (log %s)", repeat, mode, log_path)
                 started = time.perf_counter()
                 if mode.startswith("grpc"):
-                    run = run_grpc(plan, work, log_path, pipelined=mode == "grpc-pipelined")
+                    run = run_grpc(
+                        plan,
+                        work,
+                        log_path,
+                        auth=tokens.client(Role.ORCHESTRATOR),
+                        pipelined=mode == "grpc-pipelined",
+                    )
                 else:
                     run = run_worker(mode, plan, work, log_path)
                 run.update(
