@@ -145,10 +145,12 @@ class LivenessConfig:
 
     heartbeat_seconds: float = 1.0
     """Period of the heartbeats each rank sends over its link with rank 0."""
-    peer_timeout_seconds: float = 5.0
+    peer_timeout_seconds: float = 10.0
     """A rank silent this long (hung, or its node lost) counts as dead; a rank whose process
-    died is noticed at once, from its closed connection."""
-    exit_grace_seconds: float = 3.0
+    died is noticed at once, from its closed connection. Not shorter: a false death restarts
+    the whole world, and a rank whose heartbeat thread waits a few seconds for the GIL (a
+    native call that holds it) is not dead."""
+    exit_grace_seconds: float = 5.0
     """Rank 0 keeps answering UNAVAILABLE (health NOT_SERVING) this long after a rank died,
     then exits non-zero so that the orchestrator restarts the world."""
 

@@ -207,7 +207,7 @@ def test_rank_0_listens_where_the_rendezvous_is_reached() -> None:
 
 def test_config_defaults_and_flag() -> None:
     defaults = LivenessConfig()
-    assert defaults.peer_timeout_seconds + defaults.exit_grace_seconds < 10
+    assert defaults.peer_timeout_seconds <= 10  # a silent rank is declared dead within 10 s
     config, _ = parse_config(["--insecure", "--peer-timeout-seconds", "2.5"])
     assert config.liveness == LivenessConfig(peer_timeout_seconds=2.5)
     assert parse_config(["--insecure"])[0].liveness == defaults
