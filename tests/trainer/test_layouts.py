@@ -66,7 +66,16 @@ def test_an_unsplittable_layout_is_refused_before_any_rank_starts(tmp_path, shap
     model_dir = write_tiny_checkpoint(
         tmp_path / "model", ModelFamily.LLAMA, **{"num_layers": 2, **shape}
     )
-    command = [sys.executable, "-m", "trainer_svc", "--port", "0", "--model", str(model_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "trainer_svc",
+        "--port",
+        "0",
+        "--insecure",
+        "--model",
+        str(model_dir),
+    ]
     started = time.monotonic()
     result = subprocess.run(
         [*command, *args],
