@@ -75,7 +75,11 @@ def test_short_demo_learns_keeps_fidelity_and_cleans_up(tmp_path: Path) -> None:
 
 def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
     workdir = tmp_path / "run"
-    process, log_path = _start(workdir, "--iterations", "50")
+    # One engine (TP=2: an engine core and two worker processes to clean up) and a short
+    # warm-up: the run is interrupted at its first GRPO version anyway.
+    process, log_path = _start(
+        workdir, "--iterations", "50", "--engine-tp", "2", "--warmup-steps", "5"
+    )
     deadline = time.monotonic() + 1200
     while not VERSION_LINE.search(log_path.read_text()):
         assert process.poll() is None, log_path.read_text()[-4000:]

@@ -23,7 +23,14 @@ from megatron_hf.spec import ModelFamily, ModelSpec
 from megatron_hf.splits import trainer_layout_problems
 from megatron_hf.tiny import write_tiny_checkpoint
 from tests.support.engine import EngineHost
-from tests.support.fidelity import FIDELITY, PROMPTS, gap, train_step, trainer_logprobs
+from tests.support.fidelity import (
+    FIDELITY,
+    PROMPTS,
+    check_installed_slices,
+    gap,
+    train_step,
+    trainer_logprobs,
+)
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess
 
@@ -58,7 +65,7 @@ MODELS = {
 TRAINER_LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 ENGINE_TPS = (1, 2)
 DEFAULT: dict[str, tuple[str, tuple[int, ...]]] = {
-    "llama-gqa": ("pp2", (1,)),
+    "llama-gqa": ("pp2", (1, 2)),
     "llama-mqa-tied": ("tp1", (1, 2)),
     "qwen2-gqa": ("tp2", (1,)),
     "qwen2-mha-tied": ("pp2", (1,)),
@@ -159,6 +166,9 @@ def _refit_matrix(
                             f"{name}: trainer {layout} -> TP={tp} engine, version {version}: "
                             f"logprobs differ by {difference:.2e}"
                         )
+                exported = trainer.export(f"v{version}")
+                for tp in engine_tps:
+                    check_installed_slices(hosts[tp].call("slices", None), exported, tp)
             finally:
                 assert trainer.stop() == 0
 

@@ -11,12 +11,18 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from inference_ext.engine import EngineRefit
 from inference_ext.receiver import RefitOptions
 from tests.support.engine import EngineError, EngineProcess
-from tests.support.fidelity import FIDELITY, PROMPTS, gap, train_step, trainer_logprobs
+from tests.support.fidelity import (
+    FIDELITY,
+    PROMPTS,
+    check_installed_slices,
+    gap,
+    train_step,
+    trainer_logprobs,
+)
 from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import TrainerProcess
 from trainer_svc.builtin_model import write_builtin_model
@@ -53,7 +59,14 @@ def _kill_tree(process: psutil.Process) -> None:
 
 
 @pytest.mark.parametrize(
-    ("layout", "seed"), [([], 1), (["--tp", "2"], 2), (["--pp", "2"], 3)], ids=["tp1", "tp2", "pp2"]
+    ("layout", "seed"),
+    [
+        pytest.param([], 1, id="tp1"),
+        # The fidelity matrix's default run refits TP=2 and PP=2 trainers into both engine
+        # sizes, checking logprobs and installed slices bit for bit.
+        pytest.param(["--tp", "2"], 2, id="tp2", marks=pytest.mark.slow),
+        pytest.param(["--pp", "2"], 3, id="pp2", marks=pytest.mark.slow),
+    ],
 )
 def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layout, seed):
     with running_sidecar(tmp_path / "sidecar") as sidecar:
@@ -77,7 +90,7 @@ def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layo
                 after = engine.call("probe", PROMPTS)
                 assert gap(after, trained) <= FIDELITY, f"TP={tp} engine differs from trainer"
                 assert gap(before[tp], trained) > 100 * FIDELITY, "the step changed nothing"
-                _check_installed_slices(engine.call("slices", None), exported, tp)
+                check_installed_slices(engine.call("slices", None), exported, tp)
             if not layout:
                 _refit_through_both_slots(trainer, engines, seed)
         finally:
@@ -99,25 +112,7 @@ def _refit_through_both_slots(trainer: TrainerProcess, engines: dict, seed: int)
             assert all(w.verified_shards > 0 for w in refit.workers)
     exported = trainer.export("v3")
     for tp, engine in engines.items():
-        _check_installed_slices(engine.call("slices", None), exported, tp)
-
-
-def _check_installed_slices(per_worker: list[dict], exported: dict, tp: int) -> None:
-    """Each worker installed exactly its slice of every exported tensor, bit for bit, and the
-    workers' slices together cover every tensor."""
-    assert len(per_worker) == tp
-    names = set(exported)
-    for worker in per_worker:
-        assert set(worker) == names
-        for name, (box, tensor) in worker.items():
-            index = tuple(slice(a, b) for a, b in box.ranges)
-            expected = torch.from_numpy(exported[name])[index]
-            assert torch.equal(tensor, expected), name
-    for name, full in exported.items():
-        covered = torch.zeros(full.shape, dtype=torch.bool)
-        for worker in per_worker:
-            covered[tuple(slice(a, b) for a, b in worker[name][0].ranges)] = True
-        assert bool(covered.all()), f"{name} is not fully installed across the workers"
+        check_installed_slices(engine.call("slices", None), exported, tp)
 
 
 def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_dir, engines):

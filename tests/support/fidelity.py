@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from tests.support.batches import make_batch
 from tests.support.trainer import TrainerProcess
@@ -44,3 +45,21 @@ def gap(a: Sequence, b: Sequence) -> float:
     return max(
         float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b, strict=True)
     )
+
+
+def check_installed_slices(per_worker: list[dict], exported: dict, tp: int) -> None:
+    """Each worker installed exactly its slice of every exported tensor, bit for bit, and the
+    workers' slices together cover every tensor."""
+    assert len(per_worker) == tp
+    names = set(exported)
+    for worker in per_worker:
+        assert set(worker) == names
+        for name, (box, tensor) in worker.items():
+            index = tuple(slice(a, b) for a, b in box.ranges)
+            expected = torch.from_numpy(exported[name])[index]
+            assert torch.equal(tensor, expected), name
+    for name, full in exported.items():
+        covered = torch.zeros(full.shape, dtype=torch.bool)
+        for worker in per_worker:
+            covered[tuple(slice(a, b) for a, b in worker[name][0].ranges)] = True
+        assert bool(covered.all()), f"{name} is not fully installed across the workers"
