@@ -30,7 +30,14 @@ LENGTHS = [9, 17, 5, 12, 30, 7, 21]
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, adam_eps=1e-4)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(
+    scope="module",
+    params=[
+        # TP=2 x DP=2 splits both dimensions at once; each alone runs in the slow run.
+        pytest.param(name, marks=pytest.mark.slow) if name in ("tp2", "dp2") else name
+        for name in LAYOUTS
+    ],
+)
 def trainer(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"split-{request.param}")
     process = TrainerProcess(workdir, LAYOUTS[request.param])
