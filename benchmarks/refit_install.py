@@ -4,7 +4,7 @@ installed, against a torch peer copy of the same bytes.
 * ``python -m refit_sidecar`` and the real trainer, ``python -m trainer_svc --model DIR --tp 1
   --device cuda --sidecar ADDR --refit-slots 2`` (one rank on GPU 0, bf16 parameters, the
   config-only Llama directory of ``benchmarks.refit_pull``), run as subprocesses, with
-  authentication on as deployed (``benchmarks.trainer_step.Tokens``: the trainer presents the
+  authentication on as deployed (``benchmarks.trainer_step.tokens_for``: the trainer presents the
   trainer role's token to the sidecar, the receiver the receiver role's, this process the
   orchestrator's).
 * A receiver subprocess (this script with ``--receiver-settings``) builds the HF model
@@ -72,10 +72,10 @@ from benchmarks.refit_pull import _MODEL_KEYS, sidecar_server
 from benchmarks.refit_pull import PRESETS as PULL_PRESETS
 from benchmarks.trainer_step import (
     REPO,
-    Tokens,
     _child_env,
     _tail,
     make_batches,
+    tokens_for,
     trainer_root,
     trainer_server,
 )
@@ -733,7 +733,7 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
     model_dir = write_model(work / "model", config)
     batches = make_batches(asdict(config))
     logs = config.log_dir
-    tokens = Tokens.create(work)
+    tokens = tokens_for(work)
     orchestrator = tokens.client(Role.ORCHESTRATOR)
     root = trainer_root(work)  # the trainer's path root: `verify` exports there
     with contextlib.ExitStack() as stack:
@@ -753,7 +753,7 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
         receiver = stack.enter_context(receiver_process(settings, work, logs / "receiver.log"))
         trainer_args = [
             *config.trainer_args(model_dir),
-            *tokens.sidecar_args(sidecar),
+            *tokens.publisher_args(sidecar),
             *tokens.server_args(),
             *("--work-dir", str(root)),
         ]

@@ -4,7 +4,7 @@ bytes, and what publication adds to FinishTrainStep.
 * ``python -m refit_sidecar`` and the real trainer, ``python -m trainer_svc --model DIR --tp 1
   --device cuda --sidecar ADDR --refit-slots 2`` (its one rank on GPU 0, a config-only Llama
   directory as in ``benchmarks.trainer_step``), run as subprocesses, with authentication on as
-  deployed (``benchmarks.trainer_step.Tokens``: each process and client holds its role's
+  deployed (``benchmarks.trainer_step.tokens_for``: each process and client holds its role's
   token). This process trains a few steps over gRPC; every FinishTrainStep publishes the new
   version into a VRAM snapshot slot.
 * A puller subprocess (this script with ``--puller-plan``) leases the latest version, plans the
@@ -54,18 +54,18 @@ from benchmarks.trainer_step import (
 from benchmarks.trainer_step import (
     REPO,
     Driver,
-    Tokens,
     _child_env,
     _tail,
     apply_preset,
     make_batches,
     run_steps,
+    tokens_for,
     trainer_root,
     trainer_server,
     write_model,
 )
 from refit_sidecar.client import SidecarClient
-from trainer_refit.auth import ClientAuth, Role
+from trainer_refit.auth import ClientAuth, Role, TokenDir
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig
 
@@ -87,7 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @contextlib.contextmanager
 def sidecar_server(
-    run_dir: Path, log_path: Path, timeout_s: float, tokens: Tokens
+    run_dir: Path, log_path: Path, timeout_s: float, tokens: TokenDir
 ) -> Iterator[str]:
     """Starts ``python -m refit_sidecar`` on a free port, accepting `tokens`; yields its
     HOST:PORT."""
@@ -320,7 +320,7 @@ def train(
     target: str,
     batches: list[Any],
     args: argparse.Namespace,
-    tokens: Tokens,
+    tokens: TokenDir,
     sidecar: str | None = None,
 ) -> dict[str, Any]:
     """Runs the steps; with `sidecar`, also when each version became readable, in ms after
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
         work = (args.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)
         model_dir = write_model(work / "model", args)
-        tokens = Tokens.create(work)
+        tokens = tokens_for(work)
         orchestrator = tokens.client(Role.ORCHESTRATOR)
         root = trainer_root(work)  # the trainer's path root: the export below goes there
         trainer_args = [
@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         with sidecar_server(work, log_dir / "sidecar.log", args.timeout, tokens) as sidecar:
             publishing = [
                 *trainer_args,
-                *tokens.sidecar_args(sidecar),
+                *tokens.publisher_args(sidecar),
                 *("--refit-slots", str(args.slots)),
             ]
             plan = dict(trainer_args=publishing, timeout_s=args.timeout)

@@ -31,7 +31,7 @@ machine falls on all of them.
 Tokens/s counts every token sent (microbatches x sequences x sequence length per step); the
 trained (predicted) tokens are one fewer per sequence and are reported too.
 
-The services run as deployed, with authentication on (`Tokens`: a fresh bearer token per role
+The services run as deployed, with authentication on (`tokens_for`: a fresh bearer token per role
 under the run's work dir, as ``trainer_refit.local_stack`` does); the trainer's path root is
 its own directory beside them (`trainer_root`).
 
@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer_refit.auth import ClientAuth, Role, write_token_dir
+from trainer_refit.auth import ClientAuth, Role, TokenDir
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.cli import parse_config
@@ -411,32 +411,11 @@ def _tail(path: Path, lines: int = 40) -> str:
 # -- the deployed configuration: tokens and the trainer's path root -------------------------------
 
 
-@dataclass(frozen=True)
-class Tokens:
-    """Authentication as deployed, set up as ``trainer_refit.local_stack`` does: a fresh random
-    bearer token for every role in one directory (mode 0700, files 0600) that both services
-    read (``--auth-token-dir``); each client presents its own role's token."""
-
-    directory: Path
-
-    @classmethod
-    def create(cls, work: Path) -> Tokens:
-        """New tokens in ``<work>/tokens`` (replacing those of an earlier run there)."""
-        return cls(write_token_dir(work / "tokens"))
-
-    def file(self, role: Role) -> Path:
-        return self.directory / role.value
-
-    def client(self, role: Role) -> ClientAuth:
-        return ClientAuth(token_file=self.file(role))
-
-    def server_args(self) -> list[str]:
-        """A service's flags: callers must present a role's token."""
-        return ["--auth-token-dir", str(self.directory)]
-
-    def sidecar_args(self, sidecar: str) -> list[str]:
-        """trainer-svc's flags to publish to the sidecar at `sidecar` as the trainer role."""
-        return ["--sidecar", sidecar, "--sidecar-token-file", str(self.file(Role.TRAINER))]
+def tokens_for(work: Path) -> TokenDir:
+    """Authentication as deployed, set up as ``trainer_refit.local_stack`` does: fresh random
+    bearer tokens for every role in ``<work>/tokens`` that both services read; each client
+    presents its own role's token."""
+    return TokenDir.create(work / "tokens")
 
 
 def trainer_root(work: Path) -> Path:
@@ -866,7 +845,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="trainer-step-bench-") as scratch:
         work = (args.work_dir or Path(scratch)).absolute()
         model_dir = write_model(work / "model", args)
-        tokens = Tokens.create(work)
+        tokens = tokens_for(work)
         trainer_args = [
             "--model",
             str(model_dir),

@@ -39,6 +39,7 @@ __all__ = [
     "Role",
     "RoleTokens",
     "ServerAuth",
+    "TokenDir",
     "TokenFile",
     "TokenInterceptor",
     "method_roles",
@@ -335,3 +336,31 @@ def open_aio_channel(
     return grpc.aio.secure_channel(
         target, credentials, options=list(options), interceptors=interceptors
     )
+
+
+@dataclass(frozen=True)
+class TokenDir:
+    """A directory of role tokens as the services read it (``--auth-token-dir``), and the
+    settings of each role's clients: what a local stack, a benchmark or a test sets up."""
+
+    directory: Path
+
+    @classmethod
+    def create(cls, directory: Path) -> TokenDir:
+        """A fresh random token for every role, written into `directory` (mode 0700, files
+        0600)."""
+        return cls(write_token_dir(directory))
+
+    def file(self, role: Role) -> Path:
+        return self.directory / role.value
+
+    def client(self, role: Role) -> ClientAuth:
+        return ClientAuth(token_file=self.file(role))
+
+    def server_args(self) -> list[str]:
+        """A service's flags: callers must present a role's token."""
+        return ["--auth-token-dir", str(self.directory)]
+
+    def publisher_args(self, sidecar: str) -> list[str]:
+        """trainer-svc's flags to publish to the sidecar at `sidecar` as the trainer role."""
+        return ["--sidecar", sidecar, "--sidecar-token-file", str(self.file(Role.TRAINER))]

@@ -7,26 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer_refit.auth import ClientAuth, Role, write_token_dir
+from trainer_refit.auth import TokenDir
 
-
-@dataclass(frozen=True)
-class Tokens:
-    directory: Path
-
-    @classmethod
-    def create(cls, directory: Path) -> Tokens:
-        """A fresh random token for every role, written into `directory`."""
-        return cls(write_token_dir(directory))
-
-    def file(self, role: Role) -> Path:
-        return self.directory / role.value
-
-    def client(self, role: Role) -> ClientAuth:
-        return ClientAuth(token_file=self.file(role))
-
-    def server_args(self) -> list[str]:
-        return ["--auth-token-dir", str(self.directory)]
+Tokens = TokenDir
+"""The tests' name for a token directory and its clients."""
 
 
 @dataclass(frozen=True)
