@@ -16,7 +16,7 @@ import psutil
 
 from tests.support.trainer import TEST_ENV
 
-SHORT_RUN = ["--iterations", "30"]
+SHORT_RUN = ["--iterations", "24"]
 # The short run trains the tied-embedding variant; the fidelity tests cover untied models too.
 TIED = ["--tie-embeddings"]
 SUMMARY_LINE = re.compile(r"reward ([0-9.]+) -> ([0-9.]+) .* largest fidelity gap ([0-9.e+-]+)")
