@@ -60,7 +60,8 @@ class _OpenStep:
     optimizer: OptimizerOverrides
     counts: StepCounts = field(default_factory=StepCounts)
     request_ids: dict[str, bytes] = field(default_factory=dict)
-    """Each applied microbatch's request_id and the digest of its batch."""
+    """Each applied microbatch's request_id and (on rank 0, which answers duplicates) the
+    digest of its batch."""
     sums: np.ndarray = field(default_factory=lambda: np.zeros(len(SUM_FIELDS)))
 
 
@@ -297,7 +298,9 @@ class StepEngine:
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
                 for sums in outputs:
                     step.sums += np.array([float(sums[k]) for k in SUM_FIELDS])
-        step.request_ids[command.request_id] = command.batch.digest()
+        # Only rank 0 answers duplicates (`precheck`): the other ranks skip hashing the batch.
+        digest = command.batch.digest() if self.topology.is_leader else b""
+        step.request_ids[command.request_id] = digest
         step.counts = step.counts.plus(command.batch)
         return MicrobatchAck(command.step_id, command.request_id, False, step.counts)
 
