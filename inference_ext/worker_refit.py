@@ -1,0 +1,224 @@
+"""One vLLM worker's refit, whoever drives it: `RefitWorkerExtension` (``collective_rpc``, for
+in-process engines) and the `trainer_refit` weight-transfer backend (vLLM's RL routes, for
+``vllm serve``) both check the engine (`engine_layout`), build a `WorkerRefit` and run the same
+steps on every worker of an engine:
+
+1. `resolve`: "latest" becomes one number, asked of the sidecar by worker 0 and broadcast, so
+   every worker pulls the same version;
+2. `fetch`: each worker leases, pulls and verifies its own slices (`Receiver.fetch`), then the
+   workers agree over vLLM's CPU process group; only if every one has its bytes does any of
+   them go on;
+3. `install`: the tensors go through vLLM's in-place layerwise reload (`reload` is the
+   caller's: the worker's own ``reload_weights``, or vLLM's reload function for the backend),
+   and the LM heads tied to the embedding rerun their post-load step (`tied.py`).
+
+A failure in 1 or 2 leaves the engine on the weights it serves, on every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from inference_ext.receiver import Receiver, RefitError, RefitOptions, RefitStats
+from inference_ext.slices import (
+    ReceiverLayout,
+    UnsupportedLayout,
+    check_receiver_layout,
+    vocab_rows,
+)
+from inference_ext.tied import refresh_tied_heads, tied_heads
+from megatron_hf.convert import hf_names
+from megatron_hf.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+Reload = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+"""Loads checkpoint-format (HF-named, full-shape) tensors into the engine's model in place."""
+
+ANOTHER_WORKER_FAILED = "another worker of this engine could not fetch its slices"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitTarget:
+    """Where a worker's refit comes from: the sidecar's HOST:PORT and how to talk to it."""
+
+    sidecar: str
+    options: RefitOptions
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sidecar, str) or not self.sidecar:
+            raise ValueError(f"sidecar must be the sidecar's HOST:PORT, got {self.sidecar!r}")
+        if not isinstance(self.options, RefitOptions):
+            raise ValueError(f"options must be RefitOptions, got {type(self.options).__name__}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> RefitTarget:
+        """``{"sidecar": "HOST:PORT", **RefitOptions fields}`` (the JSON form)."""
+        values = dict(values)
+        if "sidecar" not in values:
+            raise ValueError(f'the sidecar address ("sidecar": "HOST:PORT") is missing: {values}')
+        sidecar = values.pop("sidecar")
+        return cls(sidecar=sidecar, options=RefitOptions.from_dict(values))
+
+
+def additional_config_target(vllm_config: Any) -> RefitTarget | None:
+    """The target in the engine's ``--additional-config '{"refit": {"sidecar": ...}}'``, if
+    any. Keys for later features (``auto``) are not options of a single refit."""
+    config = (vllm_config.additional_config or {}).get("refit") or {}
+    if not config.get("sidecar"):
+        return None
+    return RefitTarget.from_dict({k: v for k, v in config.items() if k != "auto"})
+
+
+class WorkerRefit:
+    """The refit state of one vLLM worker: its receiver and the tied heads of its model."""
+
+    def __init__(self, receiver: Receiver, tied: list[torch.nn.Module]) -> None:
+        self.receiver = receiver
+        self.tied = tied
+
+    @classmethod
+    def build(
+        cls,
+        target: RefitTarget,
+        engine: EngineLayout,
+        model: torch.nn.Module,
+        device: torch.device,
+    ) -> WorkerRefit:
+        """The worker's receiver (its NIXL agent and sidecar client) for a checked engine."""
+        spec, layout = engine.spec, engine.layout
+        names = [n for n in hf_names(spec) if n != "lm_head.weight" or not spec.tie_word_embeddings]
+        receiver = Receiver(
+            target.sidecar, spec, layout, names, options=target.options, device=device
+        )
+        log.info(
+            "refit: worker tp %d/%d reads from %s", layout.tp_rank, layout.tp_size, target.sidecar
+        )
+        return cls(receiver, tied_heads(model))
+
+    @property
+    def layout(self) -> ReceiverLayout:
+        return self.receiver.layout
+
+    @property
+    def installed_version(self) -> int | None:
+        return self.receiver.installed_version
+
+    def resolve(self, version: int | None) -> int | None:
+        """`version`, or for None the sidecar's latest (None when nothing is published), the
+        same on every worker. RefitError on every worker when the sidecar cannot be asked."""
+        if version is not None:
+            return version
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        answer: tuple[int | None, str | None] = (None, None)
+        if group.rank_in_group == 0:
+            try:
+                answer = (self.receiver.latest_version(), None)
+            except Exception as e:
+                answer = (None, f"cannot ask the sidecar for the latest version: {_describe(e)}")
+        latest, error = group.broadcast_object(answer, src=0)
+        if error is not None:
+            raise RefitError(error)
+        return latest
+
+    def fetch(self, version: int) -> str | None:
+        """Pull and verify this worker's slices of `version`, then agree with the other
+        workers; None when every worker has its bytes, else why not (this worker's error, or
+        `ANOTHER_WORKER_FAILED`)."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        error = None
+        try:
+            self.receiver.fetch(version)
+        except RefitError as e:
+            error = str(e)
+            log.warning("refit to version %d: %s", version, error)
+        ready = torch.tensor([error is None], dtype=torch.int32)
+        torch.distributed.all_reduce(
+            ready, op=torch.distributed.ReduceOp.MIN, group=get_world_group().cpu_group
+        )
+        if ready.item():
+            return None
+        return error or ANOTHER_WORKER_FAILED
+
+    def install(self, reload: Reload) -> RefitStats:
+        """Hand the fetched version to `reload`, then refresh the tied LM heads."""
+
+        def installer(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            with torch.no_grad():
+                reload(weights)
+                refresh_tied_heads(self.tied)
+
+        return self.receiver.install(installer)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The model a worker serves and the worker's place in its engine."""
+
+    spec: ModelSpec
+    layout: ReceiverLayout
+
+
+def engine_layout(vllm_config: Any, model: torch.nn.Module) -> EngineLayout:
+    """This worker's model and TP rank, once checked that refit can serve them: no pipeline
+    parallelism, and a model its TP splits the way `slices` assumes. RefitError otherwise."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise RefitError("refit supports vLLM engines with pipeline_parallel_size 1")
+    spec = ModelSpec.from_hf_config(vllm_config.model_config.hf_config)
+    layout = ReceiverLayout(
+        get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    )
+    try:
+        check_receiver_layout(spec, layout)
+    except UnsupportedLayout as e:
+        raise RefitError(str(e)) from None
+    check_engine_layout(model, spec, layout)
+    return EngineLayout(spec, layout)
+
+
+def _describe(error: Exception) -> str:
+    """One line: a gRPC error's status and details, else the exception's text."""
+    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
+
+
+def check_engine_layout(model: torch.nn.Module, spec: ModelSpec, layout: ReceiverLayout) -> None:
+    """Fail at initialisation, not with wrong weights later, when the engine's own sharding
+    is not the one `slices` assumes: its vocabulary shard and its heads per rank."""
+    problems = []
+    for name, module in model.named_modules():
+        indices = getattr(module, "shard_indices", None)
+        if indices is not None:
+            got = (indices.org_vocab_start_index, indices.org_vocab_end_index)
+            if got != vocab_rows(spec, layout):
+                problems.append(
+                    f"{name} holds vocab rows {got}, expected {vocab_rows(spec, layout)}"
+                )
+        if type(module).__name__ == "QKVParallelLinear":
+            heads = spec.num_attention_heads // layout.tp_size
+            kv = max(spec.num_query_groups // layout.tp_size, 1)
+            if (module.num_heads, module.num_kv_heads) != (heads, kv):
+                problems.append(
+                    f"{name} holds {module.num_heads} query / {module.num_kv_heads} kv heads, "
+                    f"expected {heads} / {kv}"
+                )
+    if problems:
+        raise RefitError("the engine's sharding differs from refit's: " + "; ".join(problems[:4]))

