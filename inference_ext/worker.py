@@ -69,6 +69,18 @@ class RefitWorkerExtension:
         stats = refit.install(reload)
         return {"ok": True, **stats.to_dict()}
 
+    def refit_prefetch(self, version: int) -> dict[str, Any]:
+        """Start pulling `version`'s slices in the background and return at once; the engine
+        keeps generating on its weights. A later ``refit_to(version)`` installs the staged
+        bytes. Returns `refit_prefetch_state`."""
+        return {"tp_rank": self._refit().layout.tp_rank, **self._refit().prefetch(version)}
+
+    def refit_prefetch_state(self, version: int) -> dict[str, Any]:
+        """This worker's background pull of `version`: ``state`` is "pending", "ready",
+        "failed" (with ``error``) or "none"."""
+        refit = self._refit()
+        return {"tp_rank": refit.layout.tp_rank, **refit.prefetch_state(version)}
+
     def refit_status(self) -> dict[str, Any]:
         refit: WorkerRefit | None = getattr(self, _STATE, None)
         if refit is None:
@@ -83,7 +95,7 @@ class RefitWorkerExtension:
     def refit_slices(self, names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         """The HF-named slices this worker installed last, as raw bytes so they cross the
         RPC exactly: name -> {box, dtype, shape, data}; `engine.decode_slice` reads one."""
-        slices = self._refit().receiver.slices(names)
+        slices = self._refit().slices(names)
         return {name: encode_slice(box, tensor) for name, (box, tensor) in slices.items()}
 
     def refit_close(self) -> None:

@@ -13,12 +13,18 @@ steps on every worker of an engine:
    and the LM heads tied to the embedding rerun their post-load step (`tied.py`).
 
 A failure in 1 or 2 leaves the engine on the weights it serves, on every worker.
+
+`prefetch` runs step 2's pull ahead, in a thread of the worker, while the engine keeps
+generating: the receiver's staging memory is separate from the model's weights, so a later
+`fetch` of the same version finds its bytes there and only agrees. Auto-refit
+(`auto_refit.AutoRefit`) prefetches, waits for every worker's `prefetch_state`, then switches.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,7 @@ from inference_ext.slices import (
 from inference_ext.tied import refresh_tied_heads, tied_heads
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
+from refit_sidecar.manifest import Box
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +83,52 @@ def additional_config_target(vllm_config: Any) -> RefitTarget | None:
     return RefitTarget.from_dict({k: v for k, v in config.items() if k != "auto"})
 
 
+class Prefetch:
+    """One background pull of a version into the receiver's staging memory."""
+
+    def __init__(self, receiver: Receiver, version: int) -> None:
+        self.version = version
+        self.error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(receiver,), name=f"refit-prefetch-{version}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, receiver: Receiver) -> None:
+        try:
+            receiver.fetch(self.version)
+        except RefitError as e:
+            self.error = str(e)
+        except Exception as e:  # the thread must report, not die silently
+            self.error = f"prefetching version {self.version} failed: {_describe(e)}"
+        if self.error is not None:
+            log.warning("refit: prefetch of version %d: %s", self.version, self.error)
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str | None:
+        """Block until the pull ends; its error, None when the bytes are staged."""
+        self._thread.join()
+        return self.error
+
+    def state(self) -> dict[str, Any]:
+        if not self.done:
+            return {"version": self.version, "state": "pending"}
+        if self.error is not None:
+            return {"version": self.version, "state": "failed", "error": self.error}
+        return {"version": self.version, "state": "ready"}
+
+
 class WorkerRefit:
     """The refit state of one vLLM worker: its receiver and the tied heads of its model."""
 
     def __init__(self, receiver: Receiver, tied: list[torch.nn.Module]) -> None:
         self.receiver = receiver
         self.tied = tied
+        self._prefetch: Prefetch | None = None
+        """The last background pull, until a `fetch` or `close` settles it."""
 
     @classmethod
     def build(
@@ -129,18 +176,48 @@ class WorkerRefit:
             raise RefitError(error)
         return latest
 
+    def prefetch(self, version: int) -> dict[str, Any]:
+        """Start pulling `version` into staging in the background and return at once (its
+        `prefetch_state`). A pull of the same version that is running or staged is kept; one
+        of another version is waited for first (the receiver pulls one version at a time)."""
+        current = self._prefetch
+        if current is not None and current.version == version and current.error is None:
+            return current.state()
+        self._settle()
+        self._prefetch = Prefetch(self.receiver, version)
+        return self._prefetch.state()
+
+    def prefetch_state(self, version: int) -> dict[str, Any]:
+        """``{"version", "state": "pending" | "ready" | "failed" | "none", "error"?}`` of the
+        background pull of `version` ("none": no such pull)."""
+        current = self._prefetch
+        if current is None or current.version != version:
+            return {"version": version, "state": "none"}
+        return current.state()
+
+    def _settle(self) -> Prefetch | None:
+        """Wait for a background pull, and forget it: the receiver is this thread's again."""
+        current, self._prefetch = self._prefetch, None
+        if current is not None:
+            current.wait()
+        return current
+
     def fetch(self, version: int) -> str | None:
-        """Pull and verify this worker's slices of `version`, then agree with the other
-        workers; None when every worker has its bytes, else why not (this worker's error, or
-        `ANOTHER_WORKER_FAILED`)."""
+        """Pull and verify this worker's slices of `version` (or take those a `prefetch` of it
+        staged), then agree with the other workers; None when every worker has its bytes, else
+        why not (this worker's error, or `ANOTHER_WORKER_FAILED`)."""
         from vllm.distributed.parallel_state import get_world_group
 
         error = None
-        try:
-            self.receiver.fetch(version)
-        except RefitError as e:
-            error = str(e)
-            log.warning("refit to version %d: %s", version, error)
+        prefetched = self._settle()
+        if prefetched is not None and prefetched.version == version and prefetched.error is None:
+            pass  # staged by the background pull
+        else:
+            try:
+                self.receiver.fetch(version)
+            except RefitError as e:
+                error = str(e)
+                log.warning("refit to version %d: %s", version, error)
         ready = torch.tensor([error is None], dtype=torch.int32)
         torch.distributed.all_reduce(
             ready, op=torch.distributed.ReduceOp.MIN, group=get_world_group().cpu_group
@@ -157,9 +234,16 @@ class WorkerRefit:
                 reload(weights)
                 refresh_tied_heads(self.tied)
 
+        self._settle()
         return self.receiver.install(installer)
 
+    def slices(self, names: Sequence[str] | None) -> dict[str, tuple[Box, torch.Tensor]]:
+        """The installed version's slices as staging holds them (see `Receiver.slices`)."""
+        self._settle()
+        return self.receiver.slices(names)
+
     def close(self) -> None:
+        self._settle()
         self.receiver.close()
 
 

@@ -124,10 +124,13 @@ class Registry:
         self._newest = 0
         """The highest version ever reserved in this generation: numbers only grow."""
         self.trainer: TrainerShape | None = None
+        self.generation = 0
+        """Counts trainer registrations: a new trainer numbers its versions afresh."""
 
     def register_trainer(self, trainer: TrainerShape) -> None:
         """Starts a new trainer generation: earlier versions and their leases are gone."""
         self.trainer = trainer
+        self.generation += 1
         self._versions.clear()
         self._slot_owner.clear()
         self._leases.clear()

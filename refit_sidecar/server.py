@@ -143,7 +143,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self, request: pb.WatchVersionsRequest, context: Any
     ) -> AsyncIterator[pb.VersionInfo]:
         seen = request.after_version
+        generation = self.registry.generation
         while True:
+            if self.registry.generation != generation:
+                # A trainer registered again and numbers its versions afresh: its versions
+                # are new to the watcher whatever their numbers.
+                generation, seen = self.registry.generation, 0
             latest = self.registry.latest
             if latest is not None and latest > seen:
                 seen = latest

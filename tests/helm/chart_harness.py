@@ -32,6 +32,14 @@ SAMPLE_POD_IP = "10.4.0.17"
 TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")
 """Keys of the TLS Secret the chart reads (auth.tls.secretName)."""
 LWS_KIND = "LeaderWorkerSet"
+AUTO_REFIT_FIELDS = {
+    "policy": "policy",
+    "pauseMode": "pause_mode",
+    "maxStaleness": "max_staleness",
+    "pollIntervalSeconds": "poll_interval_s",
+    "retryIntervalSeconds": "retry_interval_s",
+}
+"""vllm.autoRefitOptions keys -> the fields of refit.auto (inference_ext's AutoRefitConfig)."""
 
 
 def value_set_names() -> list[str]:

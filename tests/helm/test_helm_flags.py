@@ -4,7 +4,10 @@ Each container's argv is taken from the rendered pod template and expanded the w
 ($(VAR) from the release ConfigMap, the downward API and the LWS webhook), then parsed by the
 parser the program itself uses: torchrun's, trainer_svc.cli.build_parser(),
 refit_sidecar.cli.build_parser() and `vllm serve`'s. The parsed values must agree with the pod's
-GPUs, ports, probes and Services.
+GPUs, ports, probes and Services. For vLLM, what the flags configure must also be accepted by the
+code that reads it: the weight-transfer backend by vLLM's factory, the refit section of
+--additional-config by inference_ext (worker extension and auto-refit endpoint plugin), and
+VLLM_PLUGINS by vLLM's plugin loaders.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import Any
 import helm_python as helm
 import pytest
 from chart_harness import (
+    AUTO_REFIT_FIELDS,
     CHART_DIR,
     GPU_RESOURCE,
     LWS_KIND,
     NAMESPACE,
     PodTemplate,
     Rendered,
+    container_env,
     expanded_args,
     load_value_set,
     localized,
@@ -36,6 +41,7 @@ from chart_harness import (
     value_set_names,
 )
 
+from inference_ext.auto_config import AutoRefitConfig
 from trainer_svc.cli import config_from_args
 
 RenderedSet = Callable[[str], Rendered]
@@ -195,37 +201,51 @@ def test_sidecar_flags_exist_in_refit_sidecar_parser(
         assert config.port == args.port
 
 
+def _vllm_serve(rendered: Rendered, vllm_cli: VllmCli) -> tuple[PodTemplate, argparse.Namespace]:
+    """The receiver pod and its `vllm serve` flags, parsed and validated by vLLM."""
+    parser, validate = vllm_cli
+    (pod,) = [p for p in pod_templates(rendered) if p.role is None]
+    argv = expanded_args(pod, pod.container("vllm"), rendered)
+    assert argv[:2] == ["vllm", "serve"]
+    args = parse_strictly(parser, argv[1:])
+    validate(args)
+    return pod, args
+
+
+def _vllm_config(args: argparse.Namespace) -> Any:
+    """The parts of the VllmConfig that `vllm serve` builds from these flags which refit reads,
+    as vLLM's own config objects (the model's config would need the checkpoint)."""
+    from vllm.config import ParallelConfig, VllmConfig
+
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        worker_extension_cls=args.worker_extension_cls,
+    )
+    return VllmConfig(
+        parallel_config=parallel,
+        additional_config=args.additional_config,
+        weight_transfer_config=args.weight_transfer_config,
+    )
+
+
 @pytest.mark.parametrize("name", _sets_with("vllm"))
 def test_vllm_flags_exist_in_vllm_serve_parser(
     rendered_set: RenderedSet, vllm_cli: VllmCli, name: str
 ) -> None:
-    parser, validate = vllm_cli
     rendered, values = rendered_set(name), _values(name)
     receiver = values["vllm"]
-    (pod,) = [p for p in pod_templates(rendered) if p.role is None]
+    pod, args = _vllm_serve(rendered, vllm_cli)
     container = pod.container("vllm")
-    argv = expanded_args(pod, container, rendered)
-    assert argv[:2] == ["vllm", "serve"]
-    args = parse_strictly(parser, argv[1:])
-    validate(args)
 
     assert args.model_tag == (receiver["modelPath"] or values["model"]["path"])
     assert args.tensor_parallel_size == receiver["tensorParallelSize"]
     gpus = container["resources"]["limits"][GPU_RESOURCE]
     assert args.tensor_parallel_size * args.pipeline_parallel_size == gpus
     assert args.worker_extension_cls == receiver["workerExtensionCls"]
-    if values["sidecar"]["enabled"]:
-        svc = rendered.one("Service", "-sidecar")
-        (port,) = [p["port"] for p in svc["spec"]["ports"]]
-        address = f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
-    else:
-        address = receiver["sidecarAddress"]
-    refit = args.additional_config["refit"]
-    assert (refit.pop("sidecar"), refit.pop("auto")) == (address, receiver["autoRefit"])
-    # What the worker extension passes on to each receiver.
-    from inference_ext.receiver import RefitOptions
-
-    RefitOptions.from_dict(refit)
+    # /inference/v1/generate, whose weight_versions spans attribute tokens to versions.
+    assert args.enable_scale_out is True
     assert args.port == _container_port(container, "http")
     assert _probe_ports(container, "httpGet") == {"http"}
     assert {container[f"{k}Probe"]["httpGet"]["path"] for k in ("startup", "liveness")} == {
@@ -233,6 +253,92 @@ def test_vllm_flags_exist_in_vllm_serve_parser(
     }
     svc = rendered.one("Service", "-vllm")
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
+
+
+def _expected_auto(receiver: dict[str, Any]) -> AutoRefitConfig | None:
+    """What vllm.autoRefit and vllm.autoRefitOptions ask for, in AutoRefitConfig's terms."""
+    if not receiver["autoRefit"]:
+        return None
+    options = {k: v for k, v in receiver["autoRefitOptions"].items() if v is not None}
+    return AutoRefitConfig.from_value({AUTO_REFIT_FIELDS[k]: v for k, v in options.items()} or True)
+
+
+@pytest.mark.parametrize("name", _sets_with("vllm"))
+def test_vllm_refit_config_is_accepted_by_inference_ext(
+    rendered_set: RenderedSet, vllm_cli: VllmCli, name: str
+) -> None:
+    from inference_ext.endpoint_plugin import auto_refit_settings, router
+    from inference_ext.worker_refit import RefitTarget, additional_config_target
+
+    rendered, values = rendered_set(name), _values(name)
+    receiver = values["vllm"]
+    pod, args = _vllm_serve(rendered, vllm_cli)
+    if values["sidecar"]["enabled"]:
+        svc = rendered.one("Service", "-sidecar")
+        (port,) = [p["port"] for p in svc["spec"]["ports"]]
+        address = f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
+    else:
+        address = receiver["sidecarAddress"]
+
+    refit = dict(args.additional_config["refit"])
+    auto = AutoRefitConfig.from_value(refit.pop("auto"))
+    target = RefitTarget.from_dict(refit)  # the sidecar, after $(VAR) expansion, and options
+    assert target.sidecar == address
+    assert auto == _expected_auto(receiver)
+
+    # What the worker extension and the endpoint plugin read from the engine's config.
+    config = _vllm_config(args)
+    assert additional_config_target(config) == target
+    assert auto_refit_settings(config) == (None if auto is None else (target, auto))
+
+    readiness = pod.container("vllm")["readinessProbe"]["httpGet"]["path"]
+    if receiver["readinessGate"]["versionInstalled"]:
+        assert auto is not None
+        assert readiness in {r.path for r in router.routes}  # type: ignore[attr-defined]
+    else:
+        assert readiness == "/health"
+
+
+@pytest.mark.parametrize("name", _sets_with("vllm"))
+def test_vllm_weight_transfer_backend_is_registered(
+    rendered_set: RenderedSet, vllm_cli: VllmCli, name: str
+) -> None:
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from inference_ext import plugin
+
+    _, args = _vllm_serve(rendered_set(name), vllm_cli)
+    config = args.weight_transfer_config
+    assert isinstance(config, WeightTransferConfig)  # vLLM's parser built it from the JSON
+    assert config.backend == plugin.BACKEND
+    plugin.register()  # what the general plugin does in every vLLM process
+    # vLLM has no public lookup; create_engine resolves the name through this registry.
+    engine = WeightTransferEngineFactory._registry[config.backend]()
+    assert issubclass(engine, WeightTransferEngine)
+
+
+@pytest.mark.parametrize("name", _sets_with("vllm"))
+def test_vllm_plugins_load_the_package_plugins(
+    rendered_set: RenderedSet, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm import envs
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_endpoint_plugins, load_plugins_by_group
+
+    from inference_ext import plugin
+    from inference_ext.endpoint_plugin import TrainerRefitEndpoints
+
+    rendered, receiver = rendered_set(name), _values(name)["vllm"]
+    (pod,) = [p for p in pod_templates(rendered) if p.role is None]
+    env = container_env(pod, pod.container("vllm"), rendered)
+    assert env["VLLM_PLUGINS"] == ",".join([plugin.BACKEND, *receiver["extraPlugins"]])
+    # vLLM's own loaders, reading VLLM_PLUGINS as the container's vLLM processes will.
+    monkeypatch.setenv("VLLM_PLUGINS", env["VLLM_PLUGINS"])
+    envs.disable_envs_cache()
+    assert load_plugins_by_group(DEFAULT_PLUGINS_GROUP)[plugin.BACKEND] is plugin.register
+    endpoints = load_endpoint_plugins(("generate",))
+    assert [type(e) for e in endpoints] == [TrainerRefitEndpoints]
 
 
 def test_worker_extension_class_exists() -> None:

@@ -103,6 +103,66 @@ BAD_VALUES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["/networkPolicy/orchestrators/0", "podSelektor"],
     ),
     (
+        "readiness-gate-without-auto-refit",
+        {"vllm": {"autoRefit": False, "readinessGate": {"versionInstalled": True}}},
+        ["vllm.readinessGate.versionInstalled needs vllm.autoRefit"],
+    ),
+    (
+        "auto-refit-options-without-auto-refit",
+        {
+            "vllm": {
+                "autoRefit": False,
+                "autoRefitOptions": {"policy": "every", "pauseMode": "wait"},
+            }
+        },
+        ["vllm.autoRefitOptions (pauseMode, policy) are set but vllm.autoRefit is false"],
+    ),
+    (
+        "auto-refit-with-another-worker-extension",
+        {"vllm": {"workerExtensionCls": "my_ext.Worker"}},
+        ["inference_ext.RefitWorkerExtension", "vllm.workerExtensionCls = my_ext.Worker"],
+    ),
+    (
+        "vllm-plugins-in-vllm-env",
+        {"vllm": {"env": [{"name": "VLLM_PLUGINS", "value": "other"}]}},
+        ["vllm.env sets VLLM_PLUGINS", "vllm.extraPlugins"],
+    ),
+    (
+        "vllm-plugins-in-global-env",
+        {"env": [{"name": "VLLM_PLUGINS", "value": "other"}]},
+        ["env sets VLLM_PLUGINS", "vllm.extraPlugins"],
+    ),
+    (
+        "unknown-follow-policy",
+        {"vllm": {"autoRefitOptions": {"policy": "oldest"}}},
+        ["/vllm/autoRefitOptions/policy", "must be one of 'latest', 'every'"],
+    ),
+    (
+        "unknown-pause-mode",
+        {"vllm": {"autoRefitOptions": {"pauseMode": "drain"}}},
+        ["/vllm/autoRefitOptions/pauseMode", "must be one of 'keep', 'wait', 'abort'"],
+    ),
+    (
+        "negative-max-staleness",
+        {"vllm": {"autoRefitOptions": {"maxStaleness": -1}}},
+        ["/vllm/autoRefitOptions/maxStaleness", "minimum"],
+    ),
+    (
+        "zero-poll-interval",
+        {"vllm": {"autoRefitOptions": {"pollIntervalSeconds": 0}}},
+        ["/vllm/autoRefitOptions/pollIntervalSeconds", "exclusiveMinimum"],
+    ),
+    (
+        "snake-case-auto-refit-option",
+        {"vllm": {"autoRefitOptions": {"max_staleness": 2}}},
+        ["/vllm/autoRefitOptions", "max_staleness"],
+    ),
+    (
+        "plugin-list-in-one-name",
+        {"vllm": {"extraPlugins": ["a,b"]}},
+        ["/vllm/extraPlugins/0", "does not match pattern"],
+    ),
+    (
         "bad-lws-restart-policy",
         {"trainer": {"leaderWorkerSet": {"enabled": True, "restartPolicy": "Sometimes"}}},
         ["/trainer/leaderWorkerSet/restartPolicy", "must be one of"],

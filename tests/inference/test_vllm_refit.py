@@ -5,7 +5,6 @@ and a refit whose source died leaves the engines generating exactly as before.""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from tests.support.fidelity import (
     trainer_logprobs,
 )
 from tests.support.sidecar import Sidecar, running_sidecar
-from tests.support.trainer import TrainerProcess
+from tests.support.trainer import TrainerProcess, kill_tree
 from trainer_svc.builtin_model import write_builtin_model
 
 
@@ -50,12 +49,6 @@ def _options(tp: int, sidecar: Sidecar) -> RefitOptions:
     return RefitOptions(
         receiver_id=f"engine-tp{tp}", pull_timeout_s=60, token_file=sidecar.token_file()
     )
-
-
-def _kill_tree(process: psutil.Process) -> None:
-    for proc in [*process.children(recursive=True), process]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
 
 
 @pytest.mark.parametrize(
@@ -143,5 +136,5 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
                 assert engine.call("installed_version") == 1
                 assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
         finally:
-            _kill_tree(launcher)
+            kill_tree(launcher)
             trainer.stop()

@@ -121,18 +121,26 @@ def test_versions_manifests_and_leases(start_sidecar):
     )
 
 
-def test_wait_policy_waits_for_an_expiring_lease_and_watchers_see_new_versions(start_sidecar):
+def test_wait_policy_waits_for_an_expiring_lease_and_watchers_see_new_versions(
+    start_sidecar,
+):
     trainer, stub = start_sidecar("--when-all-slots-leased", "wait", "--max-wait-seconds", "120")
     _register(trainer, world_size=1, slots=1)
     trainer.ReserveSlot(pb.ReserveSlotRequest(version=1))
     _publish(trainer, 1, rank=0)
-    watch = stub.WatchVersions(pb.WatchVersionsRequest(after_version=0))
+    watch = stub.WatchVersions(pb.WatchVersionsRequest(after_version=0), timeout=60)
     assert next(watch).version == 1
     stub.AcquireLease(pb.AcquireLeaseRequest(version=1, receiver_id="r", ttl_seconds=0.5))
     reply = trainer.ReserveSlot(pb.ReserveSlotRequest(version=2))
     assert reply.retired_version == 1
     _publish(trainer, 2, rank=0)
     assert next(watch).version == 2
+    # A restarted trainer registers again and numbers its versions afresh: the watch goes on
+    # with them.
+    _register(trainer, world_size=1, slots=1)
+    trainer.ReserveSlot(pb.ReserveSlotRequest(version=1))
+    _publish(trainer, 1, rank=0)
+    assert next(watch).version == 1
     watch.cancel()
 
 

@@ -4,6 +4,7 @@ other roles' too (which the trainer refuses)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import psutil
 from safetensors.numpy import load_file
 
 from tests.support.auth import Tokens
@@ -61,6 +63,15 @@ class TrainerProcess:
         self.client.export_hf(path)
         return load_file(str(path / "model.safetensors"))
 
+    def kill(self) -> None:
+        """SIGKILL the launcher and every rank at once, as a node failure would, and reap the
+        launcher."""
+        kill_tree(psutil.Process(self.process.pid))
+        self.process.wait()
+        self.client.close()
+        self.channel.close()
+        self._log.close()
+
     def stop(self) -> int:
         self.client.close()
         self.channel.close()
@@ -73,6 +84,13 @@ class TrainerProcess:
             code = self.process.wait()
         self._log.close()
         return code
+
+
+def kill_tree(process: psutil.Process) -> None:
+    """SIGKILL `process` and all its descendants."""
+    for proc in [*process.children(recursive=True), process]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 def max_relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:

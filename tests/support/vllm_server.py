@@ -2,7 +2,8 @@
 
 `VllmServer` starts the server at once and `wait_ready` waits for its /health, so a test can
 start its trainer meanwhile (vLLM's CPU start-up dominates). It binds 127.0.0.1 on a free port
-and writes its output to a log file; vLLM's RL routes (/pause, /update_weights, ...) are on.
+and writes its output to a log file; vLLM's RL routes (/pause, /update_weights, ...) are on
+unless asked otherwise.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 SERVER_ENV = {
-    "VLLM_SERVER_DEV_MODE": "1",  # serves vLLM's RL routes
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0",
     "HF_HUB_OFFLINE": "1",
@@ -42,7 +42,17 @@ def free_port() -> int:
 
 
 class VllmServer:
-    def __init__(self, model: Path, log_path: Path, args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        args: Sequence[str] = (),
+        *,
+        rl_routes: bool = True,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """`rl_routes`: serve vLLM's RL routes (VLLM_SERVER_DEV_MODE); `env`: more
+        environment for the server."""
         self.log_path = log_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -56,7 +66,12 @@ class VllmServer:
         with log_path.open("ab") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
                 command,
-                env={**os.environ, **SERVER_ENV},
+                env={
+                    **os.environ,
+                    **SERVER_ENV,
+                    **({"VLLM_SERVER_DEV_MODE": "1"} if rl_routes else {}),
+                    **(env or {}),
+                },
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its engine process is in this group too

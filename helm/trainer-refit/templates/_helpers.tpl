@@ -425,6 +425,45 @@ authenticates the ranks at the sidecar.
 {{- toYaml $options }}
 {{- end }}
 
+{{/* The vllm.autoRefitOptions given (null means not given), as a JSON object. */}}
+{{- define "trainer-refit.autoRefitOptionsGiven" -}}
+{{- $given := dict }}
+{{- range $key, $value := .Values.vllm.autoRefitOptions | default dict }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $given $key $value }}
+{{- end }}
+{{- end }}
+{{- toJson $given }}
+{{- end }}
+
+{{/*
+A receiver's --additional-config, as JSON: {"refit": {"sidecar": ..., auth options, "auto": ...}}.
+"auto" is vllm.autoRefit, or with vllm.autoRefitOptions the object of the options given, named as
+inference_ext.auto_config.AutoRefitConfig names its fields.
+*/}}
+{{- define "trainer-refit.receiverAdditionalConfig" -}}
+{{- $auto := .Values.vllm.autoRefit }}
+{{- $fields := dict "policy" "policy" "pauseMode" "pause_mode" "maxStaleness" "max_staleness" "pollIntervalSeconds" "poll_interval_s" "retryIntervalSeconds" "retry_interval_s" }}
+{{- $given := include "trainer-refit.autoRefitOptionsGiven" . | fromJson }}
+{{- if and $auto $given }}
+{{- $auto = dict }}
+{{- range $key, $value := $given }}
+{{- $_ := set $auto (get $fields $key) $value }}
+{{- end }}
+{{- end }}
+{{- $refit := merge (dict "sidecar" "$(SIDECAR_ADDRESS)" "auto" $auto) (include "trainer-refit.receiverAuthOptions" . | fromYaml) }}
+{{- dict "refit" $refit | toJson }}
+{{- end }}
+
+{{/*
+VLLM_PLUGINS of the receivers: the package's plugins (the trainer_refit weight-transfer backend and
+auto-refit endpoints share the name) and vllm.extraPlugins. vLLM loads only the plugins it names, in
+every plugin group.
+*/}}
+{{- define "trainer-refit.vllmPlugins" -}}
+{{- prepend (.Values.vllm.extraPlugins | default list) "trainer_refit" | uniq | join "," }}
+{{- end }}
+
 {{/*
 trainer-svc's NIXL and path flags, as args list items. The ranks' NIXL endpoints listen on the pod
 IP (and the RDMA ports of rdma.ucxNetDevices); with RDMA but no device list UCX chooses among every

@@ -41,6 +41,26 @@ Included by templates/validate.yaml, so every install, upgrade, template and lin
 {{- if and $v.auth.enabled $v.vllm.enabled (not $v.sidecar.enabled) (not $v.auth.existingSecret) }}
 {{- fail "trainer-refit: auth.existingSecret is required for receivers of another release's sidecar (vllm.sidecarAddress): copy that release's <fullname>-auth Secret (its receiver key) into this namespace and name it here, or set auth.enabled=false for a sidecar run with --insecure" }}
 {{- end }}
+{{- if $v.vllm.enabled }}
+{{- $r := $v.vllm }}
+{{- if and $r.readinessGate.versionInstalled (not $r.autoRefit) }}
+{{- fail "trainer-refit: vllm.readinessGate.versionInstalled needs vllm.autoRefit: only a replica that follows the sidecar by itself reports the version it serves on /trainer_refit/ready. Set vllm.autoRefit=true, or vllm.readinessGate.versionInstalled=false for replicas a driver refits" }}
+{{- end }}
+{{- if and $r.autoRefit (ne $r.workerExtensionCls "inference_ext.RefitWorkerExtension") }}
+{{- fail (printf "trainer-refit: vllm.autoRefit drives the workers through inference_ext.RefitWorkerExtension, but vllm.workerExtensionCls = %s: set it back, or vllm.autoRefit=false" $r.workerExtensionCls) }}
+{{- end }}
+{{- $options := include "trainer-refit.autoRefitOptionsGiven" . | fromJson }}
+{{- if and $options (not $r.autoRefit) }}
+{{- fail (printf "trainer-refit: vllm.autoRefitOptions (%s) are set but vllm.autoRefit is false: set vllm.autoRefit=true, or vllm.autoRefitOptions={} for replicas a driver refits" (keys $options | sortAlpha | join ", ")) }}
+{{- end }}
+{{- range $source, $env := dict "env" $v.env "vllm.env" $r.env }}
+{{- range $env }}
+{{- if eq .name "VLLM_PLUGINS" }}
+{{- fail (printf "trainer-refit: %s sets VLLM_PLUGINS, which the chart sets to the vLLM plugins the receivers need (trainer_refit): list further plugins in vllm.extraPlugins instead" $source) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and $v.auth.tls.mutual (not $v.auth.tls.secretName) }}
 {{- fail "trainer-refit: auth.tls.mutual needs auth.tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" }}
 {{- end }}

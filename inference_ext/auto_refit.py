@@ -1,0 +1,317 @@
+"""Auto-refit: a ``vllm serve`` replica follows the trainer by itself.
+
+`AutoRefit` runs in the API server's event loop (started by the `endpoint_plugin`) and drives
+the engine through vLLM's own engine client, as an orchestrator would through the RL routes:
+
+1. a thread watches the sidecar (WatchVersions) and announces each newest readable version;
+2. the follower picks the version to install (`FollowPolicy`, `AutoRefitConfig.max_staleness`)
+   and has every worker prefetch it (``refit_prefetch``: the pull runs in a worker thread while
+   the engine keeps generating), then polls ``refit_prefetch_state`` until every worker holds
+   its bytes;
+3. it switches at a scheduler step boundary: pause (`PauseMode`), ``refit_to`` (agree and
+   install the staged bytes), set vLLM's weight version to the version number, drop the KV
+   cache computed with the old weights, resume. The generation stall is the install.
+
+A version whose prefetch or switch fails leaves every worker on the weights it serves; the
+follower tries it again after ``retry_interval_s`` and a newer version at once. vLLM labels each
+step's outputs with its weight version, so ``/inference/v1/generate`` reports for every
+completion which versions produced which tokens (``weight_versions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from inference_ext.auto_config import AutoRefitConfig, FollowPolicy, PauseMode
+from inference_ext.worker_refit import RefitTarget
+from refit_sidecar.client import SidecarClient
+
+log = logging.getLogger(__name__)
+
+_WATCH_RETRY_S = 1.0
+"""How long the watch waits before reconnecting to a sidecar it lost."""
+_SWITCHES_KEPT = 64
+
+
+class EngineControl(Protocol):
+    """The part of vLLM's ``EngineClient`` (``AsyncLLM``) the follower drives."""
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any: ...
+
+    async def pause_generation(self, *, mode: Any = ..., clear_cache: bool = ...) -> None: ...
+
+    async def resume_generation(self) -> None: ...
+
+    async def update_weight_version(self, new_version: str) -> None: ...
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = ..., reset_connector: bool = ...
+    ) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One installed version: how long its prefetch ran beside generation, and how long
+    generation stood still for the install."""
+
+    version: int
+    prefetch_s: float
+    stall_s: float
+    installed_at: float
+    """Wall-clock time (``time.time()``) the engine resumed on it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "prefetch_s": round(self.prefetch_s, 6),
+            "stall_s": round(self.stall_s, 6),
+            "installed_at": self.installed_at,
+        }
+
+
+def choose_version(
+    installed: int | None,
+    newest: int | None,
+    config: AutoRefitConfig,
+    failed: Callable[[int], bool],
+) -> int | None:
+    """The version to install next, None for none. `failed(v)`: v failed recently and must
+    not be tried yet. A newest version below the installed one comes from a trainer that
+    started again (the sidecar's numbers restarted): it is installed like any other."""
+    if newest is None or newest == installed:
+        return None
+    if installed is None or newest < installed or config.policy is FollowPolicy.LATEST:
+        return None if failed(newest) else newest
+    behind = newest - installed
+    if config.max_staleness is not None and behind > config.max_staleness:
+        return None if failed(newest) else newest
+    for version in range(installed + 1, newest + 1):
+        if not failed(version):
+            return version
+    return None
+
+
+class AutoRefit:
+    """Follows one sidecar for one engine; `start` in the engine's event loop."""
+
+    def __init__(self, engine: EngineControl, target: RefitTarget, config: AutoRefitConfig) -> None:
+        self.engine = engine
+        self.target = target
+        self.config = config
+        self.installed: int | None = None
+        """The version the engine serves (None: the weights it started with)."""
+        self.newest: int | None = None
+        """The newest readable version the sidecar announced."""
+        self.last_error: str | None = None
+        self.switches: collections.deque[Switch] = collections.deque(maxlen=_SWITCHES_KEPT)
+        self._failed: dict[int, float] = {}
+        self._changed = asyncio.Event()
+        self._stopping = threading.Event()
+        self._client: SidecarClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._watcher = threading.Thread(
+            target=self._watch, args=(loop,), name="refit-watch", daemon=True
+        )
+        self._watcher.start()
+        self._task = loop.create_task(self._follow(), name="refit-follow")
+        log.info(
+            "auto-refit: following %s (policy %s, pause %s, max staleness %s)",
+            self.target.sidecar,
+            self.config.policy.value,
+            self.config.pause_mode.value,
+            self.config.max_staleness,
+        )
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        client = self._client
+        if client is not None:
+            client.close()  # ends the watch stream
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # -- what the routes report ------------------------------------------------------------
+
+    def behind(self) -> int | None:
+        """Versions the served one trails the newest announced (None: nothing announced, or
+        the numbers restarted)."""
+        if self.newest is None:
+            return None
+        if self.installed is None:
+            return self.newest
+        return max(self.newest - self.installed, 0)
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the engine serves a trained version within the staleness limit, and why
+        not."""
+        if self.installed is None:
+            return False, "no version is installed yet"
+        limit = self.config.max_staleness
+        behind = self.behind()
+        if limit is not None and behind is not None and behind > limit:
+            return False, (
+                f"version {self.installed} trails the newest ({self.newest}) by {behind}, "
+                f"more than max_staleness {limit}"
+            )
+        return True, f"serving version {self.installed}"
+
+    def status(self) -> dict[str, Any]:
+        ready, reason = self.readiness()
+        return {
+            "sidecar": self.target.sidecar,
+            "installed_version": self.installed,
+            "newest_version": self.newest,
+            "ready": ready,
+            "reason": reason,
+            "last_error": self.last_error,
+            "config": self.config.to_dict(),
+            "switches": [s.to_dict() for s in self.switches],
+        }
+
+    # -- the watch thread --------------------------------------------------------------------
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        options = self.target.options
+        lost = False
+        while not self._stopping.is_set():
+            try:
+                self._client = SidecarClient(
+                    self.target.sidecar, timeout=options.rpc_timeout_s, auth=options.client_auth()
+                )
+                for version in self._client.watch(0):
+                    if lost:
+                        log.info("auto-refit: the sidecar at %s answers again", self.target.sidecar)
+                        lost = False
+                    loop.call_soon_threadsafe(self._announce, version)
+            except Exception as e:
+                if self._stopping.is_set():
+                    break
+                if not lost:
+                    log.warning(
+                        "auto-refit: lost the sidecar at %s (%s); retrying every %.0f s",
+                        self.target.sidecar,
+                        e,
+                        _WATCH_RETRY_S,
+                    )
+                    lost = True
+            finally:
+                if self._client is not None:
+                    self._client.close()
+            self._stopping.wait(_WATCH_RETRY_S)
+
+    def _announce(self, version: int) -> None:
+        self.newest = version
+        self._changed.set()
+
+    # -- the follower ------------------------------------------------------------------------
+
+    def _recently_failed(self, version: int) -> bool:
+        at = self._failed.get(version)
+        return at is not None and time.monotonic() - at < self.config.retry_interval_s
+
+    async def _follow(self) -> None:
+        while True:
+            version = choose_version(
+                self.installed, self.newest, self.config, self._recently_failed
+            )
+            if version is None:
+                self._changed.clear()
+                retry = self._next_retry()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=retry)
+                continue
+            try:
+                await self._refit(version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the follower must outlive any one failure
+                self._fail(version, f"{type(e).__name__}: {e}")
+
+    def _next_retry(self) -> float | None:
+        """Seconds until the earliest failed version may be tried again (None: none)."""
+        now = time.monotonic()
+        waits = [at + self.config.retry_interval_s - now for at in self._failed.values()]
+        pending = [w for w in waits if w > 0]
+        return min(pending) if pending else None
+
+    def _fail(self, version: int, error: str) -> None:
+        self._failed[version] = time.monotonic()
+        for old in [v for v in self._failed if self.newest is not None and v < self.newest - 64]:
+            del self._failed[old]
+        served = "its initial weights" if self.installed is None else f"version {self.installed}"
+        self.last_error = f"version {version}: {error}"
+        log.warning("auto-refit: version %d not installed, serving %s: %s", version, served, error)
+
+    async def _refit(self, version: int) -> None:
+        begin = time.perf_counter()
+        states = await self.engine.collective_rpc("refit_prefetch", args=(version,))
+        while True:
+            failed = [s for s in states if s["state"] in ("failed", "none")]
+            if failed:
+                worker = failed[0]
+                self._fail(
+                    version,
+                    f"prefetch on worker tp {worker['tp_rank']}: "
+                    f"{worker.get('error', 'the worker holds no prefetch of it')}",
+                )
+                return
+            if all(s["state"] == "ready" for s in states):
+                break
+            await asyncio.sleep(self.config.poll_interval_s)
+            states = await self.engine.collective_rpc("refit_prefetch_state", args=(version,))
+        prefetch_s = time.perf_counter() - begin
+        await self._switch(version, prefetch_s)
+
+    async def _switch(self, version: int, prefetch_s: float) -> None:
+        mode = self.config.pause_mode
+        paused = time.perf_counter()
+        # keep: the requests in flight stay; their KV cache is recomputed below instead.
+        await self.engine.pause_generation(mode=mode.value, clear_cache=mode is not PauseMode.KEEP)
+        try:
+            results = await self.engine.collective_rpc("refit_to", args=(version,))
+            errors = [r for r in results if not r.get("ok")]
+            if errors:
+                self._fail(version, str(errors[0].get("error")))
+                return
+            await self.engine.update_weight_version(str(version))
+            self.installed = version
+            self.last_error = None
+            # keep: cached prefixes and the requests in flight hold keys and values computed
+            # with the old weights; drop them, so each token after the switch is what the new
+            # version computes from the same tokens.
+            if mode is PauseMode.KEEP and not await self.engine.reset_prefix_cache(
+                reset_running_requests=True
+            ):
+                log.warning("auto-refit: vLLM could not reset its prefix cache")
+        finally:
+            await self.engine.resume_generation()
+        stall_s = time.perf_counter() - paused
+        self.switches.append(Switch(version, prefetch_s, stall_s, time.time()))
+        log.info(
+            "auto-refit: serving version %d (prefetch %.3f s beside generation, stall %.3f s)",
+            version,
+            prefetch_s,
+            stall_s,
+        )
