@@ -13,7 +13,7 @@ The sidecar address comes from `refit_init`, or else from the engine's
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,10 @@ class RefitWorkerExtension:
         ``ok: True``, or ``ok: False`` and ``error`` when the engine stayed where it was.
         Always pulls: a restarted trainer may publish other weights under a number seen before."""
         refit = self._refit()
-        resolved = refit.resolve(version)
+        try:
+            resolved = refit.resolve(version)  # the same outcome on every worker
+        except RefitError as e:
+            return {"ok": False, "error": str(e)}
         if resolved is None:
             return {"ok": False, "error": "no version has been published yet"}
         error = refit.fetch(resolved)
@@ -72,14 +75,28 @@ class RefitWorkerExtension:
     def refit_prefetch(self, version: int) -> dict[str, Any]:
         """Start pulling `version`'s slices in the background and return at once; the engine
         keeps generating on its weights. A later ``refit_to(version)`` installs the staged
-        bytes. Returns `refit_prefetch_state`."""
-        return {"tp_rank": self._refit().layout.tp_rank, **self._refit().prefetch(version)}
+        bytes. Returns `refit_prefetch_state`; never raises (see `_never_raises`)."""
+        return self._never_raises(version, lambda refit: refit.prefetch(version))
 
     def refit_prefetch_state(self, version: int) -> dict[str, Any]:
         """This worker's background pull of `version`: ``state`` is "pending", "ready",
         "failed" (with ``error``) or "none"."""
-        refit = self._refit()
-        return {"tp_rank": refit.layout.tp_rank, **refit.prefetch_state(version)}
+        return self._never_raises(version, lambda refit: refit.prefetch_state(version))
+
+    def _never_raises(
+        self, version: int, call: Callable[[WorkerRefit], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """`call`'s state, or a failed state naming the error. vLLM 0.32's multiprocess
+        executor reads the workers' replies in rank order and stops at the first error, so the
+        other workers' replies would answer the engine's next calls: a call that can fail on
+        a worker of a TP>1 engine reports its failure in its result instead."""
+        tp_rank = self.vllm_config.parallel_config.rank
+        try:
+            refit = self._refit()
+            return {"tp_rank": refit.layout.tp_rank, **call(refit)}
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            return {"tp_rank": tp_rank, "version": version, "state": "failed", "error": error}
 
     def refit_status(self) -> dict[str, Any]:
         refit: WorkerRefit | None = getattr(self, _STATE, None)

