@@ -54,8 +54,8 @@ class AutoRefitConfig:
     poll_interval_s: float = 0.05
     """How often the workers' prefetch is checked while it runs."""
     retry_interval_s: float = 2.0
-    """How long after a failed refit the same version is not tried again (a newer one is tried
-    at once)."""
+    """How long after a failed refit the same version is not tried again, doubling with each
+    failure of it up to a minute (a newer version is tried at once)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, FollowPolicy):

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 _WATCH_RETRY_S = 1.0
 """How long the watch waits before reconnecting to a sidecar it lost."""
 _SWITCHES_KEPT = 64
+_FAILURES_KEPT = 64
+_MAX_RETRY_S = 60.0
+"""The longest wait before a failed version is tried again."""
 
 
 class EngineControl(Protocol):
@@ -118,7 +121,8 @@ class AutoRefit:
         """The newest readable version the sidecar announced."""
         self.last_error: str | None = None
         self.switches: collections.deque[Switch] = collections.deque(maxlen=_SWITCHES_KEPT)
-        self._failed: dict[int, float] = {}
+        self._failed: dict[int, tuple[float, int]] = {}
+        """Failed versions: when they failed last, and how many times."""
         self._changed = asyncio.Event()
         self._stopping = threading.Event()
         self._client: SidecarClient | None = None
@@ -222,14 +226,24 @@ class AutoRefit:
             self._stopping.wait(_WATCH_RETRY_S)
 
     def _announce(self, version: int) -> None:
-        self.newest = version
+        """The sidecar's newest readable version; 0: none (a trainer registered again)."""
+        self.newest = version or None
         self._changed.set()
 
     # -- the follower ------------------------------------------------------------------------
 
+    def _retry_at(self, version: int) -> float | None:
+        """When a failed version may be tried again: after `retry_interval_s`, doubling with
+        each failure of it up to `_MAX_RETRY_S` (a dead trainer is not hammered)."""
+        failure = self._failed.get(version)
+        if failure is None:
+            return None
+        at, count = failure
+        return at + min(self.config.retry_interval_s * 2 ** (count - 1), _MAX_RETRY_S)
+
     def _recently_failed(self, version: int) -> bool:
-        at = self._failed.get(version)
-        return at is not None and time.monotonic() - at < self.config.retry_interval_s
+        retry = self._retry_at(version)
+        return retry is not None and time.monotonic() < retry
 
     async def _follow(self) -> None:
         while True:
@@ -252,14 +266,15 @@ class AutoRefit:
     def _next_retry(self) -> float | None:
         """Seconds until the earliest failed version may be tried again (None: none)."""
         now = time.monotonic()
-        waits = [at + self.config.retry_interval_s - now for at in self._failed.values()]
+        waits = [retry - now for v in self._failed if (retry := self._retry_at(v)) is not None]
         pending = [w for w in waits if w > 0]
         return min(pending) if pending else None
 
     def _fail(self, version: int, error: str) -> None:
-        self._failed[version] = time.monotonic()
-        for old in [v for v in self._failed if self.newest is not None and v < self.newest - 64]:
-            del self._failed[old]
+        count = self._failed.get(version, (0.0, 0))[1] + 1
+        self._failed[version] = (time.monotonic(), count)
+        while len(self._failed) > _FAILURES_KEPT:
+            del self._failed[min(self._failed, key=lambda v: self._failed[v][0])]
         served = "its initial weights" if self.installed is None else f"version {self.installed}"
         self.last_error = f"version {version}: {error}"
         log.warning("auto-refit: version %d not installed, serving %s: %s", version, served, error)
@@ -298,6 +313,7 @@ class AutoRefit:
             await self.engine.update_weight_version(str(version))
             self.installed = version
             self.last_error = None
+            self._failed.pop(version, None)
             # keep: cached prefixes and the requests in flight hold keys and values computed
             # with the old weights; drop them, so each token after the switch is what the new
             # version computes from the same tokens.

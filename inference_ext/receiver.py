@@ -302,14 +302,15 @@ class Receiver:
     def latest_version(self) -> int | None:
         return self.client.latest_version()
 
-    def fetch(self, version: int) -> None:
+    def fetch(self, version: int, *, visible_timeout_s: float | None = None) -> None:
         """Lease `version`, pull and verify this receiver's slices into staging; RefitError
-        (with the cause) when any of it fails."""
+        (with the cause) when any of it fails. A version not readable yet is waited for
+        `visible_timeout_s` (default: the options')."""
         self._fetched = None
         self._staged = None
         begin = time.perf_counter()
         try:
-            lease = self._lease(version)
+            lease = self._lease(version, visible_timeout_s)
         except Exception as e:
             raise RefitError(f"cannot lease version {version}: {e}") from e
         leased = time.perf_counter()
@@ -369,14 +370,18 @@ class Receiver:
                 self._by_manifest_key.popitem(last=False)
         return plan, replanned, False
 
-    def _lease(self, version: int) -> Lease:
+    def _lease(self, version: int, visible_timeout_s: float | None) -> Lease:
         """A lease on `version`; one not readable yet is waited for (it returns at once when
         the version, or a newer one, is readable) and asked for once more."""
         options = self.options
         try:
             return self.client.acquire_lease(version, options.receiver_id, options.lease_ttl_s)
         except UnknownVersion:
-            self.client.wait_visible(version, options.visible_timeout_s)
+            if visible_timeout_s is None:
+                visible_timeout_s = options.visible_timeout_s
+            if visible_timeout_s <= 0:
+                raise
+            self.client.wait_visible(version, visible_timeout_s)
         return self.client.acquire_lease(version, options.receiver_id, options.lease_ttl_s)
 
     def install(self, installer: Installer) -> RefitStats:

@@ -96,7 +96,9 @@ class Prefetch:
 
     def _run(self, receiver: Receiver) -> None:
         try:
-            receiver.fetch(self.version)
+            # Prefetches follow announced versions: one that is not readable (any more) fails
+            # at once instead of being waited for.
+            receiver.fetch(self.version, visible_timeout_s=0)
         except RefitError as e:
             self.error = str(e)
         except Exception as e:  # the thread must report, not die silently

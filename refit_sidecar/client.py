@@ -215,7 +215,8 @@ class SidecarClient:
         call = self._stub.WatchVersions(request, timeout=timeout)
         try:
             for info in call:
-                return info.version
+                if info.version:  # 0: a trainer registered again, nothing readable yet
+                    return info.version
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
@@ -259,8 +260,9 @@ class SidecarClient:
 
     def watch(self, after_version: int = 0) -> Iterator[int]:
         """Readable versions newer than `after_version`: the latest at once when there is one,
-        then each new one. The stream starts at the first `next()`; closing the iterator (or
-        the client) ends it."""
+        then each new one; 0 when a trainer registered again (nothing is readable until its
+        first version, whose number starts again). The stream starts at the first `next()`;
+        closing the iterator (or the client) ends it."""
         call = self._stub.WatchVersions(pb.WatchVersionsRequest(after_version=after_version))
         try:
             for info in call:

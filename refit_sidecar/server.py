@@ -147,8 +147,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         while True:
             if self.registry.generation != generation:
                 # A trainer registered again and numbers its versions afresh: its versions
-                # are new to the watcher whatever their numbers.
+                # are new to the watcher whatever their numbers, and until one is readable
+                # the watcher hears 0 (the earlier trainer's versions are gone).
                 generation, seen = self.registry.generation, 0
+                if self.registry.latest is None:
+                    yield pb.VersionInfo(version=0)
             latest = self.registry.latest
             if latest is not None and latest > seen:
                 seen = latest

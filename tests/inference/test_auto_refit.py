@@ -4,8 +4,10 @@ over HTTP only (vLLM's token-in/token-out /inference/v1/generate, which labels e
 with the weight versions that produced its tokens). Nobody calls a refit route: the server ends
 on the trainer's newest version, every completion is attributed, a probe at each attributed
 version equals that version's Forward, and the longest gap between streamed tokens is reported.
-A prefetch whose source (the trainer) died leaves the server serving its version exactly; a
-trainer restarted from a checkpoint publishes the next version and the server catches up.
+The same server also takes refits from the `trainer_refit` weight-transfer backend through
+vLLM's RL routes (TP=2). A prefetch whose source (the trainer) died leaves the server serving
+its version exactly; a trainer restarted from a checkpoint publishes its next version and the
+server catches up.
 
 One server, one sidecar and one trainer (a second after the first is killed) serve the module.
 """
@@ -30,7 +32,7 @@ import pytest
 from tests.support.fidelity import FIDELITY, PROMPTS, gap, train_step, trainer_logprobs
 from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import TrainerProcess
-from tests.support.vllm_server import VllmServer
+from tests.support.vllm_server import VllmServer, ok
 from trainer_svc.builtin_model import write_builtin_model
 
 INITIAL = "default"
@@ -81,9 +83,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--enable-scale-out",
                 "--additional-config",
                 json.dumps({"refit": refit}),
+                # The backend too, driven through vLLM's RL routes by the second test only.
+                "--weight-transfer-config",
+                json.dumps({"backend": "trainer_refit"}),
             ],
             tensor_parallel=2,
-            rl_routes=False,
             env={"VLLM_PLUGINS": "trainer_refit"},
         )
         try:
@@ -261,14 +265,48 @@ def test_the_server_follows_the_trainer_by_itself(stack: Stack, record_property:
     )
 
 
+def _installed(stack: Stack) -> int:
+    """The version the server serves, after a first trainer step if it has none yet."""
+    served = _status(stack.server)["installed_version"]
+    if served is None:
+        served = train_step(stack.trainer, "first", seed=1)
+        stack.truth[str(served)] = trainer_logprobs(stack.trainer)
+        _wait_installed(stack.server, served)
+    return int(served)
+
+
+def _probe_once(server: VllmServer) -> Probe:
+    with httpx.Client(base_url=server.url, timeout=120.0) as http:
+        return _probe(http)
+
+
+def test_the_backend_refits_the_same_server_through_vllms_rl_routes(stack: Stack) -> None:
+    """The `trainer_refit` weight-transfer backend at TP=2, through vLLM's RL routes (pause,
+    start, update, finish, resume): back to the previous version (the trainer's other snapshot
+    slot still holds it), then forward to the newest; /weight_info names each and the server
+    computes each version's Forward. (At TP > 1 vLLM 0.32 cannot report a worker's error
+    without desynchronising its executor, so the refused updates are tested at TP=1 in
+    test_vllm_serve.py.)"""
+    newest = _installed(stack)
+    if str(newest - 1) not in stack.truth:
+        newest = train_step(stack.trainer, "another", seed=7)
+        stack.truth[str(newest)] = trainer_logprobs(stack.trainer)
+        _wait_installed(stack.server, newest)
+    for version in (newest - 1, newest):
+        ok(stack.server.rl_update(version, str(version)))
+        assert stack.server.weight_version() == str(version)
+        probe = _probe_once(stack.server)
+        assert probe.version == str(version)
+        assert gap(probe.logprobs, stack.truth[str(version)][:1]) <= FIDELITY, version
+
+
 def test_a_prefetch_whose_source_died_changes_nothing_then_catches_up(stack: Stack) -> None:
     """The trainer saves a checkpoint, publishes one more version and dies before the server
     has pulled it (the server's API process is stopped meanwhile); the server goes on serving
     its version exactly and reports the failure. A trainer restarted from the checkpoint
     publishes its next version and the server catches up with it."""
     server = stack.server
-    served = _status(server)["installed_version"]
-    assert served is not None
+    served = _installed(stack)
     checkpoint = stack.root / "checkpoint"
     stack.trainer.client.save_checkpoint(str(checkpoint))
     os.kill(server.process.pid, signal.SIGSTOP)  # the API server, where the follower runs
@@ -288,8 +326,7 @@ def test_a_prefetch_whose_source_died_changes_nothing_then_catches_up(stack: Sta
     else:
         raise AssertionError(f"the failed prefetch was not reported: {_status(server)}")
     assert status["installed_version"] == served
-    with httpx.Client(base_url=server.url, timeout=120.0) as http:
-        probe = _probe(http)
+    probe = _probe_once(server)
     assert probe.version == str(served)
     assert gap(probe.logprobs, stack.truth[str(served)][:1]) <= FIDELITY
 
@@ -300,7 +337,6 @@ def test_a_prefetch_whose_source_died_changes_nothing_then_catches_up(stack: Sta
     following = train_step(stack.trainer, "next", seed=100)
     stack.truth = {INITIAL: stack.truth[INITIAL], str(following): trainer_logprobs(stack.trainer)}
     _wait_installed(server, following)
-    with httpx.Client(base_url=server.url, timeout=120.0) as http:
-        probe = _probe(http)
+    probe = _probe_once(server)
     assert probe.version == str(following)
     assert gap(probe.logprobs, stack.truth[str(following)][:1]) <= FIDELITY

@@ -11,13 +11,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.fidelity import FIDELITY, PROMPTS, gap, train_step, trainer_logprobs
 from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import TrainerProcess
-from tests.support.vllm_server import SERVED_MODEL, VllmServer, free_port
+from tests.support.vllm_server import SERVED_MODEL, VllmServer, free_port, ok
 from trainer_svc.builtin_model import write_builtin_model
 
 
@@ -68,25 +67,6 @@ def server(stack: Stack) -> VllmServer:
     return stack.server
 
 
-def _ok(response: httpx.Response) -> dict[str, Any]:
-    assert response.status_code == 200, f"{response.request.url}: {response.text}"
-    return dict(response.json())
-
-
-def _update(server: VllmServer, version: int | str, weight_version: str) -> httpx.Response:
-    """Pause (in-flight requests aborted, prefix cache cleared), start, update, finish with
-    `weight_version` when the update succeeded, resume; the update's response."""
-    _ok(server.post("/pause"))
-    try:
-        _ok(server.post("/start_weight_update"))
-        response = server.post("/update_weights", {"update_info": {"version": version}})
-        if response.status_code == 200:
-            _ok(server.post("/finish_weight_update", {"weight_version": weight_version}))
-    finally:
-        _ok(server.post("/resume"))
-    return response
-
-
 def _probe(server: VllmServer, prompts: Sequence[Sequence[int]] = PROMPTS) -> list[list[float]]:
     """The server's logprob of token i given tokens < i, for i >= 1, of each prompt."""
     body = {
@@ -96,16 +76,12 @@ def _probe(server: VllmServer, prompts: Sequence[Sequence[int]] = PROMPTS) -> li
         "temperature": 0.0,
         "prompt_logprobs": 0,
     }
-    choices = sorted(_ok(server.post("/v1/completions", body))["choices"], key=lambda c: c["index"])
+    choices = sorted(ok(server.post("/v1/completions", body))["choices"], key=lambda c: c["index"])
     result = []
     for prompt, choice in zip(prompts, choices, strict=True):
         per_token = choice["prompt_logprobs"][1:]
         result.append([per_token[i][str(tok)]["logprob"] for i, tok in enumerate(prompt[1:])])
     return result
-
-
-def _weight_version(server: VllmServer) -> str:
-    return str(_ok(server.get("/weight_info"))["weight_version"])
 
 
 @pytest.mark.parametrize(
@@ -128,55 +104,55 @@ def test_update_to_latest_equals_the_trainer(stack: Stack, server: VllmServer) -
     before = _probe(server)
     version = train_step(stack.trainer, "s1", seed=1)
     trained = trainer_logprobs(stack.trainer)
-    _ok(_update(server, "latest", str(version)))
+    ok(server.rl_update("latest", str(version)))
     after = _probe(server)
     assert gap(after, trained) <= FIDELITY, "the server differs from the trainer"
     assert gap(before, trained) > 100 * FIDELITY, "the step changed nothing"
-    assert _weight_version(server) == str(version)
+    assert server.weight_version() == str(version)
 
 
 def test_the_same_server_refits_again(stack: Stack, server: VllmServer) -> None:
     before = _probe(server)
     version = train_step(stack.trainer, "s2", seed=2)
     trained = trainer_logprobs(stack.trainer)
-    _ok(_update(server, version, str(version)))
+    ok(server.rl_update(version, str(version)))
     assert gap(_probe(server), trained) <= FIDELITY
     assert gap(before, trained) > 100 * FIDELITY
-    assert _weight_version(server) == str(version)
+    assert server.weight_version() == str(version)
 
 
 def test_an_unknown_version_is_refused_and_changes_nothing(
     stack: Stack, server: VllmServer
 ) -> None:
-    served, reported = _probe(server), _weight_version(server)
+    served, reported = _probe(server), server.weight_version()
     with stack.sidecar.client() as client:
         latest = client.latest_version() or 0
-    response = _update(server, latest + 1000, "never")
+    response = server.rl_update(latest + 1000, "never")
     assert response.status_code >= 400
     assert f"refit to version {latest + 1000} failed" in response.text
     assert _probe(server) == served
-    assert _weight_version(server) == reported
+    assert server.weight_version() == reported
     # The failed update left no half-open state behind: the next one works.
-    _ok(_update(server, "latest", reported))
+    ok(server.rl_update("latest", reported))
     assert gap(_probe(server), served) <= FIDELITY
 
 
 def test_a_sidecar_that_does_not_answer_changes_nothing(stack: Stack, server: VllmServer) -> None:
     """Re-initialised towards an address where nothing listens, the server refuses the update
     and serves as before; initialised back, it refits again."""
-    served, reported = _probe(server), _weight_version(server)
+    served, reported = _probe(server), server.weight_version()
     nowhere = {"sidecar": f"127.0.0.1:{free_port()}", "rpc_timeout_s": 2}
-    _ok(
+    ok(
         server.post(
             "/init_weight_transfer_engine", {"init_info": _init_info(stack.sidecar, **nowhere)}
         )
     )
-    response = _update(server, "latest", "never")
+    response = server.rl_update("latest", "never")
     assert response.status_code >= 400
     assert "refit to the latest version failed, the engine still serves version" in response.text
     assert "UNAVAILABLE" in response.text
     assert _probe(server) == served
-    assert _weight_version(server) == reported
-    _ok(server.post("/init_weight_transfer_engine", {"init_info": _init_info(stack.sidecar)}))
-    _ok(_update(server, "latest", reported))
+    assert server.weight_version() == reported
+    ok(server.post("/init_weight_transfer_engine", {"init_info": _init_info(stack.sidecar)}))
+    ok(server.rl_update("latest", reported))
     assert gap(_probe(server), served) <= FIDELITY

@@ -135,9 +135,10 @@ def test_wait_policy_waits_for_an_expiring_lease_and_watchers_see_new_versions(
     assert reply.retired_version == 1
     _publish(trainer, 2, rank=0)
     assert next(watch).version == 2
-    # A restarted trainer registers again and numbers its versions afresh: the watch goes on
-    # with them.
+    # A restarted trainer registers again and numbers its versions afresh: the watch hears
+    # that nothing is readable (0), then goes on with the new trainer's versions.
     _register(trainer, world_size=1, slots=1)
+    assert next(watch).version == 0
     trainer.ReserveSlot(pb.ReserveSlotRequest(version=1))
     _publish(trainer, 1, rank=0)
     assert next(watch).version == 1

@@ -40,6 +40,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def ok(response: httpx.Response) -> dict[str, Any]:
+    """The JSON body of a 200 answer (an assertion error naming the route otherwise)."""
+    assert response.status_code == 200, f"{response.request.url}: {response.text}"
+    return dict(response.json())
+
+
 class VllmServer:
     def __init__(
         self,
@@ -103,6 +109,24 @@ class VllmServer:
 
     def get(self, path: str) -> httpx.Response:
         return self.http.get(path)
+
+    def rl_update(self, version: int | str, weight_version: str) -> httpx.Response:
+        """Through vLLM's RL routes: pause (in-flight requests aborted, prefix cache cleared),
+        start, update to `version` (a number or "latest"), finish with `weight_version` when
+        the update succeeded, resume; the update's response."""
+        ok(self.post("/pause"))
+        try:
+            ok(self.post("/start_weight_update"))
+            response = self.post("/update_weights", {"update_info": {"version": version}})
+            if response.status_code == 200:
+                ok(self.post("/finish_weight_update", {"weight_version": weight_version}))
+        finally:
+            ok(self.post("/resume"))
+        return response
+
+    def weight_version(self) -> str:
+        """vLLM's weight version label (/weight_info)."""
+        return str(ok(self.get("/weight_info"))["weight_version"])
 
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()

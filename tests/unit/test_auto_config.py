@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from inference_ext.auto_config import AutoRefitConfig, FollowPolicy, PauseMode
-from inference_ext.auto_refit import choose_version
+from inference_ext.auto_refit import AutoRefit, choose_version
+from inference_ext.receiver import RefitOptions
+from inference_ext.worker_refit import RefitTarget
 
 
 def test_auto_values() -> None:
@@ -75,3 +77,19 @@ def test_recent_failures_are_skipped() -> None:
     assert choose_version(2, 5, EVERY, failed) == 4
     assert choose_version(2, 5, LATEST, failed) is None  # waits for a retry or a newer one
     assert choose_version(4, 5, EVERY, failed) is None
+
+
+def test_a_version_that_keeps_failing_is_retried_less_and_less_often() -> None:
+    target = RefitTarget(sidecar="127.0.0.1:1", options=RefitOptions(insecure=True))
+    follower = AutoRefit(None, target, AutoRefitConfig(retry_interval_s=1.0))  # type: ignore[arg-type]
+    assert follower._retry_at(3) is None
+    waits = []
+    for _ in range(8):
+        follower._fail(3, "the source is gone")
+        at, _count = follower._failed[3]
+        retry = follower._retry_at(3)
+        assert retry is not None
+        waits.append(retry - at)
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert follower._recently_failed(3) and not follower._recently_failed(4)
+    assert follower.last_error == "version 3: the source is gone"

@@ -116,7 +116,8 @@ class RefitServiceServicer:
     def WatchVersions(self, request, context):
         """Streams the latest readable version (when newer than `after_version`), then each new
         version as it becomes readable. When a trainer registers again (it restarted), the
-        stream goes on with that trainer's versions, whose numbers start again.
+        stream sends version 0 (the earlier trainer's versions are gone, nothing is readable),
+        then goes on with the new trainer's versions, whose numbers start again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -205,7 +206,10 @@ class Publisher:
         parameters = published_parameters(model, spec, topology)
         specs = shard_specs(parameters, topology)
         config = SourceConfig(
-            name=f"trainer-rank{topology.rank}",
+            # A name per process: a restarted trainer's agents are new peers to a receiver,
+            # which would otherwise reuse its connection to the dead process's agent of the
+            # same name (its first pulls hung until their deadline).
+            name=f"trainer-rank{topology.rank}-{secrets.token_hex(4)}",
             rank=topology.rank,
             tensor_rank=topology.tp_rank,
             pipeline_stage=topology.pp_rank,
