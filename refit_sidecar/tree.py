@@ -1,0 +1,516 @@
+"""Who a receiver reads a version from: the trainer's ranks, or receivers that hold it (a tree).
+
+Torch-free bookkeeping for the sidecar (no NIXL, no gRPC; clock injected as in registry.py).
+Per open version it knows the sources: the trainer's ranks (roots, taken from the manifest, live
+while the version is open) and peers, receivers offering the boxes they pull (registered with a
+TTL, renewed while they serve). A peer serves while it is still filling its copy: its children
+read chunk k once it has chunk k (pipelined forwarding; the progress itself is data plane).
+
+`Tree.assign` answers a receiver's wants with routes: every wanted box is cut into pieces, each
+with a primary source and ordered fallbacks. The rules:
+
+- a source feeds at most `max_children` receivers at a time (`max_root_children` for a trainer
+  rank); a receiver holds its slots from `assign` to `release`;
+- a receiver never reads from itself nor from a peer that reads, transitively, from it;
+- among the sources with room that hold some of what is still uncovered, the first in this
+  order serves all of it that it holds: same topology domain as the receiver, then the lowest
+  pipeline stage (a trainer rank or complete copy is stage 0, a filling peer one more than the
+  parents it reads from), then peers before trainer ranks, then fewest children, then earliest
+  registered. A receiver with another TP layout than a source reads the intersection of the
+  source's boxes with its own, so a want may be served by several sources' pieces.
+
+The trainer's ranks are stage 0, so they take the first receivers and are then full; everyone
+later reads from peers, breadth first, and the tree's depth grows as log_k of the receivers.
+Fallbacks per piece: the primary's own parents (the grandparents), then up to
+`max_peer_fallbacks` other peers, then the trainer ranks holding any of the piece. They are a
+snapshot for fast failover; a receiver whose fallbacks also fail calls `assign` again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from refit_sidecar.manifest import Box, Manifest
+from refit_sidecar.plan import Want
+from refit_sidecar.registry import UnknownVersion
+from refit_sidecar.tree_rank import Ranking, Replay, Source, holdings, holds_any, take
+from refit_sidecar.tree_types import (
+    Assignment,
+    CopyState,
+    Edge,
+    NodeInfo,
+    NodeKind,
+    NoLiveSource,
+    NoSourceFree,
+    Orphan,
+    PullOutcome,
+    Receiver,
+    Route,
+    TreeConfig,
+    TreeListing,
+    UnknownSource,
+)
+from trainer_refit.errors import InvalidRequest, quoted
+
+__all__ = [
+    "Assignment",
+    "CopyState",
+    "Edge",
+    "NoLiveSource",
+    "NoSourceFree",
+    "NodeInfo",
+    "NodeKind",
+    "Orphan",
+    "PullOutcome",
+    "Receiver",
+    "Route",
+    "Tree",
+    "TreeConfig",
+    "TreeListing",
+    "UnknownSource",
+    "UnknownVersion",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Pull:
+    """A receiver's latest assignment: active until released."""
+
+    domain: str
+    fed_by: tuple[str, ...]
+    active: Assignment | None
+    state: CopyState = CopyState.FILLING
+
+
+@dataclass(eq=False)
+class _Version:
+    version: int
+    shapes: dict[str, tuple[int, ...]]
+    ranking: Ranking
+    sources: dict[str, Source] = field(default_factory=dict)
+    pulls: dict[str, _Pull] = field(default_factory=dict)
+    roots: list[str] = field(default_factory=list)
+    """The trainer's ranks (agents), dropped ones included."""
+    seq: Iterator[int] = field(default_factory=itertools.count)
+
+
+class Tree:
+    def __init__(self, config: TreeConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._versions: dict[int, _Version] = {}
+        self._deadlines: list[tuple[float, int, str]] = []
+        """(expiry, version, peer) per registration or renewal; stale entries are skipped."""
+        self._caps = {
+            NodeKind.PEER: config.max_children,
+            NodeKind.TRAINER: config.max_root_children,
+        }
+
+    # -- versions and sources -----------------------------------------------------------------
+
+    def open_version(
+        self, version: int, manifest: Manifest, *, domains: Mapping[str, str] | None = None
+    ) -> None:
+        """Makes `version` assignable, its roots the manifest's agents (trainer ranks), each
+        holding its shards' boxes; `domains` maps agent names to topology domains."""
+        if version in self._versions:
+            raise InvalidRequest(f"version {version} is open already", field="version")
+        v = _Version(version, {p.name: p.shape for p in manifest.parameters}, Ranking(self._caps))
+        holds: dict[str, dict[str, list[Box]]] = {}
+        for p in manifest.parameters:
+            for shard in p.shards:
+                boxes = holds.setdefault(shard.location.agent, {}).setdefault(p.name, [])
+                boxes.extend(piece.box for piece in shard.pieces)
+        for agent, held in sorted(holds.items()):
+            root = Source(
+                agent,
+                NodeKind.TRAINER,
+                (domains or {}).get(agent, ""),
+                {name: tuple(boxes) for name, boxes in held.items()},
+                next(v.seq),
+            )
+            v.sources[agent] = root
+            v.roots.append(agent)
+            v.ranking.place(root)
+        self._versions[version] = v
+
+    def retire(self, version: int) -> bool:
+        """Forgets `version` (the registry retired it); False when it was not open."""
+        return self._versions.pop(version, None) is not None
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted(self._versions)
+
+    def register_peer(
+        self, version: int, receiver: Receiver, holds: Sequence[Want], *, state: CopyState
+    ) -> float:
+        """Offers a receiver's copy of `holds` (its wants); returns when the registration
+        expires. Registering again renews it and may mark the copy complete."""
+        self.expire()
+        v = self._version(version)
+        self._check(v, holds, "holds")
+        held = holdings(holds)
+        source = v.sources.get(receiver.receiver_id)
+        if source is None:
+            source = Source(receiver.receiver_id, NodeKind.PEER, receiver.domain, held, next(v.seq))
+            source.state = state
+            source.stage = 1
+            v.sources[source.source_id] = source
+        else:
+            self._check_same(v, source, held)
+            if source.state is CopyState.COMPLETE and state is CopyState.FILLING:
+                raise InvalidRequest(
+                    f"peer {quoted(source.source_id)} already holds a complete copy of version "
+                    f"{version}",
+                    field="state",
+                )
+            source.state = state
+        v.ranking.place(source)
+        return self._renew(v, source)
+
+    def renew(self, version: int, source_id: str) -> float:
+        """Extends a peer's registration by the TTL; returns its new expiry."""
+        source = self._source(version, source_id)
+        if source.kind is NodeKind.TRAINER:
+            raise InvalidRequest(f"{quoted(source_id)} is a trainer rank: it does not expire")
+        return self._renew(self._versions[version], source)
+
+    def unregister(self, version: int, source_id: str) -> tuple[Orphan, ...]:
+        """A peer stops serving `version` (it reuses its staging, or closes)."""
+        self._source(version, source_id)
+        self._not_a_root(self._versions[version], source_id)
+        return self._remove(self._versions[version], source_id)
+
+    def drop(self, source_id: str) -> tuple[Orphan, ...]:
+        """`source_id` died: gone from every version, as a source and as a receiver."""
+        orphans: list[Orphan] = []
+        for v in self._versions.values():
+            orphans += self._remove(v, source_id)
+        return tuple(orphans)
+
+    def expire(self) -> tuple[Orphan, ...]:
+        """Drops the peers whose registration ran out; every other call does this first."""
+        now, orphans = self._clock(), list[Orphan]()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, version, source_id = heapq.heappop(self._deadlines)
+            v = self._versions.get(version)
+            s = v.sources.get(source_id) if v else None
+            if v and s and s.expires_at is not None and s.expires_at <= now:
+                log.info("version %d: peer %r expired", version, source_id)
+                orphans += self._remove(v, source_id)
+        return tuple(orphans)
+
+    def _renew(self, v: _Version, source: Source) -> float:
+        source.expires_at = self._clock() + self.config.peer_ttl_s
+        heapq.heappush(self._deadlines, (source.expires_at, v.version, source.source_id))
+        return source.expires_at
+
+    # -- pulls ----------------------------------------------------------------------------------
+
+    def assign(
+        self, version: int, receiver: Receiver, wants: Sequence[Want], *, serve: bool = True
+    ) -> Assignment:
+        """Sources for `wants`, holding one child slot per primary until `release`. With
+        `serve`, the receiver becomes a filling peer for its wants at once. Assigning a
+        receiver again (its parent failed) replaces its previous assignment, whose slots are
+        released even when no source is free for the new one."""
+        self.expire()
+        v = self._version(version)
+        self._check(v, wants, "wants")
+        rid = receiver.receiver_id
+        self._not_a_root(v, rid)
+        own = v.sources.get(rid)
+        if own is not None:
+            self._check_same(v, own, holdings(wants))
+        self._end_pull(v, rid)
+        excluded = {rid, *self._descendants(v, rid)}
+        pieces = self._choose(v, receiver.domain, wants, excluded)
+        primaries = tuple(dict.fromkeys(p for _, _, p in pieces))
+        for p in primaries:
+            v.sources[p].children.add(rid)
+            v.ranking.place(v.sources[p])
+        order = Replay(v.ranking.ordered(receiver.domain, with_room=False))
+        roots = sorted(
+            (v.sources[r] for r in v.roots if r in v.sources),
+            key=lambda s: (s.domain != receiver.domain, len(s.children), s.seq),
+        )
+        # A primary's own subtree stalls with it: no fallback comes from there.
+        avoid = {p: excluded | self._descendants(v, p) for p in primaries}
+        routes = tuple(
+            Route(
+                wants[i].name,
+                box,
+                p,
+                self._fallbacks(
+                    v, wants[i].name, box, primary=p, excluded=avoid[p], order=order, roots=roots
+                ),
+            )
+            for i, box, p in pieces
+        )
+        assignment = Assignment(version, rid, routes)
+        v.pulls[rid] = _Pull(receiver.domain, primaries, assignment)
+        if own is None and serve:
+            own = Source(rid, NodeKind.PEER, receiver.domain, holdings(wants), next(v.seq))
+            v.sources[rid] = own
+        if own is not None:
+            own.state = CopyState.FILLING
+            own.stage = 1 + max(self._stage(v.sources[p]) for p in primaries)
+            self._renew(v, own)
+            v.ranking.place(own)
+        log.debug("version %d: %r reads from %s", version, rid, list(primaries))
+        return assignment
+
+    def release(self, version: int, receiver_id: str, outcome: PullOutcome) -> tuple[Orphan, ...]:
+        """The receiver's pull ended: its child slots are free. A serving receiver's copy
+        becomes complete, or, when the pull failed, stops being a source. Releasing again
+        changes nothing."""
+        self.expire()
+        v = self._version(version)
+        self._not_a_root(v, receiver_id)
+        self._end_pull(v, receiver_id)
+        pull = v.pulls.get(receiver_id)
+        if outcome is PullOutcome.FAILED:
+            v.pulls.pop(receiver_id, None)
+            return self._remove(v, receiver_id)
+        if pull is not None:
+            pull.state = CopyState.COMPLETE
+        source = v.sources.get(receiver_id)
+        if source is not None and source.kind is NodeKind.PEER:
+            source.state = CopyState.COMPLETE
+            self._renew(v, source)
+            v.ranking.place(source)
+        return ()
+
+    def tree(self, version: int) -> TreeListing:
+        self.expire()
+        v = self._version(version)
+        depths = self._depths(v)
+        nodes = []
+        for node_id in set(v.sources) | set(v.pulls):
+            source, pull = v.sources.get(node_id), v.pulls.get(node_id)
+            if source is not None:
+                info = NodeInfo(
+                    node_id,
+                    source.kind,
+                    source.domain,
+                    source.state,
+                    depths[node_id],
+                    len(source.children),
+                    source.expires_at,
+                )
+            else:
+                assert pull is not None
+                info = NodeInfo(
+                    node_id,
+                    NodeKind.RECEIVER,
+                    pull.domain,
+                    pull.state,
+                    depths[node_id],
+                    0,
+                    None,
+                )
+            nodes.append(info)
+        edges = [
+            Edge(parent, child, pull.active is not None)
+            for child, pull in v.pulls.items()
+            for parent in pull.fed_by
+            if parent in v.sources
+        ]
+        return TreeListing(
+            version,
+            tuple(sorted(nodes, key=lambda n: (n.depth, n.node_id))),
+            tuple(sorted(edges, key=lambda e: (e.child, e.parent))),
+        )
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _version(self, version: int) -> _Version:
+        v = self._versions.get(version)
+        if v is None:
+            raise UnknownVersion(
+                f"version {version} has no source tree; open versions: {self.versions}"
+            )
+        return v
+
+    def _source(self, version: int, source_id: str) -> Source:
+        self.expire()
+        source = self._version(version).sources.get(source_id)
+        if source is None:
+            raise UnknownSource(
+                f"{quoted(source_id)} is not a source of version {version} (never registered, "
+                "unregistered, expired or dropped)"
+            )
+        return source
+
+    def _check(self, v: _Version, wants: Sequence[Want], field_name: str) -> None:
+        if not wants:
+            raise InvalidRequest(f"no {field_name} given for version {v.version}", field=field_name)
+        for want in wants:
+            shape = v.shapes.get(want.name)
+            if shape is None:
+                raise InvalidRequest(
+                    f"{quoted(want.name)} is not a parameter of version {v.version}",
+                    field=field_name,
+                )
+            if not want.box.within(shape):
+                raise InvalidRequest(
+                    f"{want.name}: box {want.box.ranges} is outside shape {shape}", field=field_name
+                )
+
+    @staticmethod
+    def _not_a_root(v: _Version, node_id: str) -> None:
+        if node_id in v.roots:
+            raise InvalidRequest(
+                f"{quoted(node_id)} is a trainer rank of version {v.version}, not a receiver"
+            )
+
+    @staticmethod
+    def _check_same(v: _Version, source: Source, held: dict[str, tuple[Box, ...]]) -> None:
+        if source.holds != held:
+            raise InvalidRequest(
+                f"peer {quoted(source.source_id)} holds other boxes of version {v.version}; "
+                "unregister it before it serves another layout"
+            )
+
+    @staticmethod
+    def _depths(v: _Version) -> dict[str, int]:
+        """Depth of every source and receiver: 0 for a trainer rank, else 1 + the deepest
+        live parent of its last pull (1 without one). Iterative: a chain may be long."""
+        depths: dict[str, int] = {}
+
+        def parents(node: str) -> list[str]:
+            pull = v.pulls.get(node)
+            return [p for p in (pull.fed_by if pull else ()) if p in v.sources]
+
+        for start in itertools.chain(v.sources, v.pulls):
+            stack, on_path = [start], set()
+            while stack:
+                node = stack[-1]
+                if node in depths:
+                    stack.pop()
+                    continue
+                source = v.sources.get(node)
+                if source is not None and source.kind is NodeKind.TRAINER:
+                    depths[node] = 0
+                    continue
+                pending = [p for p in parents(node) if p not in depths and p not in on_path]
+                if pending and node not in on_path:
+                    on_path.add(node)
+                    stack += pending
+                    continue
+                depths[node] = 1 + max((depths.get(p, 0) for p in parents(node)), default=0)
+                on_path.discard(node)
+        return depths
+
+    def _stage(self, source: Source) -> int:
+        return 0 if source.state is CopyState.COMPLETE else source.stage
+
+    def _descendants(self, v: _Version, root: str) -> set[str]:
+        """The sources reading from `root`, directly or through others, now."""
+        out: set[str] = set()
+        frontier = [root]
+        while frontier:
+            source = v.sources.get(frontier.pop())
+            for child in v.sources.keys() & source.children if source else ():
+                if child not in out:
+                    out.add(child)
+                    frontier.append(child)
+        return out
+
+    def _choose(
+        self, v: _Version, domain: str, wants: Sequence[Want], excluded: set[str]
+    ) -> list[tuple[int, Box, str]]:
+        """(want index, piece, primary), in want order: the best source with room first
+        takes all it holds of what is left."""
+        left = [(i, w.box) for i, w in enumerate(wants)]
+        names = [w.name for w in wants]
+        pieces: list[tuple[int, Box, str]] = []
+        for source_id in v.ranking.ordered(domain, with_room=True):
+            if source_id in excluded:
+                continue
+            taken, left = take(left, names, v.sources[source_id].holds)
+            pieces += [(i, box, source_id) for i, box in taken]
+            if not left:
+                return sorted(pieces, key=lambda p: (p[0], p[1].start))
+        i, box = left[0]
+        name = wants[i].name
+        holders = [
+            s.source_id
+            for s in v.sources.values()
+            if s.source_id not in excluded and holds_any(s.holds, name, box)
+        ]
+        if holders:
+            raise NoSourceFree(
+                f"version {v.version}: {name} {box.ranges} is held only by sources that feed "
+                f"their maximum of children ({len(holders)}: {holders[:4]}); retry after a pull "
+                "ends"
+            )
+        raise NoLiveSource(
+            f"version {v.version}: no live source outside the receiver's own subtree holds "
+            f"{name} {box.ranges}"
+        )
+
+    def _fallbacks(
+        self,
+        v: _Version,
+        name: str,
+        box: Box,
+        *,
+        primary: str,
+        excluded: set[str],
+        order: Replay,
+        roots: list[Source],
+    ) -> tuple[str, ...]:
+        def usable(s: Source | None) -> bool:
+            return (
+                s is not None
+                and s.source_id != primary
+                and s.source_id not in excluded
+                and holds_any(s.holds, name, box)
+            )
+
+        pull = v.pulls.get(primary)
+        out = [g for g in (pull.fed_by if pull else ()) if usable(v.sources.get(g))]
+        peers = 0
+        for source_id in order:
+            if peers >= self.config.max_peer_fallbacks:
+                break
+            source = v.sources[source_id]
+            if source.kind is NodeKind.PEER and source_id not in out and usable(source):
+                out.append(source_id)
+                peers += 1
+        out += [r.source_id for r in roots if r.source_id not in out and usable(r)]
+        return tuple(out)
+
+    def _end_pull(self, v: _Version, receiver_id: str) -> None:
+        pull = v.pulls.get(receiver_id)
+        if pull is None or pull.active is None:
+            return
+        for parent in pull.active.parents:
+            source = v.sources.get(parent)
+            if source is not None:
+                source.children.discard(receiver_id)
+                v.ranking.place(source)
+        pull.active = None
+
+    def _remove(self, v: _Version, source_id: str) -> tuple[Orphan, ...]:
+        self._end_pull(v, source_id)
+        v.pulls.pop(source_id, None)
+        source = v.sources.pop(source_id, None)
+        if source is None:
+            return ()
+        v.ranking.remove(source_id)
+        orphans = tuple(Orphan(v.version, source_id, c) for c in sorted(source.children))
+        if orphans:
+            log.info(
+                "version %d: source %r left; %s fall back", v.version, source_id, list(orphans)
+            )
+        return orphans

@@ -1,0 +1,403 @@
+"""The sidecar's source tree: whom each receiver reads a version from (injected clock)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from refit_sidecar.layout import ShardSpec, split_pieces
+from refit_sidecar.manifest import Box, DType, Manifest
+from refit_sidecar.plan import Want
+from refit_sidecar.tree import (
+    Assignment,
+    CopyState,
+    NodeKind,
+    NoLiveSource,
+    NoSourceFree,
+    Orphan,
+    PullOutcome,
+    Receiver,
+    Tree,
+    TreeConfig,
+    UnknownSource,
+    UnknownVersion,
+)
+from tests.refit.shards import in_memory_manifest
+from trainer_refit.errors import InvalidRequest
+
+# name: (global shape, TP split dim or None, blocks along it)
+PARAMS = {
+    "qkv": ((8, 4), 0, 1),
+    "proj": ((4, 8), 1, 1),
+    "fc1": ((8, 4), 0, 2),  # [gate_r; up_r] per rank
+    "norm": ((4,), None, 1),
+}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def layout(tp: int, rank: int) -> list[Want]:
+    """The boxes a TP rank `rank` of `tp` holds (trainer) or wants (receiver)."""
+    wants = []
+    for name, (shape, dim, parts) in PARAMS.items():
+        _, pieces = split_pieces(shape, dim, parts, rank, tp)
+        wants += [Want(name, piece.box) for piece in pieces]
+    return wants
+
+
+def trainer(version: int = 1, *, tp: int = 1, replicas: int = 1) -> Manifest:
+    """Agents t{d}.{r}: TP rank r of DP replica d."""
+    placed = []
+    for d in range(replicas):
+        for r in range(tp):
+            for name, (shape, dim, parts) in PARAMS.items():
+                local, pieces = split_pieces(shape, dim, parts, r, tp)
+                spec = ShardSpec(name, shape, DType.UINT8, local, pieces)
+                placed.append((f"t{d}.{r}", spec, np.zeros(spec.nbytes, np.uint8)))
+    return in_memory_manifest(version, placed)
+
+
+def make(clock: Clock | None = None, manifest: Manifest | None = None, **config) -> Tree:
+    tree = Tree(TreeConfig(**config), clock or Clock())
+    tree.open_version(1, manifest or trainer())
+    return tree
+
+
+WHOLE = layout(1, 0)
+
+
+def pull(tree: Tree, name: str, domain: str = "", wants=WHOLE, **kw) -> Assignment:
+    return tree.assign(1, Receiver(name, domain), wants, **kw)
+
+
+def parent(assignment: Assignment) -> str:
+    (only,) = assignment.parents
+    return only
+
+
+def children(tree: Tree, version: int = 1) -> dict[str, int]:
+    return {n.node_id: n.children for n in tree.tree(version).nodes}
+
+
+def assert_acyclic(tree: Tree, version: int = 1) -> None:
+    ups: dict[str, set[str]] = {}
+    for edge in tree.tree(version).edges:
+        if edge.active:
+            ups.setdefault(edge.child, set()).add(edge.parent)
+    for start, parents in ups.items():
+        seen, frontier = {start}, list(parents)
+        while frontier:
+            node = frontier.pop()
+            assert node != start, f"{start} reads from itself through {seen}"
+            if node not in seen:
+                seen.add(node)
+                frontier += ups.get(node, ())
+
+
+def test_the_trainer_feeds_the_first_level_then_peers_breadth_first():
+    tree = make()
+    parents = {f"r{i}": parent(pull(tree, f"r{i}")) for i in range(1, 8)}
+    # r1 and r2 fill the trainer's two slots; the rest read from peers still filling
+    # (pipelined), the shallowest with the fewest children first, then the earliest.
+    assert parents == {
+        "r1": "t0.0",
+        "r2": "t0.0",
+        "r3": "r1",
+        "r4": "r2",
+        "r5": "r1",
+        "r6": "r2",
+        "r7": "r3",
+    }
+    listing = tree.tree(1)
+    depth = {n.node_id: n.depth for n in listing.nodes}
+    assert depth == {"t0.0": 0, "r1": 1, "r2": 1, "r3": 2, "r4": 2, "r5": 2, "r6": 2, "r7": 3}
+    assert listing.depth == 3
+    state = {n.node_id: (n.kind, n.state) for n in listing.nodes}
+    assert state["t0.0"] == (NodeKind.TRAINER, CopyState.COMPLETE)
+    assert state["r7"] == (NodeKind.PEER, CopyState.FILLING)
+    assert {(e.parent, e.child) for e in listing.edges} == {(p, c) for c, p in parents.items()}
+    assert "r7 [peer, filling" in listing.describe()
+
+
+@pytest.mark.parametrize(("max_children", "max_root_children"), [(1, 1), (2, 2), (3, 1), (2, 4)])
+def test_no_source_feeds_more_than_its_maximum_and_the_trainer_only_the_first_receivers(
+    max_children, max_root_children
+):
+    tree = make(max_children=max_children, max_root_children=max_root_children)
+    parents = [parent(pull(tree, f"r{i:02}")) for i in range(40)]
+    assert parents[:max_root_children] == ["t0.0"] * max_root_children
+    assert "t0.0" not in parents[max_root_children:]
+    for node, count in children(tree).items():
+        assert count <= (max_root_children if node == "t0.0" else max_children)
+    assert_acyclic(tree)
+
+
+def test_peers_of_the_receivers_domain_come_first():
+    tree = Tree(TreeConfig(), Clock())
+    tree.open_version(1, trainer(), domains={"t0.0": "rack-t"})
+    assert parent(pull(tree, "a1", "rack-a")) == "t0.0"
+    # The trainer rank still has room, but a1 is in a2's rack.
+    assert parent(pull(tree, "a2", "rack-a")) == "a1"
+    # No peer in rack-b: the trainer's rank, the lowest stage, has room.
+    assert parent(pull(tree, "b1", "rack-b")) == "t0.0"
+    assert parent(pull(tree, "b2", "rack-b")) == "b1"
+    assert parent(pull(tree, "a3", "rack-a")) == "a1"
+    assert parent(pull(tree, "a4", "rack-a")) == "a2"
+
+
+def test_a_receiver_in_the_trainers_domain_reads_from_the_trainer_while_it_has_room():
+    tree = Tree(TreeConfig(), Clock())
+    tree.open_version(1, trainer(), domains={"t0.0": "rack-a"})
+    assert [parent(pull(tree, f"a{i}", "rack-a")) for i in range(3)] == ["t0.0", "t0.0", "a0"]
+
+
+def test_complete_peers_come_before_the_trainer_fewest_children_then_earliest():
+    tree = make()
+    for name in ("p1", "p2"):
+        tree.register_peer(1, Receiver(name), WHOLE, state=CopyState.COMPLETE)
+    assert [parent(pull(tree, f"r{i}", serve=False)) for i in range(5)] == [
+        "p1",
+        "p2",
+        "p1",
+        "p2",
+        "t0.0",
+    ]
+
+
+def test_release_frees_the_slot_and_completes_the_copy():
+    clock = Clock()
+    tree = make(clock)
+    a1, a2 = pull(tree, "r1", serve=False), pull(tree, "r2", serve=False)
+    assert a1.parents == a2.parents == ("t0.0",)
+    with pytest.raises(NoSourceFree, match="maximum of children"):
+        pull(tree, "r3", serve=False)
+    assert tree.release(1, "r1", PullOutcome.COMPLETE) == ()
+    assert children(tree)["t0.0"] == 1
+    assert parent(pull(tree, "r3", serve=False)) == "t0.0"
+    # A serving receiver's completed copy is stage 0 and preferred to the trainer's rank.
+    tree.release(1, "r2", PullOutcome.COMPLETE)
+    pull(tree, "s1")
+    assert tree.release(1, "s1", PullOutcome.COMPLETE) == ()
+    info = {n.node_id: n for n in tree.tree(1).nodes}
+    assert info["s1"].state is CopyState.COMPLETE
+    assert info["s1"].expires_at == clock.now + TreeConfig().peer_ttl_s
+    assert info["r1"].kind is NodeKind.RECEIVER
+    assert parent(pull(tree, "r4")) == "s1"
+    assert not next(e for e in tree.tree(1).edges if e.child == "r1").active
+
+
+def test_a_failed_pull_stops_serving_and_orphans_its_children():
+    tree = make()
+    pull(tree, "r1")
+    pull(tree, "r2")
+    pull(tree, "r3")  # reads from r1
+    assert tree.release(1, "r1", PullOutcome.FAILED) == (Orphan(1, "r1", "r3"),)
+    assert "r1" not in children(tree)
+    assert parent(pull(tree, "r3")) == "t0.0"
+
+
+def test_expired_and_dead_sources_are_dropped_and_children_get_fallbacks():
+    clock = Clock()
+    tree = make(clock, manifest=trainer(replicas=2), max_root_children=1)
+    for name in ("r1", "r2", "r3", "r4"):
+        pull(tree, name)
+    r5 = pull(tree, "r5")
+    assert parent(r5) == "r1"
+    # Its grandparent, then peers outside r1's subtree (r3 would stall with r1), then the
+    # trainer's ranks.
+    assert {r.fallbacks for r in r5.routes} == {("t0.0", "r2", "r4", "t1.0")}
+
+    clock.now += 20
+    for name in ("r2", "r3", "r4", "r5"):
+        tree.renew(1, name)
+    clock.now += 15  # r1's registration ran out
+    assert tree.expire() == (Orphan(1, "r1", "r3"), Orphan(1, "r1", "r5"))
+    assert "r1" not in children(tree)
+    with pytest.raises(UnknownSource, match="'r1' is not a source of version 1"):
+        tree.renew(1, "r1")
+    again = pull(tree, "r5")
+    assert parent(again) == "t0.0"  # free again: r1's own pull ended with it
+
+    assert tree.drop("r2") == (Orphan(1, "r2", "r4"),)
+    again = pull(tree, "r4")
+    assert parent(again) == "t1.0"
+    assert "r2" not in {s for r in again.routes for s in r.fallbacks}
+    with pytest.raises(InvalidRequest, match="trainer rank: it does not expire"):
+        tree.renew(1, "t0.0")
+
+
+def test_a_receiver_never_reads_from_its_descendants():
+    tree = make(manifest=trainer(replicas=2), max_root_children=1)
+    for i in range(1, 9):
+        pull(tree, f"r{i}")
+    # r1 <- t0.0, r2 <- t1.0; r3, r5 <- r1; r4, r6 <- r2; r7 <- r3; r8 <- r4
+    assert tree.drop("t0.0") == (Orphan(1, "t0.0", "r1"),)
+    again = pull(tree, "r1")
+    # t1.0 and r2 are full; r5, with no children, is r1's own child.
+    assert parent(again) == "r6"
+    assert again.routes[0].fallbacks == ("r2", "r4", "r8", "t1.0")
+    assert_acyclic(tree)
+
+
+def test_when_only_descendants_have_room_no_source_is_free():
+    tree = make(manifest=trainer(replicas=2), max_root_children=1)
+    for name in ("r1", "r2", "r3"):
+        pull(tree, name)
+    for name in ("q1", "q2", "q3"):  # fill r1's and r2's slots
+        pull(tree, name, serve=False)
+    tree.drop("t0.0")
+    with pytest.raises(NoSourceFree, match="maximum of children"):
+        pull(tree, "r1")  # r3, its child, is the only source with room
+    tree.release(1, "q1", PullOutcome.COMPLETE)
+    assert parent(pull(tree, "r1")) == "r2"
+
+
+def test_a_receiver_whose_only_holders_are_its_descendants_is_refused():
+    tree = make(max_root_children=1)
+    pull(tree, "r1")
+    pull(tree, "r2")  # reads from r1
+    tree.drop("t0.0")
+    with pytest.raises(NoLiveSource, match="outside the receiver's own subtree"):
+        pull(tree, "r1")
+
+
+def test_bytes_nobody_live_holds_are_refused():
+    tree = make()
+    tree.drop("t0.0")
+    with pytest.raises(NoLiveSource, match="no live source"):
+        pull(tree, "r1")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_tp_layouts_cover_their_boxes_exactly(seed):
+    rng = np.random.default_rng(seed)
+    manifest = trainer(tp=2)
+    tree = make(manifest=manifest)
+    held: dict[str, list[Want]] = {f"t0.{r}": layout(2, r) for r in range(2)}
+    active: list[str] = []
+    for i in range(24):
+        tp = int(rng.choice([1, 2, 4]))
+        rank = int(rng.integers(tp))
+        wants = layout(tp, rank)
+        name = f"r{i}-tp{tp}.{rank}"
+        while True:
+            try:
+                assignment = pull(tree, name, wants=wants)
+                break
+            except NoSourceFree:  # every holder is busy: the oldest pull ends
+                tree.release(1, active.pop(0), PullOutcome.COMPLETE)
+        active.append(name)
+        held[name] = wants
+        counts = {w: np.zeros(PARAMS[w.name][0], np.int64) for w in wants}
+        for route in assignment.routes:
+            want = next(w for w in wants if w.name == route.name and w.box.contains(route.box))
+            counts[want][tuple(slice(a, b) for a, b in route.box.ranges)] += 1
+            assert any(
+                w.name == route.name and w.box.contains(route.box) for w in held[route.primary]
+            ), (route, held[route.primary])
+            for source in route.fallbacks:
+                assert any(
+                    w.name == route.name and w.box.intersect(route.box) for w in held[source]
+                )
+        for want, count in counts.items():
+            region = count[tuple(slice(a, b) for a, b in want.box.ranges)]
+            assert (region == 1).all(), (name, want)
+            assert count.sum() == want.box.numel
+    for node, count in children(tree).items():
+        assert count <= 2, node
+    assert_acyclic(tree)
+
+
+def test_a_tp1_receiver_reads_halves_from_two_tp2_sources():
+    tree = make(manifest=trainer(tp=2))
+    assignment = pull(tree, "r1", wants=[Want("qkv", Box.full((8, 4)))])
+    assert [(r.primary, r.box) for r in assignment.routes] == [
+        ("t0.0", Box(((0, 4), (0, 4)))),
+        ("t0.1", Box(((4, 8), (0, 4)))),
+    ]
+    assert children(tree) == {"t0.0": 1, "t0.1": 1, "r1": 0}
+
+
+def test_a_thousand_receivers_make_a_tree_of_logarithmic_depth():
+    tree = make()
+    n = 1000
+    start = time.perf_counter()
+    for i in range(n):
+        pull(tree, f"r{i:04}")
+    elapsed = time.perf_counter() - start
+    listing = tree.tree(1)
+    assert math.floor(math.log2(n)) - 1 <= listing.depth <= math.ceil(math.log2(n))
+    assert max(n.children for n in listing.nodes) == 2
+    assert sum(e.parent == "t0.0" for e in listing.edges) == 2
+    assert elapsed < 2.0, f"{n} assignments took {elapsed:.2f} s"
+
+
+def test_versions_are_separate_and_retired_whole():
+    tree = make()
+    tree.open_version(2, trainer(2))
+    pull(tree, "r1")
+    tree.assign(2, Receiver("r1"), WHOLE)
+    assert tree.versions == [1, 2]
+    assert tree.drop("r1") == ()
+    assert tree.retire(1) and not tree.retire(1)
+    with pytest.raises(UnknownVersion, match="open versions: \\[2\\]"):
+        pull(tree, "r2")
+    with pytest.raises(InvalidRequest, match="open already"):
+        tree.open_version(2, trainer(2))
+
+
+@pytest.mark.parametrize(
+    ("wants", "match"),
+    [
+        ([], "no wants"),
+        ([Want("nope", Box.full((4,)))], "'nope' is not a parameter"),
+        ([Want("norm", Box.full((5,)))], "outside shape"),
+        ([Want("norm", Box.full((4, 1)))], "outside shape"),
+    ],
+)
+def test_bad_wants_are_refused(wants, match):
+    with pytest.raises(InvalidRequest, match=match):
+        pull(make(), "r1", wants=wants)
+
+
+def test_a_peer_keeps_its_boxes_and_never_goes_back_to_filling():
+    tree = make()
+    tree.register_peer(1, Receiver("p"), WHOLE, state=CopyState.COMPLETE)
+    with pytest.raises(InvalidRequest, match="holds other boxes"):
+        pull(tree, "p", wants=layout(2, 0))
+    with pytest.raises(InvalidRequest, match="complete copy"):
+        tree.register_peer(1, Receiver("p"), WHOLE, state=CopyState.FILLING)
+    for misuse in (
+        lambda: pull(tree, "t0.0"),
+        lambda: tree.release(1, "t0.0", PullOutcome.FAILED),
+        lambda: tree.unregister(1, "t0.0"),
+    ):
+        with pytest.raises(InvalidRequest, match=r"'t0\.0' is a trainer rank of version 1"):
+            misuse()
+    assert children(tree)["t0.0"] == 0
+    assert tree.unregister(1, "p") == ()
+    with pytest.raises(UnknownSource):
+        tree.unregister(1, "p")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"max_children": 0},
+        {"max_root_children": 0},
+        {"peer_ttl_s": 0},
+        {"max_peer_fallbacks": -1},
+    ],
+)
+def test_bad_config_is_refused(config):
+    with pytest.raises(ValueError, match=next(iter(config))):
+        TreeConfig(**config)
