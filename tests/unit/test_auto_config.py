@@ -4,6 +4,9 @@ tests/inference/test_auto_refit.py."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
+
 import pytest
 
 from inference_ext.auto_config import AutoRefitConfig, FollowPolicy, PauseMode
@@ -93,3 +96,75 @@ def test_a_version_that_keeps_failing_is_retried_less_and_less_often() -> None:
     assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
     assert follower._recently_failed(3) and not follower._recently_failed(4)
     assert follower.last_error == "version 3: the source is gone"
+
+
+class RecordingEngine:
+    """Pins down the order of the follower's engine calls; the real engine client runs in
+    tests/inference/test_auto_refit.py."""
+
+    def __init__(self, prefetch: list[str], refit_ok: bool = True) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self._prefetch = prefetch  # each poll's state on both workers
+        self._refit_ok = refit_ok
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, args))
+        if method in ("refit_prefetch", "refit_prefetch_state"):
+            state = self._prefetch.pop(0)
+            return [{"tp_rank": r, "version": args[0], "state": state} for r in (0, 1)]
+        if method == "refit_to":
+            return [{"ok": self._refit_ok, "error": None if self._refit_ok else "no"}] * 2
+        raise AssertionError(method)
+
+    async def pause_generation(self, *, mode, clear_cache):
+        self.calls.append(("pause", (mode, clear_cache)))
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume", ()))
+
+    async def update_weight_version(self, new_version: str) -> None:
+        self.calls.append(("weight_version", (new_version,)))
+
+    async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.calls.append(("reset_prefix_cache", (reset_running_requests,)))
+        return True
+
+
+def _follower(engine: RecordingEngine, mode: PauseMode) -> AutoRefit:
+    target = RefitTarget(sidecar="127.0.0.1:1", options=RefitOptions(insecure=True))
+    config = AutoRefitConfig(pause_mode=mode, poll_interval_s=0.001)
+    return AutoRefit(engine, target, config)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", list(PauseMode))
+def test_a_switch_pauses_installs_labels_and_resumes(mode: PauseMode) -> None:
+    engine = RecordingEngine(["pending", "pending", "ready"])
+    follower = _follower(engine, mode)
+    asyncio.run(follower._refit(7))
+    names = [c[0] for c in engine.calls]
+    expected = ["refit_prefetch", "refit_prefetch_state", "refit_prefetch_state", "pause"]
+    expected += ["refit_to", "weight_version"]
+    expected += ["reset_prefix_cache"] if mode is PauseMode.KEEP else []
+    assert names == [*expected, "resume"]
+    # keep: the KV cache is recomputed after the install; wait/abort clear it at the pause.
+    assert engine.calls[3] == ("pause", (mode.value, mode is not PauseMode.KEEP))
+    assert ("weight_version", ("7",)) in engine.calls
+    assert follower.installed == 7 and follower.last_error is None
+    assert [s.version for s in follower.switches] == [7]
+
+
+def test_a_failed_prefetch_never_pauses_generation() -> None:
+    engine = RecordingEngine(["pending", "failed"])
+    follower = _follower(engine, PauseMode.KEEP)
+    asyncio.run(follower._refit(7))
+    assert [c[0] for c in engine.calls] == ["refit_prefetch", "refit_prefetch_state"]
+    assert follower.installed is None
+    assert follower.last_error is not None and follower.last_error.startswith("version 7:")
+
+
+def test_a_refused_install_resumes_on_the_old_version() -> None:
+    engine = RecordingEngine(["ready"], refit_ok=False)
+    follower = _follower(engine, PauseMode.WAIT)
+    asyncio.run(follower._refit(7))
+    assert [c[0] for c in engine.calls] == ["refit_prefetch", "pause", "refit_to", "resume"]
+    assert follower.installed is None and follower.switches == collections.deque()
