@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,36 @@ def kill_tree(process: psutil.Process) -> None:
     for proc in [*process.children(recursive=True), process]:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
+
+
+def start_trainers(worlds: Mapping[str, tuple[Path, Sequence[str]]]) -> dict[str, TrainerProcess]:
+    """Starts a world per entry (name -> (workdir, args)) at once and waits for all of them.
+    Their start-ups overlap: while one world's launcher imports on one core, another's ranks
+    use the other. If any fails to start, the others are stopped and its error is raised."""
+    with ThreadPoolExecutor(max_workers=max(1, len(worlds))) as pool:
+        futures = {
+            name: pool.submit(TrainerProcess, workdir, args)
+            for name, (workdir, args) in worlds.items()
+        }
+    started: dict[str, TrainerProcess] = {}
+    errors: list[BaseException] = []
+    for name, future in futures.items():
+        error = future.exception()
+        if error is None:
+            started[name] = future.result()
+        else:
+            errors.append(error)
+    if errors:
+        stop_trainers(started.values())
+        raise errors[0]
+    return started
+
+
+def stop_trainers(processes: Iterable[TrainerProcess]) -> list[int]:
+    """Stops the worlds at once (each takes seconds to shut down); their exit codes, in order."""
+    processes = list(processes)
+    with ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
+        return list(pool.map(TrainerProcess.stop, processes))
 
 
 def max_relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:

@@ -1,18 +1,71 @@
 """SaveCheckpoint -> a new service -> LoadCheckpoint restores weights and optimizer state exactly;
-ExportHF writes a checkpoint transformers loads, with the trainer's own logprobs."""
+ExportHF writes a checkpoint transformers loads, with the trainer's own logprobs.
+
+The services run a Llama with tied embeddings at PP=2 (x DP=2 in the slow run), so the first
+also checks Forward against transformers with the embedding on the first stage and its tied
+output layer on the last (test_hf_parity's Llama case). The second starts together with the
+first and stays untouched until it loads."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
+import pytest
 
+from megatron_hf.spec import ModelFamily
+from megatron_hf.tiny import write_tiny_checkpoint
 from tests.support.batches import make_batch
-from tests.support.trainer import TrainerProcess, assert_bit_identical
-from tests.trainer.test_hf_parity import hf_logprobs
-from trainer_svc.domain import LossConfig, LossKind, OptimizerOverrides
+from tests.support.parity import assert_equals_transformers, hf_logprobs, parity_forward
+from tests.support.trainer import (
+    TrainerProcess,
+    assert_bit_identical,
+    start_trainers,
+    stop_trainers,
+)
+from trainer_svc.domain import ForwardResult, LossConfig, LossKind, OptimizerOverrides
 
-LAYOUT = ["--pp", "2", "--dp", "2"]
+LAYOUTS = {"pp2": ["--pp", "2"], "pp2-dp2": ["--pp", "2", "--dp", "2"]}
 LOSS = LossConfig(kind=LossKind.PPO)
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3)
+
+
+@dataclass(frozen=True)
+class Worlds:
+    root: Path
+    """The path root of both services: the checkpoint lies beside their work dirs."""
+    model_dir: Path
+    first: TrainerProcess
+    second: TrainerProcess
+    initial: ForwardResult
+    """The first world's `parity_forward`, taken before any step."""
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        # The default run restores the plain optimizer (DP=1) in a new service. The distributed
+        # optimizer (DP=2) runs here in the slow run; the default run saves and loads it in
+        # test_split_step's TP=2 x DP=2 world, whose steps each start from a load of its
+        # checkpoint (Adam state or step counts that a load left live would fail there).
+        "pp2",
+        pytest.param("pp2-dp2", marks=pytest.mark.slow),
+    ],
+)
+def worlds(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Worlds]:
+    root = tmp_path_factory.mktemp(f"checkpoints-{request.param}")
+    model_dir = write_tiny_checkpoint(
+        root / "model", ModelFamily.LLAMA, num_layers=2, seed=13, tie_word_embeddings=True
+    )
+    args = [*LAYOUTS[request.param], "--model", str(model_dir), "--path-root", str(root)]
+    processes = start_trainers({"first": (root / "first", args), "second": (root / "second", args)})
+    try:
+        initial = parity_forward(processes["first"])
+        yield Worlds(root, model_dir, processes["first"], processes["second"], initial)
+    finally:
+        assert stop_trainers(processes.values()) == [0, 0]
 
 
 def _step(process: TrainerProcess, step_id: str, seed: int) -> None:
@@ -22,32 +75,28 @@ def _step(process: TrainerProcess, step_id: str, seed: int) -> None:
     process.client.finish_step(step_id)
 
 
-def test_checkpoint_round_trip_and_hf_export(tmp_path):
-    # Both services may use tmp_path: the checkpoint lies beside their work dirs.
-    roots = ["--path-root", str(tmp_path)]
-    first = TrainerProcess(tmp_path / "first", [*LAYOUT, *roots])
-    try:
-        _step(first, "s1", seed=1)
-        saved = first.client.save_checkpoint(tmp_path / "ckpt")
-        assert saved.optimizer_step == 1
-        at_save = first.export("at-save")
-        _step(first, "s2", seed=2)
-        continued = first.export("continued")
-        export_dir = first.workdir / "exports" / "continued"
-        batch = make_batch(seed=4, lengths=[9, 17, 3], loss=LossConfig())
-        trainer_logprobs = first.client.forward(batch).logprobs
-    finally:
-        assert first.stop() == 0
+def test_forward_equals_transformers_with_embeddings_tied_across_stages(worlds):
+    assert_equals_transformers(worlds.initial, worlds.model_dir)
 
-    second = TrainerProcess(tmp_path / "second", [*LAYOUT, *roots])
-    try:
-        loaded = second.client.load_checkpoint(tmp_path / "ckpt")
-        assert loaded.optimizer_step == 1
-        assert second.client.status().optimizer_step == 1
-        assert_bit_identical(second.export("loaded"), at_save)
-        _step(second, "s2", seed=2)
-        assert_bit_identical(second.export("continued"), continued)
-    finally:
-        assert second.stop() == 0
+
+def test_checkpoint_round_trip_and_hf_export(worlds):
+    first, second, checkpoint = worlds.first, worlds.second, worlds.root / "ckpt"
+    _step(first, "s1", seed=1)
+    saved = first.client.save_checkpoint(checkpoint)
+    assert saved.optimizer_step == 1
+    at_save = first.export("at-save")
+    _step(first, "s2", seed=2)
+    continued = first.export("continued")
+    export_dir = first.workdir / "exports" / "continued"
+    batch = make_batch(seed=4, lengths=[9, 17, 3], loss=LossConfig())
+    trainer_logprobs = first.client.forward(batch).logprobs
+
+    assert second.client.status().optimizer_step == 0
+    loaded = second.client.load_checkpoint(checkpoint)
+    assert loaded.optimizer_step == 1
+    assert second.client.status().optimizer_step == 1
+    assert_bit_identical(second.export("loaded"), at_save)
+    _step(second, "s2", seed=2)
+    assert_bit_identical(second.export("continued"), continued)
 
     assert np.abs(hf_logprobs(export_dir, batch) - trainer_logprobs).max() <= 1e-4

@@ -3,51 +3,39 @@ Llama, Qwen2 (QKV bias) and Qwen3 (q/k norm) families across parallel layouts.""
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
+
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from megatron_hf.spec import ModelFamily
 from megatron_hf.tiny import write_tiny_checkpoint
-from tests.support.batches import make_batch
+from tests.support.parity import assert_equals_transformers, parity_forward
 from tests.support.trainer import TrainerProcess
-from trainer_svc.domain import ForwardOutput, LossConfig, SequenceBatch
 
-CASES = {
+CASES: dict[str, tuple[ModelFamily, dict[str, Any], list[str]]] = {
     "llama-tied-pp2": (ModelFamily.LLAMA, {"tie_word_embeddings": True}, ["--pp", "2"]),
     "qwen2-tp2": (ModelFamily.QWEN2, {}, ["--tp", "2"]),
     "qwen3-tp2": (ModelFamily.QWEN3, {"head_dim": 24}, ["--tp", "2"]),
 }
+CHECKED_ON_SHARED_WORLDS = {"llama-tied-pp2", "qwen2-tp2"}
+"""Cases the default run checks on worlds that other checks start anyway, with the same batch
+and assertions (`tests/support/parity.py`): a tied Llama at PP=2 in test_checkpoints, Qwen2 at
+TP=2 in test_layouts. Their own worlds start in the slow run only."""
 
 
-def hf_logprobs(model_dir, batch: SequenceBatch) -> np.ndarray:
-    """Per-token log p(token | prefix) from transformers, 0 at each sequence's first token."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = np.zeros(batch.num_tokens, dtype=np.float32)
-    with torch.no_grad():
-        for start, end in zip(batch.offsets[:-1], batch.offsets[1:], strict=True):
-            ids = torch.as_tensor(batch.tokens[start:end]).unsqueeze(0)
-            logits = model(ids).logits[0].float()
-            logp = torch.log_softmax(logits, dim=-1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
-            out[start + 1 : end] = logp.numpy()
-    return out
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in CHECKED_ON_SHARED_WORLDS else name
+        for name in CASES
+    ],
+)
 def test_forward_logprobs_equal_transformers(tmp_path, case):
     family, options, args = CASES[case]
     model_dir = write_tiny_checkpoint(tmp_path / "model", family, num_layers=2, seed=13, **options)
-    batch = make_batch(seed=2, lengths=[12, 31, 4, 18], loss=LossConfig())
     process = TrainerProcess(tmp_path / "trainer", ["--model", str(model_dir), *args])
     try:
-        result = process.client.forward(
-            batch, [ForwardOutput.LOGPROBS, ForwardOutput.ENTROPY, ForwardOutput.TOP_K], top_k=4
-        )
+        result = parity_forward(process)
     finally:
         assert process.stop() == 0
-    expected = hf_logprobs(model_dir, batch)
-    assert np.abs(result.logprobs - expected).max() <= 1e-4
-    assert result.entropy is not None and (result.entropy >= 0).all()
-    firsts = batch.offsets[:-1]
-    assert (result.top_k_logprobs[np.setdiff1d(np.arange(batch.num_tokens), firsts)] <= 0).all()
+    assert_equals_transformers(result, model_dir)

@@ -1,5 +1,6 @@
 """TP=1 and TP=2 started from the same HF checkpoint agree: Forward logprobs and the weights
-after one identical step."""
+after one identical step; the TP=2 world also equals HF transformers (test_hf_parity's Qwen2
+case). A layout the model cannot be split into is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,58 +20,102 @@ import pytest
 from megatron_hf.spec import ModelFamily
 from megatron_hf.tiny import write_tiny_checkpoint
 from tests.support.batches import make_batch
-from tests.support.trainer import TEST_ENV, TrainerProcess, max_relative_difference
-from trainer_svc.domain import LossConfig, LossKind, Normalization, OptimizerOverrides
+from tests.support.parity import assert_equals_transformers, parity_forward
+from tests.support.trainer import (
+    TEST_ENV,
+    TrainerProcess,
+    max_relative_difference,
+    start_trainers,
+    stop_trainers,
+)
+from trainer_svc.domain import (
+    ForwardResult,
+    LossConfig,
+    LossKind,
+    Normalization,
+    OptimizerOverrides,
+)
 
+FAMILY = ModelFamily.QWEN2
+"""QKV biases: the fused tensor that TP splits by query group has a bias to split too."""
 LOSS = LossConfig(kind=LossKind.PPO, normalization=Normalization.SEQUENCE, kl_coef=0.1)
 # See test_split_step: a larger Adam eps makes the first update a smooth function of the grads.
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, adam_eps=1e-4)
+LAYOUTS = {"tp1": [], "tp2": ["--tp", "2"]}
 
 
-def _run(workdir, model_dir, args) -> tuple[np.ndarray, dict]:
-    process = TrainerProcess(workdir, ["--model", str(model_dir), *args])
-    try:
-        batch = make_batch(seed=11, lengths=[14, 9, 23, 5], loss=LOSS)
-        logprobs = process.client.forward(batch).logprobs
-        process.client.begin_step("s", LOSS, OPTIMIZER)
-        process.client.train_microbatch("s", "r", batch)
-        process.client.finish_step("s")
-        return logprobs, process.export("after-step")
-    finally:
-        assert process.stop() == 0
+@dataclass(frozen=True)
+class Run:
+    logprobs: np.ndarray
+    weights: dict[str, np.ndarray]
 
 
-@pytest.mark.parametrize("family", [ModelFamily.QWEN2])
-def test_tensor_parallel_two_matches_one(tmp_path, family):
-    model_dir = write_tiny_checkpoint(tmp_path / "model", family, num_layers=2, seed=5)
-    logprobs_1, weights_1 = _run(tmp_path / "tp1", model_dir, [])
-    logprobs_2, weights_2 = _run(tmp_path / "tp2", model_dir, ["--tp", "2"])
-    assert np.abs(logprobs_1 - logprobs_2).max() <= 1e-5
-    assert max_relative_difference(weights_2, weights_1) <= 1e-5
+@dataclass(frozen=True)
+class Layouts:
+    model_dir: Path
+    runs: dict[str, Run]
+    parity: ForwardResult
+    """The TP=2 world's `parity_forward`, taken before its step."""
 
 
-@pytest.mark.parametrize(
-    ("shape", "args", "message"),
-    [
-        (
-            {"num_key_value_heads": 1},
-            ["--tp", "2"],
-            "1 key/value heads (query groups) do not split over tensor parallel 2",
-        ),
-        (
-            {"num_layers": 3},
-            ["--pp", "2"],
-            "num_layers (3) must be divisible by pipeline_parallel (2)",
-        ),
-    ],
-    ids=["mqa-tp2", "layers-pp2"],
-)
-def test_an_unsplittable_layout_is_refused_before_any_rank_starts(tmp_path, shape, args, message):
-    """Megatron builds one KV group over two TP ranks and fails only on the first step; the
-    service refuses such a layout at start, naming the numbers, and starts no rank."""
-    model_dir = write_tiny_checkpoint(
-        tmp_path / "model", ModelFamily.LLAMA, **{"num_layers": 2, **shape}
+def _run(process: TrainerProcess) -> Run:
+    batch = make_batch(seed=11, lengths=[14, 9, 23, 5], loss=LOSS)
+    logprobs = process.client.forward(batch).logprobs
+    assert logprobs is not None
+    process.client.begin_step("s", LOSS, OPTIMIZER)
+    process.client.train_microbatch("s", "r", batch)
+    process.client.finish_step("s")
+    return Run(logprobs, process.export("after-step"))
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layouts]:
+    """Both worlds start at once; every Forward and step runs here, in one order, so that each
+    check sees the weights it expects whatever order the tests run in."""
+    root = tmp_path_factory.mktemp("layouts")
+    model_dir = write_tiny_checkpoint(root / "model", FAMILY, num_layers=2, seed=5)
+    processes = start_trainers(
+        {name: (root / name, ["--model", str(model_dir), *args]) for name, args in LAYOUTS.items()}
     )
+    try:
+        parity = parity_forward(processes["tp2"])
+        runs = {name: _run(process) for name, process in processes.items()}
+        yield Layouts(model_dir, runs, parity)
+    finally:
+        assert stop_trainers(processes.values()) == [0] * len(processes)
+
+
+def test_tensor_parallel_two_matches_one(layouts):
+    tp1, tp2 = layouts.runs["tp1"], layouts.runs["tp2"]
+    assert np.abs(tp1.logprobs - tp2.logprobs).max() <= 1e-5
+    assert max_relative_difference(tp2.weights, tp1.weights) <= 1e-5
+
+
+def test_tensor_parallel_two_equals_transformers(layouts):
+    assert_equals_transformers(layouts.parity, layouts.model_dir)
+
+
+REFUSALS: dict[str, tuple[dict[str, Any], list[str], str]] = {
+    "mqa-tp2": (
+        {"num_key_value_heads": 1},
+        ["--tp", "2"],
+        "1 key/value heads (query groups) do not split over tensor parallel 2",
+    ),
+    "layers-pp2": (
+        {"num_layers": 3},
+        ["--pp", "2"],
+        "num_layers (3) must be divisible by pipeline_parallel (2)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    result: subprocess.CompletedProcess[str]
+    seconds: float
+
+
+def _start_refused(model_dir: Path, args: list[str]) -> Refusal:
     command = [
         sys.executable,
         "-m",
@@ -83,8 +133,33 @@ def test_an_unsplittable_layout_is_refused_before_any_rank_starts(tmp_path, shap
         capture_output=True,
         text=True,
         env={**os.environ, **TEST_ENV},
+        timeout=300,
     )
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "[rank" not in result.stderr
-    assert time.monotonic() - started < 30
+    return Refusal(result, time.monotonic() - started)
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Refusal]:
+    """Every case's service, started at once: each runs on one core until it exits."""
+    root = tmp_path_factory.mktemp("refusals")
+    models = {
+        name: write_tiny_checkpoint(root / name, ModelFamily.LLAMA, **{"num_layers": 2, **shape})
+        for name, (shape, _, _) in REFUSALS.items()
+    }
+    with ThreadPoolExecutor(max_workers=len(REFUSALS)) as pool:
+        futures = {
+            name: pool.submit(_start_refused, models[name], args)
+            for name, (_, args, _) in REFUSALS.items()
+        }
+    return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_an_unsplittable_layout_is_refused_before_any_rank_starts(refusals, case):
+    """Megatron builds one KV group over two TP ranks and fails only on the first step; the
+    service refuses such a layout at start, naming the numbers, and starts no rank."""
+    refusal, message = refusals[case], REFUSALS[case][2]
+    assert refusal.result.returncode == 2
+    assert message in refusal.result.stderr
+    assert "[rank" not in refusal.result.stderr
+    assert refusal.seconds < 30
