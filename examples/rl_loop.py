@@ -167,9 +167,9 @@ class Engine:
         traceback: TracebackType | None,
     ) -> None:
         """Stop the engine, each of its processes exiting on its own. The workers release
-        their receivers first unless the run was interrupted: a Ctrl-C reached the engine's
-        processes too, and they may be gone."""
-        self.refit.shutdown(release=not isinstance(exc, KeyboardInterrupt))
+        their receivers first unless the run failed or was interrupted: a Ctrl-C reached the
+        engine's processes too, and they may be gone."""
+        self.refit.shutdown(release=exc is None)
 
 
 def sampled_logprobs(steps: Any, tokens: Sequence[int]) -> list[float]:
@@ -386,18 +386,28 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
     return 1 if failed else 0
 
 
+_interrupted: list[int] = []
+"""The signals that asked the run to stop."""
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    _interrupted.append(signum)
     raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything as on Ctrl-C
+    signal.signal(signal.SIGINT, _interrupt)
     # The work directory outlives the run, so the logs named at the start can be read after it.
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainer-refit-demo-"))
     try:
         return run(args, workdir)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        # A Ctrl-C reaches vLLM's engine processes too: the run may fail on a dead engine
+        # before (or instead of) the KeyboardInterrupt.
+        if not (_interrupted or isinstance(e, KeyboardInterrupt)):
+            raise
         print("\ninterrupted: every process was stopped", file=sys.stderr)
         return 130
 

@@ -15,6 +15,7 @@ no shared memory left behind.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from inference_ext.receiver import RefitError, RefitOptions, RefitStats
 from refit_sidecar.manifest import Box
 
 EXTENSION = "inference_ext.RefitWorkerExtension"
+
+log = logging.getLogger(__name__)
 
 ENGINE_STOP_TIMEOUT_S = 60.0
 """How long `RefitEngine.shutdown` lets an engine's processes take to exit on their own."""
@@ -114,6 +117,8 @@ class RefitEngine:
         try:
             if release:
                 self.close()
+        except Exception as e:  # a dead engine cannot release: stop what is left of it
+            log.warning("releasing the engine's receivers failed: %s", e)
         finally:
             self.llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
 
