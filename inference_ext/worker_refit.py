@@ -212,9 +212,8 @@ class WorkerRefit:
 
         error = None
         prefetched = self._settle()
-        if prefetched is not None and prefetched.version == version and prefetched.error is None:
-            pass  # staged by the background pull
-        else:
+        staged = prefetched is not None and prefetched.version == version and not prefetched.error
+        if not staged:
             try:
                 self.receiver.fetch(version)
             except RefitError as e:
@@ -236,8 +235,7 @@ class WorkerRefit:
                 reload(weights)
                 refresh_tied_heads(self.tied)
 
-        self._settle()
-        return self.receiver.install(installer)
+        return self.receiver.install(installer)  # `fetch` settled any background pull
 
     def slices(self, names: Sequence[str] | None) -> dict[str, tuple[Box, torch.Tensor]]:
         """The installed version's slices as staging holds them (see `Receiver.slices`)."""
