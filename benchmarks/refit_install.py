@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -162,6 +162,12 @@ class ReceiverSettings:
     """Where the peer copy's sources live (the trainer's GPU)."""
     timeout_s: float
     """A refit's lease and pull timeout."""
+    receiver_id: str = "refit-install-benchmark"
+    tree: bool = False
+    """Also hold a receiver that reads through the sidecar's source tree (refit mode
+    "tree"), beside the one reading from the trainer's ranks (mode "direct")."""
+    chunk_bytes: int = 16 << 20
+    """The tree receiver's chunk size."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -169,7 +175,7 @@ class ReceiverSettings:
     @classmethod
     def from_json(cls, text: str) -> ReceiverSettings:
         values = json.loads(text)
-        return cls(**{f.name: values[f.name] for f in fields(cls)})
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
 
 # -- the receiver (a subprocess of this script) ---------------------------------------------------
@@ -254,18 +260,36 @@ class InstallEndpoint:
         self.params = hf_parameters(self.model, names, self.spec.tie_word_embeddings)
         options = RefitOptions(
             token_file=settings.token_file,
-            receiver_id="refit-install-benchmark",
+            receiver_id=settings.receiver_id,
             lease_ttl_s=settings.timeout_s,
             pull_timeout_s=settings.timeout_s,
         )
-        self.receiver = Receiver(
-            settings.sidecar,
-            self.spec,
-            ReceiverLayout(0, 1),
-            names,
-            options=options,
-            device=self.dest,
-        )
+        self.receivers = {
+            "direct": Receiver(
+                settings.sidecar,
+                self.spec,
+                ReceiverLayout(0, 1),
+                names,
+                options=options,
+                device=self.dest,
+            )
+        }
+        if settings.tree:
+            tree = replace(
+                options,
+                receiver_id=f"{settings.receiver_id}-tree",
+                fanout=True,
+                chunk_bytes=settings.chunk_bytes,
+            )
+            self.receivers["tree"] = Receiver(
+                settings.sidecar,
+                self.spec,
+                ReceiverLayout(0, 1),
+                names,
+                options=tree,
+                device=self.dest,
+            )
+        self.receiver = self.receivers["direct"]
         self.peer = PeerCopy(self.params, source, self.dest)
         self.setup_s = time.monotonic() - started
 
@@ -297,11 +321,12 @@ class InstallEndpoint:
                 param.copy_(tensor, non_blocking=True)
         _synchronize(self.dest)
 
-    def refit(self, version: int, finished_at: float) -> dict[str, Any]:
+    def refit(self, version: int, finished_at: float, mode: str = "direct") -> dict[str, Any]:
         received = time.monotonic()
-        self.receiver.fetch(version)
+        receiver = self.receivers[mode]
+        receiver.fetch(version)
         fetched = time.monotonic()
-        stats = self.receiver.install(self.install)
+        stats = receiver.install(self.install)
         installed = time.monotonic()
         return dict(
             version=version,
@@ -360,7 +385,8 @@ class InstallEndpoint:
         return out
 
     def close(self) -> None:
-        self.receiver.close()
+        for receiver in self.receivers.values():
+            receiver.close()
 
 
 def receiver_main(settings_path: Path, command_fd: int, reply_fd: int) -> None:

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -87,14 +87,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @contextlib.contextmanager
 def sidecar_server(
-    run_dir: Path, log_path: Path, timeout_s: float, tokens: TokenDir
+    run_dir: Path,
+    log_path: Path,
+    timeout_s: float,
+    tokens: TokenDir,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
-    """Starts ``python -m refit_sidecar`` on a free port, accepting `tokens`; yields its
-    HOST:PORT."""
+    """Starts ``python -m refit_sidecar`` on a free port, accepting `tokens` (and given
+    `extra_args`); yields its HOST:PORT."""
     port_file = run_dir / "sidecar-port"
     port_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "refit_sidecar", "--host", "127.0.0.1", "--port", "0"]
-    command += tokens.server_args()
+    command += [*tokens.server_args(), *extra_args]
     out = log_path.open("ab")
     process = subprocess.Popen(
         [*command, "--port-file", str(port_file)],

@@ -14,7 +14,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from megatron_hf.spec import ModelSpec
 from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pipelined_pull import ChunkConfig
 from refit_sidecar.plan import (
     PullPlan,
     UnsupportedRequest,
@@ -37,6 +38,7 @@ from refit_sidecar.plan import (
     with_checksums,
 )
 from refit_sidecar.transport import PullStats, Region
+from refit_sidecar.tree_pull import TreePull, TreePullConfig
 from trainer_refit.auth import ClientAuth
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,17 @@ class RefitOptions:
     """PEM private key of `tls_cert`."""
     insecure: bool = False
     """Send no token: the sidecar runs with --insecure."""
+    fanout: bool = False
+    """Read through the sidecar's source tree (docs/fanout.md): from the trainer's ranks or
+    from receivers that hold the version, and serve this receiver's copy to later ones."""
+    domain: str = ""
+    """Topology domain (node, rack) for the tree: sources of the same domain come first."""
+    chunk_bytes: int = 16 << 20
+    """Fan-out: bytes per chunk; a child reads a parent's chunk once the parent has it."""
+    chunks_in_flight: int = 4
+    """Fan-out: chunks read at once."""
+    stall_timeout_s: float = 5.0
+    """Fan-out: a peer whose copy stops advancing for this long is replaced."""
 
     def __post_init__(self) -> None:
         # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
@@ -95,12 +108,21 @@ class RefitOptions:
             "connect_timeout_s",
             "rpc_timeout_s",
             "visible_timeout_s",
+            "stall_timeout_s",
         ):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not number or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        for name in ("verify_checksums", "insecure"):
+        for name in ("chunk_bytes", "chunks_in_flight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if not isinstance(self.domain, str):
+            raise ValueError(f"domain must be a string, got {self.domain!r}")
+        for name in ("verify_checksums", "insecure", "fanout"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
@@ -151,6 +173,13 @@ class RefitStats:
     """The plan of an earlier version in the same slot was replayed on its manifest key, so
     no manifest was parsed or rebased."""
     tp_rank: int = 0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    """Bytes read from each source (a trainer rank's NIXL agent, or a peer receiver's)."""
+    pull_started: float = 0.0
+    """Wall-clock time (time.time()) of the pull's first read."""
+    pull_finished: float = 0.0
+    fallbacks: int = 0
+    """Sources that failed mid-pull and were replaced (fan-out)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,6 +248,24 @@ def _mark_contiguous(plan: PullPlan, hf: HFSlice) -> HFSlice:
     return replace(hf, contiguous=True)
 
 
+@dataclass(frozen=True)
+class _Pulled:
+    stats: PullStats
+    bytes_by_source: dict[str, int]
+    started: float
+    finished: float
+    fallbacks: int
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    plan: ReceiverPlan
+    pulled: _Pulled
+    plan_s: float
+    replanned: bool
+    by_key: bool
+
+
 class Staging:
     """The receiver's destination buffer: one byte tensor on `device`, registered with the
     transport once and regrown only when a plan needs more."""
@@ -282,11 +329,16 @@ class Receiver:
             sidecar, timeout=options.rpc_timeout_s, auth=options.client_auth()
         )
         agent = f"{options.receiver_id}-tp{layout.tp_rank}"
+        self.agent = agent
+        """This receiver's NIXL agent: also its id in the sidecar's source tree."""
         self.transport = NixlTransport.create(
             NixlConfig(
                 name=agent,
                 connect_timeout_s=options.connect_timeout_s,
                 pull_timeout_s=options.pull_timeout_s,
+                # Chunked reads: one request per chunk, kept for the next version.
+                cache_size=4096 if options.fanout else NixlConfig.cache_size,
+                progress_thread=options.fanout,
             )
         )
         self.staging = Staging(self.transport, device)
@@ -295,17 +347,37 @@ class Receiver:
         self._by_manifest_key: OrderedDict[bytes, ReceiverPlan] = OrderedDict()
         self._verifies = options.verify_checksums and device.type == "cpu"
         """Staging is host memory on the CPU, and only host staging is checked."""
-        self._fetched: tuple[ReceiverPlan, PullStats, float, bool, bool] | None = None
+        self._tree: TreePull | None = None
+        if options.fanout:
+            chunks = ChunkConfig(
+                chunk_bytes=options.chunk_bytes,
+                window=options.chunks_in_flight,
+                stall_timeout_s=options.stall_timeout_s,
+            )
+            self._tree = TreePull(
+                self.client,
+                self.transport,
+                agent,
+                TreePullConfig(chunks=chunks, domain=options.domain, verify=self._verifies),
+            )
+        self._fetched: _Fetched | None = None
         self._staged: ReceiverPlan | None = None
         """The plan of the installed version while staging still holds its bytes."""
 
     def latest_version(self) -> int | None:
         return self.client.latest_version()
 
-    def fetch(self, version: int, *, visible_timeout_s: float | None = None) -> None:
+    def fetch(
+        self,
+        version: int,
+        *,
+        visible_timeout_s: float | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         """Lease `version`, pull and verify this receiver's slices into staging; RefitError
         (with the cause) when any of it fails. A version not readable yet is waited for
-        `visible_timeout_s` (default: the options')."""
+        `visible_timeout_s` (default: the options'). `on_progress(filled, total)`: staging
+        bytes filled in order so far (with fan-out, as chunks land; else once at the end)."""
         self._fetched = None
         self._staged = None
         begin = time.perf_counter()
@@ -324,7 +396,7 @@ class Receiver:
                 1e3 * (begin + plan_s - leased),
             )
             region = self.staging.ensure(plan.pull.nbytes)
-            stats = self.transport.pull(plan.pull, region, verify=self._verifies)
+            pulled = self._pull(plan.pull, region, on_progress)
         except RefitError:
             raise
         except Exception as e:
@@ -338,7 +410,30 @@ class Receiver:
                 f"the lease on version {version} ended before its pull did (expired, or the "
                 "sidecar restarted); the bytes may have been overwritten, so nothing installs"
             )
-        self._fetched = (plan, stats, plan_s, replanned, by_key)
+        self._fetched = _Fetched(plan, pulled, plan_s, replanned, by_key)
+
+    def _pull(
+        self,
+        plan: PullPlan,
+        region: Region,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> _Pulled:
+        if self._tree is not None:
+            deadline = time.monotonic() + self.options.pull_timeout_s
+            tree = self._tree.pull(plan, region, deadline=deadline, on_progress=on_progress)
+            stats = PullStats(
+                tree.nbytes, tree.seconds, tree.reads, tree.chunks, 0, tree.verified_shards
+            )
+            return _Pulled(stats, tree.bytes_by_source, tree.started, tree.finished, tree.fallbacks)
+        started = time.time()
+        stats = self.transport.pull(plan, region, verify=self._verifies)
+        by_source: dict[str, int] = {}
+        for reads in plan.reads:
+            agent = reads.location.agent
+            by_source[agent] = by_source.get(agent, 0) + reads.nbytes
+        if on_progress is not None:
+            on_progress(plan.nbytes, plan.nbytes)
+        return _Pulled(stats, by_source, started, time.time(), 0)
 
     def _release(self, lease: Lease) -> bool:
         """Release `lease`; True when the sidecar still held it (it was valid all along)."""
@@ -389,7 +484,9 @@ class Receiver:
         order; only this receiver's box of each tensor is filled (its loader reads no more)."""
         if self._fetched is None:
             raise RefitError("nothing fetched to install")
-        plan, stats, plan_s, replanned, by_key = self._fetched
+        fetched = self._fetched
+        plan, pulled = fetched.plan, fetched.pulled
+        stats = pulled.stats
         self._fetched = None
         translate_s = 0.0
 
@@ -409,15 +506,19 @@ class Receiver:
         return RefitStats(
             version=plan.pull.version,
             bytes_pulled=stats.nbytes,
-            plan_s=plan_s,
+            plan_s=fetched.plan_s,
             pull_s=stats.seconds,
             translate_s=translate_s,
             install_s=install_s,
             reads=stats.reads,
             verified_shards=stats.verified_shards,
-            replanned=replanned,
-            replayed_by_key=by_key,
+            replanned=fetched.replanned,
+            replayed_by_key=fetched.by_key,
             tp_rank=self.layout.tp_rank,
+            bytes_by_source=dict(pulled.bytes_by_source),
+            pull_started=pulled.started,
+            pull_finished=pulled.finished,
+            fallbacks=pulled.fallbacks,
         )
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:
@@ -461,6 +562,8 @@ class Receiver:
         return full
 
     def close(self) -> None:
+        if self._tree is not None:
+            self._tree.close()
         self.staging.release()
         self.transport.close()
         self.client.close()

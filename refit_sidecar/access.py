@@ -21,5 +21,8 @@ METHOD_ROLES: MethodRoles = method_roles(
         "AcquireLease": [Role.RECEIVER],
         "RenewLease": [Role.RECEIVER],
         "ReleaseLease": [Role.RECEIVER],
+        "GetSources": [Role.RECEIVER],
+        "ReleaseSources": [Role.RECEIVER],
+        "ListTree": [Role.RECEIVER],
     },
 )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from refit_sidecar.access import METHOD_ROLES
 from refit_sidecar.registry import FullPolicy, RegistryConfig
+from refit_sidecar.tree_types import TreeConfig
 from trainer_refit import auth_flags
 from trainer_refit.auth import ServerAuth, roles_in
 
@@ -24,10 +25,16 @@ class SidecarConfig:
     auth: ServerAuth = field(default_factory=lambda: ServerAuth(insecure=True))
     """Who may call (docs/security.md). The CLI never falls back to this default: it needs
     --auth-token-dir or an explicit --insecure."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """Tree fan-out: children per source, peer registrations' TTL (docs/fanout.md)."""
+    drain_timeout_s: float = 5.0
+    """How long a receiver offering a new version waits for the readers of its older copy."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain timeout must be >= 0 s, got {self.drain_timeout_s}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=RegistryConfig.publish_timeout_seconds,
         help="how long a slot reservation waits for every rank to report the previous version",
     )
+    tree = TreeConfig()
+    parser.add_argument(
+        "--max-children",
+        type=int,
+        default=tree.max_children,
+        help="receivers one receiver serving its copy feeds at a time (tree fan-out)",
+    )
+    parser.add_argument(
+        "--max-root-children",
+        type=int,
+        default=tree.max_root_children,
+        help="receivers one trainer rank feeds at a time: the first level of the tree",
+    )
+    parser.add_argument(
+        "--peer-ttl-seconds",
+        type=float,
+        default=tree.peer_ttl_s,
+        help="how long a receiver's offered copy stays a source without a renewal",
+    )
+    parser.add_argument(
+        "--drain-timeout-seconds",
+        type=float,
+        default=SidecarConfig.drain_timeout_s,
+        help=(
+            "how long a receiver offering a new version waits for the receivers still reading "
+            "its copy of an older one before that copy is withdrawn"
+        ),
+    )
     parser.add_argument(
         "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO"
     )
@@ -77,6 +112,12 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, str]
                 max_lease_seconds=args.max_lease_seconds,
                 publish_timeout_seconds=args.publish_timeout_seconds,
             ),
+            tree=TreeConfig(
+                max_children=args.max_children,
+                max_root_children=args.max_root_children,
+                peer_ttl_s=args.peer_ttl_seconds,
+            ),
+            drain_timeout_s=args.drain_timeout_seconds,
         )
     except ValueError as exc:
         parser.error(str(exc))

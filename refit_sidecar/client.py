@@ -5,6 +5,9 @@ naming a version) or `UnknownLease` (calls naming a lease), RESOURCE_EXHAUSTED a
 `SlotsExhausted`, FAILED_PRECONDITION as `PublicationPending`, ABORTED as `NotRegistered` (the
 sidecar restarted: register again), INVALID_ARGUMENT as `InvalidRequest` (a ValueError; its
 `field` names the request field at fault when the sidecar named one).
+The tree fan-out calls (`get_sources`, `release_sources`, `list_tree`) raise NOT_FOUND as
+`UnknownVersion`, RESOURCE_EXHAUSTED as `NoSourceFree` (retry once a pull ends) and an
+UNAVAILABLE the sidecar answered as `NoLiveSource` (one from the transport stays an RpcError).
 Anything else (UNAVAILABLE, DEADLINE_EXCEEDED, ...) is raised as the `grpc.RpcError` it is.
 
 Versions start at 1: the wire uses 0 for "none" (no readable version, no retired version),
@@ -18,7 +21,7 @@ refused token is the `grpc.RpcError` UNAUTHENTICATED or PERMISSION_DENIED.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -27,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_sidecar.manifest import Manifest
+from refit_sidecar.plan import Want
 from refit_sidecar.registry import (
     NotRegistered,
     PublicationPending,
@@ -34,6 +38,16 @@ from refit_sidecar.registry import (
     UnknownLease,
     UnknownVersion,
 )
+from refit_sidecar.sources import (
+    NoLiveSource,
+    NoSourceFree,
+    Offer,
+    Sources,
+    get_sources_request,
+    listing_from_proto,
+    sources_from_proto,
+)
+from refit_sidecar.tree_types import TreeListing
 from refit_sidecar.wire import manifest_from_proto, publish_request
 from trainer_refit.auth import ClientAuth, open_channel
 from trainer_refit.errors import InvalidRequest
@@ -45,6 +59,8 @@ from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 __all__ = [
     "InvalidRequest",
     "Lease",
+    "NoLiveSource",
+    "NoSourceFree",
     "NotRegistered",
     "PublicationPending",
     "SidecarClient",
@@ -143,11 +159,14 @@ class SidecarClient:
         method: Callable[..., Reply],
         request: Any,
         not_found: type[LookupError] = UnknownVersion,
+        *,
+        tree: bool = False,
     ) -> Reply:
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as error:
-            mapped = _domain_error(error, not_found)
+            mapped = _tree_error(error) if tree else None
+            mapped = mapped or _domain_error(error, not_found)
             if mapped is None:
                 raise
             raise mapped from error
@@ -258,6 +277,41 @@ class SidecarClient:
         request = pb.ReleaseLeaseRequest(lease_id=lease.lease_id, receiver_id=lease.receiver_id)
         self._call(self._stub.ReleaseLease, request, UnknownLease)
 
+    # -- tree fan-out (docs/fanout.md) ---------------------------------------------------------
+
+    def get_sources(
+        self,
+        version: int,
+        receiver_id: str,
+        wants: Sequence[Want],
+        *,
+        domain: str = "",
+        offer: Offer | None = None,
+        lost: Sequence[str] = (),
+    ) -> Sources:
+        """Where to read `wants` of `version` from. With `offer`, this receiver serves its
+        copy to later receivers from now on (and its copy of an older version stops being
+        handed out once its readers are done, bounded by the sidecar's drain timeout). `lost`:
+        sources this receiver could not read from. Replaces this receiver's previous
+        assignment of the version."""
+        request = get_sources_request(
+            version, receiver_id, wants, domain=domain, offer=offer, lost=lost
+        )
+        return sources_from_proto(self._call(self._stub.GetSources, request, tree=True))
+
+    def release_sources(self, version: int, receiver_id: str, *, complete: bool) -> None:
+        """This receiver's pull of `version` ended: complete (its offered copy becomes
+        complete) or failed (its offered copy is withdrawn)."""
+        request = pb.ReleaseSourcesRequest(
+            version=version, receiver_id=receiver_id, complete=complete
+        )
+        self._call(self._stub.ReleaseSources, request, tree=True)
+
+    def list_tree(self, version: int) -> TreeListing:
+        """Who reads `version` from whom now (no expiries: NodeInfo.expires_at is None)."""
+        reply = self._call(self._stub.ListTree, pb.ListTreeRequest(version=version), tree=True)
+        return listing_from_proto(reply)
+
     def watch(self, after_version: int = 0) -> Iterator[int]:
         """Readable versions newer than `after_version`: the latest at once when there is one,
         then each new one; 0 when a trainer registered again (nothing is readable until its
@@ -276,6 +330,25 @@ class SidecarClient:
             raise mapped from error
         finally:
             call.cancel()
+
+
+def _tree_error(error: grpc.RpcError) -> Exception | None:
+    """The source tree's errors: RESOURCE_EXHAUSTED is `NoSourceFree`, and UNAVAILABLE is
+    `NoLiveSource` when the sidecar answered it (its status then carries rich details, which
+    a transport failure does not)."""
+    code = error.code()
+    details = error.details() or str(code)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return NoSourceFree(details)
+    if code == grpc.StatusCode.UNAVAILABLE and _answered(error):
+        return NoLiveSource(details)
+    return None
+
+
+def _answered(error: grpc.RpcError) -> bool:
+    trailing = getattr(error, "trailing_metadata", None)
+    metadata = trailing() if callable(trailing) else None
+    return any(key == "grpc-status-details-bin" for key, _ in metadata or ())
 
 
 def _domain_error(error: grpc.RpcError, not_found: type[LookupError]) -> Exception | None:

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 from nixl import _bindings
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from refit_sidecar.checksum import verify_checksums
 from refit_sidecar.manifest import AgentRecord, MemType
@@ -60,6 +60,9 @@ class NixlConfig:
     every interface."""
     net_devices: tuple[str, ...] = ()
     """RDMA ports (``mlx5_0:1``) the endpoints may use besides the interface of `host`."""
+    progress_thread: bool = False
+    """Run NIXL's progress thread: a puller that also serves its memory to others (tree
+    fan-out) must progress their reads while it does not pull itself (over TCP, say)."""
 
     def __post_init__(self) -> None:
         if not self.name or min(self.connect_timeout_s, self.pull_timeout_s) <= 0:
@@ -89,12 +92,15 @@ class NixlTransport:
 
     @classmethod
     def create(cls, config: NixlConfig) -> NixlTransport:
-        # No progress thread: `PendingPull.wait` progresses the worker while it polls.
+        # Without a progress thread, `PendingPull.wait` progresses the worker while it polls.
         conf = nixl_agent_config(
-            enable_prog_thread=False,
+            enable_prog_thread=config.progress_thread,
             enable_listen_thread=config.metadata_listener,
             listen_port=0,
             backends=[],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            if config.progress_thread
+            else None,
         )
         agent = nixl_agent(config.name, conf)
         create_ucx_backend(agent, NixlNetwork(host=config.host, extra_devices=config.net_devices))
@@ -107,6 +113,11 @@ class NixlTransport:
         if dest not in self._dests:
             regions = [(dest.address, dest.nbytes, dest.device_id, "")]
             self._dests[dest] = self._agent.register_memory(regions, dest.mem_type.value)
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata, covering the memory registered so far: what a peer
+        needs to read from it."""
+        return bytes(self._agent.get_agent_metadata())
 
     def deregister(self, dest: Region) -> None:
         for key in [k for k, x in self._xfers.items() if x.dest == dest]:
@@ -139,6 +150,48 @@ class NixlTransport:
             except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
                 pending.fail(agent, e)
         return pending
+
+    def post(
+        self,
+        record: AgentRecord,
+        mem_type: MemType,
+        remote: np.ndarray,
+        local: np.ndarray,
+        dest: Region,
+    ) -> Posted:
+        """Post one READ request: N×3 uint64 (address, length, device) descriptors of the
+        source's memory (`remote`) and of `dest`, registered already (`local`). Poll it with
+        `check`. Posting the same descriptors again while the request is in flight is an
+        error; SourceLost when the source cannot be reached."""
+        try:
+            xfer, _ = self._xfer(record, mem_type, remote, local, dest)
+            xfer.done = self._agent.transfer(xfer.handle) == "DONE"
+        except _NIXL_ERRORS as e:
+            self._forget_agent(record.name)
+            raise SourceLost(f"{record.name}: {e}", agent=record.name) from e
+        return Posted(xfer)
+
+    def check(self, posted: Posted) -> bool:
+        """Whether a posted request is done; SourceLost (the source is disconnected, its other
+        requests dropped) when it failed."""
+        xfer = posted.xfer
+        if xfer.done:
+            return True
+        try:
+            state = self._agent.check_xfer_state(xfer.handle)
+        except _NIXL_ERRORS as e:
+            self.forget(xfer.agent)
+            raise SourceLost(f"{xfer.agent}: {e}", agent=xfer.agent) from e
+        if state == "ERR":
+            self.forget(xfer.agent)
+            raise SourceLost(f"{xfer.agent}: transfer failed", agent=xfer.agent)
+        xfer.done = state == "DONE"
+        return xfer.done
+
+    def forget(self, agent: str) -> None:
+        """Drop a source: its requests (cancelled when in flight) and its metadata; it is
+        reconnected on next use."""
+        self._forget_agent(agent)
 
     def _xfer(
         self,
@@ -174,7 +227,7 @@ class NixlTransport:
                 xfer = _Xfer(key, record.name, dest, handle, (), n, nbytes)
         except _NIXL_ERRORS as e:
             self._forget_agent(record.name)
-            raise SourceLost(f"{record.name}: cannot prepare reads: {e}") from e
+            raise SourceLost(f"{record.name}: cannot prepare reads: {e}", agent=record.name) from e
         self._xfers[key] = xfer
         while len(self._xfers) > self._config.cache_size:
             _release(self._xfers.popitem(last=False)[1])
@@ -188,16 +241,19 @@ class NixlTransport:
             if name not in self._metadata and record.metadata:
                 loaded = self._agent.add_remote_agent(record.metadata)
                 if (loaded.decode() if isinstance(loaded, bytes) else loaded) != name:
-                    raise SourceLost(f"metadata of agent {loaded!r} filed as {name!r}")
+                    raise SourceLost(f"metadata of agent {loaded!r} filed as {name!r}", agent=name)
                 self._metadata[name] = record.metadata
             if self._agent.check_remote_metadata(name, remote_descs):
                 return
             if record.metadata or record.port is None:
-                raise SourceLost(f"{name}: its metadata does not cover the planned memory")
+                raise SourceLost(
+                    f"{name}: its metadata does not cover the planned memory", agent=name
+                )
             if not self._config.metadata_listener:
                 raise SourceLost(
                     f"{name} publishes no metadata blob, only a listener at {record.host}:"
-                    f"{record.port}; fetching from it needs NixlConfig.metadata_listener"
+                    f"{record.port}; fetching from it needs NixlConfig.metadata_listener",
+                    agent=name,
                 )
             deadline = time.monotonic() + self._config.connect_timeout_s
             while time.monotonic() < deadline:
@@ -208,12 +264,13 @@ class NixlTransport:
                         self._metadata[name] = b""
                         return
         except _NIXL_ERRORS as e:
-            raise SourceLost(f"{name}: metadata exchange failed: {e}") from e
+            raise SourceLost(f"{name}: metadata exchange failed: {e}", agent=name) from e
         with contextlib.suppress(*_NIXL_ERRORS):
             self._agent.remove_remote_agent(name)  # whatever part of it arrived
         raise SourceLost(
             f"{name}: no metadata covering the planned memory from {record.host}:{record.port} "
-            f"within {self._config.connect_timeout_s} s"
+            f"within {self._config.connect_timeout_s} s",
+            agent=name,
         )
 
     def _forget_agent(self, name: str) -> None:
@@ -230,6 +287,17 @@ class NixlTransport:
             self.deregister(dest)
         for name in list(self._metadata):
             self._forget_agent(name)
+
+
+@dataclass(frozen=True, eq=False)
+class Posted:
+    """A READ request posted with `NixlTransport.post`."""
+
+    xfer: _Xfer
+
+    @property
+    def agent(self) -> str:
+        return self.xfer.agent
 
 
 @dataclass(eq=False)
@@ -287,8 +355,9 @@ class PendingPull:
         transport._forget_agent(agent)
         self._end()
         if isinstance(error, SourceLost):
+            error.agent = error.agent or agent
             raise error
-        raise SourceLost(f"{agent}: {error}") from error
+        raise SourceLost(f"{agent}: {error}", agent=agent) from error
 
     def _end(self) -> None:
         if self.temporary:

@@ -24,6 +24,8 @@ from refit_sidecar.registry import (
     UnknownLease,
     UnknownVersion,
 )
+from refit_sidecar.tree_service import TreeService
+from refit_sidecar.tree_types import NoLiveSource, NoSourceFree, TreeConfig, UnknownSource
 from trainer_refit.serving import RunningServer, start_server, status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
@@ -49,7 +51,10 @@ _grpc_errors = status_codes(
     [
         (UnknownVersion, grpc.StatusCode.NOT_FOUND),
         (UnknownLease, grpc.StatusCode.NOT_FOUND),
+        (UnknownSource, grpc.StatusCode.NOT_FOUND),
         (SlotsExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (NoSourceFree, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (NoLiveSource, grpc.StatusCode.UNAVAILABLE),
         (NotRegistered, grpc.StatusCode.ABORTED),
         (PublicationPending, grpc.StatusCode.FAILED_PRECONDITION),
         (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -58,11 +63,23 @@ _grpc_errors = status_codes(
 
 
 class RefitServicer(pb_grpc.RefitServiceServicer):
-    def __init__(self, registry: Registry) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        tree: TreeConfig | None = None,
+        *,
+        drain_timeout_s: float = 5.0,
+    ) -> None:
         self.registry = registry
         self._changed = asyncio.Condition()
         self._layout = common_pb2.ParallelLayout()
         self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
+        self.tree = TreeService(
+            registry,
+            lambda version: self._manifest(version)[0],
+            tree or TreeConfig(),
+            drain_timeout_s=drain_timeout_s,
+        )
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -217,9 +234,26 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         await self._notify()
         return pb.ReleaseLeaseResponse()
 
+    # -- tree fan-out (docs/fanout.md) --------------------------------------------------------
+
+    @_grpc_errors
+    async def GetSources(self, request: pb.GetSourcesRequest, context: Any) -> Any:
+        return await self.tree.get_sources(request)
+
+    @_grpc_errors
+    async def ReleaseSources(self, request: pb.ReleaseSourcesRequest, context: Any) -> Any:
+        self.tree.release_sources(request)
+        return pb.ReleaseSourcesResponse()
+
+    @_grpc_errors
+    async def ListTree(self, request: pb.ListTreeRequest, context: Any) -> Any:
+        return self.tree.list_tree(request)
+
 
 async def create_server(config: SidecarConfig) -> RunningServer:
-    servicer = RefitServicer(Registry(config.registry))
+    servicer = RefitServicer(
+        Registry(config.registry), config.tree, drain_timeout_s=config.drain_timeout_s
+    )
     return await start_server(
         lambda server: pb_grpc.add_RefitServiceServicer_to_server(servicer, server),
         SERVICE_NAME,

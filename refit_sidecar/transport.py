@@ -27,6 +27,11 @@ from refit_sidecar.plan import PullPlan
 class SourceLost(RuntimeError):
     """A source could not deliver its bytes; nothing pulled in the same call may be used."""
 
+    def __init__(self, message: str, *, agent: str | None = None) -> None:
+        super().__init__(message)
+        self.agent = agent
+        """The source agent at fault, when known."""
+
 
 @dataclass(frozen=True)
 class Region:

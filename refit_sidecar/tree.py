@@ -289,6 +289,31 @@ class Tree:
             v.ranking.place(source)
         return ()
 
+    def readers(self, version: int, source_id: str) -> tuple[str, ...]:
+        """The receivers reading from `source_id` now (their active assignment names it as a
+        primary), sorted: what a peer that wants to reuse its copy's memory waits for."""
+        self.expire()
+        v = self._version(version)
+        source = v.sources.get(source_id)
+        if source is not None:  # a live source's children are exactly those pulls
+            return tuple(sorted(source.children))
+        return tuple(
+            sorted(
+                rid
+                for rid, pull in v.pulls.items()
+                if pull.active is not None and source_id in pull.active.parents
+            )
+        )
+
+    def peer_expiry(self, version: int, source_id: str) -> float | None:
+        """When `source_id`'s registration as a peer of `version` ends; None when it does
+        not serve that version (no listing built: GetSources asks on every call)."""
+        self.expire()
+        source = self._version(version).sources.get(source_id)
+        if source is None or source.kind is not NodeKind.PEER:
+            return None
+        return source.expires_at
+
     def tree(self, version: int) -> TreeListing:
         self.expire()
         v = self._version(version)

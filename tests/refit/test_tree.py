@@ -401,3 +401,21 @@ def test_a_peer_keeps_its_boxes_and_never_goes_back_to_filling():
 def test_bad_config_is_refused(config):
     with pytest.raises(ValueError, match=next(iter(config))):
         TreeConfig(**config)
+
+
+def test_readers_are_the_active_pulls_reading_from_a_source():
+    tree = make()
+    pull(tree, "p1")
+    pull(tree, "p2")
+    assert tree.readers(1, "t0.0") == ("p1", "p2")
+    assert parent(pull(tree, "c1")) == "p1"
+    assert tree.readers(1, "p1") == ("c1",)
+    assert tree.readers(1, "p2") == ()
+    assert parent(pull(tree, "c2")) == "p2"
+    tree.unregister(1, "p2")  # gone, but c2 still reads what it got from it until it asks again
+    assert tree.readers(1, "p2") == ("c2",)
+    tree.release(1, "c1", PullOutcome.COMPLETE)
+    assert tree.readers(1, "p1") == ()  # a finished pull reads no more
+    assert tree.readers(1, "nobody") == ()
+    with pytest.raises(UnknownVersion):
+        tree.readers(2, "t0.0")

@@ -142,6 +142,15 @@ SIDECAR_REQUESTS: dict[str, Request] = {
     "ReleaseLease": lambda s: rpb.ReleaseLeaseRequest(
         lease_id=s.lease.lease_id, receiver_id="holder"
     ),
+    "GetSources": lambda s: rpb.GetSourcesRequest(
+        version=1,
+        receiver_id="intruder",
+        wants=[rpb.WantedBox(name="w", box=rpb.Box(start=[0], stop=[4]))],
+    ),
+    "ReleaseSources": lambda s: rpb.ReleaseSourcesRequest(
+        version=1, receiver_id="intruder", complete=False
+    ),
+    "ListTree": lambda s: rpb.ListTreeRequest(version=1),
 }
 
 SERVICES = {

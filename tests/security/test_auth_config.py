@@ -46,6 +46,9 @@ def test_the_tables_give_each_role_its_rpcs() -> None:
         "AcquireLease",
         "RenewLease",
         "ReleaseLease",
+        "GetSources",
+        "ReleaseSources",
+        "ListTree",
     }
     assert set(trainer_access.METHOD_ROLES.values()) == {frozenset({Role.ORCHESTRATOR})}
 

@@ -13,9 +13,18 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
     MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
     MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
+
+class SourceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SOURCE_KIND_UNSPECIFIED: _ClassVar[SourceKind]
+    SOURCE_KIND_TRAINER: _ClassVar[SourceKind]
+    SOURCE_KIND_PEER: _ClassVar[SourceKind]
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
+SOURCE_KIND_UNSPECIFIED: SourceKind
+SOURCE_KIND_TRAINER: SourceKind
+SOURCE_KIND_PEER: SourceKind
 
 class Box(_message.Message):
     __slots__ = ("start", "stop")
@@ -216,3 +225,133 @@ class PublishShardsResponse(_message.Message):
     VISIBLE_FIELD_NUMBER: _ClassVar[int]
     visible: bool
     def __init__(self, visible: _Optional[bool] = ...) -> None: ...
+
+class WantedBox(_message.Message):
+    __slots__ = ("name", "box")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    box: Box
+    def __init__(self, name: _Optional[str] = ..., box: _Optional[_Union[Box, _Mapping]] = ...) -> None: ...
+
+class PeerOffer(_message.Message):
+    __slots__ = ("agent", "locations", "progress")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    agent: SourceAgent
+    locations: _containers.RepeatedCompositeFieldContainer[ShardLocation]
+    progress: ShardLocation
+    def __init__(self, agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., locations: _Optional[_Iterable[_Union[ShardLocation, _Mapping]]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
+
+class GetSourcesRequest(_message.Message):
+    __slots__ = ("version", "receiver_id", "domain", "wants", "offer", "lost")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    WANTS_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    receiver_id: str
+    domain: str
+    wants: _containers.RepeatedCompositeFieldContainer[WantedBox]
+    offer: PeerOffer
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., domain: _Optional[str] = ..., wants: _Optional[_Iterable[_Union[WantedBox, _Mapping]]] = ..., offer: _Optional[_Union[PeerOffer, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SourceRoute(_message.Message):
+    __slots__ = ("name", "box", "primary", "fallbacks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    box: Box
+    primary: str
+    fallbacks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., primary: _Optional[str] = ..., fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SourceCopy(_message.Message):
+    __slots__ = ("source_id", "kind", "shards", "progress")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    kind: SourceKind
+    shards: Manifest
+    progress: ShardLocation
+    def __init__(self, source_id: _Optional[str] = ..., kind: _Optional[_Union[SourceKind, str]] = ..., shards: _Optional[_Union[Manifest, _Mapping]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
+
+class GetSourcesResponse(_message.Message):
+    __slots__ = ("version", "routes", "sources", "offer_expires_in_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    OFFER_EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    routes: _containers.RepeatedCompositeFieldContainer[SourceRoute]
+    sources: _containers.RepeatedCompositeFieldContainer[SourceCopy]
+    offer_expires_in_seconds: float
+    def __init__(self, version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[SourceRoute, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceCopy, _Mapping]]] = ..., offer_expires_in_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseSourcesRequest(_message.Message):
+    __slots__ = ("version", "receiver_id", "complete")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    receiver_id: str
+    complete: bool
+    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class ReleaseSourcesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTreeRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class TreeNode(_message.Message):
+    __slots__ = ("node_id", "kind", "domain", "complete", "depth", "children", "serves")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    SERVES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kind: SourceKind
+    domain: str
+    complete: bool
+    depth: int
+    children: int
+    serves: bool
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[SourceKind, str]] = ..., domain: _Optional[str] = ..., complete: _Optional[bool] = ..., depth: _Optional[int] = ..., children: _Optional[int] = ..., serves: _Optional[bool] = ...) -> None: ...
+
+class TreeEdge(_message.Message):
+    __slots__ = ("parent", "child", "active")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHILD_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    parent: str
+    child: str
+    active: bool
+    def __init__(self, parent: _Optional[str] = ..., child: _Optional[str] = ..., active: _Optional[bool] = ...) -> None: ...
+
+class TreeListing(_message.Message):
+    __slots__ = ("version", "nodes", "edges", "depth")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    nodes: _containers.RepeatedCompositeFieldContainer[TreeNode]
+    edges: _containers.RepeatedCompositeFieldContainer[TreeEdge]
+    depth: int
+    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., edges: _Optional[_Iterable[_Union[TreeEdge, _Mapping]]] = ..., depth: _Optional[int] = ...) -> None: ...

@@ -90,6 +90,21 @@ class RefitServiceStub:
                 request_serializer=trainer__refit_dot_v1_dot_refit__pb2.PublishShardsRequest.SerializeToString,
                 response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.PublishShardsResponse.FromString,
                 _registered_method=True)
+        self.GetSources = channel.unary_unary(
+                '/trainer_refit.v1.RefitService/GetSources',
+                request_serializer=trainer__refit_dot_v1_dot_refit__pb2.GetSourcesRequest.SerializeToString,
+                response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.GetSourcesResponse.FromString,
+                _registered_method=True)
+        self.ReleaseSources = channel.unary_unary(
+                '/trainer_refit.v1.RefitService/ReleaseSources',
+                request_serializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseSourcesRequest.SerializeToString,
+                response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseSourcesResponse.FromString,
+                _registered_method=True)
+        self.ListTree = channel.unary_unary(
+                '/trainer_refit.v1.RefitService/ListTree',
+                request_serializer=trainer__refit_dot_v1_dot_refit__pb2.ListTreeRequest.SerializeToString,
+                response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.TreeListing.FromString,
+                _registered_method=True)
 
 
 class RefitServiceServicer:
@@ -184,6 +199,41 @@ class RefitServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSources(self, request, context):
+        """Tree fan-out (docs/fanout.md). Receiver side: where to read a version's boxes from, the
+        trainer's ranks or receivers that hold them. Each call replaces the caller's previous
+        assignment for the version (its child slots are freed first). With `offer`, the caller
+        serves its own copy to later receivers from then on (a filling peer, complete after
+        ReleaseSources); a copy of an older version it offered stops being handed out, and the
+        call first waits, bounded by the sidecar's --drain-timeout-seconds, for the receivers still
+        reading that copy. `lost`: sources the caller could not read from; peers among them stop
+        being handed out for the version. NOT_FOUND for a version that is not readable;
+        INVALID_ARGUMENT for an empty receiver_id, a want outside its tensor or of an unknown
+        name, an offer whose agent is not named `receiver_id` or whose locations do not match
+        the wants; RESOURCE_EXHAUSTED when every source holding some wanted bytes already feeds
+        its maximum of receivers (retry once a pull ends); UNAVAILABLE when no live source holds
+        them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSources(self, request, context):
+        """Receiver side: the caller's pull of `version` ended; its slots are free. A complete pull
+        makes an offered copy complete; a failed one withdraws it. NOT_FOUND for a version no
+        longer open; releasing twice changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTree(self, request, context):
+        """The current tree of a version: who reads from whom. NOT_FOUND as GetSources.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RefitServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +281,21 @@ def add_RefitServiceServicer_to_server(servicer, server):
                     servicer.PublishShards,
                     request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.PublishShardsRequest.FromString,
                     response_serializer=trainer__refit_dot_v1_dot_refit__pb2.PublishShardsResponse.SerializeToString,
+            ),
+            'GetSources': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSources,
+                    request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.GetSourcesRequest.FromString,
+                    response_serializer=trainer__refit_dot_v1_dot_refit__pb2.GetSourcesResponse.SerializeToString,
+            ),
+            'ReleaseSources': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSources,
+                    request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseSourcesRequest.FromString,
+                    response_serializer=trainer__refit_dot_v1_dot_refit__pb2.ReleaseSourcesResponse.SerializeToString,
+            ),
+            'ListTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTree,
+                    request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.ListTreeRequest.FromString,
+                    response_serializer=trainer__refit_dot_v1_dot_refit__pb2.TreeListing.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +552,87 @@ class RefitService:
             '/trainer_refit.v1.RefitService/PublishShards',
             trainer__refit_dot_v1_dot_refit__pb2.PublishShardsRequest.SerializeToString,
             trainer__refit_dot_v1_dot_refit__pb2.PublishShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainer_refit.v1.RefitService/GetSources',
+            trainer__refit_dot_v1_dot_refit__pb2.GetSourcesRequest.SerializeToString,
+            trainer__refit_dot_v1_dot_refit__pb2.GetSourcesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainer_refit.v1.RefitService/ReleaseSources',
+            trainer__refit_dot_v1_dot_refit__pb2.ReleaseSourcesRequest.SerializeToString,
+            trainer__refit_dot_v1_dot_refit__pb2.ReleaseSourcesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainer_refit.v1.RefitService/ListTree',
+            trainer__refit_dot_v1_dot_refit__pb2.ListTreeRequest.SerializeToString,
+            trainer__refit_dot_v1_dot_refit__pb2.TreeListing.FromString,
             options,
             channel_credentials,
             insecure,

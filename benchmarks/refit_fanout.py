@@ -1,0 +1,266 @@
+"""Refit of several receivers at once: one alone, all from the trainer (star), and through the
+sidecar's source tree (docs/fanout.md), from FinishTrainStep's return until the last receiver
+has installed.
+
+The harness is `benchmarks.refit_install`'s: the real sidecar and trainer (``--tp 1`` on GPU 0,
+bf16, the config-only Llama of the preset) as subprocesses with authentication on, and
+``--receivers`` receiver processes on GPU ``--dest-gpu``, each a transformers model and two
+`Receiver`s: "direct" (reads the trainer's ranks) and "tree" (``RefitOptions(fanout=True)``:
+asks the sidecar where to read, reads its parent's chunks as they land, serves its own copy).
+The sidecar runs with ``--max-children`` and ``--max-root-children`` set to ``--max-children``.
+
+Each timed round trains one step and, right after FinishTrainStep returns, tells the receivers
+of one mode to refit the new version at once (the same pipe message as refit_install):
+
+* ``one``: receiver 0 alone, direct (the baseline);
+* ``one-tree``: receiver 0 alone, through the tree (the tree's own overhead);
+* ``star``: every receiver, direct: the trainer's links carry the model N times;
+* ``tree``: every receiver through the tree.
+
+A mode's latency is the last receiver's installed time minus the driver's instant (one
+CLOCK_MONOTONIC for the machine). The modes rotate round by round, so drift hits them alike;
+the first round of each mode on each trainer slot is a warm-up. A torch peer copy GPU 0 ->
+``--dest-gpu`` of the same bytes is timed in receiver 0 every round. At the end, untimed, every
+receiver's model is checked against ExportHF bit for bit and its logprobs against Forward.
+
+    python -m benchmarks.refit_fanout --preset 1b --receivers 3 --max-children 1 \\
+        --out runs/refit_fanout.json
+    python -m benchmarks.refit_fanout --preset tiny --device cpu --receivers 3 --rounds 2 \\
+        --out /tmp/refit_fanout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from benchmarks import refit_install as ri
+from benchmarks.refit_pull import sidecar_server
+from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
+from trainer_refit.auth import Role
+from trainer_svc.client import TrainerClient
+
+log = logging.getLogger("benchmarks.refit_fanout")
+
+MODES = ("one", "one-tree", "star", "tree")
+
+
+def _receivers_of(mode: str, n: int) -> tuple[range, str]:
+    count = 1 if mode.startswith("one") else n
+    return range(count), "tree" if mode.endswith("tree") else "direct"
+
+
+def run_rounds(
+    client: TrainerClient,
+    receivers: list[ri.ReceiverProcess],
+    batches: list[Any],
+    config: ri.RunConfig,
+    rounds: int,
+) -> list[dict[str, Any]]:
+    records = []
+    warm: set[tuple[str, int]] = set()
+    index = 0
+    for r in range(rounds):
+        for m in range(len(MODES)):
+            mode = MODES[(m + r) % len(MODES)]
+            which, kind = _receivers_of(mode, len(receivers))
+            step = ri.train_step(client, f"step-{index}", batches)
+            for i in which:
+                receivers[i].send(
+                    "refit", version=step["version"], finished_at=step["finished_at"], mode=kind
+                )
+            refits = [receivers[i].reply(config.refit_timeout + 30) for i in which]
+            peer = receivers[0].request("peer_copy", config.timeout)
+            slot = step["version"] % config.slots
+            warmup = (mode, slot) not in warm
+            warm.add((mode, slot))
+            latency = max(x["latency_s"] for x in refits)
+            records.append(
+                dict(
+                    index=index,
+                    mode=mode,
+                    warmup=warmup,
+                    step=step,
+                    latency_s=latency,
+                    refits=refits,
+                    peer_copy=peer,
+                )
+            )
+            sources = [sorted(x["stats"]["bytes_by_source"]) for x in refits]
+            log.info(
+                "round %d %-8s version %d%s: %.2f ms to the last install (peer copy %.2f ms); "
+                "sources %s",
+                r,
+                mode,
+                step["version"],
+                ", warm-up" if warmup else "",
+                1e3 * latency,
+                1e3 * peer["seconds"],
+                sources,
+            )
+            index += 1
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = [r for r in records if not r["warmup"]]
+    median = {
+        mode: statistics.median(r["latency_s"] for r in timed if r["mode"] == mode)
+        for mode in MODES
+        if any(r["mode"] == mode for r in timed)
+    }
+    if "one" not in median:
+        raise RuntimeError("no timed round of mode 'one': raise --rounds")
+    peer = statistics.median(r["peer_copy"]["seconds"] for r in timed)
+    last_tree = next((r for r in reversed(timed) if r["mode"] == "tree"), None)
+    return dict(
+        median_ms={m: 1e3 * v for m, v in median.items()},
+        over_one={m: v / median["one"] for m, v in median.items()},
+        peer_copy_ms=1e3 * peer,
+        refit_bytes=timed[-1]["refits"][0]["stats"]["bytes_pulled"],
+        timed_rounds={m: sum(r["mode"] == m for r in timed) for m in MODES},
+        tree_sources=None
+        if last_tree is None
+        else [x["stats"]["bytes_by_source"] for x in last_tree["refits"]],
+        tree_fallbacks=sum(x["stats"]["fallbacks"] for r in timed for x in r["refits"]),
+    )
+
+
+def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model_dir = ri.write_model(work / "model", config)
+    batches = make_batches(asdict(config))
+    logs = config.log_dir
+    tokens = tokens_for(work)
+    orchestrator = tokens.client(Role.ORCHESTRATOR)
+    root = trainer_root(work)
+    tree_flags = ["--max-children", str(args.max_children)]
+    tree_flags += ["--max-root-children", str(args.max_children)]
+    with contextlib.ExitStack() as stack:
+        sidecar = stack.enter_context(
+            sidecar_server(work, logs / "sidecar.log", config.timeout, tokens, tree_flags)
+        )
+        base = ri.ReceiverSettings(
+            sidecar=sidecar,
+            token_file=str(tokens.file(Role.RECEIVER)),
+            model_dir=str(model_dir),
+            params_dtype=config.params_dtype,
+            dest=f"cuda:{config.dest_gpu}" if config.cuda else "cpu",
+            source="cuda:0" if config.cuda else "cpu",
+            timeout_s=config.refit_timeout,
+            tree=True,
+            chunk_bytes=args.chunk_bytes,
+        )
+        receivers = []
+        for i in range(args.receivers):
+            settings = replace(base, receiver_id=f"fanout-{i}")
+            run_dir = work / f"receiver-{i}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            receivers.append(
+                stack.enter_context(
+                    ri.receiver_process(settings, run_dir, logs / f"receiver-{i}.log")
+                )
+            )
+        trainer_args = [
+            *config.trainer_args(model_dir),
+            *tokens.publisher_args(sidecar),
+            *tokens.server_args(),
+            *("--work-dir", str(root)),
+        ]
+        plan = dict(trainer_args=trainer_args, timeout_s=config.timeout)
+        target, startup_s = stack.enter_context(
+            trainer_server(plan, work, logs / "trainer.log", auth=orchestrator)
+        )
+        ready = [r.reply(config.timeout) for r in receivers]
+        log.info("receivers ready: %s", ready[0])
+        with TrainerClient(target, auth=orchestrator) as client:
+            status = client.status()
+            records = run_rounds(client, receivers, batches, config, args.rounds)
+            checks = (
+                [ri.verify(client, r, root, config) for r in receivers] if config.verify else []
+            )
+    return dict(
+        receivers=ready,
+        trainer=dict(
+            startup_s=startup_s,
+            num_parameters=status.model.num_parameters,
+            device=status.device,
+            args=trainer_args,
+        ),
+        records=records,
+        checks=checks,
+    )
+
+
+def print_summary(summary: dict[str, Any], checks: list[dict[str, Any]], n: int) -> None:
+    print(f"\nbytes per receiver: {summary['refit_bytes']:,}; {n} receivers")
+    print("FinishTrainStep returned -> last receiver installed, medians:")
+    for mode, ms in summary["median_ms"].items():
+        print(f"  {mode:9s} {ms:9.3f} ms  x one: {summary['over_one'][mode]:.3f}")
+    print(f"  peer copy {summary['peer_copy_ms']:.3f} ms; fallbacks {summary['tree_fallbacks']}")
+    print(f"tree sources (last timed round): {summary['tree_sources']}")
+    for i, check in enumerate(checks):
+        print(
+            f"receiver {i}: equals ExportHF of version {check['version']}: {check['identical']}; "
+            f"max |logprob gap| {check['max_logprob_gap']:.3g}"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ri.build_parser()
+    p.prog = "python -m benchmarks.refit_fanout"
+    p.description = __doc__.split("\n\n")[0] if __doc__ else None
+    fan = p.add_argument_group("fan-out")
+    fan.add_argument("--receivers", type=int, default=3)
+    fan.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
+    fan.add_argument("--chunk-bytes", type=int, default=16 << 20)
+    fan.add_argument("--rounds", type=int, default=4, help="rounds of the four modes")
+    p.set_defaults(out=Path("runs/refit_fanout.json"), warmup=1, steps=1)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.receiver_settings is not None:
+        ri.receiver_main(args.receiver_settings, args.command_fd, args.reply_fd)
+        return
+    if args.receivers < 1 or args.rounds < 2:
+        parser.error("--receivers must be >= 1 and --rounds >= 2 (the first are warm-ups)")
+    fan = {k: getattr(args, k) for k in ("receivers", "max_children", "chunk_bytes", "rounds")}
+    for key in fan:
+        delattr(args, key)
+    config = ri.resolve(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench] %(levelname)s %(message)s")
+    config.log_dir.mkdir(parents=True, exist_ok=True)
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    options = argparse.Namespace(**fan)
+    with tempfile.TemporaryDirectory(prefix="refit-fanout-bench-") as scratch:
+        work = (config.work_dir or Path(scratch)).absolute()
+        work.mkdir(parents=True, exist_ok=True)
+        result = run(config, options, work)
+    summary = summarize(result["records"])
+    meta = dict(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=" ".join(["python", "-m", "benchmarks.refit_fanout", *(argv or sys.argv[1:])]),
+        config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        fanout=fan,
+        versions=ri._versions(),
+    )
+    config.out.write_text(json.dumps(dict(meta=meta, summary=summary, **result), indent=1) + "\n")
+    print_summary(summary, result["checks"], fan["receivers"])
+    print(f"results: {config.out}")
+
+
+if __name__ == "__main__":
+    main()

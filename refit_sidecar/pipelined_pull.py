@@ -1,0 +1,506 @@
+"""A pull in chunks, gated on each peer's progress: the data path of pipelined fan-out.
+
+`PipelinedPull.run` reads a `PullPlan` whose sources are trainer ranks (every byte readable at
+once, their slots held by the receiver's lease) and peers (receivers still filling their copy,
+docs/fanout.md). Each source's reads are cut into chunks of about `chunk_bytes` (a long read
+into several); a peer's chunks go in the order of its own buffer, so chunk k is read as soon as
+the peer's progress word (`progress.py`) says it holds chunk k. At most `window` chunks are in
+flight. A chunk read from a peer counts only once a later read of the peer's word still shows
+the same version not FAILED (the peer had not started overwriting it), and the pull ends only
+when every peer it read from says COMPLETE (verified).
+
+What this receiver holds is published as it goes (`Filled`, and its own progress word when it
+serves): the bytes of the destination filled in order from its first byte, counting the
+alignment gaps between targets as filled, so its own children can read behind it.
+
+A source that fails (a read error, a disconnect, a peer whose word stops advancing for
+`stall_timeout_s`, or that moves on to another version or fails) ends the run with
+`SourceLost(agent=...)` after the other sources' reads in flight have landed; what was valid
+stays in `Filled`, so the caller asks for other sources and runs again for the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refit_sidecar.intervals import Intervals
+from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
+from refit_sidecar.nixl_transport import NixlTransport, Posted
+from refit_sidecar.plan import PullPlan
+from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, OwnProgress, ProgressWord, TornRead
+from refit_sidecar.transport import Region, SourceLost
+
+_SLOT = 64
+"""Bytes per progress-word slot in the control buffer (aligned)."""
+
+
+@dataclass(frozen=True)
+class PeerGate:
+    """How to follow a peer's copy: its progress word, and the address of its copy's first
+    byte (the fill in its word counts from there)."""
+
+    progress: ShardLocation
+    base: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkConfig:
+    chunk_bytes: int = 16 << 20
+    """Bytes per chunk: a child reads a parent's chunk once the parent has all of it."""
+    window: int = 4
+    """Chunks in flight at once, over all sources."""
+    stall_timeout_s: float = 5.0
+    """A peer whose copy does not advance for this long, while this pull waits on it, is
+    treated as lost."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096 or self.window < 1 or not self.stall_timeout_s > 0:
+            raise ValueError(f"bad chunk config {self}")
+
+
+class SourceFailed(SourceLost):
+    """A peer marked its copy FAILED: everything read from it was dropped."""
+
+    exposed: bool = False
+    """Some of the dropped bytes had been published as filled (this copy's readers may hold
+    them): this copy must fail too."""
+
+
+class Filled:
+    """Which bytes of the destination are valid, and how far they run in order from byte 0."""
+
+    def __init__(self, plan: PullPlan) -> None:
+        self.nbytes = plan.nbytes
+        gaps = Intervals([(0, plan.nbytes)])
+        for t in plan.targets:
+            gaps.remove(t.offset, t.offset + t.nbytes)
+        self.valid = gaps
+        self.by_source: dict[str, Intervals] = {}
+        self.published = 0
+        """The largest prefix published so far (it never shrinks)."""
+
+    def add(self, source: str, ranges: np.ndarray) -> None:
+        mine = self.by_source.setdefault(source, Intervals())
+        for start, length in ranges:
+            self.valid.add(int(start), int(start + length))
+            mine.add(int(start), int(start + length))
+
+    def drop(self, source: str) -> bool:
+        """Forget every byte `source` delivered; True when some of it was already published
+        (readers of this copy may hold it)."""
+        mine = self.by_source.pop(source, None)
+        if mine is None:
+            return False
+        exposed = any(start < self.published for start, _ in mine)
+        for start, end in mine:
+            self.valid.remove(start, end)
+        return exposed
+
+    @property
+    def complete(self) -> bool:
+        return self.valid.covers(0, self.nbytes)
+
+    def prefix(self) -> int:
+        return self.valid.prefix()
+
+
+@dataclass(eq=False)
+class _Chunk:
+    agent: str
+    mem_type: MemType
+    remote: np.ndarray
+    """N×3 uint64 (address, length, device) of the source's memory."""
+    local: np.ndarray
+    ranges: np.ndarray
+    """N×2 int64 (destination offset, length)."""
+    need: int
+    """Bytes the source's copy must hold, from its first byte (0: a trainer rank)."""
+    done_seq: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.ranges[:, 1].sum())
+
+
+@dataclass
+class _Peer:
+    gate: PeerGate
+    word: ProgressWord | None = None
+    poll: Posted | None = None
+    poll_seq: int = 0
+    advanced: float = field(default_factory=time.monotonic)
+    unvalidated: list[_Chunk] = field(default_factory=list)
+    used: bool = False
+
+
+@dataclass(frozen=True)
+class ChunkedStats:
+    bytes_by_source: Mapping[str, int]
+    reads: int
+    chunks: int
+    started: float
+    """Wall-clock time of the first read posted (time.time())."""
+    finished: float
+
+
+class ControlSlots:
+    """Registered host memory this receiver reads peers' progress words into."""
+
+    def __init__(self, transport: NixlTransport) -> None:
+        self._transport = transport
+        self._buffer = np.zeros(0, np.uint8)
+        self.region: Region | None = None
+
+    def ensure(self, slots: int) -> Region:
+        if self.region is not None and self.region.nbytes >= slots * _SLOT:
+            return self.region
+        self.release()
+        self._buffer = np.zeros(max(slots, 8) * _SLOT, np.uint8)
+        self.region = Region.of_array(self._buffer)
+        self._transport.register(self.region)
+        return self.region
+
+    def word(self, slot: int) -> np.ndarray:
+        return self._buffer[slot * _SLOT : slot * _SLOT + PROGRESS_BYTES]
+
+    def release(self) -> None:
+        if self.region is not None:
+            self._transport.deregister(self.region)
+            self.region = None
+
+
+class PipelinedPull:
+    def __init__(
+        self,
+        transport: NixlTransport,
+        control: ControlSlots,
+        config: ChunkConfig,
+        *,
+        own: OwnProgress | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._transport = transport
+        self._control = control
+        self._config = config
+        self._own = own
+        self._on_progress = on_progress
+
+    def run(
+        self,
+        plan: PullPlan,
+        dest: Region,
+        filled: Filled,
+        *,
+        peers: Mapping[str, PeerGate],
+        deadline: float,
+    ) -> ChunkedStats:
+        """Read every byte of `plan` not valid in `filled` yet; SourceLost (with `agent`) when
+        a source fails, `filled` then holding what did land."""
+        chunks = self._chunks(plan, dest, filled, peers)
+        queues: dict[str, deque[_Chunk]] = {}
+        for chunk in chunks:
+            queues.setdefault(chunk.agent, deque()).append(chunk)
+        state = {agent: _Peer(gate) for agent, gate in peers.items()}
+        for agent in queues:
+            if agent in state:
+                state[agent].used = True
+        control = self._control.ensure(len(peers))
+        slots = {agent: i for i, agent in enumerate(peers)}
+        inflight: list[tuple[_Chunk, Posted]] = []
+        bytes_by: dict[str, int] = {}
+        seq, reads = 0, 0
+        started = time.time()
+        failure: SourceLost | None = None
+        pause = 0.0
+        self._publish(filled)
+        while True:
+            progressed = False
+            # Post chunks whose bytes their source holds, round robin over sources.
+            while failure is None and len(inflight) < self._config.window:
+                ready = self._next_ready(queues, state)
+                if ready is None:
+                    break
+                record = plan.agents[ready.agent]
+                try:
+                    posted = self._transport.post(
+                        record, ready.mem_type, ready.remote, ready.local, dest
+                    )
+                except SourceLost as e:
+                    failure = self._lose(e, ready.agent, state, filled)
+                    break
+                inflight.append((ready, posted))
+                reads += len(ready.ranges)
+                progressed = True
+            # Ask peers how far they are when something waits on them.
+            if failure is None:
+                for agent, peer in state.items():
+                    if peer.poll is None and self._waits_on(agent, peer, queues):
+                        try:
+                            peer.poll = self._post_poll(
+                                plan.agents[agent], peer, control, slots[agent]
+                            )
+                        except SourceLost as e:
+                            failure = self._lose(e, agent, state, filled)
+                            break
+                        peer.poll_seq = seq
+            # Collect what landed.
+            for item in list(inflight):
+                chunk, posted = item
+                try:
+                    done = self._transport.check(posted)
+                except SourceLost as e:
+                    inflight.remove(item)
+                    failure = failure or self._lose(e, chunk.agent, state, filled)
+                    inflight = [i for i in inflight if i[0].agent != chunk.agent]
+                    continue
+                if not done:
+                    continue
+                inflight.remove(item)
+                progressed = True
+                bytes_by[chunk.agent] = bytes_by.get(chunk.agent, 0) + chunk.nbytes
+                if chunk.agent in state:
+                    chunk.done_seq = seq
+                    state[chunk.agent].unvalidated.append(chunk)
+                else:
+                    filled.add(chunk.agent, chunk.ranges)
+                seq += 1
+            for agent, peer in state.items():
+                if peer.poll is None:
+                    continue
+                try:
+                    if not self._transport.check(peer.poll):
+                        continue
+                except SourceLost as e:
+                    peer.poll = None
+                    failure = failure or self._lose(e, agent, state, filled)
+                    inflight = [i for i in inflight if i[0].agent != agent]
+                    continue
+                peer.poll = None
+                progressed = True
+                lost = self._observe(agent, peer, plan.version, filled, slots[agent])
+                if lost is not None:
+                    failure = failure or self._lose(lost, agent, state, filled)
+                    inflight = [i for i in inflight if i[0].agent != agent]
+            self._publish(filled)
+            if failure is not None:
+                if not inflight and all(p.poll is None for p in state.values()):
+                    raise failure
+            elif not inflight and not any(queues.values()) and self._peers_settled(state):
+                break
+            now = time.monotonic()
+            if failure is None:
+                for agent, peer in state.items():
+                    waiting = self._waits_on(agent, peer, queues)
+                    if waiting and now - peer.advanced > self._config.stall_timeout_s:
+                        failure = self._lose(
+                            SourceLost(
+                                f"{agent}: its copy did not advance for "
+                                f"{self._config.stall_timeout_s:g} s",
+                                agent=agent,
+                            ),
+                            agent,
+                            state,
+                            filled,
+                        )
+                        inflight = [i for i in inflight if i[0].agent != agent]
+                        break
+                if failure is None and now > deadline:
+                    late = self._late(inflight, queues, state)
+                    failure = self._lose(
+                        SourceLost(f"{late}: pull not done by its deadline", agent=late),
+                        late,
+                        state,
+                        filled,
+                    )
+                    inflight = [i for i in inflight if i[0].agent != late]
+            if progressed:
+                pause = 0.0
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause or 1e-5, 1e-3)
+        return ChunkedStats(bytes_by, reads, len(chunks), started, time.time())
+
+    # -- planning chunks ------------------------------------------------------------------------
+
+    def _chunks(
+        self, plan: PullPlan, dest: Region, filled: Filled, peers: Mapping[str, PeerGate]
+    ) -> list[_Chunk]:
+        size = self._config.chunk_bytes
+        groups: dict[tuple[str, MemType], list[tuple[np.ndarray, ...]]] = {}
+        for reads in plan.reads:
+            loc = reads.location
+            groups.setdefault((loc.agent, loc.mem_type), []).append(
+                (reads.remote_addresses, reads.lengths.astype(np.uint64), reads.dest_offsets)
+            )
+        out: list[_Chunk] = []
+        for (agent, mem_type), parts in groups.items():
+            remote = np.concatenate([p[0] for p in parts])
+            length = np.concatenate([p[1] for p in parts]).astype(np.int64)
+            dst = np.concatenate([p[2] for p in parts]).astype(np.int64)
+            device = next(r.location.device_id for r in plan.reads if r.location.agent == agent)
+            # Cut reads longer than a chunk.
+            pieces = np.maximum(1, -(-length // size))
+            first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+            k = np.arange(int(pieces.sum())) - first
+            owner = np.repeat(np.arange(len(length)), pieces)
+            offset = k * size
+            remote = remote[owner] + offset.astype(np.uint64)
+            dst = dst[owner] + offset
+            length = np.minimum(length[owner] - offset, size)
+            if filled.by_source:  # a run after a source failed: skip what did land
+                keep = np.array(
+                    [
+                        not filled.valid.covers(int(d), int(d + n))
+                        for d, n in zip(dst, length, strict=True)
+                    ],
+                    dtype=bool,
+                )
+                remote, dst, length = remote[keep], dst[keep], length[keep]
+            if not len(length):
+                continue
+            gate = peers.get(agent)
+            order = np.argsort(remote if gate is not None else dst, kind="stable")
+            remote, dst, length = remote[order], dst[order], length[order]
+            ends = np.cumsum(length)
+            bounds = np.searchsorted(ends, np.arange(size, int(ends[-1]), size), side="left") + 1
+            for idx in np.split(np.arange(len(length)), np.unique(bounds[bounds < len(length)])):
+                if not len(idx):
+                    continue
+                r, n, d = remote[idx], length[idx], dst[idx]
+                dev = np.full(len(idx), device, np.uint64)
+                local = np.stack(
+                    [
+                        d.astype(np.uint64) + np.uint64(dest.address),
+                        n.astype(np.uint64),
+                        np.full(len(idx), dest.device_id, np.uint64),
+                    ]
+                ).T
+                need = 0 if gate is None else int((r + n.astype(np.uint64)).max()) - gate.base
+                out.append(
+                    _Chunk(
+                        agent,
+                        mem_type,
+                        np.ascontiguousarray(np.stack([r, n.astype(np.uint64), dev]).T),
+                        np.ascontiguousarray(local),
+                        np.stack([d, n]).T,
+                        need,
+                    )
+                )
+        return out
+
+    # -- the loop's parts -----------------------------------------------------------------------
+
+    @staticmethod
+    def _next_ready(queues: dict[str, deque[_Chunk]], state: dict[str, _Peer]) -> _Chunk | None:
+        for agent in list(queues):
+            queue = queues[agent]
+            if not queue:
+                continue
+            head = queue[0]
+            peer = state.get(agent)
+            if peer is not None:
+                word = peer.word
+                if word is None or word.filled < head.need:
+                    continue
+            queue.popleft()
+            # Rotate: the next call starts with another source.
+            queues[agent] = queues.pop(agent)
+            return head
+        return None
+
+    @staticmethod
+    def _waits_on(agent: str, peer: _Peer, queues: Mapping[str, deque[_Chunk]]) -> bool:
+        queue = queues.get(agent)
+        if queue and (peer.word is None or peer.word.filled < queue[0].need):
+            return True
+        if peer.unvalidated:
+            return True
+        return peer.used and (peer.word is None or peer.word.state is not CopyProgress.COMPLETE)
+
+    def _post_poll(self, record: AgentRecord, peer: _Peer, control: Region, slot: int) -> Posted:
+        loc = peer.gate.progress
+        remote = np.array([[loc.address, PROGRESS_BYTES, loc.device_id]], np.uint64)
+        local = np.array(
+            [[control.address + slot * _SLOT, PROGRESS_BYTES, control.device_id]], np.uint64
+        )
+        return self._transport.post(record, loc.mem_type, remote, local, control)
+
+    def _observe(
+        self, agent: str, peer: _Peer, version: int, filled: Filled, slot: int
+    ) -> SourceLost | None:
+        try:
+            word = ProgressWord.decode(self._control.word(slot))
+        except TornRead:
+            return None  # read again next round
+        if word.version > version or (
+            word.version == version and word.state is CopyProgress.FAILED
+        ):
+            if word.version == version:
+                return SourceFailed(f"{agent}: its copy of version {version} failed", agent=agent)
+            return SourceLost(
+                f"{agent}: moved on to version {word.version} while serving {version}", agent=agent
+            )
+        if word.version < version:
+            return None  # it has not started this version yet
+        old = peer.word
+        if old is None or word.filled > old.filled or word.state is not old.state:
+            peer.advanced = time.monotonic()
+        peer.word = word
+        # Chunks that landed before this read was posted are valid: the copy was still this
+        # version's, unfailed, after they were read.
+        valid = [c for c in peer.unvalidated if c.done_seq < peer.poll_seq]
+        peer.unvalidated = [c for c in peer.unvalidated if c.done_seq >= peer.poll_seq]
+        for chunk in valid:
+            filled.add(agent, chunk.ranges)
+        return None
+
+    def _late(
+        self,
+        inflight: list[tuple[_Chunk, Posted]],
+        queues: Mapping[str, deque[_Chunk]],
+        state: Mapping[str, _Peer],
+    ) -> str:
+        """The source a pull past its deadline waits on."""
+        if inflight:
+            return inflight[0][0].agent
+        for agent, peer in state.items():
+            if self._waits_on(agent, peer, queues):
+                return agent
+        return next((a for a, q in queues.items() if q), "")
+
+    @staticmethod
+    def _peers_settled(state: Mapping[str, _Peer]) -> bool:
+        return all(
+            not p.used
+            or (not p.unvalidated and p.word is not None and p.word.state is CopyProgress.COMPLETE)
+            for p in state.values()
+        )
+
+    def _lose(
+        self, error: SourceLost, agent: str, state: dict[str, _Peer], filled: Filled
+    ) -> SourceLost:
+        self._transport.forget(agent)
+        peer = state.get(agent)
+        if peer is not None:
+            peer.poll = None
+            peer.unvalidated = []
+        if isinstance(error, SourceFailed):
+            # Only a copy that serves others can have forwarded the bytes.
+            error.exposed = filled.drop(agent) and self._own is not None
+        error.agent = error.agent or agent
+        return error
+
+    def _publish(self, filled: Filled) -> None:
+        prefix = filled.prefix()
+        if prefix <= filled.published:
+            return
+        filled.published = prefix
+        if self._own is not None:
+            self._own.filled(prefix)
+        if self._on_progress is not None:
+            self._on_progress(prefix, filled.nbytes)

@@ -1,0 +1,256 @@
+"""A receiver's pull through the source tree (docs/fanout.md): ask the sidecar where to read,
+read in chunks gated on each peer's progress, fall back when a source fails, verify against
+the trainer's checksums, and serve the copy to later receivers.
+
+`TreePull.pull(plan, staging, ...)` takes the receiver's own plan of the version (planned from
+the trainer's manifest: its targets say where each wanted box lands in staging, its reads
+carry the trainer's checksums) and fills staging with the same bytes, read from wherever the
+tree says. The copy is offered to later receivers from the start (a filling peer); the sidecar
+first drains the readers of this receiver's previous copy, and only then is staging
+overwritten. Nothing is verified or marked COMPLETE until every byte is in; a receiver whose
+pull fails marks its copy FAILED, so its own readers drop what they read from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from refit_sidecar.checksum import ChecksumMismatch, verify_checksums
+from refit_sidecar.client import SidecarClient
+from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
+from refit_sidecar.nixl_transport import NixlTransport
+from refit_sidecar.pipelined_pull import (
+    ChunkConfig,
+    ControlSlots,
+    Filled,
+    PeerGate,
+    PipelinedPull,
+    SourceFailed,
+)
+from refit_sidecar.plan import PullPlan, Want, plan_pull
+from refit_sidecar.progress import CopyProgress, OwnProgress
+from refit_sidecar.routing import peer_bases, route_manifest
+from refit_sidecar.sources import NoSourceFree, Offer, Sources
+from refit_sidecar.transport import Region, SourceLost, host_view
+
+log = logging.getLogger(__name__)
+
+_KNOWN_ANSWERS = 16
+"""Routed plans kept: a steady tree over a few trainer slots repeats its answers."""
+_MAX_ATTEMPTS = 16
+"""Source assignments per pull: each failed source costs one."""
+
+
+class TreePullError(RuntimeError):
+    """The pull did not complete; nothing of it may be used."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreePullConfig:
+    chunks: ChunkConfig = field(default_factory=ChunkConfig)
+    domain: str = ""
+    """Topology domain (node, rack): the sidecar prefers sources of the same domain."""
+    serve: bool = True
+    """Offer this receiver's copy to later receivers."""
+    verify: bool = True
+    """Check the trainer's checksums of every trainer shard staged whole (host staging)."""
+
+
+@dataclass(frozen=True)
+class TreePullStats:
+    nbytes: int
+    seconds: float
+    reads: int
+    chunks: int
+    verified_shards: int
+    bytes_by_source: dict[str, int]
+    started: float
+    """Wall-clock time (time.time()) of the first read."""
+    finished: float
+    fallbacks: int
+    """Sources lost and replaced during the pull."""
+
+
+class TreePull:
+    def __init__(
+        self, client: SidecarClient, transport: NixlTransport, agent: str, config: TreePullConfig
+    ) -> None:
+        self._client = client
+        self._transport = transport
+        self._agent = agent
+        self.config = config
+        self._own = OwnProgress(agent)
+        transport.register(self._own.region)
+        self._control = ControlSlots(transport)
+        self._plans: OrderedDict[bytes, PullPlan] = OrderedDict()
+        """Routed plans by `Sources.key`."""
+        self._offered: int | None = None
+        """The version this receiver's copy is offered for."""
+
+    def pull(
+        self,
+        plan: PullPlan,
+        staging: Region,
+        *,
+        deadline: float,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TreePullStats:
+        version = plan.version
+        wants = [Want(t.name, t.box) for t in plan.targets]
+        offer = self._offer(plan, staging) if self.config.serve else None
+        filled = Filled(plan)
+        runner = PipelinedPull(
+            self._transport,
+            self._control,
+            self.config.chunks,
+            own=self._own if offer is not None else None,
+            on_progress=on_progress,
+        )
+        begin = time.perf_counter()
+        lost: list[str] = []
+        by_source: dict[str, int] = {}
+        reads = chunks = fallbacks = 0
+        started: float | None = None
+        started_copy = False
+        for _ in range(_MAX_ATTEMPTS):
+            try:
+                sources = self._sources(version, wants, offer, lost, deadline)
+            except Exception:
+                self._fail(version)
+                raise
+            if offer is not None and not started_copy:
+                # The sidecar drained the readers of the previous copy: overwrite from here.
+                self._own.start(version)
+                self._offered = version
+                started_copy = True
+            routed = self._routed(sources, plan, wants)
+            gates = {
+                source: PeerGate(sources.copies[source].progress, base)  # type: ignore[arg-type]
+                for source, base in peer_bases(sources, routed.agents).items()
+            }
+            try:
+                stats = runner.run(routed, staging, filled, peers=gates, deadline=deadline)
+            except SourceFailed as e:
+                if e.exposed:
+                    self._fail(version)
+                    raise TreePullError(
+                        f"{e}; this copy had forwarded some of its bytes, so it fails too"
+                    ) from e
+                lost, fallbacks = [e.agent or ""], fallbacks + 1
+                log.warning("version %d: %s; asking for another source", version, e)
+                continue
+            except SourceLost as e:
+                if time.monotonic() > deadline:
+                    self._fail(version)
+                    raise TreePullError(str(e)) from e
+                lost, fallbacks = [e.agent or ""], fallbacks + 1
+                log.warning("version %d: %s; asking for another source", version, e)
+                continue
+            for source, nbytes in stats.bytes_by_source.items():
+                by_source[source] = by_source.get(source, 0) + nbytes
+            reads += stats.reads
+            chunks += stats.chunks
+            started = stats.started if started is None else started
+            break
+        else:
+            self._fail(version)
+            raise TreePullError(f"version {version}: {_MAX_ATTEMPTS} sources failed in turn")
+        verified = 0
+        if self.config.verify and staging.mem_type is MemType.DRAM:
+            try:
+                verified = verify_checksums(plan, host_view(staging))
+            except ChecksumMismatch as e:
+                self._fail(version)
+                raise TreePullError(str(e)) from e
+        if offer is not None:
+            self._own.finish(CopyProgress.COMPLETE)
+        self._release(version, complete=True)
+        return TreePullStats(
+            nbytes=sum(by_source.values()),
+            seconds=time.perf_counter() - begin,
+            reads=reads,
+            chunks=chunks,
+            verified_shards=verified,
+            bytes_by_source=by_source,
+            started=started if started is not None else time.time(),
+            finished=time.time(),
+            fallbacks=fallbacks,
+        )
+
+    def _routed(self, sources: Sources, plan: PullPlan, wants: list[Want]) -> PullPlan:
+        """The plan reading what the tree chose; an answer met before (same routes, same
+        memory: a steady tree over the trainer's slots) replays its plan."""
+        key = sources.key
+        cached = self._plans.get(key) if key else None
+        if cached is not None:
+            self._plans.move_to_end(key)
+            return replace(cached, version=sources.version)
+        routed = plan_pull(route_manifest(sources), wants)
+        if [(t.name, t.box, t.offset) for t in routed.targets] != [
+            (t.name, t.box, t.offset) for t in plan.targets
+        ]:
+            raise TreePullError("the routed plan lays staging out differently: a bug")
+        if key:
+            self._plans[key] = routed
+            while len(self._plans) > _KNOWN_ANSWERS:
+                self._plans.popitem(last=False)
+        return routed
+
+    def _offer(self, plan: PullPlan, staging: Region) -> Offer:
+        locations = tuple(
+            ShardLocation.contiguous(
+                agent=self._agent,
+                address=staging.address + t.offset,
+                shape=t.box.shape,
+                itemsize=t.dtype.itemsize,
+                mem_type=staging.mem_type,
+                device_id=staging.device_id,
+            )
+            for t in plan.targets
+        )
+        record = AgentRecord(self._agent, metadata=self._transport.metadata())
+        return Offer(record, locations, self._own.location)
+
+    def _sources(
+        self, version: int, wants: list[Want], offer: Offer | None, lost: list[str], deadline: float
+    ) -> Sources:
+        pause = 0.01
+        while True:
+            try:
+                return self._client.get_sources(
+                    version,
+                    self._agent,
+                    wants,
+                    domain=self.config.domain,
+                    offer=offer,
+                    lost=[s for s in lost if s],
+                )
+            except NoSourceFree:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.2)
+
+    def _fail(self, version: int) -> None:
+        if self._offered == version:
+            self._own.finish(CopyProgress.FAILED)
+        self._release(version, complete=False)
+
+    def _release(self, version: int, *, complete: bool) -> None:
+        try:
+            self._client.release_sources(version, self._agent, complete=complete)
+        except Exception as e:  # the sidecar forgets the pull at the TTL anyway
+            log.warning("releasing the sources of version %d failed: %s", version, e)
+
+    def close(self) -> None:
+        """Stop serving: readers of this copy see it withdrawn."""
+        if self._offered is not None:
+            self._own.finish(CopyProgress.FAILED)
+            self._release(self._offered, complete=False)
+            self._offered = None
+        self._control.release()
+        self._transport.deregister(self._own.region)

@@ -1,0 +1,483 @@
+"""The sidecar's tree fan-out RPCs (GetSources, ReleaseSources, ListTree) over a `Tree`.
+
+`TreeService` owns the source tree and the copies receivers offer; the servicer hands it the
+requests and returns its replies. It follows the registry: a version enters the tree on the
+first GetSources or ListTree while it is readable (its roots the merged manifest's agents),
+leaves it once the registry no longer has it readable, and a new trainer generation (version
+numbers start again) starts from an empty tree.
+
+What a reply names comes from the sidecar, never from a peer's claims: a trainer rank's copy is
+the merged manifest restricted to its agent, a peer's is its offer (one shard per want), and a
+peer's shard carries a CRC-32 only where the trainer's manifest gives one for exactly that box.
+A receiver offering a new version first waits, bounded by `drain_timeout_s`, until nobody
+reads the copy of an older version it offered, then stops serving that copy (its memory is
+about to be overwritten).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from refit_sidecar.manifest import Box, Manifest, c_strides
+from refit_sidecar.plan import Want
+from refit_sidecar.registry import Registry, UnknownVersion
+from refit_sidecar.tree import (
+    CopyState,
+    NodeKind,
+    PullOutcome,
+    Receiver,
+    Tree,
+    TreeConfig,
+    TreeListing,
+    UnknownSource,
+)
+from refit_sidecar.wire import (
+    box_from_proto,
+    box_to_proto,
+    location_from_proto,
+    manifest_from_proto,
+)
+from trainer_refit.errors import InvalidRequest, quoted
+from trainer_refit.v1 import refit_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+PROGRESS_BYTES = 24
+"""A peer's progress word: three little-endian uint64 (version, filled up to, state)."""
+DRAIN_POLL_S = 0.005
+"""How often a drain wait looks at the old copy's readers."""
+
+_KINDS = {
+    NodeKind.TRAINER: pb.SOURCE_KIND_TRAINER,
+    NodeKind.PEER: pb.SOURCE_KIND_PEER,
+    NodeKind.RECEIVER: pb.SOURCE_KIND_UNSPECIFIED,
+}
+
+
+@dataclass(frozen=True)
+class _Open:
+    """A version open in the tree: its merged manifest, as proto and as domain record, and the
+    CRC-32 of each box a trainer shard holds whole and alone (`_derivable_crcs`)."""
+
+    proto: pb.Manifest
+    manifest: Manifest
+    crcs: dict[tuple[str, Box], int]
+    trainer_copies: dict[tuple[str, tuple[str, ...]], pb.Manifest] = field(default_factory=dict)
+    """A trainer rank's shards of the wanted tensors, by (agent, names): built once."""
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """An offer as stored: its wants and the checked, normalised PeerOffer."""
+
+    wants: tuple[Want, ...]
+    offer: pb.PeerOffer
+
+
+class TreeService:
+    """`manifest_of(version)`: the merged manifest of a readable version (the servicer's
+    `_manifest`), UnknownVersion otherwise."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        manifest_of: Callable[[int], pb.Manifest],
+        config: TreeConfig,
+        *,
+        drain_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+        self.registry = registry
+        self.config = config
+        self.drain_timeout_s = drain_timeout_s
+        self._manifest_of = manifest_of
+        self._clock = clock
+        self._generation = registry.generation
+        self._tree = Tree(config, clock)
+        self._open: dict[int, _Open] = {}
+        self._offers: dict[tuple[int, str], _Offer] = {}
+
+    @property
+    def tree(self) -> Tree:
+        return self._tree
+
+    # -- the RPCs -----------------------------------------------------------------------------
+
+    async def get_sources(self, request: pb.GetSourcesRequest) -> pb.GetSourcesResponse:
+        rid = request.receiver_id
+        if not rid:
+            raise InvalidRequest("GetSources needs a receiver_id", field="receiver_id")
+        version = request.version
+        opened = self._opened(version)
+        wants = self._wants(request, opened.manifest)
+        offer = self._offer(request, wants, opened.manifest) if request.HasField("offer") else None
+        self._lost(version, rid, request.lost, opened.manifest)
+        if offer is not None:
+            await self._drain(version, rid)
+            opened = self._opened(version)  # the registry may have moved on while we waited
+        assignment = self._tree.assign(
+            version, Receiver(rid, request.domain), wants, serve=offer is not None
+        )
+        if offer is not None:
+            self._offers[(version, rid)] = _Offer(tuple(wants), offer)
+        reply = pb.GetSourcesResponse(version=version)
+        named: dict[str, None] = {}
+        for route in assignment.routes:
+            reply.routes.append(
+                pb.SourceRoute(
+                    name=route.name,
+                    box=box_to_proto(route.box),
+                    primary=route.primary,
+                    fallbacks=route.fallbacks,
+                )
+            )
+            named.update(dict.fromkeys((route.primary, *route.fallbacks)))
+        names = list(dict.fromkeys(w.name for w in wants))
+        reply.sources.extend(self._copy(version, opened, s, names) for s in named)
+        expires_at = self._tree.peer_expiry(version, rid)
+        if expires_at is not None:
+            reply.offer_expires_in_seconds = max(expires_at - self._clock(), 0.0)
+        if log.isEnabledFor(logging.DEBUG):
+            self._debug(self._tree.tree(version))
+        return reply
+
+    def release_sources(self, request: pb.ReleaseSourcesRequest) -> None:
+        if not request.receiver_id:
+            raise InvalidRequest("ReleaseSources needs a receiver_id", field="receiver_id")
+        self._sync()
+        outcome = PullOutcome.COMPLETE if request.complete else PullOutcome.FAILED
+        orphans = self._tree.release(request.version, request.receiver_id, outcome)
+        if orphans:
+            log.info(
+                "version %d: %r failed; its readers fall back: %s",
+                request.version,
+                request.receiver_id,
+                [o.child for o in orphans],
+            )
+        if outcome is PullOutcome.FAILED:
+            self._offers.pop((request.version, request.receiver_id), None)
+        if log.isEnabledFor(logging.DEBUG):
+            self._debug(self._tree.tree(request.version))
+
+    def list_tree(self, request: pb.ListTreeRequest) -> pb.TreeListing:
+        self._opened(request.version)
+        return listing_to_proto(self._tree.tree(request.version))
+
+    # -- versions -------------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Follows the registry: a new trainer generation starts a fresh tree; versions no
+        longer readable leave it."""
+        if self.registry.generation != self._generation:
+            log.info("trainer generation %d: the source tree starts afresh", self._generation)
+            self._generation = self.registry.generation
+            self._tree = Tree(self.config, self._clock)
+            self._open.clear()
+            self._offers.clear()
+        readable = set(self.registry.readable())
+        for version in self._tree.versions:
+            if version not in readable:
+                self._tree.retire(version)
+                del self._open[version]
+                log.debug("version %d left the source tree", version)
+        for key in [k for k in self._offers if k[0] not in self._open]:
+            del self._offers[key]
+
+    def _opened(self, version: int) -> _Open:
+        """The open version, opened now when it is readable; UnknownVersion otherwise."""
+        self._sync()
+        opened = self._open.get(version)
+        if opened is not None:
+            return opened
+        if version not in self.registry.readable():
+            raise UnknownVersion(
+                f"version {version} is not readable; readable: {self.registry.readable()}"
+            )
+        proto = self._manifest_of(version)
+        manifest = manifest_from_proto(proto)
+        self._tree.open_version(version, manifest)
+        opened = self._open[version] = _Open(proto, manifest, _derivable_crcs(manifest))
+        return opened
+
+    # -- requests -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _wants(request: pb.GetSourcesRequest, manifest: Manifest) -> list[Want]:
+        wants = []
+        for i, wanted in enumerate(request.wants):
+            try:
+                box = box_from_proto(wanted.box)
+            except ValueError as exc:
+                raise InvalidRequest(f"want {i} ({wanted.name}): {exc}", field="wants") from None
+            parameter = manifest.get(wanted.name)
+            if parameter is None:
+                raise InvalidRequest(
+                    f"{quoted(wanted.name)} is not a parameter of version {request.version}",
+                    field="wants",
+                )
+            if not box.within(parameter.shape):
+                raise InvalidRequest(
+                    f"{wanted.name}: box {box.ranges} is outside shape {parameter.shape}",
+                    field="wants",
+                )
+            wants.append(Want(wanted.name, box))
+        return wants
+
+    @staticmethod
+    def _offer(
+        request: pb.GetSourcesRequest, wants: Sequence[Want], manifest: Manifest
+    ) -> pb.PeerOffer:
+        """The offer checked against the wants, its locations' agents and C strides filled in
+        where left empty."""
+        rid, offer = request.receiver_id, request.offer
+        if offer.agent.name != rid:
+            raise InvalidRequest(
+                f"the offer's agent {quoted(offer.agent.name)} is not the receiver {quoted(rid)}",
+                field="offer.agent.name",
+            )
+        if not offer.agent.metadata:
+            raise InvalidRequest(
+                "the offer's agent has no NIXL metadata blob", field="offer.agent.metadata"
+            )
+        if len(offer.locations) != len(wants):
+            raise InvalidRequest(
+                f"the offer has {len(offer.locations)} locations for {len(wants)} wants; one "
+                "per want, in order",
+                field="offer.locations",
+            )
+        checked = pb.PeerOffer(agent=offer.agent)
+        for i, (want, location) in enumerate(zip(wants, offer.locations, strict=True)):
+            where = f"offer.locations[{i}]"
+            loc = _own_location(location, rid, where)
+            shape = want.box.shape
+            if tuple(loc.shape) != shape:
+                raise InvalidRequest(
+                    f"{where}: shape {tuple(loc.shape)} is not the shape {shape} of want "
+                    f"{want.name} {want.box.ranges}",
+                    field=where,
+                )
+            parameter = manifest.get(want.name)
+            assert parameter is not None  # checked by _wants
+            nbytes = math.prod(shape) * parameter.dtype.itemsize
+            if loc.nbytes != nbytes:
+                raise InvalidRequest(
+                    f"{where}: {loc.nbytes} bytes for a {shape} box of {parameter.dtype.value} "
+                    f"({nbytes} bytes)",
+                    field=where,
+                )
+            if tuple(loc.strides) != c_strides(shape):
+                raise InvalidRequest(
+                    f"{where}: strides {tuple(loc.strides)} are not C order for {shape}",
+                    field=where,
+                )
+            checked.locations.append(loc)
+        if not offer.HasField("progress"):
+            raise InvalidRequest("the offer has no progress location", field="offer.progress")
+        progress = _own_location(offer.progress, rid, "offer.progress")
+        if progress.nbytes < PROGRESS_BYTES:
+            raise InvalidRequest(
+                f"offer.progress: {progress.nbytes} bytes, the progress word needs "
+                f"{PROGRESS_BYTES}",
+                field="offer.progress",
+            )
+        checked.progress.CopyFrom(progress)
+        return checked
+
+    def _lost(self, version: int, rid: str, lost: Sequence[str], manifest: Manifest) -> None:
+        """Peers the receiver could not read from stop being handed out for the version."""
+        for source_id in dict.fromkeys(lost):
+            if source_id in manifest.agents:
+                log.warning(
+                    "version %d: %r lost trainer rank %r; trainer ranks stay sources",
+                    version,
+                    rid,
+                    source_id,
+                )
+                continue
+            if source_id == rid:
+                continue
+            try:
+                orphans = self._tree.unregister(version, source_id)
+            except UnknownSource:
+                continue
+            self._offers.pop((version, source_id), None)
+            log.info(
+                "version %d: %r lost peer %r; its readers fall back: %s",
+                version,
+                rid,
+                source_id,
+                [o.child for o in orphans],
+            )
+
+    async def _drain(self, version: int, rid: str) -> None:
+        """The receiver offers `version`: each older copy it offered stops being handed out
+        once nobody reads it, or after `drain_timeout_s` (one bound for all of them)."""
+        deadline = self._clock() + self.drain_timeout_s
+        for old in self._tree.versions:
+            if old >= version or not self._serves(old, rid):
+                continue
+            readers = self._tree.readers(old, rid)
+            while readers and self._clock() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+                self._sync()
+                if old not in self._tree.versions:
+                    readers = ()
+                    break
+                readers = self._tree.readers(old, rid)
+            if readers:
+                log.warning(
+                    "version %d: %r withdraws its copy after %g s while %s still read it",
+                    old,
+                    rid,
+                    self.drain_timeout_s,
+                    list(readers),
+                )
+            self._offers.pop((old, rid), None)
+            if old in self._tree.versions and self._serves(old, rid):
+                self._tree.unregister(old, rid)
+
+    def _serves(self, version: int, rid: str) -> bool:
+        """`rid` is a peer (serving its copy) of the open `version`."""
+        return self._tree.peer_expiry(version, rid) is not None
+
+    # -- replies --------------------------------------------------------------------------------
+
+    def _copy(self, version: int, opened: _Open, source_id: str, names: list[str]) -> pb.SourceCopy:
+        if source_id in opened.manifest.agents:
+            key = (source_id, tuple(names))
+            shards = opened.trainer_copies.get(key)
+            if shards is None:
+                shards = opened.trainer_copies[key] = _trainer_shards(
+                    opened.proto, source_id, names
+                )
+            return pb.SourceCopy(source_id=source_id, kind=pb.SOURCE_KIND_TRAINER, shards=shards)
+        stored = self._offers.get((version, source_id))
+        if stored is None:
+            raise RuntimeError(f"version {version}: peer {source_id!r} has no offer on record")
+        return pb.SourceCopy(
+            source_id=source_id,
+            kind=pb.SOURCE_KIND_PEER,
+            shards=_peer_shards(opened, stored),
+            progress=stored.offer.progress,
+        )
+
+    @staticmethod
+    def _debug(listing: TreeListing) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", listing.describe())
+
+
+def listing_to_proto(listing: TreeListing) -> pb.TreeListing:
+    return pb.TreeListing(
+        version=listing.version,
+        nodes=[
+            pb.TreeNode(
+                node_id=n.node_id,
+                kind=_KINDS[n.kind],
+                domain=n.domain,
+                complete=n.state is CopyState.COMPLETE,
+                depth=n.depth,
+                children=n.children,
+                serves=n.kind is not NodeKind.RECEIVER,
+            )
+            for n in listing.nodes
+        ],
+        edges=[pb.TreeEdge(parent=e.parent, child=e.child, active=e.active) for e in listing.edges],
+        depth=listing.depth,
+    )
+
+
+def _own_location(location: pb.ShardLocation, rid: str, where: str) -> pb.ShardLocation:
+    """`location` in the receiver's own memory, its agent and C strides filled in when
+    empty; checked as the manifest checks a shard location."""
+    if location.agent and location.agent != rid:
+        raise InvalidRequest(
+            f"{where}: agent {quoted(location.agent)} is not the receiver {quoted(rid)}",
+            field=where,
+        )
+    filled = pb.ShardLocation()
+    filled.CopyFrom(location)
+    filled.agent = rid
+    if not filled.strides:
+        filled.strides.extend(c_strides(filled.shape))
+    try:
+        location_from_proto(filled)
+    except ValueError as exc:
+        raise InvalidRequest(f"{where}: {exc}", field=where) from None
+    return filled
+
+
+def _derivable_crcs(manifest: Manifest) -> dict[tuple[str, Box], int]:
+    """(parameter, box) -> CRC-32 for every trainer shard whose buffer is exactly one box: one
+    piece at local zero, a C-contiguous location of the box's shape and size. A peer's copy of
+    that box is the same bytes, so the same checksum verifies it."""
+    crcs: dict[tuple[str, Box], int] = {}
+    for p in manifest.parameters:
+        for shard in p.shards:
+            if shard.crc32 is None or len(shard.pieces) != 1:
+                continue
+            (piece,) = shard.pieces
+            loc = shard.location
+            if (
+                any(piece.local_start)
+                or loc.shape != piece.box.shape
+                or loc.strides != c_strides(loc.shape)
+                or loc.nbytes != piece.box.numel * p.dtype.itemsize
+            ):
+                continue
+            crcs[(p.name, piece.box)] = shard.crc32
+    return crcs
+
+
+def _trainer_shards(merged: pb.Manifest, agent: str, names: list[str]) -> pb.Manifest:
+    """The merged manifest restricted to one trainer rank's agent and the wanted tensors."""
+    out = pb.Manifest(version=merged.version, layout=merged.layout)
+    out.agents.extend(a for a in merged.agents if a.name == agent)
+    wanted = set(names)
+    for parameter in merged.parameters:
+        if parameter.name not in wanted:
+            continue
+        shards = [s for s in parameter.shards if s.location.agent == agent]
+        if shards:
+            out.parameters.append(
+                pb.ParameterRecord(
+                    name=parameter.name,
+                    shape=parameter.shape,
+                    dtype=parameter.dtype,
+                    shards=shards,
+                )
+            )
+    return out
+
+
+def _peer_shards(opened: _Open, stored: _Offer) -> pb.Manifest:
+    """A peer's copy as a manifest: one shard per want of the peer, the want's box at local
+    zero in the offered location. All of them, not only the tensors the caller wants: the
+    caller finds where the copy starts (what its progress word counts from) in them."""
+    out = pb.Manifest(version=opened.proto.version, layout=opened.proto.layout)
+    out.agents.append(stored.offer.agent)
+    records: dict[str, pb.ParameterRecord] = {}
+    for want, location in zip(stored.wants, stored.offer.locations, strict=True):
+        record = records.get(want.name)
+        if record is None:
+            merged = next(p for p in opened.proto.parameters if p.name == want.name)
+            record = records[want.name] = pb.ParameterRecord(
+                name=want.name, shape=merged.shape, dtype=merged.dtype
+            )
+        shard = pb.ShardRecord(
+            location=location,
+            pieces=[pb.ShardPiece(box=box_to_proto(want.box), local_start=[0] * want.box.ndim)],
+        )
+        crc = opened.crcs.get((want.name, want.box))
+        if crc is not None:
+            shard.crc32 = crc
+        record.shards.append(shard)
+    out.parameters.extend(records.values())
+    return out

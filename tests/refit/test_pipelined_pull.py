@@ -1,0 +1,315 @@
+"""The data path of pipelined fan-out, piece by piece: byte intervals, the progress word, route
+manifests, and a chunked pull from a peer whose progress this test drives by hand (real NIXL:
+the peer and the puller are two agents in this process, the peer's copy in host memory)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from refit_sidecar.intervals import Intervals
+from refit_sidecar.manifest import (
+    AgentRecord,
+    Box,
+    DType,
+    Manifest,
+    ParameterRecord,
+    ShardLocation,
+    ShardPiece,
+    ShardRecord,
+)
+from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.peer import staged_manifest
+from refit_sidecar.pipelined_pull import (
+    ChunkConfig,
+    ControlSlots,
+    Filled,
+    PeerGate,
+    PipelinedPull,
+    SourceFailed,
+)
+from refit_sidecar.plan import PullPlan, Want, plan_pull
+from refit_sidecar.progress import CopyProgress, OwnProgress, ProgressWord, TornRead
+from refit_sidecar.routing import clip, route_manifest
+from refit_sidecar.sources import SourceCopy, Sources
+from refit_sidecar.transport import Region, SourceLost
+from refit_sidecar.tree_types import NodeKind, Route
+
+# -- intervals ------------------------------------------------------------------------------------
+
+
+def test_intervals_match_a_set_of_bytes() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        ranges, truth = Intervals(), set[int]()
+        for _ in range(12):
+            a, b = sorted(rng.sample(range(64), 2))
+            if rng.random() < 0.6:
+                ranges.add(a, b)
+                truth |= set(range(a, b))
+            else:
+                ranges.remove(a, b)
+                truth -= set(range(a, b))
+            listed = list(ranges)
+            assert {i for s, e in listed for i in range(s, e)} == truth
+            # Disjoint and not touching: merged.
+            assert all(e1 < s2 for (_, e1), (s2, _) in itertools.pairwise(listed))
+            prefix = 0
+            while prefix in truth:
+                prefix += 1
+            assert ranges.prefix() == prefix
+            a, b = sorted(rng.sample(range(65), 2))
+            assert ranges.covers(a, b) == set(range(a, b)).issubset(truth)
+
+
+# -- the progress word ----------------------------------------------------------------------------
+
+
+def test_progress_word_round_trip_and_torn_reads() -> None:
+    own = OwnProgress("p")
+    own.start(5)
+    assert own.read() == ProgressWord(5, 0, CopyProgress.FILLING)
+    own.filled(4096)
+    own.finish(CopyProgress.COMPLETE)
+    assert own.read() == ProgressWord(5, 4096, CopyProgress.COMPLETE)
+    five = own._words.copy()
+    own.start(6)
+    assert own.read() == ProgressWord(6, 0, CopyProgress.FILLING)
+    # A read that mixes words of two versions is torn, whichever words it mixes.
+    for mixed in ([five[0], own._words[1], own._words[2]], [own._words[0], five[1], five[2]]):
+        with pytest.raises(TornRead):
+            ProgressWord.decode(np.array(mixed, dtype="<u8"))
+    with pytest.raises(TornRead, match="unknown copy state"):
+        ProgressWord.decode(np.array([6, own._words[1], own._words[2] | 7], dtype="<u8"))
+    assert own.location.nbytes == 24 and own.location.address == own.region.address
+
+
+def test_starting_a_version_changes_the_version_word_last() -> None:
+    """A reader that sees the new version also sees its reset fill: `start` writes the version
+    word after the others, so a torn read shows the old version, never old fill + new version."""
+    own = OwnProgress("p")
+    own.start(1)
+    own.filled(1 << 20)
+    writes: list[int] = []
+
+    class Recorder:
+        def __init__(self, words: np.ndarray) -> None:
+            self.words = words
+
+        def __setitem__(self, index: int, value: int) -> None:
+            writes.append(index)
+            self.words[index] = value
+
+    own._words = Recorder(own._words)  # type: ignore[assignment]
+    own.start(2)
+    assert writes == [1, 2, 0]
+
+
+# -- route manifests ------------------------------------------------------------------------------
+
+NAME = "w"
+SHAPE = (8, 6)
+
+
+def _shard(agent: str, rows: tuple[int, int], crc: int | None = 7) -> ShardRecord:
+    shape = (rows[1] - rows[0], SHAPE[1])
+    location = ShardLocation.contiguous(agent=agent, address=4096, shape=shape, itemsize=4)
+    return ShardRecord(location, (ShardPiece(Box(((rows[0], rows[1]), (0, 6))), (0, 0)),), crc)
+
+
+def _copy(source: str, kind: NodeKind, *shards: ShardRecord) -> SourceCopy:
+    record = ParameterRecord(NAME, SHAPE, DType.FLOAT32, shards)
+    agent = AgentRecord(source, metadata=b"m")
+    return SourceCopy(source, kind, Manifest(1, (record,), {source: agent}), None)
+
+
+def test_clip_keeps_a_checksum_only_for_a_whole_shard() -> None:
+    shard = _shard("t0", (0, 4))
+    assert clip(shard, Box(((0, 8), (0, 6)))) == shard
+    part = clip(shard, Box(((2, 8), (3, 6))))
+    assert part is not None and part.crc32 is None
+    assert part.pieces == (ShardPiece(Box(((2, 4), (3, 6))), (2, 3)),)
+    assert clip(shard, Box(((4, 8), (0, 6)))) is None
+
+
+def test_route_manifest_reads_each_piece_from_its_primary_only() -> None:
+    """A TP=1 want over two TP=2 trainer ranks, whose second half the tree routed to a peer:
+    the plan reads rows 0-4 from rank 0 and rows 4-8 from the peer, never from rank 1."""
+    copies = {
+        "t0": _copy("t0", NodeKind.TRAINER, _shard("t0", (0, 4))),
+        "t1": _copy("t1", NodeKind.TRAINER, _shard("t1", (4, 8))),
+        "peer": _copy("peer", NodeKind.PEER, _shard("peer", (0, 8), crc=None)),
+    }
+    routes = (
+        Route(NAME, Box(((0, 4), (0, 6))), "t0", ("t1",)),
+        Route(NAME, Box(((4, 8), (0, 6))), "peer", ("t1",)),
+    )
+    manifest = route_manifest(Sources(1, routes, copies, 30.0))
+    plan = plan_pull(manifest, [Want(NAME, Box.full(SHAPE))])
+    read = {(r.location.agent, int(r.shard_offsets[0]), r.nbytes) for r in plan.reads}
+    assert read == {("t0", 0, 4 * 6 * 4), ("peer", 4 * 6 * 4, 4 * 6 * 4)}
+    assert set(manifest.agents) == {"t0", "peer"}
+    with pytest.raises(ValueError, match="not sent"):
+        route_manifest(Sources(1, (Route(NAME, Box.full(SHAPE), "gone", ()),), copies, 30.0))
+
+
+# -- a chunked pull gated on a peer driven by hand ------------------------------------------------
+
+ROWS, COLS = 256, 64  # float32: 64 KiB per want, 16 chunks of 4 KiB each
+WANTS = [Want("a", Box.full((ROWS, COLS))), Want("b", Box.full((ROWS, COLS)))]
+
+
+@dataclass
+class Peer:
+    transport: NixlTransport
+    staging: np.ndarray
+    own: OwnProgress
+    plan: PullPlan
+    manifest: Manifest
+    truth: np.ndarray
+
+    def fill(self, nbytes: int) -> None:
+        self.staging[:nbytes] = self.truth[:nbytes]
+        self.own.filled(nbytes)
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[tuple[NixlTransport, NixlTransport]]:
+    peer = NixlTransport.create(NixlConfig(name="hand-peer", progress_thread=True))
+    child = NixlTransport.create(NixlConfig(name="hand-child", pull_timeout_s=30))
+    yield peer, child
+    child.close()
+    peer.close()
+
+
+def _peer(transport: NixlTransport, version: int) -> Peer:
+    records = tuple(ParameterRecord(w.name, (ROWS, COLS), DType.FLOAT32, ()) for w in WANTS)
+    # The planner needs a source for the layout only: the peer's staging is laid out as its plan.
+    layout = Manifest(
+        version,
+        tuple(
+            ParameterRecord(
+                r.name,
+                r.shape,
+                r.dtype,
+                (
+                    ShardRecord(
+                        ShardLocation.contiguous(
+                            agent="x", address=1 << 20, shape=r.shape, itemsize=4
+                        ),
+                        (ShardPiece(Box.full(r.shape), (0, 0)),),
+                    ),
+                ),
+            )
+            for r in records
+        ),
+        {"x": AgentRecord("x", metadata=b"m")},
+    )
+    plan = plan_pull(layout, WANTS)
+    staging = np.zeros(plan.nbytes, np.uint8)
+    transport.register(Region.of_array(staging))
+    own = OwnProgress(transport._config.name)
+    transport.register(own.region)
+    own.start(version)
+    agent = AgentRecord(transport._config.name, metadata=transport.metadata())
+    shapes = {w.name: (ROWS, COLS) for w in WANTS}
+    manifest = staged_manifest(plan, shapes, agent=agent, address=staging.ctypes.data)
+    truth = np.random.default_rng(version).integers(0, 256, plan.nbytes, dtype=np.uint8)
+    return Peer(transport, staging, own, plan, manifest, truth)
+
+
+def _run(
+    child: NixlTransport, peer: Peer, stall_s: float = 5.0
+) -> tuple[threading.Thread, dict[str, object], np.ndarray, list[int]]:
+    plan = plan_pull(peer.manifest, WANTS)
+    dest = np.zeros(plan.nbytes, np.uint8)
+    region = Region.of_array(dest)
+    child.register(region)
+    seen: list[int] = []
+    runner = PipelinedPull(
+        child,
+        ControlSlots(child),
+        ChunkConfig(chunk_bytes=4096, window=2, stall_timeout_s=stall_s),
+        on_progress=lambda filled, total: seen.append(filled),
+    )
+    gate = PeerGate(peer.own.location, peer.staging.ctypes.data)
+    out: dict[str, object] = {}
+    filled = Filled(plan)
+    out["filled"] = filled
+
+    def go() -> None:
+        try:
+            out["stats"] = runner.run(
+                plan, region, filled, peers={"hand-peer": gate}, deadline=time.monotonic() + 30
+            )
+        except SourceLost as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread, out, dest, seen
+
+
+def test_a_child_reads_only_what_its_parent_holds_and_ends_when_it_is_complete(
+    agents: tuple[NixlTransport, NixlTransport],
+) -> None:
+    peer_t, child = agents
+    peer = _peer(peer_t, version=3)
+    thread, out, dest, seen = _run(child, peer)
+    for step in range(1, 9):
+        peer.fill(step * peer.plan.nbytes // 8)
+        time.sleep(0.05)
+        # Never ahead of the parent; behind it by at most what is in flight or unvalidated.
+        assert max(seen, default=0) <= step * peer.plan.nbytes // 8
+    assert thread.is_alive(), "the pull ended before its parent's copy was complete"
+    peer.own.finish(CopyProgress.COMPLETE)
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in out
+    assert dest.tobytes() == peer.truth.tobytes()
+    assert seen[-1] == peer.plan.nbytes and seen == sorted(seen)
+    stats = out["stats"]
+    assert stats.bytes_by_source == {"hand-peer": peer.plan.nbytes}  # type: ignore[attr-defined]
+    assert stats.chunks == 32  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["failed", "moved-on", "stalled"])
+def test_a_parent_that_fails_moves_on_or_stalls_is_lost(
+    agents: tuple[NixlTransport, NixlTransport], how: str
+) -> None:
+    peer_t, child = agents
+    peer = _peer(peer_t, version=10)
+    thread, out, _, seen = _run(child, peer, stall_s=0.5)
+    half = peer.plan.nbytes // 2
+    peer.fill(half)
+    deadline = time.monotonic() + 10
+    while max(seen, default=0) < half and time.monotonic() < deadline:
+        time.sleep(0.005)  # until the child holds, validated, all the parent has
+    began = time.monotonic()
+    if how == "failed":
+        peer.own.finish(CopyProgress.FAILED)
+    elif how == "moved-on":
+        peer.own.start(11)
+    thread.join(5)
+    assert not thread.is_alive()
+    error = out.get("error")
+    assert isinstance(error, SourceLost) and error.agent == "hand-peer"
+    filled = out["filled"]
+    assert isinstance(filled, Filled)
+    if how == "failed":
+        # Everything read from a failed copy is dropped.
+        assert isinstance(error, SourceFailed) and not error.exposed
+        assert filled.valid.total == filled.nbytes - sum(t.nbytes for t in peer.plan.targets)
+    else:
+        assert not isinstance(error, SourceFailed)
+        # What was validated before the parent went stays.
+        assert filled.prefix() == max(seen) == half
+    if how == "stalled":
+        assert 0.3 < time.monotonic() - began < 2.0
+        assert "did not advance" in str(error)
