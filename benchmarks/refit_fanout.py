@@ -21,7 +21,8 @@ A mode's latency is the last receiver's installed time minus the driver's instan
 CLOCK_MONOTONIC for the machine). The modes rotate round by round, so drift hits them alike;
 the first round of each mode on each trainer slot is a warm-up. A torch peer copy GPU 0 ->
 ``--dest-gpu`` of the same bytes is timed in receiver 0 every round. At the end, untimed, every
-receiver's model is checked against ExportHF bit for bit and its logprobs against Forward.
+receiver refits one more version through the tree, and its model is checked against ExportHF
+bit for bit and its logprobs against Forward.
 
     python -m benchmarks.refit_fanout --preset 1b --receivers 3 --max-children 1 \\
         --out runs/refit_fanout.json
@@ -185,6 +186,14 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
         with TrainerClient(target, auth=orchestrator) as client:
             status = client.status()
             records = run_rounds(client, receivers, batches, config, args.rounds)
+            # Untimed: every receiver on the newest version, through the tree, for the checks.
+            step = ri.train_step(client, "final", batches)
+            for r in receivers:
+                r.send(
+                    "refit", version=step["version"], finished_at=step["finished_at"], mode="tree"
+                )
+            final = [r.reply(config.refit_timeout + 30) for r in receivers]
+            log.info("final tree refit: %s", [x["stats"]["bytes_by_source"] for x in final])
             checks = (
                 [ri.verify(client, r, root, config) for r in receivers] if config.verify else []
             )
