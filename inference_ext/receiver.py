@@ -180,6 +180,8 @@ class RefitStats:
     pull_finished: float = 0.0
     fallbacks: int = 0
     """Sources that failed mid-pull and were replaced (fan-out)."""
+    ask_s: float = 0.0
+    """Fan-out: seconds of `pull_s` spent asking the sidecar where to read."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -255,6 +257,7 @@ class _Pulled:
     started: float
     finished: float
     fallbacks: int
+    ask_s: float
 
 
 @dataclass(frozen=True)
@@ -424,7 +427,9 @@ class Receiver:
             stats = PullStats(
                 tree.nbytes, tree.seconds, tree.reads, tree.chunks, 0, tree.verified_shards
             )
-            return _Pulled(stats, tree.bytes_by_source, tree.started, tree.finished, tree.fallbacks)
+            return _Pulled(
+                stats, tree.bytes_by_source, tree.started, tree.finished, tree.fallbacks, tree.ask_s
+            )
         started = time.time()
         stats = self.transport.pull(plan, region, verify=self._verifies)
         by_source: dict[str, int] = {}
@@ -433,7 +438,7 @@ class Receiver:
             by_source[agent] = by_source.get(agent, 0) + reads.nbytes
         if on_progress is not None:
             on_progress(plan.nbytes, plan.nbytes)
-        return _Pulled(stats, by_source, started, time.time(), 0)
+        return _Pulled(stats, by_source, started, time.time(), 0, 0.0)
 
     def _release(self, lease: Lease) -> bool:
         """Release `lease`; True when the sidecar still held it (it was valid all along)."""
@@ -519,6 +524,7 @@ class Receiver:
             pull_started=pulled.started,
             pull_finished=pulled.finished,
             fallbacks=pulled.fallbacks,
+            ask_s=pulled.ask_s,
         )
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:

@@ -73,6 +73,8 @@ class TreePullStats:
     finished: float
     fallbacks: int
     """Sources lost and replaced during the pull."""
+    ask_s: float = 0.0
+    """Seconds spent asking the sidecar for sources (GetSources, its retries included)."""
 
 
 class TreePull:
@@ -116,12 +118,15 @@ class TreePull:
         reads = chunks = fallbacks = 0
         started: float | None = None
         started_copy = False
+        ask_s = 0.0
         for _ in range(_MAX_ATTEMPTS):
+            asked = time.perf_counter()
             try:
                 sources = self._sources(version, wants, offer, lost, deadline)
             except Exception:
                 self._fail(version)
                 raise
+            ask_s += time.perf_counter() - asked
             if offer is not None and not started_copy:
                 # The sidecar drained the readers of the previous copy: overwrite from here.
                 self._own.start(version)
@@ -179,6 +184,7 @@ class TreePull:
             started=started if started is not None else time.time(),
             finished=time.time(),
             fallbacks=fallbacks,
+            ask_s=ask_s,
         )
 
     def _routed(self, sources: Sources, plan: PullPlan, wants: list[Want]) -> PullPlan:
