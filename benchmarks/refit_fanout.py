@@ -100,13 +100,19 @@ def run_rounds(
             sources = [sorted(x["stats"]["bytes_by_source"]) for x in refits]
             log.info(
                 "round %d %-8s version %d%s: %.2f ms to the last install (peer copy %.2f ms); "
-                "sources %s",
+                "per receiver: latency %s, asking the sidecar %s, reading %s ms; sources %s",
                 r,
                 mode,
                 step["version"],
                 ", warm-up" if warmup else "",
                 1e3 * latency,
                 1e3 * peer["seconds"],
+                [round(1e3 * x["latency_s"], 1) for x in refits],
+                [round(1e3 * x["stats"]["ask_s"], 1) for x in refits],
+                [
+                    round(1e3 * (x["stats"]["pull_finished"] - x["stats"]["pull_started"]), 1)
+                    for x in refits
+                ],
                 sources,
             )
             index += 1

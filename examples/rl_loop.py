@@ -30,6 +30,7 @@ import argparse
 import os
 import queue
 import random
+import re
 import signal
 import statistics
 import sys
@@ -139,7 +140,11 @@ class Engine:
             seed=0,
         )
         self.refit = RefitEngine(self.llm)
-        options = RefitOptions(receiver_id=f"engine-{self.name}", token_file=str(token_file))
+        # Through the sidecar's source tree: an engine that refits after another reads the
+        # version from that engine's copy instead of from the trainer (docs/fanout.md).
+        options = RefitOptions(
+            receiver_id=f"engine-{self.name}", token_file=str(token_file), fanout=True
+        )
         self.refit.refit_init(sidecar, options)
 
     def sample(self, task: ReverseTask, prompt: Prompt, n: int, seed: int) -> Group:
@@ -244,9 +249,20 @@ def refit_all(engines: Sequence[Engine], version: int) -> dict[str, EngineRefit]
 
 def describe(refits: dict[str, EngineRefit]) -> str:
     return " | ".join(
-        f"{name} {r.bytes_pulled / 1e6:.2f} MB {r.seconds * 1e3:.0f} ms"
+        f"{name} {r.bytes_pulled / 1e6:.2f} MB {r.seconds * 1e3:.0f} ms from {sources(r)}"
         for name, r in refits.items()
     )
+
+
+def sources(refit: EngineRefit) -> str:
+    """Where an engine's workers read the version: "trainer" for the trainer's ranks, else
+    the engine whose copy they read (a receiver's agent is its id and its TP rank)."""
+    names = {
+        "trainer" if agent.startswith("trainer-") else re.sub(r"-tp\d+$", "", agent)
+        for worker in refit.workers
+        for agent in worker.bytes_by_source
+    }
+    return "+".join(sorted(names)) or "nowhere"
 
 
 def warm_up(

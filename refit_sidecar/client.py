@@ -39,13 +39,13 @@ from refit_sidecar.registry import (
     UnknownVersion,
 )
 from refit_sidecar.sources import (
+    Answer,
     NoLiveSource,
     NoSourceFree,
     Offer,
     Sources,
     get_sources_request,
     listing_from_proto,
-    sources_from_proto,
 )
 from refit_sidecar.tree_types import TreeListing
 from refit_sidecar.wire import manifest_from_proto, publish_request
@@ -294,10 +294,25 @@ class SidecarClient:
         handed out once its readers are done, bounded by the sidecar's drain timeout). `lost`:
         sources this receiver could not read from. Replaces this receiver's previous
         assignment of the version."""
+        return self.ask_sources(
+            version, receiver_id, wants, domain=domain, offer=offer, lost=lost
+        ).sources()
+
+    def ask_sources(
+        self,
+        version: int,
+        receiver_id: str,
+        wants: Sequence[Want],
+        *,
+        domain: str = "",
+        offer: Offer | None = None,
+        lost: Sequence[str] = (),
+    ) -> Answer:
+        """`get_sources`, the reply left unparsed until needed (`Answer.sources`)."""
         request = get_sources_request(
             version, receiver_id, wants, domain=domain, offer=offer, lost=lost
         )
-        return sources_from_proto(self._call(self._stub.GetSources, request, tree=True))
+        return Answer.of(self._call(self._stub.GetSources, request, tree=True))
 
     def release_sources(self, version: int, receiver_id: str, *, complete: bool) -> None:
         """This receiver's pull of `version` ended: complete (its offered copy becomes

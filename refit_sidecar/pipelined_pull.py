@@ -83,12 +83,18 @@ class Filled:
         self.by_source: dict[str, Intervals] = {}
         self.published = 0
         """The largest prefix published so far (it never shrinks)."""
+        self.started: float | None = None
+        """Wall-clock time (time.time()) of the first read posted, over every run."""
 
     def add(self, source: str, ranges: np.ndarray) -> None:
         mine = self.by_source.setdefault(source, Intervals())
         for start, length in ranges:
             self.valid.add(int(start), int(start + length))
             mine.add(int(start), int(start + length))
+
+    def bytes_by_source(self) -> dict[str, int]:
+        """Valid bytes per source that delivered them (runs that failed later included)."""
+        return {source: ranges.total for source, ranges in self.by_source.items()}
 
     def drop(self, source: str) -> bool:
         """Forget every byte `source` delivered; True when some of it was already published
@@ -235,6 +241,8 @@ class PipelinedPull:
                     break
                 if started is None:
                     started = time.time()
+                    if filled.started is None:
+                        filled.started = started
                 inflight.append((ready, posted))
                 reads += len(ready.ranges)
                 progressed = True

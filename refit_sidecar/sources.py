@@ -14,7 +14,7 @@ stays a thin caller. `NoSourceFree` (RESOURCE_EXHAUSTED: retry once a pull ends)
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from refit_sidecar.manifest import AgentRecord, Manifest, ShardLocation
@@ -40,6 +40,7 @@ from refit_sidecar.wire import (
 from trainer_refit.v1 import refit_pb2 as pb
 
 __all__ = [
+    "Answer",
     "NoLiveSource",
     "NoSourceFree",
     "Offer",
@@ -125,12 +126,42 @@ def get_sources_request(
     return request
 
 
-def sources_from_proto(reply: pb.GetSourcesResponse) -> Sources:
+@dataclass(frozen=True)
+class Answer:
+    """GetSources' reply as received: its key at once, its values parsed when asked for (a
+    receiver that met the key before replays its plan and parses nothing)."""
+
+    version: int
+    key: bytes
+    """`Sources.key`."""
+    reply: pb.GetSourcesResponse
+
+    @classmethod
+    def of(cls, reply: pb.GetSourcesResponse) -> Answer:
+        return cls(reply.version, answer_key(reply), reply)
+
+    @property
+    def primaries(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r.primary for r in self.reply.routes))
+
+    def sources(self, *, copies_of: Collection[str] | None = None) -> Sources:
+        """The values; `copies_of`: parse only these sources' copies (the primaries, say)."""
+        return sources_from_proto(self.reply, copies_of=copies_of, key=self.key)
+
+
+def sources_from_proto(
+    reply: pb.GetSourcesResponse,
+    *,
+    copies_of: Collection[str] | None = None,
+    key: bytes | None = None,
+) -> Sources:
     routes = tuple(
         Route(r.name, box_from_proto(r.box), r.primary, tuple(r.fallbacks)) for r in reply.routes
     )
     copies: dict[str, SourceCopy] = {}
     for copy in reply.sources:
+        if copies_of is not None and copy.source_id not in copies_of:
+            continue
         kind = _KINDS.get(copy.kind)
         if kind is None:
             raise ValueError(f"source {copy.source_id!r} has no kind (trainer or peer)")
@@ -138,7 +169,13 @@ def sources_from_proto(reply: pb.GetSourcesResponse) -> Sources:
         copies[copy.source_id] = SourceCopy(
             copy.source_id, kind, manifest_from_proto(copy.shards), progress
         )
-    return Sources(reply.version, routes, copies, reply.offer_expires_in_seconds, answer_key(reply))
+    return Sources(
+        reply.version,
+        routes,
+        copies,
+        reply.offer_expires_in_seconds,
+        answer_key(reply) if key is None else key,
+    )
 
 
 def answer_key(reply: pb.GetSourcesResponse) -> bytes:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from refit_sidecar.checksum import ChecksumMismatch, verify_checksums
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.client import SidecarClient, UnknownVersion
 from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport
 from refit_sidecar.pipelined_pull import (
@@ -34,7 +34,7 @@ from refit_sidecar.pipelined_pull import (
 from refit_sidecar.plan import PullPlan, Want, plan_pull
 from refit_sidecar.progress import CopyProgress, OwnProgress
 from refit_sidecar.routing import peer_bases, route_manifest
-from refit_sidecar.sources import NoSourceFree, Offer, Sources
+from refit_sidecar.sources import Answer, NoSourceFree, Offer
 from refit_sidecar.transport import Region, SourceLost, host_view
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class TreePull:
         self._own = OwnProgress(agent)
         transport.register(self._own.region)
         self._control = ControlSlots(transport)
-        self._plans: OrderedDict[bytes, PullPlan] = OrderedDict()
+        self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
         """Routed plans by `Sources.key`."""
         self._offered: int | None = None
         """The version this receiver's copy is offered for."""
@@ -114,9 +114,7 @@ class TreePull:
         )
         begin = time.perf_counter()
         lost: list[str] = []
-        by_source: dict[str, int] = {}
         reads = chunks = fallbacks = 0
-        started: float | None = None
         started_copy = False
         ask_s = 0.0
         for _ in range(_MAX_ATTEMPTS):
@@ -132,11 +130,7 @@ class TreePull:
                 self._own.start(version)
                 self._offered = version
                 started_copy = True
-            routed = self._routed(sources, plan, wants)
-            gates = {
-                source: PeerGate(sources.copies[source].progress, base)  # type: ignore[arg-type]
-                for source, base in peer_bases(sources, routed.agents).items()
-            }
+            routed, gates = self._routed(sources, plan, wants)
             try:
                 stats = runner.run(routed, staging, filled, peers=gates, deadline=deadline)
             except SourceFailed as e:
@@ -155,11 +149,8 @@ class TreePull:
                 lost, fallbacks = [e.agent or ""], fallbacks + 1
                 log.warning("version %d: %s; asking for another source", version, e)
                 continue
-            for source, nbytes in stats.bytes_by_source.items():
-                by_source[source] = by_source.get(source, 0) + nbytes
             reads += stats.reads
             chunks += stats.chunks
-            started = stats.started if started is None else started
             break
         else:
             self._fail(version)
@@ -174,6 +165,8 @@ class TreePull:
         if offer is not None:
             self._own.finish(CopyProgress.COMPLETE)
         self._release(version, complete=True)
+        # What stayed valid, per source: bytes read from a source that failed later count.
+        by_source = filled.bytes_by_source()
         return TreePullStats(
             nbytes=sum(by_source.values()),
             seconds=time.perf_counter() - begin,
@@ -181,30 +174,38 @@ class TreePull:
             chunks=chunks,
             verified_shards=verified,
             bytes_by_source=by_source,
-            started=started if started is not None else time.time(),
+            started=filled.started or time.time(),
             finished=time.time(),
             fallbacks=fallbacks,
             ask_s=ask_s,
         )
 
-    def _routed(self, sources: Sources, plan: PullPlan, wants: list[Want]) -> PullPlan:
-        """The plan reading what the tree chose; an answer met before (same routes, same
-        memory: a steady tree over the trainer's slots) replays its plan."""
-        key = sources.key
-        cached = self._plans.get(key) if key else None
+    def _routed(
+        self, answer: Answer, plan: PullPlan, wants: list[Want]
+    ) -> tuple[PullPlan, dict[str, PeerGate]]:
+        """The plan reading what the tree chose, and the gates of the peers it reads; an
+        answer met before (same routes, same memory: a steady tree over the trainer's slots)
+        replays its plan and parses nothing."""
+        cached = self._plans.get(answer.key)
         if cached is not None:
-            self._plans.move_to_end(key)
-            return replace(cached, version=sources.version)
+            self._plans.move_to_end(answer.key)
+            return replace(cached[0], version=answer.version), cached[1]
+        sources = answer.sources(copies_of=answer.primaries)
         routed = plan_pull(route_manifest(sources), wants)
         if [(t.name, t.box, t.offset) for t in routed.targets] != [
             (t.name, t.box, t.offset) for t in plan.targets
         ]:
             raise TreePullError("the routed plan lays staging out differently: a bug")
-        if key:
-            self._plans[key] = routed
-            while len(self._plans) > _KNOWN_ANSWERS:
-                self._plans.popitem(last=False)
-        return routed
+        gates = {}
+        for source, base in peer_bases(sources, routed.agents).items():
+            progress = sources.copies[source].progress
+            if progress is None:
+                raise TreePullError(f"peer {source!r} was sent without its progress word")
+            gates[source] = PeerGate(progress, base)
+        self._plans[answer.key] = (routed, gates)
+        while len(self._plans) > _KNOWN_ANSWERS:
+            self._plans.popitem(last=False)
+        return routed, gates
 
     def _offer(self, plan: PullPlan, staging: Region) -> Offer:
         locations = tuple(
@@ -223,11 +224,11 @@ class TreePull:
 
     def _sources(
         self, version: int, wants: list[Want], offer: Offer | None, lost: list[str], deadline: float
-    ) -> Sources:
+    ) -> Answer:
         pause = 0.01
         while True:
             try:
-                return self._client.get_sources(
+                return self._client.ask_sources(
                     version,
                     self._agent,
                     wants,
@@ -249,6 +250,8 @@ class TreePull:
     def _release(self, version: int, *, complete: bool) -> None:
         try:
             self._client.release_sources(version, self._agent, complete=complete)
+        except UnknownVersion:
+            log.debug("version %d left the sidecar's tree before its release", version)
         except Exception as e:  # the sidecar forgets the pull at the TTL anyway
             log.warning("releasing the sources of version %d failed: %s", version, e)
 

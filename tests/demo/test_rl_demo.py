@@ -114,6 +114,13 @@ def test_short_demo_learns_keeps_fidelity_and_cleans_up(short_run: DemoRun) -> N
     assert short_run.returncode == 0, output[-4000:]
     versions = VERSION_LINE.findall(output)
     assert len(versions) >= 4, output[-4000:]
+    # The engine that refits second reads each version from the first engine's copy.
+    assert re.search(r"tp1 [^|]* from trainer \| tp2 [^|]* from engine-tp1 ", output)
+    assert all(
+        re.search(r"\| tp2 [^|]* from engine-tp1 ", line)
+        for line in output.splitlines()
+        if VERSION_LINE.match(line)
+    ), output[-4000:]
     assert all(float(gap) <= 1e-4 for _, _, gap in versions)
     summary = SUMMARY_LINE.search(output)
     assert summary is not None, output[-2000:]
