@@ -117,6 +117,7 @@ class TreePull:
         reads = chunks = fallbacks = 0
         started_copy = False
         ask_s = 0.0
+        gone: set[str] = set()
         for _ in range(_MAX_ATTEMPTS):
             asked = time.perf_counter()
             try:
@@ -125,6 +126,14 @@ class TreePull:
                 self._fail(version)
                 raise
             ask_s += time.perf_counter() - asked
+            again = sorted(gone.intersection(sources.primaries))
+            if again:
+                # The sidecar knows no other source for those bytes (a trainer rank stays a
+                # source while its version is readable, even when a receiver lost it).
+                self._fail(version)
+                raise TreePullError(
+                    f"version {version}: no source other than {again}, which failed this pull"
+                )
             if offer is not None and not started_copy:
                 # The sidecar drained the readers of the previous copy: overwrite from here.
                 self._own.start(version)
@@ -140,6 +149,7 @@ class TreePull:
                         f"{e}; this copy had forwarded some of its bytes, so it fails too"
                     ) from e
                 lost, fallbacks = [e.agent or ""], fallbacks + 1
+                gone.update(lost)
                 log.warning("version %d: %s; asking for another source", version, e)
                 continue
             except SourceLost as e:
@@ -147,6 +157,7 @@ class TreePull:
                     self._fail(version)
                     raise TreePullError(str(e)) from e
                 lost, fallbacks = [e.agent or ""], fallbacks + 1
+                gone.update(lost)
                 log.warning("version %d: %s; asking for another source", version, e)
                 continue
             reads += stats.reads

@@ -45,9 +45,12 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             engine.stop()
 
 
-def _options(tp: int, sidecar: Sidecar) -> RefitOptions:
+def _options(tp: int, sidecar: Sidecar, *, fanout: bool = False) -> RefitOptions:
     return RefitOptions(
-        receiver_id=f"engine-tp{tp}", pull_timeout_s=60, token_file=sidecar.token_file()
+        receiver_id=f"engine-tp{tp}{'-tree' if fanout else ''}",
+        pull_timeout_s=60,
+        token_file=sidecar.token_file(),
+        fanout=fanout,
     )
 
 
@@ -134,6 +137,15 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
                 with pytest.raises(EngineError, match="RefitError: pulling version 2 failed"):
                     engine.call("refit_to", 2)
                 assert engine.call("installed_version") == 1
+                assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
+            # Through the source tree (docs/fanout.md) as well: the sidecar has no source
+            # for rank 1's bytes but the dead rank, so each engine's pull fails after
+            # reporting it, and each engine still generates exactly as before.
+            for tp, engine in engines.items():
+                engine.call("refit_init", sidecar.address, _options(tp, sidecar, fanout=True))
+            for tp, engine in engines.items():
+                with pytest.raises(EngineError, match="no source other than"):
+                    engine.call("refit_to", 2)
                 assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
         finally:
             kill_tree(launcher)

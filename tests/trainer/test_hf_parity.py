@@ -21,12 +21,18 @@ CHECKED_ON_SHARED_WORLDS = {"llama-tied-pp2", "qwen2-tp2"}
 """Cases the default run checks on worlds that other checks start anyway, with the same batch
 and assertions (`tests/support/parity.py`): a tied Llama at PP=2 in test_checkpoints, Qwen2 at
 TP=2 in test_layouts. Their own worlds start in the slow run only."""
+CHECKED_AGAINST_VLLM = {"qwen3-tp2"}
+"""Cases the default run checks against another reference: the fidelity matrix's Qwen3 at
+trainer TP=2 (tests/inference/test_fidelity_matrix.py, qwen3-gqa-tied) holds the trainer's
+Forward to vLLM's own Qwen3 at 1e-4. Here, against transformers, in the slow run."""
 
 
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(name, marks=pytest.mark.slow) if name in CHECKED_ON_SHARED_WORLDS else name
+        pytest.param(name, marks=pytest.mark.slow)
+        if name in CHECKED_ON_SHARED_WORLDS | CHECKED_AGAINST_VLLM
+        else name
         for name in CASES
     ],
 )
