@@ -156,14 +156,8 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
         sidecar = stack.enter_context(
             sidecar_server(work, logs / "sidecar.log", config.timeout, tokens, tree_flags)
         )
-        base = ri.ReceiverSettings(
-            sidecar=sidecar,
-            token_file=str(tokens.file(Role.RECEIVER)),
-            model_dir=str(model_dir),
-            params_dtype=config.params_dtype,
-            dest=f"cuda:{config.dest_gpu}" if config.cuda else "cpu",
-            source="cuda:0" if config.cuda else "cpu",
-            timeout_s=config.refit_timeout,
+        base = replace(
+            ri.receiver_settings(config, sidecar, tokens.file(Role.RECEIVER), model_dir),
             tree=True,
             chunk_bytes=args.chunk_bytes,
         )

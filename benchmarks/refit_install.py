@@ -755,6 +755,21 @@ def write_model(path: Path, config: RunConfig) -> Path:
     return _write_model(path, argparse.Namespace(**asdict(config), hf_weights=False))
 
 
+def receiver_settings(
+    config: RunConfig, sidecar: str, token_file: Path, model_dir: Path
+) -> ReceiverSettings:
+    """A receiver on `--dest-gpu` (or the CPU) for this run's model and sidecar."""
+    return ReceiverSettings(
+        sidecar=sidecar,
+        token_file=str(token_file),
+        model_dir=str(model_dir),
+        params_dtype=config.params_dtype,
+        dest=f"cuda:{config.dest_gpu}" if config.cuda else "cpu",
+        source="cuda:0" if config.cuda else "cpu",
+        timeout_s=config.refit_timeout,
+    )
+
+
 def run(config: RunConfig, work: Path) -> dict[str, Any]:
     model_dir = write_model(work / "model", config)
     batches = make_batches(asdict(config))
@@ -766,15 +781,7 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
         sidecar = stack.enter_context(
             sidecar_server(work, logs / "sidecar.log", config.timeout, tokens)
         )
-        settings = ReceiverSettings(
-            sidecar=sidecar,
-            token_file=str(tokens.file(Role.RECEIVER)),
-            model_dir=str(model_dir),
-            params_dtype=config.params_dtype,
-            dest=f"cuda:{config.dest_gpu}" if config.cuda else "cpu",
-            source="cuda:0" if config.cuda else "cpu",
-            timeout_s=config.refit_timeout,
-        )
+        settings = receiver_settings(config, sidecar, tokens.file(Role.RECEIVER), model_dir)
         # Started first: its setup (imports, model build) overlaps the trainer's start.
         receiver = stack.enter_context(receiver_process(settings, work, logs / "receiver.log"))
         trainer_args = [
