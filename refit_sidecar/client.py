@@ -312,6 +312,11 @@ class SidecarClient:
         request = get_sources_request(
             version, receiver_id, wants, domain=domain, offer=offer, lost=lost
         )
+        return self.ask(request)
+
+    def ask(self, request: pb.GetSourcesRequest) -> Answer:
+        """GetSources with a request built already (`sources.get_sources_request`): a
+        receiver asking for every version with the same wants and offer builds it once."""
         return Answer.of(self._call(self._stub.GetSources, request, tree=True))
 
     def release_sources(self, version: int, receiver_id: str, *, complete: bool) -> None:

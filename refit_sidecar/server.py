@@ -150,6 +150,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         if visible:
             log.info("version %d is readable", request.version)
             await self._notify()
+            # Right after this reply: the version's source tree, ready before receivers ask.
+            asyncio.get_running_loop().call_soon(self.tree.prepare, request.version)
         return pb.PublishShardsResponse(visible=visible)
 
     @_grpc_errors

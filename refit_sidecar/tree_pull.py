@@ -34,8 +34,9 @@ from refit_sidecar.pipelined_pull import (
 from refit_sidecar.plan import PullPlan, Want, plan_pull
 from refit_sidecar.progress import CopyProgress, OwnProgress
 from refit_sidecar.routing import peer_bases, route_manifest
-from refit_sidecar.sources import Answer, NoSourceFree, Offer
+from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
 from refit_sidecar.transport import Region, SourceLost, host_view
+from trainer_refit.v1 import refit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class TreePull:
         self._control = ControlSlots(transport)
         self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
         """Routed plans by `Sources.key`."""
+        self._request: tuple[object, pb.GetSourcesRequest] | None = None
+        """The last GetSources request built, by (wants, offer): reused with a new version."""
         self._offered: int | None = None
         """The version this receiver's copy is offered for."""
 
@@ -236,17 +239,20 @@ class TreePull:
     def _sources(
         self, version: int, wants: list[Want], offer: Offer | None, lost: list[str], deadline: float
     ) -> Answer:
+        key = (tuple(wants), offer)
+        if self._request is None or self._request[0] != key:
+            template = get_sources_request(
+                0, self._agent, wants, domain=self.config.domain, offer=offer
+            )
+            self._request = (key, template)
+        request = pb.GetSourcesRequest()
+        request.CopyFrom(self._request[1])
+        request.version = version
+        request.lost.extend(s for s in lost if s)
         pause = 0.01
         while True:
             try:
-                return self._client.ask_sources(
-                    version,
-                    self._agent,
-                    wants,
-                    domain=self.config.domain,
-                    offer=offer,
-                    lost=[s for s in lost if s],
-                )
+                return self._client.ask(request)
             except NoSourceFree:
                 if time.monotonic() + pause > deadline:
                     raise
