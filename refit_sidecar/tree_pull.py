@@ -104,6 +104,22 @@ class TreePull:
         deadline: float,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TreePullStats:
+        """Fill `staging` with `plan`'s bytes through the tree; TreePullError (or the
+        sidecar's error) when it cannot, this receiver's copy then marked FAILED and its
+        pull released as failed, so nothing of it is used here or by its readers."""
+        try:
+            return self._pull(plan, staging, deadline, on_progress)
+        except BaseException:
+            self._fail(plan.version)
+            raise
+
+    def _pull(
+        self,
+        plan: PullPlan,
+        staging: Region,
+        deadline: float,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> TreePullStats:
         version = plan.version
         wants = [Want(t.name, t.box) for t in plan.targets]
         offer = self._offer(plan, staging) if self.config.serve else None
@@ -123,17 +139,12 @@ class TreePull:
         gone: set[str] = set()
         for _ in range(_MAX_ATTEMPTS):
             asked = time.perf_counter()
-            try:
-                sources = self._sources(version, wants, offer, lost, deadline)
-            except Exception:
-                self._fail(version)
-                raise
+            sources = self._sources(version, wants, offer, lost, deadline)
             ask_s += time.perf_counter() - asked
             again = sorted(gone.intersection(sources.primaries))
             if again:
                 # The sidecar knows no other source for those bytes (a trainer rank stays a
                 # source while its version is readable, even when a receiver lost it).
-                self._fail(version)
                 raise TreePullError(
                     f"version {version}: no source other than {again}, which failed this pull"
                 )
@@ -147,7 +158,6 @@ class TreePull:
                 stats = runner.run(routed, staging, filled, peers=gates, deadline=deadline)
             except SourceFailed as e:
                 if e.exposed:
-                    self._fail(version)
                     raise TreePullError(
                         f"{e}; this copy had forwarded some of its bytes, so it fails too"
                     ) from e
@@ -157,7 +167,6 @@ class TreePull:
                 continue
             except SourceLost as e:
                 if time.monotonic() > deadline:
-                    self._fail(version)
                     raise TreePullError(str(e)) from e
                 lost, fallbacks = [e.agent or ""], fallbacks + 1
                 gone.update(lost)
@@ -167,14 +176,12 @@ class TreePull:
             chunks += stats.chunks
             break
         else:
-            self._fail(version)
             raise TreePullError(f"version {version}: {_MAX_ATTEMPTS} sources failed in turn")
         verified = 0
         if self.config.verify and staging.mem_type is MemType.DRAM:
             try:
                 verified = verify_checksums(plan, host_view(staging))
             except ChecksumMismatch as e:
-                self._fail(version)
                 raise TreePullError(str(e)) from e
         if offer is not None:
             self._own.finish(CopyProgress.COMPLETE)
