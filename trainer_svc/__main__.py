@@ -62,14 +62,24 @@ def main(argv: list[str] | None = None) -> None:
         config = replace(config, work_dir=work)
         model_dir = _model_dir(config, work)
         _check_layout(config, model_dir)
-        if identity is None:
+        if identity is not None:
+            from trainer_svc.runtime.rank import run_rank
+
+            run_rank(config, identity, model_dir)
+            code = 0  # the rank finished the shutdown protocol and left the process group
+        else:
             from trainer_svc.launch import spawn_world
 
             world_argv = [*argv, "--work-dir", str(work)]
-            sys.exit(spawn_world(world_argv, config.layout.world_size, model_dir))
-        from trainer_svc.runtime.rank import run_rank
-
-        run_rank(config, identity, model_dir)
+            code = spawn_world(world_argv, config.layout.world_size, model_dir)
+    # Done: a rank has closed its publisher and left the process group; the launcher's world
+    # is down; the scratch directory is gone. What is left is the teardown of the imported
+    # modules (torch, megatron, transformers), a second or two at interpreter exit on every
+    # stop of every process: flush and leave.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
