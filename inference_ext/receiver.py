@@ -341,7 +341,8 @@ class Receiver:
                 pull_timeout_s=options.pull_timeout_s,
                 # Chunked reads: one request per chunk, kept for the next version.
                 cache_size=4096 if options.fanout else NixlConfig.cache_size,
-                progress_thread=options.fanout,
+                # Serving a copy: progress the worker for readers between pulls.
+                progress_poll_s=0.001 if options.fanout else None,
             )
         )
         self.staging = Staging(self.transport, device)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -60,13 +61,18 @@ class NixlConfig:
     every interface."""
     net_devices: tuple[str, ...] = ()
     """RDMA ports (``mlx5_0:1``) the endpoints may use besides the interface of `host`."""
-    progress_thread: bool = False
-    """Run NIXL's progress thread: a puller that also serves its memory to others (tree
-    fan-out) must progress their reads while it does not pull itself (over TCP, say)."""
+    progress_poll_s: float | None = None
+    """A puller that also serves its memory to others (tree fan-out) must progress its UCX
+    worker while it does not pull itself: a reader's endpoint wire-up needs it, and reads
+    that are not one-sided (over TCP, say) do too. A thread does so every `progress_poll_s`
+    seconds (NIXL's own progress thread yields in a tight loop and so takes a core's share:
+    in a vLLM worker, from the engine). None: only while this transport pulls."""
 
     def __post_init__(self) -> None:
         if not self.name or min(self.connect_timeout_s, self.pull_timeout_s) <= 0:
             raise ValueError(f"bad NIXL transport config {self}")
+        if self.progress_poll_s is not None and not self.progress_poll_s > 0:
+            raise ValueError(f"progress_poll_s must be positive, got {self.progress_poll_s}")
         NixlNetwork(host=self.host, extra_devices=self.net_devices)  # raises for bad values
 
 
@@ -89,17 +95,35 @@ class NixlTransport:
         self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
         self._dests: dict[Region, Any] = {}  # registered destinations
         self._xfers: OrderedDict[bytes, _Xfer] = OrderedDict()  # LRU of ready requests
+        self._stop_progress = threading.Event()
+        self._progress: threading.Thread | None = None
+        if config.progress_poll_s is not None:
+            self._progress = threading.Thread(
+                target=self._poll_progress,
+                args=(config.progress_poll_s,),
+                name=f"nixl-progress-{config.name}",
+                daemon=True,
+            )
+            self._progress.start()
+
+    def _poll_progress(self, interval: float) -> None:
+        # Fetching notifications progresses the agent's UCX workers.
+        while not self._stop_progress.wait(interval):
+            with contextlib.suppress(*_NIXL_ERRORS):
+                self._agent.get_new_notifs()
 
     @classmethod
     def create(cls, config: NixlConfig) -> NixlTransport:
-        # Without a progress thread, `PendingPull.wait` progresses the worker while it polls.
+        # No NIXL progress thread: `PendingPull.wait` progresses the worker while it polls,
+        # and with `progress_poll_s` a thread of ours between pulls (the agent then takes
+        # strict locks, as two threads use it).
         conf = nixl_agent_config(
-            enable_prog_thread=config.progress_thread,
+            enable_prog_thread=False,
             enable_listen_thread=config.metadata_listener,
             listen_port=0,
             backends=[],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-            if config.progress_thread
+            if config.progress_poll_s is not None
             else None,
         )
         agent = nixl_agent(config.name, conf)
@@ -281,6 +305,10 @@ class NixlTransport:
                 self._agent.remove_remote_agent(name)
 
     def close(self) -> None:
+        self._stop_progress.set()
+        if self._progress is not None:
+            self._progress.join()
+            self._progress = None
         while self._xfers:
             _release(self._xfers.popitem()[1])
         for dest in list(self._dests):

@@ -65,17 +65,18 @@ def main(argv: list[str] | None = None) -> None:
         if identity is not None:
             from trainer_svc.runtime.rank import run_rank
 
+            # A rank exits the usual way: the interpreter's exit also joins or ends the
+            # processes megatron's checkpoint writer started.
             run_rank(config, identity, model_dir)
-            code = 0  # the rank finished the shutdown protocol and left the process group
-        else:
-            from trainer_svc.launch import spawn_world
+            return
+        from trainer_svc.launch import spawn_world
 
-            world_argv = [*argv, "--work-dir", str(work)]
-            code = spawn_world(world_argv, config.layout.world_size, model_dir)
-    # Done: a rank has closed its publisher and left the process group; the launcher's world
-    # is down; the scratch directory is gone. What is left is the teardown of the imported
-    # modules (torch, megatron, transformers), a second or two at interpreter exit on every
-    # stop of every process: flush and leave.
+        world_argv = [*argv, "--work-dir", str(work)]
+        code = spawn_world(world_argv, config.layout.world_size, model_dir)
+    # The launcher's world is down and the scratch directory gone; it started no process but
+    # the ranks. What is left is the teardown of the modules it imported (torch, transformers
+    # for the built-in model), about two seconds at interpreter exit on every stop: flush and
+    # leave.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

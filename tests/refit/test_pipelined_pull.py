@@ -182,7 +182,7 @@ class Peer:
 
 @pytest.fixture(scope="module")
 def agents() -> Iterator[tuple[NixlTransport, NixlTransport]]:
-    peer = NixlTransport.create(NixlConfig(name="hand-peer", progress_thread=True))
+    peer = NixlTransport.create(NixlConfig(name="hand-peer", progress_poll_s=0.001))
     child = NixlTransport.create(NixlConfig(name="hand-child", pull_timeout_s=30))
     yield peer, child
     child.close()
