@@ -24,6 +24,7 @@ import ipaddress
 import os
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,3 +127,31 @@ def create_ucx_backend(agent: Any, network: NixlNetwork) -> None:
     """Creates `agent`'s UCX backend on `network`'s devices."""
     with _environment(_UCX_NET_DEVICES, network.ucx_net_devices()):
         agent.create_backend("UCX", dict(_BACKEND_PARAMS))
+
+
+class ProgressPoller:
+    """Progresses a NIXL agent's UCX workers from a daemon thread every `interval` seconds
+    (fetching notifications does it), for an agent whose memory others read while it does
+    not transfer itself. NIXL's own progress thread yields in a tight loop and so takes a
+    core's share on a small machine; the agent needs strict sync mode either way."""
+
+    def __init__(self, agent: Any, name: str, interval: float) -> None:
+        if not interval > 0:
+            raise ValueError(f"a progress interval must be positive, got {interval}")
+        self._agent = agent
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(interval,), name=f"nixl-progress-{name}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._agent.get_new_notifs()
+            except Exception:  # a peer gone mid-handshake; the next poll goes on
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -32,7 +31,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from refit_sidecar.checksum import verify_checksums
 from refit_sidecar.manifest import AgentRecord, MemType
-from refit_sidecar.nixl_network import NixlNetwork, create_ucx_backend
+from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.plan import PullPlan
 from refit_sidecar.transport import PullStats, Region, SourceLost, host_view
 
@@ -95,22 +94,11 @@ class NixlTransport:
         self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
         self._dests: dict[Region, Any] = {}  # registered destinations
         self._xfers: OrderedDict[bytes, _Xfer] = OrderedDict()  # LRU of ready requests
-        self._stop_progress = threading.Event()
-        self._progress: threading.Thread | None = None
-        if config.progress_poll_s is not None:
-            self._progress = threading.Thread(
-                target=self._poll_progress,
-                args=(config.progress_poll_s,),
-                name=f"nixl-progress-{config.name}",
-                daemon=True,
-            )
-            self._progress.start()
-
-    def _poll_progress(self, interval: float) -> None:
-        # Fetching notifications progresses the agent's UCX workers.
-        while not self._stop_progress.wait(interval):
-            with contextlib.suppress(*_NIXL_ERRORS):
-                self._agent.get_new_notifs()
+        self._progress = (
+            None
+            if config.progress_poll_s is None
+            else ProgressPoller(agent, config.name, config.progress_poll_s)
+        )
 
     @classmethod
     def create(cls, config: NixlConfig) -> NixlTransport:
@@ -305,9 +293,8 @@ class NixlTransport:
                 self._agent.remove_remote_agent(name)
 
     def close(self) -> None:
-        self._stop_progress.set()
         if self._progress is not None:
-            self._progress.join()
+            self._progress.stop()
             self._progress = None
         while self._xfers:
             _release(self._xfers.popitem()[1])

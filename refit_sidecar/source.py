@@ -16,7 +16,6 @@ whichever slot it reads, and the rank runs one progress thread, not one per slot
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,7 +34,7 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
-from refit_sidecar.nixl_network import NixlNetwork, create_ucx_backend
+from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 
 Allocator = Callable[[int, int], Arena]
 """(nbytes, alignment) -> an arena of exactly nbytes whose address is aligned."""
@@ -97,16 +96,11 @@ class SourceAgent:
         self.config = config
         self.agent = agent
         self._record: AgentRecord | None = None
-        self._stop_progress = threading.Event()
-        self._progress: threading.Thread | None = None
-        if config.progress_poll_s is not None:
-            self._progress = threading.Thread(
-                target=self._poll_progress,
-                args=(config.progress_poll_s,),
-                name=f"nixl-progress-{config.name}",
-                daemon=True,
-            )
-            self._progress.start()
+        self._progress = (
+            None
+            if config.progress_poll_s is None
+            else ProgressPoller(agent, config.name, config.progress_poll_s)
+        )
 
     @classmethod
     def create(cls, config: SourceConfig) -> SourceAgent:
@@ -122,11 +116,6 @@ class SourceAgent:
         )
         create_ucx_backend(agent, config.network)
         return cls(config, agent)
-
-    def _poll_progress(self, interval: float) -> None:
-        # Fetching notifications progresses the agent's UCX workers.
-        while not self._stop_progress.wait(interval):
-            self.agent.get_new_notifs()
 
     def register(self, arena: Arena) -> Any:
         """Registers the arena's memory; returns the handle `deregister` takes."""
@@ -154,9 +143,8 @@ class SourceAgent:
         return self._record
 
     def close(self) -> None:
-        self._stop_progress.set()
         if self._progress is not None:
-            self._progress.join()
+            self._progress.stop()
             self._progress = None
 
 
