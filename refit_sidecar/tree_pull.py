@@ -66,6 +66,8 @@ class TreePullStats:
     nbytes: int
     seconds: float
     reads: int
+    """Byte ranges read by the run that completed the pull (runs cut short by a failed
+    source are not counted)."""
     chunks: int
     verified_shards: int
     bytes_by_source: dict[str, int]
@@ -91,6 +93,7 @@ class TreePull:
         self._control = ControlSlots(transport)
         self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
         """Routed plans by `Sources.key`."""
+        self._last_offer: tuple[object, Offer] | None = None
         self._request: tuple[object, pb.GetSourcesRequest] | None = None
         """The last GetSources request built, by (wants, offer): reused with a new version."""
         self._offered: int | None = None
@@ -229,6 +232,11 @@ class TreePull:
         return routed, gates
 
     def _offer(self, plan: PullPlan, staging: Region) -> Offer:
+        """This receiver's copy as it offers it: the same for every version that lands in
+        the same staging with the same layout, so it is built (metadata included) once."""
+        key = (staging, plan.targets)
+        if self._last_offer is not None and self._last_offer[0] == key:
+            return self._last_offer[1]
         locations = tuple(
             ShardLocation.contiguous(
                 agent=self._agent,
@@ -241,7 +249,9 @@ class TreePull:
             for t in plan.targets
         )
         record = AgentRecord(self._agent, metadata=self._transport.metadata())
-        return Offer(record, locations, self._own.location)
+        offer = Offer(record, locations, self._own.location)
+        self._last_offer = (key, offer)
+        return offer
 
     def _sources(
         self, version: int, wants: list[Want], offer: Offer | None, lost: list[str], deadline: float
