@@ -9,6 +9,7 @@ every later version; the staging buffer is allocated and registered with NIXL on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -37,6 +38,7 @@ from refit_sidecar.plan import (
     rebase,
     with_checksums,
 )
+from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import PullStats, Region
 from refit_sidecar.tree_pull import TreePull, TreePullConfig
 from trainer_refit.auth import ClientAuth
@@ -363,6 +365,8 @@ class Receiver:
                 self.transport,
                 agent,
                 TreePullConfig(chunks=chunks, domain=options.domain, verify=self._verifies),
+                # Progress words next to the copy: children read them the way they read it.
+                words=functools.partial(TorchWords, device=device),
             )
         self._fetched: _Fetched | None = None
         self._staged: ReceiverPlan | None = None

@@ -32,7 +32,15 @@ from refit_sidecar.intervals import Intervals
 from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport, Posted
 from refit_sidecar.plan import PullPlan
-from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, OwnProgress, ProgressWord, TornRead
+from refit_sidecar.progress import (
+    PROGRESS_BYTES,
+    CopyProgress,
+    HostWords,
+    OwnProgress,
+    ProgressWord,
+    TornRead,
+    Words,
+)
 from refit_sidecar.transport import Region, SourceLost
 
 _SLOT = 64
@@ -155,29 +163,34 @@ class ChunkedStats:
 
 
 class ControlSlots:
-    """Registered host memory this receiver reads peers' progress words into."""
+    """Registered memory this receiver reads peers' progress words into: made by `words` (host
+    memory by default; a receiver staging on a GPU uses device memory, so that reading a word
+    next to a peer's device copy takes the same path as the data)."""
 
-    def __init__(self, transport: NixlTransport) -> None:
+    def __init__(self, transport: NixlTransport, words: Callable[[int], Words] = HostWords) -> None:
         self._transport = transport
-        self._buffer = np.zeros(0, np.uint8)
+        self._make = words
+        self._memory: Words | None = None
         self.region: Region | None = None
 
     def ensure(self, slots: int) -> Region:
         if self.region is not None and self.region.nbytes >= slots * _SLOT:
             return self.region
         self.release()
-        self._buffer = np.zeros(max(slots, 8) * _SLOT, np.uint8)
-        self.region = Region.of_array(self._buffer)
+        self._memory = self._make(max(slots, 8) * _SLOT)
+        self.region = self._memory.region
         self._transport.register(self.region)
         return self.region
 
     def word(self, slot: int) -> np.ndarray:
-        return self._buffer[slot * _SLOT : slot * _SLOT + PROGRESS_BYTES]
+        assert self._memory is not None
+        return self._memory.read(slot * _SLOT, PROGRESS_BYTES)
 
     def release(self) -> None:
         if self.region is not None:
             self._transport.deregister(self.region)
             self.region = None
+            self._memory = None
 
 
 class PipelinedPull:

@@ -1,7 +1,10 @@
 """A serving receiver's progress word: how far its copy of a version is filled, readable by its
 children with one small one-sided read (pipelined fan-out, docs/fanout.md).
 
-Three little-endian uint64 in registered host memory:
+Three little-endian uint64 in registered memory (`Words`): host memory for a copy staged in
+host memory, device memory next to a copy staged on a GPU, so that children read the word over
+the same one-sided path as the data (CUDA IPC, RDMA) and the serving receiver does no work for
+their reads:
 
 - word 0: the version being filled (or served);
 - word 1: `tag | filled`, the bytes of the copy filled in order from its first byte;
@@ -23,10 +26,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from refit_sidecar.manifest import MemType, ShardLocation, c_strides
+from refit_sidecar.manifest import ShardLocation, c_strides
 from refit_sidecar.transport import Region
 
 PROGRESS_BYTES = 24
@@ -68,14 +72,65 @@ class ProgressWord:
         return ProgressWord(version, filled_word & _FILLED_MASK, state)
 
 
-class OwnProgress:
-    """This receiver's progress word, in host memory it registers with its NIXL agent."""
+class Words(Protocol):
+    """A few bytes of memory registered for one-sided reads: progress words and the slots a
+    child reads its parents' words into."""
 
-    def __init__(self, agent: str) -> None:
-        self._words = np.zeros(3, dtype="<u8")
+    @property
+    def region(self) -> Region: ...
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """Store `data` (bytes) at `offset`; visible to later reads once it returns."""
+        ...
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """`nbytes` bytes at `offset`, as host memory."""
+        ...
+
+
+class HostWords:
+    """`Words` in host memory (a NumPy array)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, np.uint8)
+        self._region = Region.of_array(self.array)
+
+    @property
+    def region(self) -> Region:
+        return self._region
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self.array[offset : offset + raw.size] = raw
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.array[offset : offset + nbytes]
+
+
+class OwnProgress:
+    """This receiver's progress word, in `words` (host memory by default) that it registers
+    with its NIXL agent. Each word is stored on its own, in the order the module docs give."""
+
+    def __init__(self, agent: str, words: Words | None = None) -> None:
+        memory = words if words is not None else HostWords(PROGRESS_BYTES)
+        if memory.region.nbytes < PROGRESS_BYTES:
+            raise ValueError(f"a progress word needs {PROGRESS_BYTES} bytes")
+        self._memory = memory
+        # Host memory is written in place; other memory through a host copy of the words.
+        self._in_place = isinstance(memory, HostWords)
+        self._words = (
+            memory.array[:PROGRESS_BYTES].view("<u8")
+            if isinstance(memory, HostWords)
+            else np.zeros(3, dtype="<u8")
+        )
         self._agent = agent
-        self.region = Region.of_array(self._words)
+        self.region = memory.region
         self.version = 0
+
+    def _set(self, index: int, value: int) -> None:
+        self._words[index] = value
+        if not self._in_place:
+            self._memory.write(8 * index, np.asarray(self._words)[index : index + 1])
 
     @property
     def location(self) -> ShardLocation:
@@ -86,7 +141,8 @@ class OwnProgress:
             nbytes=PROGRESS_BYTES,
             shape=(PROGRESS_BYTES,),
             strides=c_strides((PROGRESS_BYTES,)),
-            mem_type=MemType.DRAM,
+            mem_type=self.region.mem_type,
+            device_id=self.region.device_id,
         )
 
     def start(self, version: int) -> None:
@@ -95,18 +151,18 @@ class OwnProgress:
         if version >= 1 << 63:
             raise ValueError(f"version {version} does not fit a progress word")
         tag = (version & _TAG_MASK) << _FILLED_BITS
-        self._words[1] = tag
-        self._words[2] = tag | CopyProgress.FILLING
-        self._words[0] = version
+        self._set(1, tag)
+        self._set(2, tag | CopyProgress.FILLING)
+        self._set(0, version)
         self.version = version
 
     def filled(self, nbytes: int) -> None:
         if not 0 <= nbytes <= _FILLED_MASK:
             raise ValueError(f"{nbytes} bytes do not fit a progress word")
-        self._words[1] = ((self.version & _TAG_MASK) << _FILLED_BITS) | nbytes
+        self._set(1, ((self.version & _TAG_MASK) << _FILLED_BITS) | nbytes)
 
     def finish(self, state: CopyProgress) -> None:
-        self._words[2] = ((self.version & _TAG_MASK) << _FILLED_BITS) | state
+        self._set(2, ((self.version & _TAG_MASK) << _FILLED_BITS) | state)
 
     def read(self) -> ProgressWord:
-        return ProgressWord.decode(self._words)
+        return ProgressWord.decode(self._memory.read(0, PROGRESS_BYTES))

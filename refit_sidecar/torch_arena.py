@@ -15,6 +15,7 @@ import torch
 
 from refit_sidecar.arena import aligned_skip
 from refit_sidecar.manifest import MemType
+from refit_sidecar.transport import Region
 
 
 def memory_of(device: torch.device) -> tuple[MemType, int]:
@@ -68,3 +69,27 @@ class TorchArena:
         if start % itemsize or start + nbytes > self.nbytes:
             raise ValueError(f"{nbytes} bytes at {start} do not fit the arena as {dtype}")
         return self.tensor[start : start + nbytes].view(dtype).view(tuple(shape))
+
+
+class TorchWords:
+    """`progress.Words` in a small tensor on `device`: a receiver staging on a GPU keeps its
+    progress word and the slots it reads its parents' words into in device memory, next to
+    its copy. Writes and reads are synchronous copies of a few bytes."""
+
+    def __init__(self, nbytes: int, *, device: torch.device) -> None:
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        mem_type, device_id = memory_of(self.tensor.device)
+        self._region = Region(
+            int(self.tensor.data_ptr()), nbytes, mem_type, device_id, owner=self.tensor
+        )
+
+    @property
+    def region(self) -> Region:
+        return self._region
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        self.tensor[offset : offset + raw.numel()].copy_(raw)
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.tensor[offset : offset + nbytes].cpu().numpy()

@@ -32,7 +32,7 @@ from refit_sidecar.pipelined_pull import (
     SourceFailed,
 )
 from refit_sidecar.plan import PullPlan, Want, plan_pull
-from refit_sidecar.progress import CopyProgress, OwnProgress
+from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
 from refit_sidecar.routing import peer_bases, route_manifest
 from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
 from refit_sidecar.transport import Region, SourceLost, host_view
@@ -82,15 +82,23 @@ class TreePullStats:
 
 class TreePull:
     def __init__(
-        self, client: SidecarClient, transport: NixlTransport, agent: str, config: TreePullConfig
+        self,
+        client: SidecarClient,
+        transport: NixlTransport,
+        agent: str,
+        config: TreePullConfig,
+        *,
+        words: Callable[[int], Words] = HostWords,
     ) -> None:
+        """`words` makes the memory of this receiver's progress word and of the slots it reads
+        its parents' words into: where its staging is (device memory for a GPU's)."""
         self._client = client
         self._transport = transport
         self._agent = agent
         self.config = config
-        self._own = OwnProgress(agent)
+        self._own = OwnProgress(agent, words(PROGRESS_BYTES))
         transport.register(self._own.region)
-        self._control = ControlSlots(transport)
+        self._control = ControlSlots(transport, words)
         self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
         """Routed plans by `Sources.key`."""
         self._last_offer: tuple[object, Offer] | None = None

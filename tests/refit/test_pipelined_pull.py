@@ -4,15 +4,17 @@ the peer and the puller are two agents in this process, the peer's copy in host 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 from refit_sidecar.intervals import Intervals
 from refit_sidecar.manifest import (
@@ -36,9 +38,17 @@ from refit_sidecar.pipelined_pull import (
     SourceFailed,
 )
 from refit_sidecar.plan import PullPlan, Want, plan_pull
-from refit_sidecar.progress import CopyProgress, OwnProgress, ProgressWord, TornRead
+from refit_sidecar.progress import (
+    CopyProgress,
+    HostWords,
+    OwnProgress,
+    ProgressWord,
+    TornRead,
+    Words,
+)
 from refit_sidecar.routing import clip, route_manifest
 from refit_sidecar.sources import SourceCopy, Sources
+from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import Region, SourceLost
 from refit_sidecar.tree_types import NodeKind, Route
 
@@ -189,7 +199,9 @@ def agents() -> Iterator[tuple[NixlTransport, NixlTransport]]:
     peer.close()
 
 
-def _peer(transport: NixlTransport, version: int) -> Peer:
+def _peer(
+    transport: NixlTransport, version: int, words: Callable[[int], Words] = HostWords
+) -> Peer:
     records = tuple(ParameterRecord(w.name, (ROWS, COLS), DType.FLOAT32, ()) for w in WANTS)
     # The planner needs a source for the layout only: the peer's staging is laid out as its plan.
     layout = Manifest(
@@ -215,7 +227,7 @@ def _peer(transport: NixlTransport, version: int) -> Peer:
     plan = plan_pull(layout, WANTS)
     staging = np.zeros(plan.nbytes, np.uint8)
     transport.register(Region.of_array(staging))
-    own = OwnProgress(transport._config.name)
+    own = OwnProgress(transport._config.name, words(24))
     transport.register(own.region)
     own.start(version)
     agent = AgentRecord(transport._config.name, metadata=transport.metadata())
@@ -226,7 +238,10 @@ def _peer(transport: NixlTransport, version: int) -> Peer:
 
 
 def _run(
-    child: NixlTransport, peer: Peer, stall_s: float = 5.0
+    child: NixlTransport,
+    peer: Peer,
+    stall_s: float = 5.0,
+    words: Callable[[int], Words] = HostWords,
 ) -> tuple[threading.Thread, dict[str, object], np.ndarray, list[int]]:
     plan = plan_pull(peer.manifest, WANTS)
     dest = np.zeros(plan.nbytes, np.uint8)
@@ -235,7 +250,7 @@ def _run(
     seen: list[int] = []
     runner = PipelinedPull(
         child,
-        ControlSlots(child),
+        ControlSlots(child, words),
         ChunkConfig(chunk_bytes=4096, window=2, stall_timeout_s=stall_s),
         on_progress=lambda filled, total: seen.append(filled),
     )
@@ -257,12 +272,20 @@ def _run(
     return thread, out, dest, seen
 
 
+WORDS: dict[str, Callable[[int], Words]] = {
+    "numpy": HostWords,
+    # The receiver's kind (on a GPU, its device memory), here on the CPU.
+    "tensor": functools.partial(TorchWords, device=torch.device("cpu")),
+}
+
+
+@pytest.mark.parametrize("words", sorted(WORDS))
 def test_a_child_reads_only_what_its_parent_holds_and_ends_when_it_is_complete(
-    agents: tuple[NixlTransport, NixlTransport],
+    agents: tuple[NixlTransport, NixlTransport], words: str
 ) -> None:
     peer_t, child = agents
-    peer = _peer(peer_t, version=3)
-    thread, out, dest, seen = _run(child, peer)
+    peer = _peer(peer_t, version=3 if words == "numpy" else 4, words=WORDS[words])
+    thread, out, dest, seen = _run(child, peer, words=WORDS[words])
     for step in range(1, 9):
         peer.fill(step * peer.plan.nbytes // 8)
         time.sleep(0.05)
