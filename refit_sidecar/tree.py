@@ -38,7 +38,15 @@ from dataclasses import dataclass, field
 from refit_sidecar.manifest import Box, Manifest
 from refit_sidecar.plan import Want
 from refit_sidecar.registry import UnknownVersion
-from refit_sidecar.tree_rank import Ranking, Replay, Source, holdings, holds_any, take
+from refit_sidecar.tree_rank import (
+    Ranking,
+    Replay,
+    Source,
+    holdings,
+    holdings_key,
+    holds_any,
+    take,
+)
 from refit_sidecar.tree_types import (
     Assignment,
     CopyState,
@@ -78,6 +86,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_CUTS_KEPT = 4096
+
 
 @dataclass(eq=False)
 class _Pull:
@@ -112,6 +122,10 @@ class Tree:
             NodeKind.PEER: config.max_children,
             NodeKind.TRAINER: config.max_root_children,
         }
+        self._cuts: dict[tuple[bytes, bytes], tuple[tuple[int, Box], ...] | None] = {}
+        """`_cut` by (holdings key, wants key)."""
+        self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
+        """`_holdings` by wants key."""
 
     # -- versions and sources -----------------------------------------------------------------
 
@@ -216,23 +230,35 @@ class Tree:
     # -- pulls ----------------------------------------------------------------------------------
 
     def assign(
-        self, version: int, receiver: Receiver, wants: Sequence[Want], *, serve: bool = True
+        self,
+        version: int,
+        receiver: Receiver,
+        wants: Sequence[Want],
+        *,
+        serve: bool = True,
+        wants_key: bytes = b"",
     ) -> Assignment:
         """Sources for `wants`, holding one child slot per primary until `release`. With
         `serve`, the receiver becomes a filling peer for its wants at once. Assigning a
         receiver again (its parent failed) replaces its previous assignment, whose slots are
-        released even when no source is free for the new one."""
+        released even when no source is free for the new one.
+
+        `wants_key`: a digest of `wants` the caller checked them under (its wants are then
+        taken as checked), so that how a source's holdings cut them is computed once for
+        every version: a receiver asks with the same wants each time."""
         self.expire()
         v = self._version(version)
-        self._check(v, wants, "wants")
+        if not wants or not wants_key:
+            self._check(v, wants, "wants")
         rid = receiver.receiver_id
         self._not_a_root(v, rid)
+        held = self._holdings(wants, wants_key)
         own = v.sources.get(rid)
         if own is not None:
-            self._check_same(v, own, holdings(wants))
+            self._check_same(v, own, held[0])
         self._end_pull(v, rid)
         excluded = {rid, *self._descendants(v, rid)}
-        pieces = self._choose(v, receiver.domain, wants, excluded)
+        pieces = self._choose(v, receiver.domain, wants, excluded, wants_key)
         primaries = tuple(dict.fromkeys(p for _, _, p in pieces))
         for p in primaries:
             v.sources[p].children.add(rid)
@@ -244,13 +270,24 @@ class Tree:
         )
         # A primary's own subtree stalls with it: no fallback comes from there.
         avoid = {p: excluded | self._descendants(v, p) for p in primaries}
+        whole = {
+            s: self._cut(v.sources[s], wants, wants_key) is not None
+            for s in (*primaries, *(r.source_id for r in roots))
+        }
         routes = tuple(
             Route(
                 wants[i].name,
                 box,
                 p,
                 self._fallbacks(
-                    v, wants[i].name, box, primary=p, excluded=avoid[p], order=order, roots=roots
+                    v,
+                    wants[i].name,
+                    box,
+                    primary=p,
+                    excluded=avoid[p],
+                    order=order,
+                    roots=roots,
+                    whole=lambda s: whole.get(s) or self._whole(v.sources[s], wants, wants_key),
                 ),
             )
             for i, box, p in pieces
@@ -258,7 +295,9 @@ class Tree:
         assignment = Assignment(version, rid, routes)
         v.pulls[rid] = _Pull(receiver.domain, primaries, assignment)
         if own is None and serve:
-            own = Source(rid, NodeKind.PEER, receiver.domain, holdings(wants), next(v.seq))
+            own = Source(
+                rid, NodeKind.PEER, receiver.domain, held[0], next(v.seq), holds_key=held[1]
+            )
             v.sources[rid] = own
         if own is not None:
             own.state = CopyState.FILLING
@@ -450,8 +489,51 @@ class Tree:
                     frontier.append(child)
         return out
 
+    def _holdings(
+        self, wants: Sequence[Want], wants_key: bytes
+    ) -> tuple[dict[str, tuple[Box, ...]], bytes]:
+        """What a receiver of `wants` holds once it has them, and its `holdings_key`."""
+        cached = self._held.get(wants_key) if wants_key else None
+        if cached is None:
+            held = holdings(wants)
+            cached = (held, holdings_key(held))
+            if wants_key:
+                if len(self._held) >= _CUTS_KEPT:
+                    self._held.clear()
+                self._held[wants_key] = cached
+        return cached
+
+    def _cut(
+        self, source: Source, wants: Sequence[Want], wants_key: bytes
+    ) -> tuple[tuple[int, Box], ...] | None:
+        """All of `wants` as `source` holds it, in pieces (want index, box) in want order;
+        None when it does not hold all of it. Cached by (holdings, wants) when the wants
+        have a key."""
+        key = (source.holds_key, wants_key)
+        if wants_key and key in self._cuts:
+            return self._cuts[key]
+        taken, left = take(
+            [(i, w.box) for i, w in enumerate(wants)], [w.name for w in wants], source.holds
+        )
+        cut = None if left else tuple(sorted(taken, key=lambda p: (p[0], p[1].start)))
+        if wants_key:
+            if len(self._cuts) >= _CUTS_KEPT:
+                self._cuts.clear()
+            self._cuts[key] = cut
+        return cut
+
+    def _whole(self, source: Source, wants: Sequence[Want], wants_key: bytes) -> bool:
+        """`source` holds all of `wants` (only asked with a key: else cutting costs more than
+        it saves)."""
+        return bool(wants_key) and self._cut(source, wants, wants_key) is not None
+
     def _choose(
-        self, v: _Version, domain: str, wants: Sequence[Want], excluded: set[str]
+        self,
+        v: _Version,
+        domain: str,
+        wants: Sequence[Want],
+        excluded: set[str],
+        wants_key: bytes = b"",
     ) -> list[tuple[int, Box, str]]:
         """(want index, piece, primary), in want order: the best source with room first
         takes all it holds of what is left."""
@@ -461,6 +543,12 @@ class Tree:
         for source_id in v.ranking.ordered(domain, with_room=True):
             if source_id in excluded:
                 continue
+            if not pieces and wants_key:
+                # The usual case: the first source holds everything (a peer of the same
+                # layout, a trainer of one rank), cut as it was for an earlier version.
+                cut = self._cut(v.sources[source_id], wants, wants_key)
+                if cut is not None:
+                    return [(i, box, source_id) for i, box in cut]
             taken, left = take(left, names, v.sources[source_id].holds)
             pieces += [(i, box, source_id) for i, box in taken]
             if not left:
@@ -493,13 +581,16 @@ class Tree:
         excluded: set[str],
         order: Replay,
         roots: list[Source],
+        whole: Callable[[str], bool] = lambda s: False,
     ) -> tuple[str, ...]:
+        """`whole(source_id)`: the source holds every want (so any piece of them)."""
+
         def usable(s: Source | None) -> bool:
             return (
                 s is not None
                 and s.source_id != primary
                 and s.source_id not in excluded
-                and holds_any(s.holds, name, box)
+                and (whole(s.source_id) or holds_any(s.holds, name, box))
             )
 
         pull = v.pulls.get(primary)

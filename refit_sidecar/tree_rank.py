@@ -4,6 +4,7 @@ pieces of wanted boxes a source holds (box subtraction). Internal to `refit_side
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,6 +27,12 @@ class Source:
     """Pipeline stage when filling: 1 + the largest stage of the parents it reads from."""
     expires_at: float | None = None
     children: set[str] = field(default_factory=set)
+    holds_key: bytes = b""
+    """`holdings_key(holds)`: sources holding the same boxes share cached cuts."""
+
+    def __post_init__(self) -> None:
+        if not self.holds_key:
+            self.holds_key = holdings_key(self.holds)
 
 
 _Key = tuple[str, int, int, int]
@@ -126,6 +133,12 @@ def holdings(wants: Sequence[Want]) -> dict[str, tuple[Box, ...]]:
     for want in wants:
         held.setdefault(want.name, []).append(want.box)
     return {name: tuple(boxes) for name, boxes in held.items()}
+
+
+def holdings_key(holds: Mapping[str, tuple[Box, ...]]) -> bytes:
+    """A digest of what a source holds: equal for equal holdings."""
+    text = repr(sorted((name, [b.ranges for b in boxes]) for name, boxes in holds.items()))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def subtract(box: Box, hole: Box) -> list[Box]:

@@ -123,13 +123,17 @@ class TreeService:
             raise InvalidRequest("GetSources needs a receiver_id", field="receiver_id")
         version = request.version
         opened = self._opened(version)
-        wants, offer = self._checked(request, opened.manifest)
+        wants, offer, wants_key = self._checked(request, opened.manifest)
         self._lost(version, rid, request.lost, opened.manifest)
         if offer is not None:
             await self._drain(version, rid)
             opened = self._opened(version)  # the registry may have moved on while we waited
         assignment = self._tree.assign(
-            version, Receiver(rid, request.domain), wants, serve=offer is not None
+            version,
+            Receiver(rid, request.domain),
+            wants,
+            serve=offer is not None,
+            wants_key=wants_key,
         )
         if offer is not None:
             self._offers[(version, rid)] = _Offer(tuple(wants), offer)
@@ -228,26 +232,27 @@ class TreeService:
 
     def _checked(
         self, request: pb.GetSourcesRequest, manifest: Manifest
-    ) -> tuple[list[Want], pb.PeerOffer | None]:
-        """The request's wants and offer, checked. A receiver asks with the same wants and
-        offer for every version (same layout, same staging): the checked values of its last
-        request are reused when the bytes match (they were checked against the same trainer
-        generation's parameters)."""
+    ) -> tuple[list[Want], pb.PeerOffer | None, bytes]:
+        """The request's wants and offer, checked, and a digest of the wants. A receiver asks
+        with the same wants and offer for every version (same layout, same staging): the
+        checked values of its last request are reused when the bytes match (they were checked
+        against the same trainer generation's parameters)."""
         rid = request.receiver_id
         digest = hashlib.blake2b(digest_size=16)
         for wanted in request.wants:
             digest.update(wanted.SerializeToString(deterministic=True))
+        wants_key = digest.digest()
         digest.update(b"|")
         if request.HasField("offer"):
             digest.update(request.offer.SerializeToString(deterministic=True))
         key = digest.digest()
         known = self._last_checked.get(rid)
         if known is not None and known[0] == key:
-            return list(known[1]), known[2]
+            return list(known[1]), known[2], wants_key
         wants = self._wants(request, manifest)
         offer = self._offer(request, wants, manifest) if request.HasField("offer") else None
         self._last_checked[rid] = (key, tuple(wants), offer)
-        return wants, offer
+        return wants, offer, wants_key
 
     @staticmethod
     def _wants(request: pb.GetSourcesRequest, manifest: Manifest) -> list[Want]:
