@@ -76,7 +76,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
         self.tree = TreeService(
             registry,
-            lambda version: self._manifest(version)[0],
+            self._manifest,
             tree or TreeConfig(),
             drain_timeout_s=drain_timeout_s,
         )

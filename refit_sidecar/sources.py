@@ -138,7 +138,7 @@ class Answer:
 
     @classmethod
     def of(cls, reply: pb.GetSourcesResponse) -> Answer:
-        return cls(reply.version, answer_key(reply), reply)
+        return cls(reply.version, reply.routing_key or answer_key(reply), reply)
 
     @property
     def primaries(self) -> tuple[str, ...]:
@@ -174,12 +174,12 @@ def sources_from_proto(
         routes,
         copies,
         reply.offer_expires_in_seconds,
-        answer_key(reply) if key is None else key,
+        (reply.routing_key or answer_key(reply)) if key is None else key,
     )
 
 
 def answer_key(reply: pb.GetSourcesResponse) -> bytes:
-    """`Sources.key` of an answer."""
+    """`Sources.key` of an answer that does not carry the sidecar's `routing_key`."""
     bare = pb.GetSourcesResponse()
     bare.CopyFrom(reply)
     bare.version = 0

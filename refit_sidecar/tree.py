@@ -122,7 +122,7 @@ class Tree:
             NodeKind.PEER: config.max_children,
             NodeKind.TRAINER: config.max_root_children,
         }
-        self._cuts: dict[tuple[bytes, bytes], tuple[tuple[int, Box], ...] | None] = {}
+        self._cuts: dict[tuple[bytes, bytes], tuple[tuple[tuple[int, Box], ...] | None, bool]] = {}
         """`_cut` by (holdings key, wants key)."""
         self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
         """`_holdings` by wants key."""
@@ -270,9 +270,20 @@ class Tree:
         )
         # A primary's own subtree stalls with it: no fallback comes from there.
         avoid = {p: excluded | self._descendants(v, p) for p in primaries}
-        whole = {
-            s: self._cut(v.sources[s], wants, wants_key) is not None
-            for s in (*primaries, *(r.source_id for r in roots))
+        known: dict[str, bool | None] = {}
+
+        def share(source_id: str) -> bool | None:
+            if source_id not in known:
+                known[source_id] = self._share(v.sources[source_id], wants, wants_key)
+            return known[source_id]
+
+        # Where every source a fallback could come from holds all the wants (one layout), the
+        # fallbacks are the same for every piece of a primary: found once.
+        same = {
+            p: self._uniform_fallbacks(
+                v, primary=p, excluded=avoid[p], order=order, roots=roots, share=share
+            )
+            for p in primaries
         }
         routes = tuple(
             Route(
@@ -287,8 +298,10 @@ class Tree:
                     excluded=avoid[p],
                     order=order,
                     roots=roots,
-                    whole=lambda s: whole.get(s) or self._whole(v.sources[s], wants, wants_key),
-                ),
+                    whole=lambda s: share(s) is True,
+                )
+                if (fallbacks := same[p]) is None
+                else fallbacks,
             )
             for i, box, p in pieces
         )
@@ -505,10 +518,10 @@ class Tree:
 
     def _cut(
         self, source: Source, wants: Sequence[Want], wants_key: bytes
-    ) -> tuple[tuple[int, Box], ...] | None:
-        """All of `wants` as `source` holds it, in pieces (want index, box) in want order;
-        None when it does not hold all of it. Cached by (holdings, wants) when the wants
-        have a key."""
+    ) -> tuple[tuple[tuple[int, Box], ...] | None, bool]:
+        """(all of `wants` as `source` holds it, in pieces (want index, box) in want order,
+        or None when it does not hold all of it; whether it holds none of it). Cached by
+        (holdings, wants) when the wants have a key."""
         key = (source.holds_key, wants_key)
         if wants_key and key in self._cuts:
             return self._cuts[key]
@@ -519,13 +532,16 @@ class Tree:
         if wants_key:
             if len(self._cuts) >= _CUTS_KEPT:
                 self._cuts.clear()
-            self._cuts[key] = cut
-        return cut
+            self._cuts[key] = (cut, not taken)
+        return cut, not taken
 
-    def _whole(self, source: Source, wants: Sequence[Want], wants_key: bytes) -> bool:
-        """`source` holds all of `wants` (only asked with a key: else cutting costs more than
-        it saves)."""
-        return bool(wants_key) and self._cut(source, wants, wants_key) is not None
+    def _share(self, source: Source, wants: Sequence[Want], wants_key: bytes) -> bool | None:
+        """Whether `source` holds all of `wants` (True) or none of it (False); None when it
+        holds some, or the wants have no key (cutting then costs more than it saves)."""
+        if not wants_key:
+            return None
+        cut, none = self._cut(source, wants, wants_key)
+        return True if cut is not None else False if none else None
 
     def _choose(
         self,
@@ -546,7 +562,7 @@ class Tree:
             if not pieces and wants_key:
                 # The usual case: the first source holds everything (a peer of the same
                 # layout, a trainer of one rank), cut as it was for an earlier version.
-                cut = self._cut(v.sources[source_id], wants, wants_key)
+                cut, _ = self._cut(v.sources[source_id], wants, wants_key)
                 if cut is not None:
                     return [(i, box, source_id) for i, box in cut]
             taken, left = take(left, names, v.sources[source_id].holds)
@@ -604,6 +620,57 @@ class Tree:
                 out.append(source_id)
                 peers += 1
         out += [r.source_id for r in roots if r.source_id not in out and usable(r)]
+        return tuple(out)
+
+    def _uniform_fallbacks(
+        self,
+        v: _Version,
+        *,
+        primary: str,
+        excluded: set[str],
+        order: Replay,
+        roots: list[Source],
+        share: Callable[[str], bool | None],
+    ) -> tuple[str, ...] | None:
+        """`_fallbacks` of any piece of `primary`'s, when every source it would consider holds
+        all the wants or none of them (`share`); None when one holds some (the pieces are then
+        looked at one by one)."""
+
+        def candidate(s: Source | None) -> bool | None:
+            """Usable for every piece (True), for none (False), or it depends (None)."""
+            if s is None or s.source_id == primary or s.source_id in excluded:
+                return False
+            return share(s.source_id)
+
+        out: list[str] = []
+        pull = v.pulls.get(primary)
+        for g in pull.fed_by if pull else ():
+            use = candidate(v.sources.get(g))
+            if use is None:
+                return None
+            if use:
+                out.append(g)
+        peers = 0
+        for source_id in order:
+            if peers >= self.config.max_peer_fallbacks:
+                break
+            source = v.sources[source_id]
+            if source.kind is not NodeKind.PEER or source_id in out:
+                continue
+            use = candidate(source)
+            if use is None:
+                return None
+            if use:
+                out.append(source_id)
+                peers += 1
+        for root in roots:
+            if root.source_id in out:
+                continue
+            use = candidate(root)
+            if use is None:
+                return None
+            if use:
+                out.append(root.source_id)
         return tuple(out)
 
     def _end_pull(self, v: _Version, receiver_id: str) -> None:

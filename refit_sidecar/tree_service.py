@@ -21,6 +21,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from refit_sidecar.tree import (
     NodeKind,
     PullOutcome,
     Receiver,
+    Route,
     Tree,
     TreeConfig,
     TreeListing,
@@ -53,6 +55,7 @@ PROGRESS_BYTES = 24
 """A peer's progress word: three little-endian uint64 (version, filled up to, state)."""
 DRAIN_POLL_S = 0.005
 """How often a drain wait looks at the old copy's readers."""
+_ROUTE_REPLIES_KEPT = 64
 
 _KINDS = {
     NodeKind.TRAINER: pb.SOURCE_KIND_TRAINER,
@@ -62,35 +65,65 @@ _KINDS = {
 
 
 @dataclass(frozen=True)
+class _Copy:
+    """A source's copy as a reply names it, and the digest of where it lies (`_layout_key`)."""
+
+    message: pb.SourceCopy
+    key: bytes
+
+
+@dataclass(frozen=True)
 class _Open:
-    """A version open in the tree: its merged manifest, as proto and as domain record, and the
-    CRC-32 of each box a trainer shard holds whole and alone (`_derivable_crcs`)."""
+    """A version open in the tree: its merged manifest, as proto and as domain record (shapes,
+    boxes and agents; its version and checksums may be another version's), and the CRC-32 of
+    each box a trainer shard holds whole and alone (`_derivable_crc_slots`)."""
 
     proto: pb.Manifest
     manifest: Manifest
     crcs: dict[tuple[str, Box], int]
-    trainer_copies: dict[tuple[str, tuple[str, ...]], pb.Manifest] = field(default_factory=dict)
+    trainer_copies: dict[tuple[str, tuple[str, ...]], _Copy] = field(default_factory=dict)
     """A trainer rank's shards of the wanted tensors, by (agent, names): built once."""
+
+
+@dataclass(eq=False)
+class _Checked:
+    """A receiver's last request, checked: reused while its bytes repeat."""
+
+    key: bytes
+    """Digest of the request's wants and offer."""
+    wants_key: bytes
+    """Digest of the wants alone."""
+    wants: tuple[Want, ...]
+    offer: pb.PeerOffer | None
+    template: tuple[pb.Manifest, list[tuple[int, int, tuple[str, Box]]], bytes] | None = None
+    """The offered copy as a manifest of version 0 without checksums, where each derivable
+    checksum goes (parameter index, shard index, (name, box)), and its layout key; built
+    once per offer (`_peer_template`)."""
 
 
 @dataclass(frozen=True)
 class _Offer:
-    """An offer as stored: its wants and the checked, normalised PeerOffer."""
+    """An offer as stored: the checked request that made it."""
 
-    wants: tuple[Want, ...]
-    offer: pb.PeerOffer
-    shards: list[pb.Manifest] = field(default_factory=list)
-    """The copy as a manifest, once built (`_peer_shards`)."""
+    checked: _Checked
+    copies: list[_Copy] = field(default_factory=list)
+    """The copy of this version, once built (`_peer_copy`)."""
+
+    @property
+    def offer(self) -> pb.PeerOffer:
+        assert self.checked.offer is not None
+        return self.checked.offer
 
 
 class TreeService:
-    """`manifest_of(version)`: the merged manifest of a readable version (the servicer's
-    `_manifest`), UnknownVersion otherwise."""
+    """`manifest_of(version)`: the merged manifest of a readable version and its layout key
+    (the servicer's `_manifest`: a digest without version and checksums), UnknownVersion
+    otherwise."""
 
     def __init__(
         self,
         registry: Registry,
-        manifest_of: Callable[[int], pb.Manifest],
+        manifest_of: Callable[[int], tuple[pb.Manifest, bytes]],
         config: TreeConfig,
         *,
         drain_timeout_s: float = 5.0,
@@ -107,9 +140,14 @@ class TreeService:
         self._tree = Tree(config, clock)
         self._open: dict[int, _Open] = {}
         self._offers: dict[tuple[int, str], _Offer] = {}
-        self._last_checked: dict[str, tuple[bytes, tuple[Want, ...], pb.PeerOffer | None]] = {}
-        """Per receiver: the digest of its last request's wants and offer, and their checked
-        values."""
+        self._layouts: dict[bytes, tuple[Manifest, list[tuple[int, int, tuple[str, Box]]]]] = {}
+        """By layout key: the domain manifest of the first version laid out so (its version
+        and checksums are not used) and `_derivable_crc_slots`."""
+        self._last_checked: dict[str, _Checked] = {}
+        """Per receiver: its last request, checked."""
+        self._route_replies: OrderedDict[tuple[Route, ...], tuple[pb.GetSourcesResponse, bytes]]
+        self._route_replies = OrderedDict()
+        """Replies holding only these routes, and their digest: a steady tree repeats them."""
 
     @property
     def tree(self) -> Tree:
@@ -123,7 +161,8 @@ class TreeService:
             raise InvalidRequest("GetSources needs a receiver_id", field="receiver_id")
         version = request.version
         opened = self._opened(version)
-        wants, offer, wants_key = self._checked(request, opened.manifest)
+        checked = self._checked(request, opened.manifest)
+        offer = checked.offer
         self._lost(version, rid, request.lost, opened.manifest)
         if offer is not None:
             await self._drain(version, rid)
@@ -131,32 +170,54 @@ class TreeService:
         assignment = self._tree.assign(
             version,
             Receiver(rid, request.domain),
-            wants,
+            checked.wants,
             serve=offer is not None,
-            wants_key=wants_key,
+            wants_key=checked.wants_key,
         )
         if offer is not None:
-            self._offers[(version, rid)] = _Offer(tuple(wants), offer)
-        reply = pb.GetSourcesResponse(version=version)
+            self._offers[(version, rid)] = _Offer(checked)
+        routes, routes_key = self._routes(assignment.routes)
+        reply = pb.GetSourcesResponse()
+        reply.CopyFrom(routes)
+        reply.version = version
         named: dict[str, None] = {}
         for route in assignment.routes:
-            reply.routes.append(
-                pb.SourceRoute(
-                    name=route.name,
-                    box=box_to_proto(route.box),
-                    primary=route.primary,
-                    fallbacks=route.fallbacks,
-                )
-            )
-            named.update(dict.fromkeys((route.primary, *route.fallbacks)))
-        names = list(dict.fromkeys(w.name for w in wants))
-        reply.sources.extend(self._copy(version, opened, s, names) for s in named)
+            named[route.primary] = None
+            named.update(dict.fromkeys(route.fallbacks))
+        names = list(dict.fromkeys(w.name for w in checked.wants))
+        copies = [self._copy(version, opened, s, names) for s in named]
+        reply.sources.extend(c.message for c in copies)
+        reply.routing_key = hashlib.blake2b(
+            routes_key + b"".join(c.key for c in copies), digest_size=16
+        ).digest()
         expires_at = self._tree.peer_expiry(version, rid)
         if expires_at is not None:
             reply.offer_expires_in_seconds = max(expires_at - self._clock(), 0.0)
         if log.isEnabledFor(logging.DEBUG):
             self._debug(self._tree.tree(version))
         return reply
+
+    def _routes(self, routes: tuple[Route, ...]) -> tuple[pb.GetSourcesResponse, bytes]:
+        """A reply holding only `routes`, and its digest: built once per distinct routes."""
+        cached = self._route_replies.get(routes)
+        if cached is not None:
+            self._route_replies.move_to_end(routes)
+            return cached
+        message = pb.GetSourcesResponse(
+            routes=[
+                pb.SourceRoute(
+                    name=r.name, box=box_to_proto(r.box), primary=r.primary, fallbacks=r.fallbacks
+                )
+                for r in routes
+            ]
+        )
+        digest = hashlib.blake2b(
+            message.SerializeToString(deterministic=True), digest_size=16
+        ).digest()
+        self._route_replies[routes] = (message, digest)
+        while len(self._route_replies) > _ROUTE_REPLIES_KEPT:
+            self._route_replies.popitem(last=False)
+        return message, digest
 
     def release_sources(self, request: pb.ReleaseSourcesRequest) -> None:
         if not request.receiver_id:
@@ -192,6 +253,7 @@ class TreeService:
             self._open.clear()
             self._offers.clear()
             self._last_checked.clear()
+            self._layouts.clear()
         readable = set(self.registry.readable())
         for version in self._tree.versions:
             if version not in readable:
@@ -222,21 +284,30 @@ class TreeService:
             raise UnknownVersion(
                 f"version {version} is not readable; readable: {self.registry.readable()}"
             )
-        proto = self._manifest_of(version)
-        manifest = manifest_from_proto(proto)
+        proto, layout_key = self._manifest_of(version)
+        # Versions in the same trainer slot differ only in their version and checksums: the
+        # domain record (shapes, boxes, agents) and which checksums derive are parsed once.
+        layout = self._layouts.get(layout_key)
+        if layout is None:
+            manifest = manifest_from_proto(proto)
+            layout = self._layouts[layout_key] = (manifest, _derivable_crc_slots(manifest))
+        manifest, slots = layout
         self._tree.open_version(version, manifest)
-        opened = self._open[version] = _Open(proto, manifest, _derivable_crcs(manifest))
+        crcs = {
+            box: shard.crc32
+            for parameter, at, box in slots
+            if (shard := proto.parameters[parameter].shards[at]).HasField("crc32")
+        }
+        opened = self._open[version] = _Open(proto, manifest, crcs)
         return opened
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _checked(
-        self, request: pb.GetSourcesRequest, manifest: Manifest
-    ) -> tuple[list[Want], pb.PeerOffer | None, bytes]:
-        """The request's wants and offer, checked, and a digest of the wants. A receiver asks
-        with the same wants and offer for every version (same layout, same staging): the
-        checked values of its last request are reused when the bytes match (they were checked
-        against the same trainer generation's parameters)."""
+    def _checked(self, request: pb.GetSourcesRequest, manifest: Manifest) -> _Checked:
+        """The request's wants and offer, checked. A receiver asks with the same wants and
+        offer for every version (same layout, same staging): the checked values of its last
+        request are reused when the bytes match (they were checked against the same trainer
+        generation's parameters)."""
         rid = request.receiver_id
         digest = hashlib.blake2b(digest_size=16)
         for wanted in request.wants:
@@ -247,12 +318,12 @@ class TreeService:
             digest.update(request.offer.SerializeToString(deterministic=True))
         key = digest.digest()
         known = self._last_checked.get(rid)
-        if known is not None and known[0] == key:
-            return list(known[1]), known[2], wants_key
+        if known is not None and known.key == key:
+            return known
         wants = self._wants(request, manifest)
         offer = self._offer(request, wants, manifest) if request.HasField("offer") else None
-        self._last_checked[rid] = (key, tuple(wants), offer)
-        return wants, offer, wants_key
+        checked = self._last_checked[rid] = _Checked(key, wants_key, tuple(wants), offer)
+        return checked
 
     @staticmethod
     def _wants(request: pb.GetSourcesRequest, manifest: Manifest) -> list[Want]:
@@ -395,26 +466,23 @@ class TreeService:
 
     # -- replies --------------------------------------------------------------------------------
 
-    def _copy(self, version: int, opened: _Open, source_id: str, names: list[str]) -> pb.SourceCopy:
+    def _copy(self, version: int, opened: _Open, source_id: str, names: list[str]) -> _Copy:
         if source_id in opened.manifest.agents:
             key = (source_id, tuple(names))
-            shards = opened.trainer_copies.get(key)
-            if shards is None:
-                shards = opened.trainer_copies[key] = _trainer_shards(
-                    opened.proto, source_id, names
+            copy = opened.trainer_copies.get(key)
+            if copy is None:
+                shards = _trainer_shards(opened.proto, source_id, names)
+                copy = opened.trainer_copies[key] = _Copy(
+                    pb.SourceCopy(source_id=source_id, kind=pb.SOURCE_KIND_TRAINER, shards=shards),
+                    _layout_key(shards),
                 )
-            return pb.SourceCopy(source_id=source_id, kind=pb.SOURCE_KIND_TRAINER, shards=shards)
+            return copy
         stored = self._offers.get((version, source_id))
         if stored is None:
             raise RuntimeError(f"version {version}: peer {source_id!r} has no offer on record")
-        if not stored.shards:
-            stored.shards.append(_peer_shards(opened, stored))
-        return pb.SourceCopy(
-            source_id=source_id,
-            kind=pb.SOURCE_KIND_PEER,
-            shards=stored.shards[0],
-            progress=stored.offer.progress,
-        )
+        if not stored.copies:
+            stored.copies.append(_peer_copy(opened, source_id, stored))
+        return stored.copies[0]
 
     @staticmethod
     def _debug(listing: TreeListing) -> None:
@@ -462,14 +530,15 @@ def _own_location(location: pb.ShardLocation, rid: str, where: str) -> pb.ShardL
     return filled
 
 
-def _derivable_crcs(manifest: Manifest) -> dict[tuple[str, Box], int]:
-    """(parameter, box) -> CRC-32 for every trainer shard whose buffer is exactly one box: one
-    piece at local zero, a C-contiguous location of the box's shape and size. A peer's copy of
-    that box is the same bytes, so the same checksum verifies it."""
-    crcs: dict[tuple[str, Box], int] = {}
-    for p in manifest.parameters:
-        for shard in p.shards:
-            if shard.crc32 is None or len(shard.pieces) != 1:
+def _derivable_crc_slots(manifest: Manifest) -> list[tuple[int, int, tuple[str, Box]]]:
+    """(parameter index, shard index, (parameter, box)) for every trainer shard whose buffer is
+    exactly one box: one piece at local zero, a C-contiguous location of the box's shape and
+    size. A peer's copy of that box is the same bytes, so the shard's CRC-32, where it has
+    one, verifies it too."""
+    slots: list[tuple[int, int, tuple[str, Box]]] = []
+    for i, p in enumerate(manifest.parameters):
+        for j, shard in enumerate(p.shards):
+            if len(shard.pieces) != 1:
                 continue
             (piece,) = shard.pieces
             loc = shard.location
@@ -480,8 +549,8 @@ def _derivable_crcs(manifest: Manifest) -> dict[tuple[str, Box], int]:
                 or loc.nbytes != piece.box.numel * p.dtype.itemsize
             ):
                 continue
-            crcs[(p.name, piece.box)] = shard.crc32
-    return crcs
+            slots.append((i, j, (p.name, piece.box)))
+    return slots
 
 
 def _trainer_shards(merged: pb.Manifest, agent: str, names: list[str]) -> pb.Manifest:
@@ -505,28 +574,72 @@ def _trainer_shards(merged: pb.Manifest, agent: str, names: list[str]) -> pb.Man
     return out
 
 
-def _peer_shards(opened: _Open, stored: _Offer) -> pb.Manifest:
-    """A peer's copy as a manifest: one shard per want of the peer, the want's box at local
-    zero in the offered location. All of them, not only the tensors the caller wants: the
-    caller finds where the copy starts (what its progress word counts from) in them."""
-    out = pb.Manifest(version=opened.proto.version, layout=opened.proto.layout)
-    out.agents.append(stored.offer.agent)
-    records: dict[str, pb.ParameterRecord] = {}
-    for want, location in zip(stored.wants, stored.offer.locations, strict=True):
-        record = records.get(want.name)
+def _layout_key(shards: pb.Manifest) -> bytes:
+    """A digest of a copy's shards without the version and the checksums: where it lies."""
+    bare = pb.Manifest()
+    bare.CopyFrom(shards)
+    bare.version = 0
+    for parameter in bare.parameters:
+        for shard in parameter.shards:
+            shard.ClearField("crc32")
+    return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
+
+
+def _peer_template(
+    opened: _Open, checked: _Checked
+) -> tuple[pb.Manifest, list[tuple[int, int, tuple[str, Box]]], bytes]:
+    """A peer's copy as a manifest of version 0 without checksums: one shard per want of the
+    peer, the want's box at local zero in the offered location. All of them, not only the
+    tensors the caller wants: the caller finds where the copy starts (what its progress word
+    counts from) in them. With where each want's derivable checksum goes, and the layout key
+    (the progress word's location included)."""
+    assert checked.offer is not None
+    out = pb.Manifest(layout=opened.proto.layout)
+    out.agents.append(checked.offer.agent)
+    records: dict[str, tuple[int, pb.ParameterRecord]] = {}
+    slots: list[tuple[int, int, tuple[str, Box]]] = []
+    for want, location in zip(checked.wants, checked.offer.locations, strict=True):
+        at, record = records.get(want.name, (len(records), None))
         if record is None:
             merged = opened.manifest.get(want.name)
             assert merged is not None  # the wants were checked against it
-            record = records[want.name] = pb.ParameterRecord(
+            record = pb.ParameterRecord(
                 name=want.name, shape=merged.shape, dtype=dtype_to_proto(merged.dtype)
             )
-        shard = pb.ShardRecord(
-            location=location,
-            pieces=[pb.ShardPiece(box=box_to_proto(want.box), local_start=[0] * want.box.ndim)],
+            records[want.name] = (at, record)
+        slots.append((at, len(record.shards), (want.name, want.box)))
+        record.shards.append(
+            pb.ShardRecord(
+                location=location,
+                pieces=[pb.ShardPiece(box=box_to_proto(want.box), local_start=[0] * want.box.ndim)],
+            )
         )
-        crc = opened.crcs.get((want.name, want.box))
+    out.parameters.extend(record for _, record in records.values())
+    key = hashlib.blake2b(
+        out.SerializeToString(deterministic=True)
+        + checked.offer.progress.SerializeToString(deterministic=True),
+        digest_size=16,
+    ).digest()
+    return out, slots, key
+
+
+def _peer_copy(opened: _Open, source_id: str, stored: _Offer) -> _Copy:
+    """A peer's copy of this version: its template with the version's derivable checksums."""
+    checked = stored.checked
+    if checked.template is None:
+        checked.template = _peer_template(opened, checked)
+    template, slots, key = checked.template
+    shards = pb.Manifest()
+    shards.CopyFrom(template)
+    shards.version = opened.proto.version
+    for parameter, shard, box in slots:
+        crc = opened.crcs.get(box)
         if crc is not None:
-            shard.crc32 = crc
-        record.shards.append(shard)
-    out.parameters.extend(records.values())
-    return out
+            shards.parameters[parameter].shards[shard].crc32 = crc
+    message = pb.SourceCopy(
+        source_id=source_id,
+        kind=pb.SOURCE_KIND_PEER,
+        shards=shards,
+        progress=stored.offer.progress,
+    )
+    return _Copy(message, key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 
@@ -315,6 +316,52 @@ def test_mixed_tp_layouts_cover_their_boxes_exactly(seed):
     for node, count in children(tree).items():
         assert count <= 2, node
     assert_acyclic(tree)
+
+
+@pytest.mark.parametrize("trainer_tp", [1, 2])
+def test_cuts_cached_by_a_wants_key_route_exactly_as_cutting_each_time(trainer_tp):
+    """GetSources passes a digest of the wants: cuts are then reused across pulls and
+    versions, and a primary whose every fallback candidate holds all the wants gets one
+    fallback list for all its pieces. The routes must be those of the uncached path."""
+    rng = np.random.default_rng(trainer_tp)
+    trees = [make(manifest=trainer(tp=trainer_tp)) for _ in range(2)]
+    uniform = trees[1]._uniform_fallbacks
+    shared: list[object] = []
+
+    def spy(*args, **kw):
+        shared.append(found := uniform(*args, **kw))
+        return found
+
+    trees[1]._uniform_fallbacks = spy  # type: ignore[method-assign]
+    active: list[str] = []
+    for i in range(30):
+        tp = int(rng.choice([1, 1, 2]))
+        rank = int(rng.integers(tp))
+        wants = layout(tp, rank)
+        key = hashlib.blake2b(repr(wants).encode(), digest_size=16).digest()
+        name = f"r{i}-tp{tp}.{rank}"
+        while True:
+            try:
+                plain = pull(trees[0], name, wants=wants)
+                keyed = pull(trees[1], name, wants=wants, wants_key=key)
+                break
+            except NoSourceFree:
+                for tree in trees:
+                    tree.release(1, active[0], PullOutcome.COMPLETE)
+                active.pop(0)
+        assert keyed == plain
+        active.append(name)
+        if rng.random() < 0.2:  # a peer dies: its children's fallbacks change
+            victim = active.pop(int(rng.integers(len(active))))
+            for tree in trees:
+                tree.drop(victim)
+    assert trees[0].tree(1) == trees[1].tree(1)
+    # With one trainer rank every source holds all of a layout's wants: one fallback list per
+    # primary. Two ranks both hold the replicated tensors: piece by piece.
+    if trainer_tp == 1:
+        assert any(f is not None for f in shared)
+    else:
+        assert None in shared
 
 
 def test_a_tp1_receiver_reads_halves_from_two_tp2_sources():

@@ -285,16 +285,18 @@ class SourceCopy(_message.Message):
     def __init__(self, source_id: _Optional[str] = ..., kind: _Optional[_Union[SourceKind, str]] = ..., shards: _Optional[_Union[Manifest, _Mapping]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
 
 class GetSourcesResponse(_message.Message):
-    __slots__ = ("version", "routes", "sources", "offer_expires_in_seconds")
+    __slots__ = ("version", "routes", "sources", "offer_expires_in_seconds", "routing_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     OFFER_EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     version: int
     routes: _containers.RepeatedCompositeFieldContainer[SourceRoute]
     sources: _containers.RepeatedCompositeFieldContainer[SourceCopy]
     offer_expires_in_seconds: float
-    def __init__(self, version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[SourceRoute, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceCopy, _Mapping]]] = ..., offer_expires_in_seconds: _Optional[float] = ...) -> None: ...
+    routing_key: bytes
+    def __init__(self, version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[SourceRoute, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceCopy, _Mapping]]] = ..., offer_expires_in_seconds: _Optional[float] = ..., routing_key: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseSourcesRequest(_message.Message):
     __slots__ = ("version", "receiver_id", "complete")
