@@ -17,6 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from refit_sidecar.checksum import ChecksumMismatch, verify_checksums
@@ -106,6 +107,9 @@ class TreePull:
         """The last GetSources request built, by (wants, offer): reused with a new version."""
         self._offered: int | None = None
         """The version this receiver's copy is offered for."""
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix=f"release-{agent}")
+        """ReleaseSources goes out in the background, in order: off the refit's path."""
+        self._released: Future[None] | None = None
 
     def pull(
         self,
@@ -274,6 +278,7 @@ class TreePull:
         request.CopyFrom(self._request[1])
         request.version = version
         request.lost.extend(s for s in lost if s)
+        self._settle()
         pause = 0.01
         while True:
             try:
@@ -290,6 +295,17 @@ class TreePull:
         self._release(version, complete=False)
 
     def _release(self, version: int, *, complete: bool) -> None:
+        """Tell the sidecar the pull ended, without waiting: the copy's readers learn it from
+        the progress word already; the next GetSources waits for it (`_settle`)."""
+        self._released = self._releases.submit(self._send_release, version, complete)
+
+    def _settle(self) -> None:
+        """Wait for the release in flight, so the sidecar sees this receiver's calls in order."""
+        if self._released is not None:
+            self._released.result()
+            self._released = None
+
+    def _send_release(self, version: int, complete: bool) -> None:
         try:
             self._client.release_sources(version, self._agent, complete=complete)
         except UnknownVersion:
@@ -303,5 +319,7 @@ class TreePull:
             self._own.finish(CopyProgress.FAILED)
             self._release(self._offered, complete=False)
             self._offered = None
+        self._settle()
+        self._releases.shutdown(wait=True)
         self._control.release()
         self._transport.deregister(self._own.region)

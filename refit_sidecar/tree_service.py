@@ -56,6 +56,7 @@ PROGRESS_BYTES = 24
 DRAIN_POLL_S = 0.005
 """How often a drain wait looks at the old copy's readers."""
 _ROUTE_REPLIES_KEPT = 64
+_NAMED_KEPT = 64
 
 _KINDS = {
     NodeKind.TRAINER: pb.SOURCE_KIND_TRAINER,
@@ -145,6 +146,9 @@ class TreeService:
         and checksums are not used) and `_derivable_crc_slots`."""
         self._last_checked: dict[str, _Checked] = {}
         """Per receiver: its last request, checked."""
+        self._named: OrderedDict[tuple[str, tuple[str, ...]], None] = OrderedDict()
+        """The trainer ranks' copies (agent, tensors) replies named lately: built ahead for
+        each new version."""
         self._route_replies: OrderedDict[tuple[Route, ...], tuple[pb.GetSourcesResponse, bytes]]
         self._route_replies = OrderedDict()
         """Replies holding only these routes, and their digest: a steady tree repeats them."""
@@ -254,6 +258,7 @@ class TreeService:
             self._offers.clear()
             self._last_checked.clear()
             self._layouts.clear()
+            self._named.clear()
         readable = set(self.registry.readable())
         for version in self._tree.versions:
             if version not in readable:
@@ -264,11 +269,15 @@ class TreeService:
             del self._offers[key]
 
     def prepare(self, version: int) -> None:
-        """Open a version that just became readable, so the first GetSources finds it open
-        (building it costs milliseconds per hundred tensors). Never raises: a version gone
-        by then is simply not opened."""
+        """Open a version that just became readable, with the trainer ranks' copies the last
+        version's receivers asked for, so the first GetSources finds them built (they cost
+        milliseconds per hundred tensors). Never raises: a version gone by then is simply not
+        opened."""
         try:
-            self._opened(version)
+            opened = self._opened(version)
+            # The trainer ranks' copies earlier replies named: receivers ask the same.
+            for agent, names in list(self._named):
+                self._trainer_copy(opened, agent, list(names))
         except UnknownVersion:
             pass
         except Exception:
@@ -468,21 +477,28 @@ class TreeService:
 
     def _copy(self, version: int, opened: _Open, source_id: str, names: list[str]) -> _Copy:
         if source_id in opened.manifest.agents:
-            key = (source_id, tuple(names))
-            copy = opened.trainer_copies.get(key)
-            if copy is None:
-                shards = _trainer_shards(opened.proto, source_id, names)
-                copy = opened.trainer_copies[key] = _Copy(
-                    pb.SourceCopy(source_id=source_id, kind=pb.SOURCE_KIND_TRAINER, shards=shards),
-                    _layout_key(shards),
-                )
-            return copy
+            return self._trainer_copy(opened, source_id, names)
         stored = self._offers.get((version, source_id))
         if stored is None:
             raise RuntimeError(f"version {version}: peer {source_id!r} has no offer on record")
         if not stored.copies:
             stored.copies.append(_peer_copy(opened, source_id, stored))
         return stored.copies[0]
+
+    def _trainer_copy(self, opened: _Open, agent: str, names: list[str]) -> _Copy:
+        key = (agent, tuple(names))
+        self._named[key] = None
+        self._named.move_to_end(key)
+        while len(self._named) > _NAMED_KEPT:
+            self._named.popitem(last=False)
+        copy = opened.trainer_copies.get(key)
+        if copy is None:
+            shards = _trainer_shards(opened.proto, agent, names)
+            copy = opened.trainer_copies[key] = _Copy(
+                pb.SourceCopy(source_id=agent, kind=pb.SOURCE_KIND_TRAINER, shards=shards),
+                _layout_key(shards),
+            )
+        return copy
 
     @staticmethod
     def _debug(listing: TreeListing) -> None:
