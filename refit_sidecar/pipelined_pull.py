@@ -95,14 +95,22 @@ class Filled:
         """Wall-clock time (time.time()) of the first read posted, over every run."""
 
     def add(self, source: str, ranges: np.ndarray) -> None:
+        """`ranges` landed from `source`: theirs now, whoever delivered them before (a run
+        after a fallback reads again the chunks an earlier run filled only in part)."""
         mine = self.by_source.setdefault(source, Intervals())
+        others = [r for s, r in self.by_source.items() if s != source]
         for start, length in ranges:
-            self.valid.add(int(start), int(start + length))
-            mine.add(int(start), int(start + length))
+            begin, end = int(start), int(start + length)
+            for theirs in others:
+                theirs.remove(begin, end)
+            self.valid.add(begin, end)
+            mine.add(begin, end)
 
     def bytes_by_source(self) -> dict[str, int]:
-        """Valid bytes per source that delivered them (runs that failed later included)."""
-        return {source: ranges.total for source, ranges in self.by_source.items()}
+        """Valid bytes per source that delivered them last (runs that failed later
+        included): they add up to the bytes read."""
+        totals = {source: ranges.total for source, ranges in self.by_source.items()}
+        return {source: total for source, total in totals.items() if total}
 
     def drop(self, source: str) -> bool:
         """Forget every byte `source` delivered; True when some of it was already published

@@ -94,9 +94,9 @@ class Sources:
     offer_expires_in_s: float
     """Seconds until an offered copy's registration ends (0 without an offer)."""
     key: bytes = b""
-    """A digest of the answer without its version number, checksums and expiry: two answers
-    with the same key route the same boxes to the same memory, so a receiver replays the
-    plan it made for the first."""
+    """The sidecar's `routing_key` (else a digest of the whole answer without its version
+    number, checksums and expiry): two answers with the same key read the same boxes from the
+    same memory into the same memory, so a receiver replays the plan it made for the first."""
 
 
 def get_sources_request(

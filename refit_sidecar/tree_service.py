@@ -31,6 +31,8 @@ from refit_sidecar.registry import Registry, UnknownVersion
 from refit_sidecar.tree import (
     CopyState,
     NodeKind,
+    NoLiveSource,
+    NoSourceFree,
     PullOutcome,
     Receiver,
     Route,
@@ -91,11 +93,12 @@ class _Checked:
     """A receiver's last request, checked: reused while its bytes repeat."""
 
     key: bytes
-    """Digest of the request's wants and offer."""
+    """Digest of the request's wants, offer and domain."""
     wants_key: bytes
     """Digest of the wants alone."""
     wants: tuple[Want, ...]
     offer: pb.PeerOffer | None
+    domain: str
     template: tuple[pb.Manifest, list[tuple[int, int, tuple[str, Box]]], bytes] | None = None
     """The offered copy as a manifest of version 0 without checksums, where each derivable
     checksum goes (parameter index, shard index, (name, box)), and its layout key; built
@@ -146,6 +149,9 @@ class TreeService:
         and checksums are not used) and `_derivable_crc_slots`."""
         self._last_checked: dict[str, _Checked] = {}
         """Per receiver: its last request, checked."""
+        self._standing: dict[tuple[int, str], bytes] = {}
+        """(version, receiver) assigned when the version opened (`_stand`): the key of the
+        request it was assigned as."""
         self._named: OrderedDict[tuple[str, tuple[str, ...]], None] = OrderedDict()
         """The trainer ranks' copies (agent, tensors) replies named lately: built ahead for
         each new version."""
@@ -167,6 +173,14 @@ class TreeService:
         opened = self._opened(version)
         checked = self._checked(request, opened.manifest)
         offer = checked.offer
+        if self._standing.pop((version, rid), None) == checked.key and not request.lost:
+            # Assigned when the version opened, as asked for the last one.
+            if offer is not None:
+                await self._drain(version, rid)
+                opened = self._opened(version)
+            standing = self._tree.active(version, rid)
+            if standing is not None:
+                return self._reply(version, opened, rid, checked, standing.routes)
         self._lost(version, rid, request.lost, opened.manifest)
         if offer is not None:
             await self._drain(version, rid)
@@ -180,19 +194,33 @@ class TreeService:
         )
         if offer is not None:
             self._offers[(version, rid)] = _Offer(checked)
-        routes, routes_key = self._routes(assignment.routes)
+        return self._reply(version, opened, rid, checked, assignment.routes)
+
+    def _reply(
+        self,
+        version: int,
+        opened: _Open,
+        rid: str,
+        checked: _Checked,
+        routes: tuple[Route, ...],
+    ) -> pb.GetSourcesResponse:
+        template, routes_key = self._routes(routes)
         reply = pb.GetSourcesResponse()
-        reply.CopyFrom(routes)
+        reply.CopyFrom(template)
         reply.version = version
-        named: dict[str, None] = {}
-        for route in assignment.routes:
-            named[route.primary] = None
-            named.update(dict.fromkeys(route.fallbacks))
+        named: dict[str, bool] = {}
+        for route in routes:
+            named[route.primary] = True
+            for fallback in route.fallbacks:
+                named.setdefault(fallback, False)
         names = list(dict.fromkeys(w.name for w in checked.wants))
-        copies = [self._copy(version, opened, s, names) for s in named]
-        reply.sources.extend(c.message for c in copies)
+        copies = {s: self._copy(version, opened, s, names) for s in named}
+        reply.sources.extend(c.message for c in copies.values())
+        # The key leaves the fallbacks out: a receiver plans its reads from the primaries, and
+        # asks again when one fails.
         reply.routing_key = hashlib.blake2b(
-            routes_key + b"".join(c.key for c in copies), digest_size=16
+            routes_key + b"".join(c.key for s, c in copies.items() if named[s]),
+            digest_size=16,
         ).digest()
         expires_at = self._tree.peer_expiry(version, rid)
         if expires_at is not None:
@@ -202,7 +230,8 @@ class TreeService:
         return reply
 
     def _routes(self, routes: tuple[Route, ...]) -> tuple[pb.GetSourcesResponse, bytes]:
-        """A reply holding only `routes`, and its digest: built once per distinct routes."""
+        """A reply holding only `routes`, and a digest of the routes without their fallbacks:
+        built once per distinct routes."""
         cached = self._route_replies.get(routes)
         if cached is not None:
             self._route_replies.move_to_end(routes)
@@ -215,9 +244,8 @@ class TreeService:
                 for r in routes
             ]
         )
-        digest = hashlib.blake2b(
-            message.SerializeToString(deterministic=True), digest_size=16
-        ).digest()
+        primaries = repr([(r.name, r.box.ranges, r.primary) for r in routes])
+        digest = hashlib.blake2b(primaries.encode(), digest_size=16).digest()
         self._route_replies[routes] = (message, digest)
         while len(self._route_replies) > _ROUTE_REPLIES_KEPT:
             self._route_replies.popitem(last=False)
@@ -259,6 +287,7 @@ class TreeService:
             self._last_checked.clear()
             self._layouts.clear()
             self._named.clear()
+            self._standing.clear()
         readable = set(self.registry.readable())
         for version in self._tree.versions:
             if version not in readable:
@@ -267,6 +296,8 @@ class TreeService:
                 log.debug("version %d left the source tree", version)
         for key in [k for k in self._offers if k[0] not in self._open]:
             del self._offers[key]
+        for key in [k for k in self._standing if k[0] not in self._open]:
+            del self._standing[key]
 
     def prepare(self, version: int) -> None:
         """Open a version that just became readable, with the trainer ranks' copies the last
@@ -278,10 +309,39 @@ class TreeService:
             # The trainer ranks' copies earlier replies named: receivers ask the same.
             for agent, names in list(self._named):
                 self._trainer_copy(opened, agent, list(names))
+            self._stand(version)
         except UnknownVersion:
             pass
         except Exception:
             log.exception("opening version %d in the source tree failed", version)
+
+    def _stand(self, version: int) -> None:
+        """Assign `version` now to the receivers that completed the last open version, in the
+        order they were assigned it, as they asked for it: the tree keeps its shape whatever
+        order they ask in (each keeps its parent, and its routed plan), and their GetSources
+        is a lookup. A receiver that does not come back leaves its children to fall back
+        when its copy does not start (`stall_timeout_s`), and its registration to expire."""
+        earlier = [v for v in self._tree.versions if v < version]
+        if not earlier:
+            return
+        for rid in self._tree.completed(max(earlier)):
+            checked = self._last_checked.get(rid)
+            if checked is None or self._tree.active(version, rid) is not None:
+                continue
+            try:
+                self._tree.assign(
+                    version,
+                    Receiver(rid, checked.domain),
+                    checked.wants,
+                    serve=checked.offer is not None,
+                    wants_key=checked.wants_key,
+                )
+            except (NoSourceFree, NoLiveSource, InvalidRequest) as e:
+                log.debug("version %d: no standing assignment for %r: %s", version, rid, e)
+                continue
+            if checked.offer is not None:
+                self._offers[(version, rid)] = _Offer(checked)
+            self._standing[(version, rid)] = checked.key
 
     def _opened(self, version: int) -> _Open:
         """The open version, opened now when it is readable; UnknownVersion otherwise."""
@@ -325,13 +385,16 @@ class TreeService:
         digest.update(b"|")
         if request.HasField("offer"):
             digest.update(request.offer.SerializeToString(deterministic=True))
+        digest.update(b"|" + request.domain.encode())
         key = digest.digest()
         known = self._last_checked.get(rid)
         if known is not None and known.key == key:
             return known
         wants = self._wants(request, manifest)
         offer = self._offer(request, wants, manifest) if request.HasField("offer") else None
-        checked = self._last_checked[rid] = _Checked(key, wants_key, tuple(wants), offer)
+        checked = self._last_checked[rid] = _Checked(
+            key, wants_key, tuple(wants), offer, request.domain
+        )
         return checked
 
     @staticmethod

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -77,6 +78,21 @@ def test_intervals_match_a_set_of_bytes() -> None:
             assert ranges.prefix() == prefix
             a, b = sorted(rng.sample(range(65), 2))
             assert ranges.covers(a, b) == set(range(a, b)).issubset(truth)
+
+
+def test_bytes_read_again_count_for_the_source_that_delivered_them_last() -> None:
+    """A run after a fallback reads again the chunks an earlier run filled only in part: the
+    sources' bytes still add up to the buffer, and dropping the first source (its copy
+    failed) keeps what the second delivered over it."""
+    plan = SimpleNamespace(nbytes=100, targets=(SimpleNamespace(offset=0, nbytes=100),))
+    filled = Filled(plan)  # type: ignore[arg-type]
+    filled.add("victim", np.array([[0, 40], [40, 20]]))
+    filled.add("trainer", np.array([[40, 60]]))  # the chunk from 40 again, and the rest
+    assert filled.bytes_by_source() == {"victim": 40, "trainer": 60}
+    assert filled.complete
+    filled.drop("victim")
+    assert filled.bytes_by_source() == {"trainer": 60} and filled.prefix() == 0
+    assert filled.valid.covers(40, 100)
 
 
 # -- the progress word ----------------------------------------------------------------------------

@@ -306,6 +306,41 @@ def test_a_new_offer_waits_for_the_readers_of_the_older_copy(fleet):
     assert time.monotonic() - started < 0.4
 
 
+def test_a_new_version_keeps_the_tree_of_the_last_and_its_routing_keys(fleet):
+    """Receivers that completed version 1 are assigned version 2 as it opens, in the order
+    they were assigned 1: asking in another order, each keeps its parent, and its routing key
+    names the same reads (a peer's copy lies where it did, and this trainer publishes every
+    version at the same addresses)."""
+    f = fleet("--max-root-children", "1", "--max-children", "1")
+    chain = ("p1", "p2", "p3")
+    asked = {}
+    for rid in chain:
+        asked[(1, rid)] = f.client.get_sources(1, rid, HALF, offer=offer(rid, HALF))
+    for rid in chain:
+        f.client.release_sources(1, rid, complete=True)
+    assert [sorted(_primaries(asked[(1, r)])) for r in chain] == [["rank-0"], ["p1"], ["p2"]]
+    for version in (2, 3):
+        f.publish(version)
+        for rid in reversed(chain):  # the last of the chain asks first
+            asked[(version, rid)] = f.client.get_sources(version, rid, HALF, offer=offer(rid, HALF))
+        for rid in chain:
+            f.client.release_sources(version, rid, complete=True)
+        assert [sorted(_primaries(asked[(version, r)])) for r in chain] == [
+            ["rank-0"],
+            ["p1"],
+            ["p2"],
+        ]
+    keys = {k: a.key for k, a in asked.items()}
+    assert keys[(1, "p2")] == keys[(2, "p2")] == keys[(3, "p2")]
+    assert keys[(1, "p3")] == keys[(2, "p3")] == keys[(3, "p3")]
+    assert keys[(1, "p1")] == keys[(2, "p1")] == keys[(3, "p1")]
+    assert len({keys[(1, r)] for r in chain}) == 3
+    # The key is the sidecar's: what the answer itself routes, fallbacks left out.
+    assert asked[(2, "p3")].routes[0].fallbacks and all(
+        isinstance(a.key, bytes) and len(a.key) == 16 for a in asked.values()
+    )
+
+
 def _raw_offer(receiver: str, wants: list[Want]) -> pb.PeerOffer:
     o = offer(receiver, wants)
     return pb.PeerOffer(
