@@ -341,25 +341,6 @@ class Tree:
             v.ranking.place(source)
         return ()
 
-    def completed(self, version: int) -> tuple[str, ...]:
-        """The receivers whose pull of `version` completed, in the order they were first
-        assigned (the order that rebuilds the same tree for the next version)."""
-        self.expire()
-        v = self._version(version)
-        return tuple(rid for rid, pull in v.pulls.items() if pull.state is CopyState.COMPLETE)
-
-    def active(self, version: int, receiver_id: str) -> Assignment | None:
-        """The receiver's assignment while it holds its slots and every primary it names is
-        still a source; else None."""
-        self.expire()
-        pull = self._version(version).pulls.get(receiver_id)
-        if pull is None or pull.active is None:
-            return None
-        sources = self._versions[version].sources
-        if any(p not in sources for p in pull.active.parents):
-            return None
-        return pull.active
-
     def readers(self, version: int, source_id: str) -> tuple[str, ...]:
         """The receivers reading from `source_id` now (their active assignment names it as a
         primary), sorted: what a peer that wants to reuse its copy's memory waits for."""

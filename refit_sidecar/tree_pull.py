@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from refit_sidecar.checksum import ChecksumMismatch, verify_checksums
 from refit_sidecar.client import SidecarClient, UnknownVersion
 from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
@@ -32,11 +34,12 @@ from refit_sidecar.pipelined_pull import (
     PipelinedPull,
     SourceFailed,
 )
-from refit_sidecar.plan import PullPlan, Want, plan_pull
+from refit_sidecar.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
 from refit_sidecar.routing import peer_bases, route_manifest
 from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
 from refit_sidecar.transport import Region, SourceLost, host_view
+from refit_sidecar.wire import agent_from_proto, location_from_proto, mem_type_from_proto
 from trainer_refit.v1 import refit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -226,6 +229,12 @@ class TreePull:
         if cached is not None:
             self._plans.move_to_end(answer.key)
             return replace(cached[0], version=answer.version), cached[1]
+        fast = _one_source(answer, plan)
+        if fast is not None:
+            self._plans[answer.key] = fast
+            while len(self._plans) > _KNOWN_ANSWERS:
+                self._plans.popitem(last=False)
+            return fast
         sources = answer.sources(copies_of=answer.primaries)
         routed = plan_pull(route_manifest(sources), wants)
         if [(t.name, t.box, t.offset) for t in routed.targets] != [
@@ -323,3 +332,72 @@ class TreePull:
         self._releases.shutdown(wait=True)
         self._control.release()
         self._transport.deregister(self._own.region)
+
+
+def _one_source(answer: Answer, plan: PullPlan) -> tuple[PullPlan, dict[str, PeerGate]] | None:
+    """The routed plan without parsing or planning, in the two usual cases: every route's
+    primary is the one trainer rank this receiver's own plan reads from (the plan itself), or
+    one peer whose copy holds each wanted box whole (one read per box, from where the peer
+    holds it). None otherwise: the caller plans from the answer's manifests."""
+    primaries = answer.primaries
+    if len(primaries) != 1:
+        return None
+    (primary,) = primaries
+    copy = next((c for c in answer.reply.sources if c.source_id == primary), None)
+    if copy is None:
+        return None
+    if copy.kind == pb.SOURCE_KIND_TRAINER:
+        if set(plan.agents) != {primary}:
+            return None
+        return replace(plan, version=answer.version), {}
+    if copy.kind != pb.SOURCE_KIND_PEER or not copy.HasField("progress"):
+        return None
+    routes = answer.reply.routes
+    if len(routes) != len(plan.targets) or len(copy.shards.agents) != 1:
+        return None
+    held: dict[tuple[str, tuple[int, ...], tuple[int, ...]], pb.ShardLocation] = {}
+    for parameter in copy.shards.parameters:
+        for shard in parameter.shards:
+            if len(shard.pieces) == 1 and not any(shard.pieces[0].local_start):
+                box = shard.pieces[0].box
+                held[(parameter.name, tuple(box.start), tuple(box.stop))] = shard.location
+    locations = []
+    for route, target in zip(routes, plan.targets, strict=True):
+        stop = tuple(end for _, end in target.box.ranges)
+        key = (target.name, target.box.start, stop)
+        if (route.name, tuple(route.box.start), tuple(route.box.stop)) != key:
+            return None
+        location = held.get(key)
+        if location is None or location.nbytes != target.nbytes:
+            return None
+        locations.append(location)
+    # The copy's first byte, from which its progress word counts (`routing.peer_bases`).
+    base = min(s.location.address for p in copy.shards.parameters for s in p.shards)
+    end = max(loc.address + loc.nbytes for loc in locations)
+    first = locations[0]
+    whole = ShardLocation(
+        agent=primary,
+        address=base,
+        nbytes=end - base,
+        shape=(end - base,),
+        strides=(1,),
+        mem_type=mem_type_from_proto(first.memory),
+        device_id=first.device_id,
+    )
+    reads = ShardReads(
+        parameter="",
+        shard=0,
+        location=whole,
+        crc32=None,
+        complete=False,
+        shard_offsets=np.array([loc.address - base for loc in locations], np.int64),
+        lengths=np.array([t.nbytes for t in plan.targets], np.int64),
+        dest_offsets=np.array([t.offset for t in plan.targets], np.int64),
+    )
+    routed = replace(
+        plan,
+        version=answer.version,
+        reads=(reads,),
+        agents={primary: agent_from_proto(copy.shards.agents[0])},
+    )
+    return routed, {primary: PeerGate(location_from_proto(copy.progress), base)}

@@ -31,8 +31,6 @@ from refit_sidecar.registry import Registry, UnknownVersion
 from refit_sidecar.tree import (
     CopyState,
     NodeKind,
-    NoLiveSource,
-    NoSourceFree,
     PullOutcome,
     Receiver,
     Route,
@@ -93,12 +91,11 @@ class _Checked:
     """A receiver's last request, checked: reused while its bytes repeat."""
 
     key: bytes
-    """Digest of the request's wants, offer and domain."""
+    """Digest of the request's wants and offer."""
     wants_key: bytes
     """Digest of the wants alone."""
     wants: tuple[Want, ...]
     offer: pb.PeerOffer | None
-    domain: str
     template: tuple[pb.Manifest, list[tuple[int, int, tuple[str, Box]]], bytes] | None = None
     """The offered copy as a manifest of version 0 without checksums, where each derivable
     checksum goes (parameter index, shard index, (name, box)), and its layout key; built
@@ -149,9 +146,6 @@ class TreeService:
         and checksums are not used) and `_derivable_crc_slots`."""
         self._last_checked: dict[str, _Checked] = {}
         """Per receiver: its last request, checked."""
-        self._standing: dict[tuple[int, str], bytes] = {}
-        """(version, receiver) assigned when the version opened (`_stand`): the key of the
-        request it was assigned as."""
         self._named: OrderedDict[tuple[str, tuple[str, ...]], None] = OrderedDict()
         """The trainer ranks' copies (agent, tensors) replies named lately: built ahead for
         each new version."""
@@ -173,14 +167,6 @@ class TreeService:
         opened = self._opened(version)
         checked = self._checked(request, opened.manifest)
         offer = checked.offer
-        if self._standing.pop((version, rid), None) == checked.key and not request.lost:
-            # Assigned when the version opened, as asked for the last one.
-            if offer is not None:
-                await self._drain(version, rid)
-                opened = self._opened(version)
-            standing = self._tree.active(version, rid)
-            if standing is not None:
-                return self._reply(version, opened, rid, checked, standing.routes)
         self._lost(version, rid, request.lost, opened.manifest)
         if offer is not None:
             await self._drain(version, rid)
@@ -287,7 +273,6 @@ class TreeService:
             self._last_checked.clear()
             self._layouts.clear()
             self._named.clear()
-            self._standing.clear()
         readable = set(self.registry.readable())
         for version in self._tree.versions:
             if version not in readable:
@@ -296,8 +281,6 @@ class TreeService:
                 log.debug("version %d left the source tree", version)
         for key in [k for k in self._offers if k[0] not in self._open]:
             del self._offers[key]
-        for key in [k for k in self._standing if k[0] not in self._open]:
-            del self._standing[key]
 
     def prepare(self, version: int) -> None:
         """Open a version that just became readable, with the trainer ranks' copies the last
@@ -309,39 +292,10 @@ class TreeService:
             # The trainer ranks' copies earlier replies named: receivers ask the same.
             for agent, names in list(self._named):
                 self._trainer_copy(opened, agent, list(names))
-            self._stand(version)
         except UnknownVersion:
             pass
         except Exception:
             log.exception("opening version %d in the source tree failed", version)
-
-    def _stand(self, version: int) -> None:
-        """Assign `version` now to the receivers that completed the last open version, in the
-        order they were assigned it, as they asked for it: the tree keeps its shape whatever
-        order they ask in (each keeps its parent, and its routed plan), and their GetSources
-        is a lookup. A receiver that does not come back leaves its children to fall back
-        when its copy does not start (`stall_timeout_s`), and its registration to expire."""
-        earlier = [v for v in self._tree.versions if v < version]
-        if not earlier:
-            return
-        for rid in self._tree.completed(max(earlier)):
-            checked = self._last_checked.get(rid)
-            if checked is None or self._tree.active(version, rid) is not None:
-                continue
-            try:
-                self._tree.assign(
-                    version,
-                    Receiver(rid, checked.domain),
-                    checked.wants,
-                    serve=checked.offer is not None,
-                    wants_key=checked.wants_key,
-                )
-            except (NoSourceFree, NoLiveSource, InvalidRequest) as e:
-                log.debug("version %d: no standing assignment for %r: %s", version, rid, e)
-                continue
-            if checked.offer is not None:
-                self._offers[(version, rid)] = _Offer(checked)
-            self._standing[(version, rid)] = checked.key
 
     def _opened(self, version: int) -> _Open:
         """The open version, opened now when it is readable; UnknownVersion otherwise."""
@@ -385,16 +339,13 @@ class TreeService:
         digest.update(b"|")
         if request.HasField("offer"):
             digest.update(request.offer.SerializeToString(deterministic=True))
-        digest.update(b"|" + request.domain.encode())
         key = digest.digest()
         known = self._last_checked.get(rid)
         if known is not None and known.key == key:
             return known
         wants = self._wants(request, manifest)
         offer = self._offer(request, wants, manifest) if request.HasField("offer") else None
-        checked = self._last_checked[rid] = _Checked(
-            key, wants_key, tuple(wants), offer, request.domain
-        )
+        checked = self._last_checked[rid] = _Checked(key, wants_key, tuple(wants), offer)
         return checked
 
     @staticmethod

@@ -47,11 +47,14 @@ from refit_sidecar.progress import (
     TornRead,
     Words,
 )
-from refit_sidecar.routing import clip, route_manifest
-from refit_sidecar.sources import SourceCopy, Sources
+from refit_sidecar.routing import clip, peer_bases, route_manifest
+from refit_sidecar.sources import Answer, SourceCopy, Sources
 from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import Region, SourceLost
+from refit_sidecar.tree_pull import _one_source
 from refit_sidecar.tree_types import NodeKind, Route
+from refit_sidecar.wire import box_to_proto, location_to_proto, manifest_to_proto
+from trainer_refit.v1 import refit_pb2 as pb
 
 # -- intervals ------------------------------------------------------------------------------------
 
@@ -184,6 +187,77 @@ def test_route_manifest_reads_each_piece_from_its_primary_only() -> None:
     assert set(manifest.agents) == {"t0", "peer"}
     with pytest.raises(ValueError, match="not sent"):
         route_manifest(Sources(1, (Route(NAME, Box.full(SHAPE), "gone", ()),), copies, 30.0))
+
+
+def _reads(plan: PullPlan) -> list[tuple[str, int, int, int]]:
+    return sorted(
+        (r.location.agent, int(a), int(n), int(d))
+        for r in plan.reads
+        for a, n, d in zip(r.remote_addresses, r.lengths, r.dest_offsets, strict=True)
+    )
+
+
+def test_one_source_answers_are_routed_without_planning_exactly_as_planned() -> None:
+    """A receiver reading everything from one trainer rank replays its own plan; from one
+    peer holding each box whole (here laid out in another order) it reads each box from
+    where the peer holds it: the same reads and gate as planning from the answer."""
+    shapes = {"a": (4, 8), "b": (16,), "c": (2, 3, 4)}
+    wants = [Want(n, Box.full(shape)) for n, shape in shapes.items()]
+    trainer = Manifest(
+        3,
+        tuple(
+            ParameterRecord(
+                n,
+                shape,
+                DType.FLOAT32,
+                (
+                    ShardRecord(
+                        ShardLocation.contiguous(
+                            agent="t", address=(1 << 20) * (i + 1), shape=shape, itemsize=4
+                        ),
+                        (ShardPiece(Box.full(shape), (0,) * len(shape)),),
+                        11,
+                    ),
+                ),
+            )
+            for i, (n, shape) in enumerate(shapes.items())
+        ),
+        {"t": AgentRecord("t", metadata=b"m")},
+    )
+    plan = plan_pull(trainer, wants)
+    peer_plan = plan_pull(trainer, wants[::-1])
+    peer = staged_manifest(
+        peer_plan, shapes, agent=AgentRecord("peer", metadata=b"pm"), address=1 << 30
+    )
+    progress = ShardLocation.contiguous(agent="peer", address=1 << 31, shape=(24,), itemsize=1)
+
+    def answer(primary: str) -> Answer:
+        copy = pb.SourceCopy(
+            source_id=primary,
+            kind=pb.SOURCE_KIND_PEER if primary == "peer" else pb.SOURCE_KIND_TRAINER,
+            shards=manifest_to_proto(peer if primary == "peer" else trainer),
+        )
+        if primary == "peer":
+            copy.progress.CopyFrom(location_to_proto(progress))
+        routes = [
+            pb.SourceRoute(name=w.name, box=box_to_proto(w.box), primary=primary) for w in wants
+        ]
+        return Answer.of(pb.GetSourcesResponse(version=3, routes=routes, sources=[copy]))
+
+    fast = _one_source(answer("peer"), plan)
+    assert fast is not None
+    sources = answer("peer").sources()
+    planned = plan_pull(route_manifest(sources), wants)
+    assert _reads(fast[0]) == _reads(planned) and fast[0].nbytes == plan.nbytes
+    assert fast[1] == {"peer": PeerGate(progress, peer_bases(sources)["peer"])}
+    assert list(fast[0].agents) == ["peer"] and fast[0].targets == plan.targets
+
+    replayed = _one_source(answer("t"), plan)
+    assert replayed is not None and replayed[0].reads is plan.reads and replayed[1] == {}
+    # Two primaries: planned from the answer instead.
+    mixed = answer("peer")
+    mixed.reply.routes[0].primary = "t"
+    assert _one_source(Answer.of(mixed.reply), plan) is None
 
 
 # -- a chunked pull gated on a peer driven by hand ------------------------------------------------

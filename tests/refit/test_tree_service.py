@@ -306,11 +306,11 @@ def test_a_new_offer_waits_for_the_readers_of_the_older_copy(fleet):
     assert time.monotonic() - started < 0.4
 
 
-def test_a_new_version_keeps_the_tree_of_the_last_and_its_routing_keys(fleet):
-    """Receivers that completed version 1 are assigned version 2 as it opens, in the order
-    they were assigned 1: asking in another order, each keeps its parent, and its routing key
-    names the same reads (a peer's copy lies where it did, and this trainer publishes every
-    version at the same addresses)."""
+def test_routing_keys_repeat_where_the_reads_do(fleet):
+    """A receiver whose answer reads the same boxes from the same memory gets the same
+    routing key for every version (a peer's copy lies where it did, and this trainer
+    publishes every version at the same addresses), whatever its fallbacks; a receiver in
+    another place of the tree gets another."""
     f = fleet("--max-root-children", "1", "--max-children", "1")
     chain = ("p1", "p2", "p3")
     asked = {}
@@ -321,7 +321,7 @@ def test_a_new_version_keeps_the_tree_of_the_last_and_its_routing_keys(fleet):
     assert [sorted(_primaries(asked[(1, r)])) for r in chain] == [["rank-0"], ["p1"], ["p2"]]
     for version in (2, 3):
         f.publish(version)
-        for rid in reversed(chain):  # the last of the chain asks first
+        for rid in chain:
             asked[(version, rid)] = f.client.get_sources(version, rid, HALF, offer=offer(rid, HALF))
         for rid in chain:
             f.client.release_sources(version, rid, complete=True)
