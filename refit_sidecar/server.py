@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,23 +25,13 @@ from refit_sidecar.registry import (
 )
 from refit_sidecar.tree_service import TreeService
 from refit_sidecar.tree_types import NoLiveSource, NoSourceFree, TreeConfig, UnknownSource
+from refit_sidecar.wire import manifest_key
 from trainer_refit.serving import RunningServer, start_server, status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-def manifest_key(manifest: pb.Manifest) -> bytes:
-    """`Lease.manifest_key`: a digest of the manifest with its version and checksums cleared."""
-    bare = pb.Manifest()
-    bare.CopyFrom(manifest)
-    bare.version = 0
-    for parameter in bare.parameters:
-        for shard in parameter.shards:
-            shard.ClearField("crc32")
-    return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name

@@ -45,6 +45,7 @@ from refit_sidecar.wire import (
     dtype_to_proto,
     location_from_proto,
     manifest_from_proto,
+    manifest_key,
 )
 from trainer_refit.errors import InvalidRequest, quoted
 from trainer_refit.v1 import refit_pb2 as pb
@@ -67,7 +68,8 @@ _KINDS = {
 
 @dataclass(frozen=True)
 class _Copy:
-    """A source's copy as a reply names it, and the digest of where it lies (`_layout_key`)."""
+    """A source's copy as a reply names it, and the digest of where it lies
+    (`wire.manifest_key`)."""
 
     message: pb.SourceCopy
     key: bytes
@@ -510,7 +512,7 @@ class TreeService:
             shards = _trainer_shards(opened.proto, agent, names)
             copy = opened.trainer_copies[key] = _Copy(
                 pb.SourceCopy(source_id=agent, kind=pb.SOURCE_KIND_TRAINER, shards=shards),
-                _layout_key(shards),
+                manifest_key(shards),
             )
         return copy
 
@@ -602,17 +604,6 @@ def _trainer_shards(merged: pb.Manifest, agent: str, names: list[str]) -> pb.Man
                 )
             )
     return out
-
-
-def _layout_key(shards: pb.Manifest) -> bytes:
-    """A digest of a copy's shards without the version and the checksums: where it lies."""
-    bare = pb.Manifest()
-    bare.CopyFrom(shards)
-    bare.version = 0
-    for parameter in bare.parameters:
-        for shard in parameter.shards:
-            shard.ClearField("crc32")
-    return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
 
 
 def _peer_template(

@@ -17,6 +17,7 @@ part of a version (its one agent and its shards) to and from a `PublishShardsReq
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 from refit_sidecar.manifest import (
@@ -191,6 +192,18 @@ def manifest_to_proto(
         parameters=[parameter_to_proto(p) for p in manifest.parameters],
         agents=[agent_to_proto(a) for a in manifest.agents.values()],
     )
+
+
+def manifest_key(manifest: pb.Manifest) -> bytes:
+    """A digest of the manifest with its version and checksums cleared: where its shards lie
+    (`Lease.manifest_key`, and a source copy's key in a GetSources answer)."""
+    bare = pb.Manifest()
+    bare.CopyFrom(manifest)
+    bare.version = 0
+    for parameter in bare.parameters:
+        for shard in parameter.shards:
+            shard.ClearField("crc32")
+    return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
 
 
 def manifest_from_proto(message: pb.Manifest) -> Manifest:
