@@ -312,8 +312,11 @@ class PipelinedPull:
                     inflight = [i for i in inflight if i[0].agent != agent]
                     continue
                 peer.poll = None
-                progressed = True
+                # A word that did not move is no progress: the loop backs off before asking
+                # again, rather than keeping the GPU's copy queue full of 24-byte reads.
+                before = peer.advanced
                 lost = self._observe(agent, peer, plan.version, filled, slots[agent])
+                progressed = progressed or lost is not None or peer.advanced != before
                 if lost is not None:
                     failure = failure or self._lose(lost, agent, state, filled)
                     inflight = [i for i in inflight if i[0].agent != agent]
