@@ -120,6 +120,7 @@ class RunConfig:
     warmup: int
     steps: int
     verify: bool
+    checksums: bool
     lr: float
     seed: int
     timeout: float
@@ -168,6 +169,8 @@ class ReceiverSettings:
     "tree"), beside the one reading from the trainer's ranks (mode "direct")."""
     chunk_bytes: int = 16 << 20
     """The tree receiver's chunk size."""
+    checksums: bool = True
+    """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -263,6 +266,7 @@ class InstallEndpoint:
             receiver_id=settings.receiver_id,
             lease_ttl_s=settings.timeout_s,
             pull_timeout_s=settings.timeout_s,
+            verify_checksums=settings.checksums,
         )
         self.receivers = {
             "direct": Receiver(
@@ -682,6 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=int, help="untimed refits first (default: --slots)")
     run.add_argument("--steps", type=int, help="timed steps, each refitted")
     run.add_argument("--no-verify", action="store_true", help="skip the checks against the trainer")
+    run.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="receivers skip verifying the trainer's checksums (WSUM-64 on the GPU)",
+    )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument(
@@ -719,6 +728,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values.setdefault("log_dir", args.out.parent)
     values.setdefault("work_dir", None)
     values["verify"] = not values.pop("no_verify")
+    values["checksums"] = not values.pop("no_checksums")
     config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
     if config.seq_len > config.max_positions:
         raise SystemExit(
@@ -767,6 +777,7 @@ def receiver_settings(
         dest=f"cuda:{config.dest_gpu}" if config.cuda else "cpu",
         source="cuda:0" if config.cuda else "cpu",
         timeout_s=config.refit_timeout,
+        checksums=config.checksums,
     )
 
 

@@ -194,12 +194,15 @@ def puller_main(plan_path: Path, result_path: Path) -> None:
     targets = pull_plan.targets
     arena = TorchArena.allocate(pull_plan.nbytes, 256, device=dest_device)
     dest = Region(arena.address, arena.nbytes, arena.mem_type, arena.device_id, owner=arena)
-    verify = dest.mem_type is MemType.DRAM  # CRCs are checked on the host only
+    # The first pull checks the trainer's checksums where dest is (CRC-32 on the host, WSUM-64
+    # on the GPU); the timed pulls check host CRCs only, as a GPU-side pull is compared with
+    # a bare peer copy.
+    verify = dest.mem_type is MemType.DRAM
     transport = NixlTransport.create(NixlConfig(name="refit-pull-benchmark", pull_timeout_s=600))
     try:
         register_s = _timed(lambda: transport.register(dest))
         start = time.perf_counter()
-        first = transport.pull(pull_plan, dest, verify=verify)
+        first = transport.pull(pull_plan, dest, verify=True)
         first_s = time.perf_counter() - start
         log.info("first pull: %d bytes in %.4f s (%s)", first.nbytes, first_s, first)
         check = None

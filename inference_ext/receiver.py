@@ -76,7 +76,9 @@ class RefitOptions:
     """How long a refit to a version the trainer has returned waits for it to be readable:
     trainer ranks report a version to the sidecar just after the step that made it."""
     verify_checksums: bool = True
-    """Check the CRC-32 of every source shard read whole (host staging only)."""
+    """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
+    host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device
+    staging). A mismatch fails the refit; the engine keeps its version."""
     token_file: str | None = None
     """File holding the receiver role's bearer token for the sidecar (docs/security.md);
     required unless `insecure`."""
@@ -351,8 +353,8 @@ class Receiver:
         self.installed_version: int | None = None
         self._plans: dict[str, ReceiverPlan] = {}
         self._by_manifest_key: OrderedDict[bytes, ReceiverPlan] = OrderedDict()
-        self._verifies = options.verify_checksums and device.type == "cpu"
-        """Staging is host memory on the CPU, and only host staging is checked."""
+        self._verifies = options.verify_checksums
+        """Checked where staging is: host memory on the CPU, device memory on a GPU."""
         self._tree: TreePull | None = None
         if options.fanout:
             chunks = ChunkConfig(

@@ -1,8 +1,12 @@
-"""Shard checksums: CRC-32 (zlib) of a shard buffer's bytes, ~4.8 GiB/s on one core here.
+"""Shard checksums: the CRC-32 (zlib) of a host slot's shard, ~4.8 GiB/s on one core here, and
+the WSUM-64 (`wsum`) of a device slot's shard, computed on the GPU.
 
-It catches torn or misplaced reads, not tampering. A source computes it when it publishes a
-version; a puller that read a shard whole recomputes it from the destination buffer, walking
-the reads in shard order (a shard may land in the destination in several places).
+They catch torn or misplaced reads, not tampering. A source computes them when it publishes a
+version; a puller that read a shard whole recomputes them from the destination buffer, walking
+the reads in shard order for the CRC (a shard may land in the destination in several places),
+piece by piece for the WSUM (each piece weighted from its offset in the shard).
+`transport.verify_pulled` checks a destination where it is: host memory here, device memory on its
+own GPU (`torch_wsum`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import zlib
 
 import numpy as np
 
-from refit_sidecar.plan import PullPlan
+from refit_sidecar.plan import PullPlan, ShardReads
+from refit_sidecar.wsum import UNIT, wsum64
 
 
 class ChecksumMismatch(RuntimeError):
@@ -24,11 +29,17 @@ def checksum(data: np.ndarray) -> int:
 
 
 def verify_checksums(plan: PullPlan, dest: np.ndarray) -> int:
-    """Check every shard read whole that carries a checksum; returns how many were checked."""
+    """Check every shard read whole into host memory that carries a checksum (its CRC-32, or
+    its WSUM-64 where it has no CRC); returns how many were checked."""
     view = dest.reshape(-1).view(np.uint8)
     checked = 0
     for reads in plan.reads:
-        if reads.crc32 is None or not reads.complete:
+        if not reads.complete:
+            continue
+        if reads.crc32 is None:
+            if reads.sum64 is not None:
+                _verify_sum64(reads, view)
+                checked += 1
             continue
         crc = 0
         for i in np.argsort(reads.shard_offsets, kind="stable"):
@@ -41,3 +52,16 @@ def verify_checksums(plan: PullPlan, dest: np.ndarray) -> int:
             )
         checked += 1
     return checked
+
+
+def _verify_sum64(reads: ShardReads, view: np.ndarray) -> None:
+    total = 0
+    starts, lengths = reads.dest_offsets.tolist(), reads.lengths.tolist()
+    for start, length, at in zip(starts, lengths, reads.shard_offsets.tolist(), strict=True):
+        total += wsum64(view[start : start + length], at // UNIT)
+    total &= (1 << 64) - 1
+    if total != reads.sum64:
+        raise ChecksumMismatch(
+            f"{reads.parameter} shard {reads.shard} from {reads.location.agent}: "
+            f"wsum64 {total:#018x} != published {reads.sum64:#018x}"
+        )

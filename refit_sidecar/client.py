@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_sidecar.manifest import Manifest
-from refit_sidecar.plan import Want
+from refit_sidecar.plan import Checksums, Want
 from refit_sidecar.registry import (
     NotRegistered,
     PublicationPending,
@@ -250,12 +250,18 @@ class SidecarClient:
         reply = self._call(self._stub.GetManifest, pb.GetManifestRequest(version=version))
         return manifest_from_proto(reply)
 
-    def checksums(self, version: int) -> dict[str, tuple[int | None, ...]]:
-        """Per parameter, the CRC-32 of each shard (None: none published) of a readable
-        version: what a replayed plan needs from its manifest when it verifies."""
+    def checksums(self, version: int) -> dict[str, tuple[Checksums, ...]]:
+        """Per parameter, the checksums of each shard of a readable version: what a replayed
+        plan needs from its manifest when it verifies."""
         reply = self._call(self._stub.GetManifest, pb.GetManifestRequest(version=version))
         return {
-            p.name: tuple(s.crc32 if s.HasField("crc32") else None for s in p.shards)
+            p.name: tuple(
+                Checksums(
+                    s.crc32 if s.HasField("crc32") else None,
+                    s.wsum64 if s.HasField("wsum64") else None,
+                )
+                for s in p.shards
+            )
             for p in reply.parameters
         }
 

@@ -182,6 +182,8 @@ class ShardRecord:
     """Global trainer rank that published the shard (informational, as the next two)."""
     tensor_rank: int = 0
     pipeline_stage: int = 0
+    sum64: int | None = None
+    """WSUM-64 (`wsum`) of the buffer's bytes, when the source computed it (device slots)."""
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,10 @@ import numpy as np
 from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from refit_sidecar.checksum import verify_checksums
 from refit_sidecar.manifest import AgentRecord, MemType
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.plan import PullPlan
-from refit_sidecar.transport import PullStats, Region, SourceLost, host_view
+from refit_sidecar.transport import PullStats, Region, SourceLost, verify_pulled
 
 _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     v for k, v in vars(_bindings).items() if k.startswith("nixl") and k.endswith("Error")
@@ -141,7 +140,7 @@ class NixlTransport:
     def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
         stats = self.start(plan, dest).wait()
         if verify:
-            stats = replace(stats, verified_shards=verify_checksums(plan, host_view(dest)))
+            stats = replace(stats, verified_shards=verify_pulled(plan, dest))
         return stats
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:

@@ -15,6 +15,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,6 +56,14 @@ class PullTarget:
         return slice(self.offset, self.offset + self.nbytes)
 
 
+class Checksums(NamedTuple):
+    """What a source published to check one shard by: the CRC-32 (host slots) and the WSUM-64
+    (device slots, `wsum`); None where it published none."""
+
+    crc32: int | None = None
+    sum64: int | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class ShardReads:
     """Reads from one source shard, ordered by destination offset (int64 byte arrays)."""
@@ -69,6 +78,8 @@ class ShardReads:
     shard_offsets: np.ndarray
     lengths: np.ndarray
     dest_offsets: np.ndarray
+    sum64: int | None = None
+    """The shard's WSUM-64 (`wsum`), when its source published one (device slots)."""
 
     @property
     def remote_addresses(self) -> np.ndarray:
@@ -166,18 +177,21 @@ def rebase(plan: PullPlan, manifest: Manifest, *, layout: str | None = None) -> 
         record = manifest.get(r.parameter)
         assert record is not None  # same layout key, so same names and shards
         shard = record.shards[r.shard]
-        reads.append(replace(r, location=shard.location, crc32=shard.crc32))
+        reads.append(replace(r, location=shard.location, crc32=shard.crc32, sum64=shard.sum64))
     agents = {r.location.agent: manifest.agents[r.location.agent] for r in reads}
     return replace(plan, version=manifest.version, reads=tuple(reads), agents=agents)
 
 
 def with_checksums(
-    plan: PullPlan, version: int, checksums: Mapping[str, Sequence[int | None]]
+    plan: PullPlan, version: int, checksums: Mapping[str, Sequence[Checksums]]
 ) -> PullPlan:
     """`plan` for `version`, a version with the same manifest but its version number and
     checksums (`Lease.manifest_key` equal): same reads, the checksums given per parameter and
     shard."""
-    reads = tuple(replace(r, crc32=checksums[r.parameter][r.shard]) for r in plan.reads)
+    reads = tuple(
+        replace(r, crc32=(sums := checksums[r.parameter][r.shard]).crc32, sum64=sums.sum64)
+        for r in plan.reads
+    )
     return replace(plan, version=version, reads=reads)
 
 
@@ -275,5 +289,7 @@ def _merge(
     complete = bool(
         s[0] == 0 and np.all(s[1:] == s[:-1] + n[:-1]) and s[-1] + n[-1] == location.nbytes
     )
-    crc32 = record.shards[shard].crc32
-    return ShardReads(name, shard, location, crc32, complete, src, length, dst)
+    record_shard = record.shards[shard]
+    return ShardReads(
+        name, shard, location, record_shard.crc32, complete, src, length, dst, record_shard.sum64
+    )

@@ -25,7 +25,7 @@ from refit_sidecar.tree_types import NodeKind
 
 
 def clip(shard: ShardRecord, box: Box) -> ShardRecord | None:
-    """`shard` holding only its bytes inside `box` (None when it holds none). The checksum is
+    """`shard` holding only its bytes inside `box` (None when it holds none). The checksums are
     dropped unless every piece stays whole: the receiver checks against the trainer's own
     checksums, not a copy's."""
     pieces = []
@@ -48,6 +48,7 @@ def clip(shard: ShardRecord, box: Box) -> ShardRecord | None:
         shard.rank,
         shard.tensor_rank,
         shard.pipeline_stage,
+        shard.sum64 if whole else None,
     )
 
 

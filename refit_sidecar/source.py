@@ -35,6 +35,7 @@ from refit_sidecar.manifest import (
     ShardRecord,
 )
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
+from refit_sidecar.wsum import SumPlan
 
 Allocator = Callable[[int, int], Arena]
 """(nbytes, alignment) -> an arena of exactly nbytes whose address is aligned."""
@@ -245,18 +246,47 @@ class ShardSource:
         return tuple(records)
 
     def manifest(self, version: int, *, checksums: bool | None = None) -> Manifest:
-        """The current contents as `version`. Checksums (None: when the arena is host memory)
-        need the bytes on the host, so a device arena publishes none."""
+        """The current contents as `version`. Checksums (None: when the arena is host memory):
+        the CRC-32 of each shard of a host arena; the WSUM-64 of each shard of a torch arena in
+        device memory, computed on its device (`torch_wsum`); ValueError for other arenas."""
         if checksums is None:
             checksums = self.arena.mem_type is MemType.DRAM
         records = self._records
-        if checksums:
+        if checksums and self.arena.mem_type is MemType.DRAM:
             records = tuple(
                 replace(r, shards=(replace(r.shards[0], crc32=checksum(self.view(r.name))),))
                 for r in records
             )
+        elif checksums:
+            sums = self.device_sums()
+            records = tuple(
+                replace(r, shards=(replace(r.shards[0], sum64=value),))
+                for r, value in zip(records, sums, strict=True)
+            )
         agent = self.agent.record()
         return Manifest(version, records, {agent.name: agent})
+
+    def device_sums(self) -> list[int]:
+        """The WSUM-64 of each shard, in `parameters` order, computed where a torch arena's
+        memory is (one kernel over the arena on a GPU, on the current stream)."""
+        tensor = getattr(self.arena, "tensor", None)
+        if tensor is None:
+            raise ValueError("only a torch arena's device memory can be checksummed in place")
+        from refit_sidecar.torch_wsum import group_sums  # a torch arena: torch is there
+
+        return [int(v) for v in group_sums(tensor, self._sum_plan)]
+
+    @functools.cached_property
+    def _sum_plan(self) -> SumPlan:
+        names = list(self._specs)
+        count = len(names)
+        return SumPlan.of(
+            [self._offsets[n] for n in names],
+            [self._specs[n].nbytes for n in names],
+            [0] * count,
+            list(range(count)),
+            count,
+        )
 
     def close(self) -> None:
         if self._registration is not None:

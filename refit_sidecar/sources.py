@@ -189,6 +189,7 @@ def answer_key(reply: pb.GetSourcesResponse) -> bytes:
         for parameter in copy.shards.parameters:
             for shard in parameter.shards:
                 shard.ClearField("crc32")
+                shard.ClearField("wsum64")
     return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
 
 

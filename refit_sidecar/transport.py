@@ -74,6 +74,17 @@ class Transport(Protocol):
         ...
 
 
+def verify_pulled(plan: PullPlan, dest: Region) -> int:
+    """Check every shard of `plan` read whole into `dest` that carries a checksum, where `dest`
+    is (host memory here, device memory on its own GPU); returns how many were checked.
+    ChecksumMismatch names the first that differs."""
+    if dest.mem_type is MemType.DRAM:
+        return verify_checksums(plan, host_view(dest))
+    from refit_sidecar.torch_wsum import verify_device  # device memory: torch is there
+
+    return verify_device(plan, dest)
+
+
 def host_view(region: Region) -> np.ndarray:
     """The bytes of a DRAM region as a writable uint8 array (no copy)."""
     if region.mem_type is not MemType.DRAM:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from refit_sidecar.checksum import ChecksumMismatch, verify_checksums
+from refit_sidecar.checksum import ChecksumMismatch
 from refit_sidecar.client import SidecarClient, UnknownVersion
-from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
+from refit_sidecar.manifest import AgentRecord, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport
 from refit_sidecar.pipelined_pull import (
     ChunkConfig,
@@ -38,7 +38,7 @@ from refit_sidecar.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
 from refit_sidecar.routing import peer_bases, route_manifest
 from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
-from refit_sidecar.transport import Region, SourceLost, host_view
+from refit_sidecar.transport import Region, SourceLost, verify_pulled
 from refit_sidecar.wire import agent_from_proto, location_from_proto, mem_type_from_proto
 from trainer_refit.v1 import refit_pb2 as pb
 
@@ -62,7 +62,8 @@ class TreePullConfig:
     serve: bool = True
     """Offer this receiver's copy to later receivers."""
     verify: bool = True
-    """Check the trainer's checksums of every trainer shard staged whole (host staging)."""
+    """Check the trainer's checksums of every trainer shard staged whole (on the staging's
+    device)."""
 
 
 @dataclass(frozen=True)
@@ -196,9 +197,9 @@ class TreePull:
         else:
             raise TreePullError(f"version {version}: {_MAX_ATTEMPTS} sources failed in turn")
         verified = 0
-        if self.config.verify and staging.mem_type is MemType.DRAM:
+        if self.config.verify:
             try:
-                verified = verify_checksums(plan, host_view(staging))
+                verified = verify_pulled(plan, staging)
             except ChecksumMismatch as e:
                 raise TreePullError(str(e)) from e
         if offer is not None:

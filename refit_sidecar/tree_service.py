@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from refit_sidecar.manifest import Box, Manifest, c_strides
-from refit_sidecar.plan import Want
+from refit_sidecar.plan import Checksums, Want
 from refit_sidecar.registry import Registry, UnknownVersion
 from refit_sidecar.tree import (
     CopyState,
@@ -78,12 +78,12 @@ class _Copy:
 @dataclass(frozen=True)
 class _Open:
     """A version open in the tree: its merged manifest, as proto and as domain record (shapes,
-    boxes and agents; its version and checksums may be another version's), and the CRC-32 of
-    each box a trainer shard holds whole and alone (`_derivable_crc_slots`)."""
+    boxes and agents; its version and checksums may be another version's), and the checksums
+    of each box a trainer shard holds whole and alone (`_derivable_crc_slots`)."""
 
     proto: pb.Manifest
     manifest: Manifest
-    crcs: dict[tuple[str, Box], int]
+    crcs: dict[tuple[str, Box], Checksums]
     trainer_copies: dict[tuple[str, tuple[str, ...]], _Copy] = field(default_factory=dict)
     """A trainer rank's shards of the wanted tensors, by (agent, names): built once."""
 
@@ -319,9 +319,13 @@ class TreeService:
         manifest, slots = layout
         self._tree.open_version(version, manifest)
         crcs = {
-            box: shard.crc32
+            box: Checksums(
+                shard.crc32 if shard.HasField("crc32") else None,
+                shard.wsum64 if shard.HasField("wsum64") else None,
+            )
             for parameter, at, box in slots
             if (shard := proto.parameters[parameter].shards[at]).HasField("crc32")
+            or shard.HasField("wsum64")
         }
         opened = self._open[version] = _Open(proto, manifest, crcs)
         return opened
@@ -565,8 +569,8 @@ def _own_location(location: pb.ShardLocation, rid: str, where: str) -> pb.ShardL
 def _derivable_crc_slots(manifest: Manifest) -> list[tuple[int, int, tuple[str, Box]]]:
     """(parameter index, shard index, (parameter, box)) for every trainer shard whose buffer is
     exactly one box: one piece at local zero, a C-contiguous location of the box's shape and
-    size. A peer's copy of that box is the same bytes, so the shard's CRC-32, where it has
-    one, verifies it too."""
+    size. A peer's copy of that box is the same bytes, so the shard's checksums, where it has
+    them, verify it too."""
     slots: list[tuple[int, int, tuple[str, Box]]] = []
     for i, p in enumerate(manifest.parameters):
         for j, shard in enumerate(p.shards):
@@ -654,9 +658,13 @@ def _peer_copy(opened: _Open, source_id: str, stored: _Offer) -> _Copy:
     shards.CopyFrom(template)
     shards.version = opened.proto.version
     for parameter, shard, box in slots:
-        crc = opened.crcs.get(box)
-        if crc is not None:
-            shards.parameters[parameter].shards[shard].crc32 = crc
+        sums = opened.crcs.get(box)
+        if sums is not None:
+            record = shards.parameters[parameter].shards[shard]
+            if sums.crc32 is not None:
+                record.crc32 = sums.crc32
+            if sums.sum64 is not None:
+                record.wsum64 = sums.sum64
     message = pb.SourceCopy(
         source_id=source_id,
         kind=pb.SOURCE_KIND_PEER,

@@ -129,6 +129,8 @@ def shard_to_proto(shard: ShardRecord) -> pb.ShardRecord:
     )
     if shard.crc32 is not None:
         message.crc32 = shard.crc32
+    if shard.sum64 is not None:
+        message.wsum64 = shard.sum64
     return message
 
 
@@ -142,6 +144,7 @@ def shard_from_proto(message: pb.ShardRecord) -> ShardRecord:
         rank=message.rank,
         tensor_rank=message.tensor_rank,
         pipeline_stage=message.pipeline_stage,
+        sum64=message.wsum64 if message.HasField("wsum64") else None,
     )
 
 
@@ -203,6 +206,7 @@ def manifest_key(manifest: pb.Manifest) -> bytes:
     for parameter in bare.parameters:
         for shard in parameter.shards:
             shard.ClearField("crc32")
+            shard.ClearField("wsum64")
     return hashlib.blake2b(bare.SerializeToString(deterministic=True), digest_size=16).digest()
 
 

@@ -111,10 +111,29 @@ def _refit_through_both_slots(trainer: TrainerProcess, engines: dict, seed: int)
         check_installed_slices(engine.call("slices", None), exported, tp)
 
 
+def _corrupt_one_byte(sidecar: Sidecar, version: int, rank: psutil.Process) -> str:
+    """Flips one byte of a TP-split shard that `rank` published for `version`, in the rank's
+    own memory (its DRAM snapshot slot), after the version's CRC-32s were reported."""
+    manifest = sidecar.client().manifest(version)
+    prefix = f"trainer-rank{rank.environ()['RANK']}-"
+    agent = next(a for a in manifest.agents if a.startswith(prefix))
+    record = next(p for p in manifest.parameters if len(p.shards) == 2 and "linear_qkv" in p.name)
+    (shard,) = [s for s in record.shards if s.location.agent == agent]
+    address = shard.location.address + shard.location.nbytes // 3
+    with open(f"/proc/{rank.pid}/mem", "r+b", buffering=0) as memory:
+        memory.seek(address)
+        (byte,) = memory.read(1)
+        memory.seek(address)
+        memory.write(bytes([byte ^ 0x40]))
+    return record.name
+
+
 def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_dir, engines):
-    """A TP=2 trainer loses rank 1 after publishing version 2 (its launcher is paused so it
-    cannot stop rank 0): every engine worker still reads rank 0's shards, fails on rank 1's,
-    and no worker of either engine installs anything."""
+    """A TP=2 trainer publishes version 2 and one byte of a shard in rank 0's slot is then
+    flipped: every engine worker that reads the shard fails its CRC-32, and neither engine
+    installs anything. Then the trainer loses rank 1 after publishing version 3 (its launcher
+    is paused so it cannot stop rank 0): every engine worker still reads rank 0's shards, fails
+    on rank 1's, and no worker of either engine installs anything."""
     with running_sidecar(tmp_path / "sidecar") as sidecar:
         trainer = TrainerProcess(
             tmp_path / "trainer", ["--tp", "2", "--model", str(model_dir), *sidecar.trainer_args()]
@@ -128,14 +147,24 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
                 engine.call("refit_to", 1)
             served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
             assert train_step(trainer, "s2", seed=5) == 2
+            (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
+            corrupted = _corrupt_one_byte(sidecar, 2, rank0)
+            for tp, engine in engines.items():
+                # TP=2: worker 0 reads the shard and fails; worker 1 succeeds, and the
+                # engine still installs nothing.
+                with pytest.raises(EngineError, match=f"{corrupted} shard \\d .*crc32"):
+                    engine.call("refit_to", 2)
+                assert engine.call("installed_version") == 1
+                assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
+            assert train_step(trainer, "s3", seed=5) == 3
             launcher.suspend()
             (rank1,) = [p for p in launcher.children() if p.environ().get("RANK") == "1"]
             rank1.kill()
             while rank1.status() != psutil.STATUS_ZOMBIE:  # its paused parent cannot reap it
                 time.sleep(0.05)
             for tp, engine in engines.items():
-                with pytest.raises(EngineError, match="RefitError: pulling version 2 failed"):
-                    engine.call("refit_to", 2)
+                with pytest.raises(EngineError, match="RefitError: pulling version 3 failed"):
+                    engine.call("refit_to", 3)
                 assert engine.call("installed_version") == 1
                 assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
             # Through the source tree (docs/fanout.md) as well: the sidecar has no source
@@ -148,7 +177,7 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
                 lost = "no source other than"
                 failed = lost if tp == 1 else f"{lost}|another worker of this engine could not"
                 with pytest.raises(EngineError, match=failed):
-                    engine.call("refit_to", 2)
+                    engine.call("refit_to", 3)
                 assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
         finally:
             kill_tree(launcher)

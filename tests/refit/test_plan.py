@@ -16,7 +16,15 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
-from refit_sidecar.plan import PullPlan, UnsupportedRequest, Want, plan_pull, whole, with_checksums
+from refit_sidecar.plan import (
+    Checksums,
+    PullPlan,
+    UnsupportedRequest,
+    Want,
+    plan_pull,
+    whole,
+    with_checksums,
+)
 from refit_sidecar.transport import InMemoryTransport, Region, SourceLost
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
 
@@ -217,7 +225,7 @@ def test_a_plan_replayed_with_new_checksums_verifies_the_new_bytes() -> None:
     plan = plan_pull(in_memory_manifest(1, placed), whole(in_memory_manifest(1, placed)))
     placed[1][2][0, 0, 0] ^= 1  # the same slot, refreshed for version 2
     fresh = in_memory_manifest(2, placed)
-    checksums = {r.name: tuple(s.crc32 for s in r.shards) for r in fresh.parameters}
+    checksums = {r.name: tuple(Checksums(s.crc32) for s in r.shards) for r in fresh.parameters}
     replayed = with_checksums(plan, 2, checksums)
     assert replayed.version == 2 and replayed.targets == plan.targets
     transport = InMemoryTransport({agent: [buffer] for agent, _, buffer in placed})

@@ -211,7 +211,7 @@ def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_pat
             assert stub.PublishShards(request).visible
             lease = client.acquire_lease(version, "r", ttl=30)
             client.release_lease(lease)
-            assert client.checksums(version) == {"w": (crc,)}
+            assert client.checksums(version) == {"w": ((crc, None),)}
             return lease.manifest_key
 
         first, second, third = publish(1, crc=11), publish(2, crc=22), publish(3, crc=33)

@@ -61,20 +61,22 @@ class ShardLocation(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., address: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ShardRecord(_message.Message):
-    __slots__ = ("location", "pieces", "crc32", "rank", "tensor_rank", "pipeline_stage")
+    __slots__ = ("location", "pieces", "crc32", "rank", "tensor_rank", "pipeline_stage", "wsum64")
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_RANK_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STAGE_FIELD_NUMBER: _ClassVar[int]
+    WSUM64_FIELD_NUMBER: _ClassVar[int]
     location: ShardLocation
     pieces: _containers.RepeatedCompositeFieldContainer[ShardPiece]
     crc32: int
     rank: int
     tensor_rank: int
     pipeline_stage: int
-    def __init__(self, location: _Optional[_Union[ShardLocation, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ..., crc32: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., pipeline_stage: _Optional[int] = ...) -> None: ...
+    wsum64: int
+    def __init__(self, location: _Optional[_Union[ShardLocation, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ..., crc32: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., pipeline_stage: _Optional[int] = ..., wsum64: _Optional[int] = ...) -> None: ...
 
 class ParameterRecord(_message.Message):
     __slots__ = ("name", "shape", "dtype", "shards")

@@ -4,14 +4,16 @@ snapshot arenas (registered once, at start) and reported to the sidecar, which m
 readable once every rank reported.
 
 The arenas live where the parameters do: VRAM on a GPU, so a snapshot is a device-local copy on
-a side stream and no byte crosses to the host; DRAM on the CPU. CRC-32s are computed (on the
-host) only for DRAM slots: a device slot publishes none (see docs/refit.md).
+a side stream and no byte crosses to the host; DRAM on the CPU. A DRAM slot's shards carry their
+CRC-32 (computed on the host), a VRAM slot's their WSUM-64 (computed on the GPU, `wsum`; see
+docs/refit.md).
 
 Only the copy is on the trainer's path, and on a GPU not even its completion: the copy runs on
 a side stream, the trainer's stream waits for it before the parameters change again (`fence`),
-and a reporter thread waits for it, adds the checksums and sends the rank's report, which was
-built once per slot. The version becomes readable a moment after the command that made it
-returns; receivers wait for it (`SidecarClient.wait_visible`).
+and a reporter thread waits for it, adds the checksums (on a GPU the WSUM-64 of each shard, one
+kernel over the slot on the side stream) and sends the rank's report, which was built once per
+slot. The version becomes readable a moment after the command that made it returns; receivers
+wait for it (`SidecarClient.wait_visible`).
 """
 
 from __future__ import annotations
@@ -95,13 +97,23 @@ class Slot:
     report: pb.PublishShardsRequest
     """This rank's report of the slot, built once: a version sets its number (and checksums)."""
 
-    def request(self, version: int) -> pb.PublishShardsRequest:
+    def request(
+        self, version: int, stream: torch.cuda.Stream | None = None
+    ) -> pb.PublishShardsRequest:
+        """The report of `version`, held in this slot, with its checksums: the CRC-32 of each
+        shard of a host slot, the WSUM-64 of each shard of a device slot (computed on
+        `stream`, off the trainer's)."""
         request = pb.PublishShardsRequest()
         request.CopyFrom(self.report)
         request.version = version
         if self.source.arena.mem_type is MemType.DRAM:
             for parameter in request.parameters:
                 parameter.shards[0].crc32 = checksum(self.source.view(parameter.name))
+        else:
+            with torch.cuda.stream(stream):
+                sums = self.source.device_sums()
+            for parameter, value in zip(request.parameters, sums, strict=True):
+                parameter.shards[0].wsum64 = value
         return request
 
 
@@ -234,6 +246,9 @@ class Publisher:
         ]
         client = SidecarClient(sidecar, auth=auth)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if stream is not None:
+            # Compiles the checksum kernel now, not in the first version's report.
+            filled[0].request(0, stream)
         publisher = cls(client, filled, parameters, topology, device, stream, agent)
         if topology.is_leader:
             client.wait_ready()
@@ -370,13 +385,17 @@ class Publisher:
             if copied is not None:
                 copied.synchronize()
             copy_done = time.perf_counter()
-            visible = self.client.send_publication(self.slots[slot].request(version))
+            request = self.slots[slot].request(version, self.stream)
+            summed = time.perf_counter()
+            visible = self.client.send_publication(request)
             self.problem = None
             log.debug(
-                "refit: version %d reported (copy waited %.3f ms, report %.3f ms, readable: %s)",
+                "refit: version %d reported (copy waited %.3f ms, checksums %.3f ms, "
+                "report %.3f ms, readable: %s)",
                 version,
                 1e3 * (copy_done - start),
-                1e3 * (time.perf_counter() - copy_done),
+                1e3 * (summed - copy_done),
+                1e3 * (time.perf_counter() - summed),
                 visible,
             )
         except Exception as e:

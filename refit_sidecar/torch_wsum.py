@@ -1,0 +1,260 @@
+"""WSUM-64 (`wsum`) of a torch buffer where it lives: a Triton kernel on a GPU, torch on a CPU.
+
+`group_sums(buffer, plan)` sums the plan's blocks of a uint8 tensor into one checksum per group.
+On CUDA with Triton each block of 16,384 units is one program: it loads the units once, hashes
+their indices into weights in registers (32-bit arithmetic) and writes one partial sum; the
+partial sums are added per group with integer atomics (exact in any order). One pass over the
+bytes and two small launches, whatever the number of shards (docs/refit.md has its rate).
+Elsewhere a torch implementation in int64 arithmetic gives the same value, slower.
+`verify_device` checks a pull's device destination against the checksums of a plan's reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from refit_sidecar import wsum
+from refit_sidecar.plan import PullPlan
+from refit_sidecar.transport import Region
+
+_I64 = (1 << 64) - 1
+
+
+_TORCH_CHUNK = 1 << 24
+"""Units per torch pass (int64 temporaries of 128 MiB each)."""
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel, compiled on first use; None where Triton cannot run."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def wsum_blocks(  # noqa: PLR0917
+        buf,
+        blocks,
+        out,
+        FOLD: tl.constexpr,  # noqa: N803
+        SEED: tl.constexpr,  # noqa: N803
+        K1: tl.constexpr,  # noqa: N803
+        K2: tl.constexpr,  # noqa: N803
+        SHIFT1: tl.constexpr,  # noqa: N803
+        SHIFT2: tl.constexpr,  # noqa: N803
+        BLOCK: tl.constexpr,  # noqa: N803
+        FULL: tl.constexpr,  # noqa: N803
+    ):
+        pid = tl.program_id(0)
+        first = tl.load(blocks + 3 * pid)
+        index = tl.load(blocks + 3 * pid + 2)
+        lane = tl.arange(0, BLOCK)
+        if FULL:
+            # A whole block starting on 16 bytes: unmasked, vectorised loads.
+            first = tl.multiple_of(first, 8)  # _ALIGNED_UNITS
+            unit = tl.load(buf + first + lane).to(tl.uint16, bitcast=True)
+        else:
+            count = tl.load(blocks + 3 * pid + 1)
+            unit = tl.load(buf + first + lane, mask=lane < count, other=0)
+            unit = unit.to(tl.uint16, bitcast=True)
+        j = index + lane
+        z = j.to(tl.uint32) ^ ((j >> 32).to(tl.uint32) * FOLD)
+        z = (z + SEED) * K1
+        z = z ^ (z >> SHIFT1)
+        z = z * K2
+        z = z ^ (z >> SHIFT2)
+        term = unit.to(tl.uint64) * (z | 1).to(tl.uint64)  # masked units load as 0
+        tl.store(out + pid, tl.sum(term, axis=0).to(tl.int64, bitcast=True))
+
+    return wsum_blocks
+
+
+_ALIGNED_UNITS = 8
+"""Units in 16 bytes: blocks that start there and are whole load without masks."""
+
+
+class _Tables:
+    """A plan's block table and group numbers on a device, whole aligned blocks first (and how
+    many), kept for plans used again."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self._cache: OrderedDict[tuple[int, torch.device], tuple[Any, ...]] = OrderedDict()
+        self._capacity = capacity
+
+    def get(
+        self, plan: wsum.SumPlan, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        key = (id(plan), device)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is plan:
+            self._cache.move_to_end(key)
+            return hit[1], hit[2], hit[3]
+        full = (plan.blocks[:, 1] == wsum.BLOCK) & (plan.blocks[:, 0] % _ALIGNED_UNITS == 0)
+        order = np.argsort(~full, kind="stable")
+        blocks = torch.from_numpy(np.ascontiguousarray(plan.blocks[order])).to(device)
+        groups = torch.from_numpy(plan.groups[order]).to(device)
+        entry = (plan, blocks, groups, int(full.sum()))
+        self._cache[key] = entry
+        while len(self._cache) > self._capacity:
+            self._cache.popitem(last=False)
+        return blocks, groups, entry[3]
+
+
+_tables = _Tables()
+
+
+def group_sums(buffer: torch.Tensor, plan: wsum.SumPlan, *, use_triton: bool = True) -> np.ndarray:
+    """The plan's WSUM-64s over `buffer` (a contiguous 1-d uint8 tensor), uint64 per group, on
+    the buffer's device and its current stream."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError("WSUM-64 sums a contiguous 1-d uint8 tensor")
+    if buffer.data_ptr() % wsum.UNIT or buffer.numel() % wsum.UNIT:
+        raise ValueError("WSUM-64 needs a buffer of whole, aligned 16-bit units")
+    if len(plan.blocks):
+        last = plan.blocks[:, 0] + plan.blocks[:, 1]
+        if plan.blocks[:, 0].min() < 0 or last.max() * wsum.UNIT > buffer.numel():
+            raise ValueError("the sum plan reads outside the buffer")
+    if not len(plan.blocks):
+        return np.zeros(plan.count, np.uint64)
+    units = buffer.view(torch.int16)
+    kernel = _kernel() if use_triton and buffer.is_cuda else None
+    if kernel is not None:
+        blocks, groups, full = _tables.get(plan, buffer.device)
+        partial = torch.empty(len(plan.blocks), dtype=torch.int64, device=buffer.device)
+        for rows, whole in ((slice(0, full), True), (slice(full, None), False)):
+            if not len(partial[rows]):
+                continue
+            kernel[(len(partial[rows]),)](
+                units,
+                blocks[rows],
+                partial[rows],
+                FOLD=wsum.FOLD,
+                SEED=wsum.SEED,
+                K1=wsum.K1,
+                K2=wsum.K2,
+                SHIFT1=wsum.SHIFT1,
+                SHIFT2=wsum.SHIFT2,
+                BLOCK=wsum.BLOCK,
+                FULL=whole,
+            )
+    else:
+        partial = _torch_blocks(units, plan)
+        groups = torch.from_numpy(plan.groups).to(buffer.device)
+    sums = torch.zeros(plan.count, dtype=torch.int64, device=buffer.device)
+    sums.index_add_(0, groups, partial)
+    return sums.cpu().numpy().view(np.uint64)
+
+
+def _torch_blocks(units: torch.Tensor, plan: wsum.SumPlan) -> torch.Tensor:
+    """Partial sums per block in torch: a contiguous run of blocks (a piece) at a time."""
+    out = torch.empty(len(plan.blocks), dtype=torch.int64, device=units.device)
+    blocks = plan.blocks
+    # Consecutive blocks of one piece continue each other in the buffer and in the shard.
+    breaks = np.flatnonzero(
+        (blocks[1:, 0] != blocks[:-1, 0] + blocks[:-1, 1])
+        | (blocks[1:, 2] != blocks[:-1, 2] + blocks[:-1, 1])
+        | (blocks[:-1, 1] != wsum.BLOCK)
+    )
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks + 1, [len(blocks)]])
+    m32 = wsum.MASK32
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        first, index = int(blocks[s, 0]), int(blocks[s, 2])
+        total = int(blocks[s:e, 1].sum())
+        run = torch.empty(total, dtype=torch.int64, device=units.device)
+        for begin in range(0, total, _TORCH_CHUNK):
+            n = min(_TORCH_CHUNK, total - begin)
+            unit = units[first + begin : first + begin + n].to(torch.int64) & 0xFFFF
+            j = torch.arange(index + begin, index + begin + n, device=units.device)
+            # 32-bit arithmetic in int64: every value stays below 2**32 after its mask.
+            z = (j & m32) ^ (((j >> 32) * wsum.FOLD) & m32)
+            z = ((z + wsum.SEED) * wsum.K1) & m32
+            z = z ^ (z >> wsum.SHIFT1)
+            z = (z * wsum.K2) & m32
+            z = z ^ (z >> wsum.SHIFT2)
+            run[begin : begin + n] = unit * (z | 1)
+        # Block by block, as the kernel cuts them (sums are exact in any grouping).
+        bounds = np.cumsum(blocks[s:e, 1])[:-1].tolist()
+        out[s:e] = torch.stack([p.sum() for p in torch.tensor_split(run, bounds)])
+    return out
+
+
+def region_tensor(region: Region) -> torch.Tensor:
+    """The bytes of `region` as a uint8 tensor: its owner must be the 1-d uint8 tensor holding
+    them, or an object (a `TorchArena`) whose `tensor` is."""
+    owner = region.owner
+    owner = getattr(owner, "tensor", owner)
+    if not isinstance(owner, torch.Tensor) or owner.dtype != torch.uint8 or owner.dim() != 1:
+        raise ValueError("a device region is checked through the uint8 tensor that owns it")
+    start = region.address - owner.data_ptr()
+    if start < 0 or start + region.nbytes > owner.numel():
+        raise ValueError("the region lies outside the tensor that owns it")
+    return owner[start : start + region.nbytes]
+
+
+class _PlanSums:
+    """The sum plan of a pull plan's checkable reads, by a digest of their layout."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self._cache: OrderedDict[bytes, tuple[wsum.SumPlan, tuple[int, ...]]] = OrderedDict()
+        self._capacity = capacity
+
+    def get(self, plan: PullPlan) -> tuple[wsum.SumPlan, tuple[int, ...]]:
+        """(sum plan, index in `plan.reads` of each group)."""
+        checked = [i for i, r in enumerate(plan.reads) if r.complete and r.sum64 is not None]
+        digest = hashlib.blake2b(digest_size=16)
+        for i in checked:
+            r = plan.reads[i]
+            digest.update(np.array([i, len(r.lengths)], np.int64).tobytes())
+            for array in (r.dest_offsets, r.lengths, r.shard_offsets):
+                digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+        key = digest.digest()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        parts = [plan.reads[i] for i in checked]
+        sums = wsum.SumPlan.of(
+            np.concatenate([r.dest_offsets for r in parts]) if parts else np.zeros(0),
+            np.concatenate([r.lengths for r in parts]) if parts else np.zeros(0),
+            np.concatenate([r.shard_offsets for r in parts]) if parts else np.zeros(0),
+            np.repeat(np.arange(len(parts)), [len(r.lengths) for r in parts]),
+            len(parts),
+        )
+        entry = (sums, tuple(checked))
+        self._cache[key] = entry
+        while len(self._cache) > self._capacity:
+            self._cache.popitem(last=False)
+        return entry
+
+
+_plan_sums = _PlanSums()
+
+
+def verify_device(plan: PullPlan, dest: Region) -> int:
+    """Check the WSUM-64 of every shard of `plan` read whole into `dest` (device memory, or a
+    CPU tensor) that carries one; returns how many were checked. ChecksumMismatch names the
+    first shard that differs."""
+    from refit_sidecar.checksum import ChecksumMismatch
+
+    sums, indices = _plan_sums.get(plan)
+    if not indices:
+        return 0
+    got = group_sums(region_tensor(dest), sums)
+    for value, i in zip(got.tolist(), indices, strict=True):
+        reads = plan.reads[i]
+        want = reads.sum64
+        if value != want:
+            raise ChecksumMismatch(
+                f"{reads.parameter} shard {reads.shard} from {reads.location.agent}: "
+                f"wsum64 {value:#018x} != published {want:#018x}"
+            )
+    return len(indices)
