@@ -92,7 +92,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         **{k: PULL_PRESETS[name][k] for k in (*_MODEL_KEYS, *_BATCH_KEYS)},
         "steps": steps,
     }
-    for name, steps in (("1b", 10), ("tiny", 3))
+    for name, steps in (("1b", 10), ("3b", 8), ("tiny", 3))
 }
 _DTYPES = ("float32", "bfloat16")
 _CHECK_SEQUENCES, _CHECK_LENGTH = 4, 32

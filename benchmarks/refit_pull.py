@@ -75,6 +75,7 @@ _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_pos
 _RUN = dict(seq_len=512, seqs_per_microbatch=4, microbatches=2, warmup=2, steps=8, pulls=10)
 PRESETS: dict[str, dict[str, Any]] = {
     "1b": {**{k: STEP_PRESETS["1b"][k] for k in _MODEL_KEYS}, **_RUN},
+    "3b": {**{k: STEP_PRESETS["3b"][k] for k in _MODEL_KEYS}, **_RUN},
     "tiny": {
         **{k: STEP_PRESETS["tiny"][k] for k in _MODEL_KEYS},
         **dict(_RUN, seq_len=64, seqs_per_microbatch=2, warmup=1, steps=3, pulls=5),

@@ -95,6 +95,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         steps=5,
         repeats=2,
     ),
+    # About 3.0B parameters (Llama-3.2-3B's shape with a 32k vocabulary): the refit benchmarks'
+    # larger model.
+    "3b": dict(
+        layers=28,
+        hidden=3072,
+        heads=24,
+        kv_heads=8,
+        ffn=8192,
+        vocab=32000,
+        max_positions=4096,
+        seq_len=1024,
+        seqs_per_microbatch=4,
+        microbatches=2,
+        warmup=2,
+        steps=5,
+        repeats=2,
+    ),
     "tiny": dict(
         layers=2,
         hidden=64,
