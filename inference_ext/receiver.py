@@ -15,6 +15,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
+from refit_sidecar.client import Lease, SidecarClient
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.pipelined_pull import ChunkConfig
@@ -33,6 +34,7 @@ from refit_sidecar.plan import (
     PullPlan,
     UnsupportedRequest,
     Want,
+    checksums_by_parameter,
     layout_key,
     plan_pull,
     rebase,
@@ -352,10 +354,15 @@ class Receiver:
         self.staging = Staging(self.transport, device)
         self.installed_version: int | None = None
         self._plans: dict[str, ReceiverPlan] = {}
-        self._by_manifest_key: OrderedDict[bytes, ReceiverPlan] = OrderedDict()
+        self._by_manifest_key: OrderedDict[
+            bytes, tuple[ReceiverPlan, tuple[tuple[str, int], ...]]
+        ] = OrderedDict()
+        """Plans by manifest key, with the manifest's (parameter, shards) order."""
         self._verifies = options.verify_checksums
         """Checked where staging is: host memory on the CPU, device memory on a GPU."""
         self._tree: TreePull | None = None
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="lease-release")
+        """Releases of verified pulls' leases, off the refit's path."""
         if options.fanout:
             chunks = ChunkConfig(
                 chunk_bytes=options.chunk_bytes,
@@ -407,12 +414,21 @@ class Receiver:
             )
             region = self.staging.ensure(plan.pull.nbytes)
             pulled = self._pull(plan.pull, region, on_progress)
-        except RefitError:
-            raise
-        except Exception as e:
+        except BaseException as e:
+            self._releases.submit(self._release, lease)
+            if isinstance(e, RefitError) or not isinstance(e, Exception):
+                raise
             raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
-        finally:
-            held = self._release(lease)
+        # The lease must have held the slot for the whole pull. Past its end by this process's
+        # clock it surely did not. Before it, bytes that were all verified need no more: the
+        # release goes out in the background (a slot rewritten under the pull, after a sidecar
+        # restart, fails the checksums). Otherwise the sidecar must confirm it held the lease.
+        verified = pulled.stats.verified_shards == len(plan.pull.reads)
+        if time.monotonic() < lease.expires_at and verified:
+            self._releases.submit(self._release, lease)
+            held = True
+        else:
+            held = self._release(lease) and time.monotonic() < lease.expires_at
         if not held:
             # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
             # protect the slot for the whole pull: the trainer may have overwritten it.
@@ -459,37 +475,43 @@ class Receiver:
     def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
         """The leased version's plan, whether it was planned anew, and whether it was replayed
         by manifest key: a version whose manifest key this receiver has met (the same slot of
-        the same trainer) replays that plan without GetManifest; only its checksums are
-        fetched, when they will be checked."""
+        the same trainer) replays that plan without GetManifest, with the checksums the lease
+        carried when they will be checked."""
         version, key = lease.version, lease.manifest_key
         known = self._by_manifest_key.get(key) if key else None
         if known is not None:
             self._by_manifest_key.move_to_end(key)
-            if self._verifies:
-                pull = with_checksums(known.pull, version, self.client.checksums(version))
+            plan, order = known
+            if not self._verifies:
+                pull = replace(plan.pull, version=version)
+            elif lease.checksums is not None:
+                sums = checksums_by_parameter(order, lease.checksums)
+                pull = with_checksums(plan.pull, version, sums)
             else:
-                pull = replace(known.pull, version=version)
-            return ReceiverPlan(pull, known.slices), False, True
-        plan, replanned = self._plan(self.client.manifest(version))
+                pull = with_checksums(plan.pull, version, self.client.checksums(version))
+            return ReceiverPlan(pull, plan.slices), False, True
+        manifest = self.client.manifest(version)
+        fresh, replanned = self._plan(manifest)
         if key:
-            self._by_manifest_key[key] = plan
+            order = tuple((p.name, len(p.shards)) for p in manifest.parameters)
+            self._by_manifest_key[key] = (fresh, order)
             while len(self._by_manifest_key) > _KNOWN_MANIFESTS:
                 self._by_manifest_key.popitem(last=False)
-        return plan, replanned, False
+        return fresh, replanned, False
 
     def _lease(self, version: int, visible_timeout_s: float | None) -> Lease:
-        """A lease on `version`; one not readable yet is waited for (it returns at once when
-        the version, or a newer one, is readable) and asked for once more."""
+        """A lease on `version`, with its checksums when they will be checked; one not readable
+        yet is waited for on the sidecar (`visible_timeout_s`, default the options'), so the
+        lease comes back as soon as the trainer's ranks have reported it."""
         options = self.options
-        try:
-            return self.client.acquire_lease(version, options.receiver_id, options.lease_ttl_s)
-        except UnknownVersion:
-            if visible_timeout_s is None:
-                visible_timeout_s = options.visible_timeout_s
-            if visible_timeout_s <= 0:
-                raise
-            self.client.wait_visible(version, visible_timeout_s)
-        return self.client.acquire_lease(version, options.receiver_id, options.lease_ttl_s)
+        wait = options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
+        return self.client.acquire_lease(
+            version,
+            options.receiver_id,
+            options.lease_ttl_s,
+            wait_s=max(wait, 0.0),
+            checksums=self._verifies,
+        )
 
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
@@ -575,6 +597,7 @@ class Receiver:
         return full
 
     def close(self) -> None:
+        self._releases.shutdown(wait=True)
         if self._tree is not None:
             self._tree.close()
         self.staging.release()

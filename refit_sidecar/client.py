@@ -20,6 +20,7 @@ refused token is the `grpc.RpcError` UNAUTHENTICATED or PERMISSION_DENIED.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -115,15 +116,31 @@ class Lease:
     empty from renewals."""
     receiver_id: str = ""
     """The holder: only it may renew or release the lease."""
+    checksums: tuple[Checksums, ...] | None = None
+    """Asked for with the lease: every shard's checksums in the manifest's order (parameters,
+    then their shards)."""
+    expires_at: float = math.inf
+    """A `time.monotonic()` by which the lease has surely ended: the call's start plus the
+    sidecar's `expires_in_seconds` (the sidecar started the lease after the call did)."""
 
 
-def _lease(reply: pb.Lease) -> Lease:
+def _lease(reply: pb.Lease, sent: float | None = None) -> Lease:
     return Lease(
         reply.lease_id,
         reply.version,
         reply.expires_in_seconds,
         reply.manifest_key,
         reply.receiver_id,
+        tuple(
+            Checksums(
+                s.crc32 if s.HasField("crc32") else None,
+                s.wsum64 if s.HasField("wsum64") else None,
+            )
+            for s in reply.checksums
+        )
+        if reply.checksums
+        else None,
+        math.inf if sent is None else sent + reply.expires_in_seconds,
     )
 
 
@@ -161,9 +178,12 @@ class SidecarClient:
         not_found: type[LookupError] = UnknownVersion,
         *,
         tree: bool = False,
+        extra_s: float = 0.0,
     ) -> Reply:
+        """`extra_s`: seconds the call may take beyond the client's deadline (a wait)."""
+        timeout = None if self.timeout is None else self.timeout + extra_s
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=timeout)
         except grpc.RpcError as error:
             mapped = _tree_error(error) if tree else None
             mapped = mapped or _domain_error(error, not_found)
@@ -265,9 +285,27 @@ class SidecarClient:
             for p in reply.parameters
         }
 
-    def acquire_lease(self, version: int, receiver_id: str, ttl: float) -> Lease:
-        request = pb.AcquireLeaseRequest(version=version, receiver_id=receiver_id, ttl_seconds=ttl)
-        return _lease(self._call(self._stub.AcquireLease, request))
+    def acquire_lease(
+        self,
+        version: int,
+        receiver_id: str,
+        ttl: float,
+        *,
+        wait_s: float = 0.0,
+        checksums: bool = False,
+    ) -> Lease:
+        """A lease on `version` for `ttl` seconds. `wait_s`: a version newer than every
+        readable one is waited for that long on the sidecar, then leased (UnknownVersion if it
+        is not readable by then); `checksums`: the lease carries the version's checksums."""
+        request = pb.AcquireLeaseRequest(
+            version=version,
+            receiver_id=receiver_id,
+            ttl_seconds=ttl,
+            wait_seconds=wait_s,
+            with_checksums=checksums,
+        )
+        sent = time.monotonic()
+        return _lease(self._call(self._stub.AcquireLease, request, extra_s=wait_s), sent)
 
     def renew_lease(self, lease: Lease, ttl: float) -> Lease:
         """Extend `lease` (as its holder, `lease.receiver_id`); UnknownLease when it ended or

@@ -182,6 +182,20 @@ def rebase(plan: PullPlan, manifest: Manifest, *, layout: str | None = None) -> 
     return replace(plan, version=manifest.version, reads=tuple(reads), agents=agents)
 
 
+def checksums_by_parameter(
+    order: Sequence[tuple[str, int]], flat: Sequence[Checksums]
+) -> dict[str, tuple[Checksums, ...]]:
+    """`flat` (every shard's checksums in a manifest's order, as `Lease.checksums` carries
+    them) per parameter, given the manifest's (parameter, number of shards) in order."""
+    if sum(n for _, n in order) != len(flat):
+        raise ValueError(f"{len(flat)} checksums for {sum(n for _, n in order)} shards")
+    out, at = {}, 0
+    for name, count in order:
+        out[name] = tuple(flat[at : at + count])
+        at += count
+    return out
+
+
 def with_checksums(
     plan: PullPlan, version: int, checksums: Mapping[str, Sequence[Checksums]]
 ) -> PullPlan:

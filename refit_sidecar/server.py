@@ -26,6 +26,7 @@ from refit_sidecar.registry import (
 from refit_sidecar.tree_service import TreeService
 from refit_sidecar.tree_types import NoLiveSource, NoSourceFree, TreeConfig, UnknownSource
 from refit_sidecar.wire import manifest_key
+from trainer_refit.errors import InvalidRequest
 from trainer_refit.serving import RunningServer, start_server, status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
@@ -63,6 +64,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._changed = asyncio.Condition()
         self._layout = common_pb2.ParallelLayout()
         self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
+        self._sums: dict[int, list[pb.ShardChecksums]] = {}
         self.tree = TreeService(
             registry,
             self._manifest,
@@ -207,10 +209,57 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> Any:
+        wait = request.wait_seconds
+        if not 0 <= wait <= self.registry.config.max_lease_seconds:  # NaN fails too
+            raise InvalidRequest(
+                f"wait_seconds must lie in [0, {self.registry.config.max_lease_seconds}], "
+                f"got {wait}",
+                field="wait_seconds",
+            )
+        if wait > 0:
+            await self._until_readable(request.version, wait)
         lease = self.registry.acquire_lease(
             request.version, request.receiver_id, request.ttl_seconds
         )
-        return self._lease(lease, self._manifest(request.version)[1])
+        reply = self._lease(lease, self._manifest(request.version)[1])
+        if request.with_checksums:
+            reply.checksums.extend(self._checksums(request.version))
+        return reply
+
+    async def _until_readable(self, version: int, timeout: float) -> None:
+        """Returns once `version` is readable, or can no longer become so (a newer one is), or
+        after `timeout` seconds; the caller then leases it or fails."""
+        deadline = time.monotonic() + timeout
+
+        def waiting() -> bool:
+            latest = self.registry.latest
+            return version not in self.registry.readable() and (latest is None or latest < version)
+
+        async with self._changed:
+            while waiting():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+
+    def _checksums(self, version: int) -> list[pb.ShardChecksums]:
+        """Every shard's checksums in the merged manifest's order, built once per version."""
+        cached = self._sums.get(version)
+        if cached is None:
+            manifest = self._manifest(version)[0]
+            cached = [
+                pb.ShardChecksums(
+                    crc32=shard.crc32 if shard.HasField("crc32") else None,
+                    wsum64=shard.wsum64 if shard.HasField("wsum64") else None,
+                )
+                for parameter in manifest.parameters
+                for shard in parameter.shards
+            ]
+            for stale in [v for v in self._sums if v not in self._manifests]:
+                del self._sums[stale]
+            self._sums[version] = cached
+        return cached
 
     @_grpc_errors
     async def RenewLease(self, request: pb.RenewLeaseRequest, context: Any) -> Any:

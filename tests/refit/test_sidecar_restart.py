@@ -1,8 +1,9 @@
 """A refit sidecar that dies and comes back: the trainer's publication health goes NOT_SERVING,
 a FinishTrainStep that cannot publish is refused with its step left open, and once a sidecar
 serves again on the same address the trainer registers anew, publishes the finished step, and a
-receiver refits to it bit for bit. A lease the sidecar no longer holds when the pull ends fails
-the refit closed."""
+receiver refits to it bit for bit; a version asked for before it is readable is leased by one
+waiting call and replays an earlier plan with the lease's checksums. A lease the sidecar no
+longer holds when the pull ends fails the refit closed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_ext.receiver import Receiver, RefitError, RefitOptions
+from inference_ext.receiver import Receiver, RefitError, RefitOptions, RefitStats
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
@@ -47,10 +48,16 @@ def _wait_publication(trainer: TrainerProcess, status: int, timeout: float = 20.
 
 
 def _refit(receiver: Receiver, version: int) -> dict[str, torch.Tensor]:
+    return _refit_with_stats(receiver, version)[0]
+
+
+def _refit_with_stats(
+    receiver: Receiver, version: int
+) -> tuple[dict[str, torch.Tensor], RefitStats]:
     receiver.fetch(version)
     installed: dict[str, torch.Tensor] = {}
-    receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
-    return installed
+    stats = receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
+    return installed, stats
 
 
 def _assert_exported(
@@ -110,6 +117,24 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         _assert_exported(trainer, _refit(receiver, 2), "v2")
         _wait_publication(trainer, SERVING)
 
+        # Once the receiver has met both slots, a version is asked for before it is readable,
+        # in one lease call that waits for it, and replays its slot's plan by manifest key with
+        # the checksums the lease carries (no GetManifest), verified.
+        assert train_step(trainer, "s3", seed=3) == 3
+        _refit(receiver, 3)
+
+        def unused(*_: object) -> None:
+            raise AssertionError("a replayed plan verifies with the lease's checksums")
+
+        receiver.client.manifest = unused  # type: ignore[method-assign]
+        receiver.client.checksums = unused  # type: ignore[method-assign]
+        trainer.client.begin_step("s4", loss, OptimizerOverrides(learning_rate=2e-2))
+        trainer.client.train_microbatch("s4", "r", make_batch(seed=4, lengths=[5, 9], loss=loss))
+        assert trainer.client.finish_step("s4").weights_version == 4
+        installed, stats = _refit_with_stats(receiver, 4)
+        assert stats.replayed_by_key and stats.verified_shards > 0
+        _assert_exported(trainer, installed, "v4")
+
         # A lease that runs out before the pull ends protects nothing: the refit fails closed.
         brief = RefitOptions(
             receiver_id="brief", pull_timeout_s=60, lease_ttl_s=1e-4, token_file=token
@@ -118,8 +143,8 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
             address, spec, ReceiverLayout(), names, options=brief, device=torch.device("cpu")
         )
         try:
-            with pytest.raises(RefitError, match="lease on version 2 ended before its pull"):
-                short.fetch(2)
+            with pytest.raises(RefitError, match="lease on version 4 ended before its pull"):
+                short.fetch(4)
         finally:
             short.close()
     finally:

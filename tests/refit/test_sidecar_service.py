@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
-from refit_sidecar.client import InvalidRequest, TrainerLayout
+from refit_sidecar.client import InvalidRequest, TrainerLayout, UnknownVersion
 from tests.support.sidecar import running_sidecar
 from trainer_refit.auth import Role
 from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages
@@ -50,12 +50,14 @@ def start_sidecar(tmp_path):
         yield start
 
 
-def _publish(stub, version: int, rank: int) -> bool:
+def _publish(stub, version: int, rank: int, crc32: int | None = None) -> bool:
     shard = pb.ShardRecord(
         location=pb.ShardLocation(agent=f"rank-{rank}", address=4096 * (rank + 1), nbytes=64),
         pieces=[pb.ShardPiece(box=pb.Box(start=[rank * 4, 0], stop=[rank * 4 + 4, 4]))],
         rank=rank,
         tensor_rank=rank,
+        crc32=crc32,
+        wsum64=None if crc32 is None else crc32 << 40,
     )
     request = pb.PublishShardsRequest(
         version=version,
@@ -178,6 +180,55 @@ def test_wait_visible_returns_when_the_last_rank_reports(tmp_path):
             _publish(stub, 1, rank=1)
             assert waited.result() == 1
         assert client.wait_visible(1, timeout=0.3) == 1  # readable already: at once
+
+
+def test_a_lease_call_waits_for_the_version_and_carries_its_checksums(tmp_path):
+    """AcquireLease with wait_seconds: a version not readable yet is leased as soon as its last
+    rank reports (one call from the step's return to the first read); one superseded, or
+    not readable in time, is NOT_FOUND; a bad wait is INVALID_ARGUMENT. With with_checksums
+    the lease carries every shard's checksums in GetManifest's order."""
+    with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
+        stub = sidecar.stub(Role.TRAINER)
+        _register(stub, world_size=2, slots=2)
+        stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
+        _publish(stub, 1, rank=0, crc32=10)
+        start = time.monotonic()
+        with pytest.raises(UnknownVersion, match="version 1 is not readable"):
+            client.acquire_lease(1, "r", ttl=30, wait_s=0.3)
+        assert time.monotonic() - start >= 0.3
+        with ThreadPoolExecutor(1) as pool:
+            leasing = pool.submit(client.acquire_lease, 1, "r", 30, wait_s=30.0, checksums=True)
+            time.sleep(0.2)
+            assert not leasing.done()
+            _publish(stub, 1, rank=1)
+            lease = leasing.result(timeout=10)
+        assert lease.version == 1 and lease.expires_at <= time.monotonic() + 30
+        manifest = sidecar.stub(Role.RECEIVER).GetManifest(pb.GetManifestRequest(version=1))
+        flat = [
+            (s.crc32 if s.HasField("crc32") else None, s.wsum64 if s.HasField("wsum64") else None)
+            for p in manifest.parameters
+            for s in p.shards
+        ]
+        assert flat == [(10, 10 << 40), (None, None)]
+        assert lease.checksums is not None and [tuple(c) for c in lease.checksums] == flat
+        plain = client.acquire_lease(1, "r", ttl=30)
+        assert plain.checksums is None  # not asked for
+        client.release_lease(plain)
+        for wait in (-1.0, float("nan"), 1e9):
+            with pytest.raises(InvalidRequest, match="wait_seconds"):
+                client.acquire_lease(1, "r", ttl=30, wait_s=wait)
+        client.release_lease(lease)
+        stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
+        for rank in (0, 1):
+            _publish(stub, 2, rank=rank)
+        stub.ReserveSlot(pb.ReserveSlotRequest(version=3))
+        for rank in (0, 1):
+            _publish(stub, 3, rank=rank)
+        # Version 1's slot went to version 3: it can never become readable again.
+        start = time.monotonic()
+        with pytest.raises(UnknownVersion):
+            client.acquire_lease(1, "r", ttl=30, wait_s=30.0)
+        assert time.monotonic() - start < 5
 
 
 def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_path):

@@ -137,28 +137,42 @@ class GetManifestRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("version", "receiver_id", "ttl_seconds")
+    __slots__ = ("version", "receiver_id", "ttl_seconds", "wait_seconds", "with_checksums")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WITH_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     version: int
     receiver_id: str
     ttl_seconds: float
-    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    wait_seconds: float
+    with_checksums: bool
+    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., with_checksums: _Optional[bool] = ...) -> None: ...
+
+class ShardChecksums(_message.Message):
+    __slots__ = ("crc32", "wsum64")
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    WSUM64_FIELD_NUMBER: _ClassVar[int]
+    crc32: int
+    wsum64: int
+    def __init__(self, crc32: _Optional[int] = ..., wsum64: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key", "receiver_id")
+    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key", "receiver_id", "checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_KEY_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     expires_in_seconds: float
     manifest_key: bytes
     receiver_id: str
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ..., receiver_id: _Optional[str] = ...) -> None: ...
+    checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksums]
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ..., receiver_id: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksums, _Mapping]]] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_seconds", "receiver_id")
