@@ -739,6 +739,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: bfloat16 on cuda, float32 on cpu",
     )
+    run.add_argument(
+        "--attention",
+        choices=["auto", "sdpa", "local"],
+        default="auto",
+        help="the trainer's --attention (core attention kernel)",
+    )
     run.add_argument("--seq-len", type=int)
     run.add_argument("--seqs-per-microbatch", type=int)
     run.add_argument("--microbatches", type=int, help="microbatches per step (k)")
@@ -872,6 +878,8 @@ def main(argv: list[str] | None = None) -> None:
             args.device,
             "--params-dtype",
             args.params_dtype,
+            "--attention",
+            args.attention,
             "--lr",
             str(args.lr),
             "--seed",

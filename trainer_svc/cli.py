@@ -9,6 +9,7 @@ from pathlib import Path
 from trainer_refit import auth_flags
 from trainer_refit.auth import Role, roles_in
 from trainer_svc.config import (
+    Attention,
     Device,
     LivenessConfig,
     ModelConfig,
@@ -40,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="local HF checkpoint or config directory; default: a built-in tiny Llama model",
     )
     model.add_argument("--params-dtype", choices=[d.value for d in ParamsDType], default="float32")
+    model.add_argument(
+        "--attention",
+        choices=[a.value for a in Attention],
+        default=Attention.AUTO.value,
+        help="core attention: auto (Transformer Engine's where it imports on a GPU, else sdpa), "
+        "sdpa (PyTorch's fused kernel) or local (megatron's unfused one)",
+    )
     model.add_argument(
         "--max-seq-len",
         type=int,
@@ -135,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         model=ModelConfig(
             hf_path=args.model,
             params_dtype=ParamsDType(args.params_dtype),
+            attention=Attention(args.attention),
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,
         ),

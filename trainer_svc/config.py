@@ -21,6 +21,17 @@ class ParamsDType(enum.Enum):
     BFLOAT16 = "bfloat16"
 
 
+class Attention(enum.Enum):
+    """The core attention kernel of the layers."""
+
+    AUTO = "auto"
+    """Transformer Engine's on a GPU where it imports, else SDPA."""
+    SDPA = "sdpa"
+    """PyTorch's fused scaled-dot-product attention (`runtime/sdpa_attention.py`)."""
+    LOCAL = "local"
+    """megatron's local DotProductAttention: two matmuls around an fp32 softmax."""
+
+
 class Device(enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
@@ -81,6 +92,7 @@ class ModelConfig:
     """A local HF checkpoint (config.json, optionally *.safetensors) or config-only directory.
     None builds the embedded tiny Llama-family model."""
     params_dtype: ParamsDType = ParamsDType.FLOAT32
+    attention: Attention = Attention.AUTO
     vocab_multiple: int = 128
     """Vocab rows are padded to a multiple of vocab_multiple * tensor_parallel."""
     max_sequence_length: int | None = None

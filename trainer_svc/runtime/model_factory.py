@@ -16,9 +16,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hf.spec import ModelSpec
-from trainer_svc.config import OptimizerConfig, ParamsDType
+from trainer_svc.config import Attention, OptimizerConfig, ParamsDType
+from trainer_svc.runtime.sdpa_attention import SdpaAttention
 from trainer_svc.runtime.topology import Topology
 
 _DTYPES = {ParamsDType.FLOAT32: torch.float32, ParamsDType.BFLOAT16: torch.bfloat16}
@@ -79,6 +81,19 @@ def transformer_config(
     )
 
 
+def layer_spec_for(spec: ModelSpec, attention: Attention, *, on_gpu: bool) -> ModuleSpec:
+    """Transformer Engine's layer spec where it is asked for (auto: on a GPU where it imports);
+    otherwise megatron's local spec, with its core attention replaced by `SdpaAttention` unless
+    `Attention.LOCAL` is asked for."""
+    if attention is Attention.AUTO and on_gpu and transformer_engine_available():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    if attention is not Attention.LOCAL:
+        self_attention = layer_spec.submodules.self_attention
+        self_attention.submodules.core_attention = SdpaAttention
+    return layer_spec
+
+
 def build_model(
     spec: ModelSpec,
     topology: Topology,
@@ -87,14 +102,10 @@ def build_model(
     max_sequence_length: int,
     params_dtype: ParamsDType,
     on_gpu: bool,
+    attention: Attention = Attention.AUTO,
 ) -> tuple[GPTModel, TransformerConfig]:
     config = transformer_config(spec, topology, params_dtype, on_gpu)
-    if on_gpu and transformer_engine_available():
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    else:
-        layer_spec = get_gpt_layer_local_spec(
-            qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
-        )
+    layer_spec = layer_spec_for(spec, attention, on_gpu=on_gpu)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -138,6 +138,7 @@ def build_engine(
             max_sequence_length=max_len,
             params_dtype=config.model.params_dtype,
             on_gpu=device.type == "cuda",
+            attention=config.model.attention,
         )
         if any(model_dir.glob("*.safetensors")):
             megatron_state = hf_to_megatron(load_hf_state_dict(model_dir), spec, padded)
