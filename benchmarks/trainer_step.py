@@ -337,6 +337,8 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         torch.cuda.synchronize()
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         extra["device_name"] = torch.cuda.get_device_name()
+    if plan.get("forward_memory") and plan["mode"] == "inprocess":
+        extra["forward_memory"] = forward_memory(run, batches[0], device)
     result_path.write_text(
         json.dumps(
             dict(
@@ -357,6 +359,61 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         loop.run_until_complete(leader.shutdown())
         loop.close()
     dist.destroy_process_group()
+
+
+def forward_memory(run: Callable[[Any], Any], batch: Any, device: Any) -> dict[str, Any]:
+    """A Forward of `batch` asking for log-probabilities, entropy and the top 20, through the
+    chunked vocab-parallel path and through the unfused one it replaced (swapped into the
+    engine for the measurement): each one's peak memory above what was allocated before it,
+    its time, and how far the two agree."""
+    import torch
+
+    from trainer_svc.domain import ForwardOutput
+    from trainer_svc.runtime import engine as engine_module
+    from trainer_svc.runtime import vocab_parallel as vp
+
+    paths = {
+        "unfused": (vp.target_logprobs_unfused, vp.top_k_unfused),
+        "chunked": (vp.target_logprobs, vp.top_k),
+    }
+    saved = engine_module.target_logprobs, engine_module.top_k
+    outputs = frozenset(ForwardOutput)
+    measured: dict[str, Any] = {}
+    results = {}
+    try:
+        for name, (logprobs_fn, top_k_fn) in paths.items():
+            engine_module.target_logprobs = logprobs_fn  # type: ignore[assignment]
+            engine_module.top_k = top_k_fn  # type: ignore[assignment]
+            cuda = device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            result = run(cmd.RunForward(batch=batch, outputs=outputs, top_k=20))
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            results[name] = result
+            measured[name] = dict(
+                seconds=seconds,
+                peak_above_base_gib=(torch.cuda.max_memory_allocated() - base) / 2**30
+                if cuda
+                else None,
+            )
+    finally:
+        engine_module.target_logprobs, engine_module.top_k = saved
+    a, b = results["chunked"], results["unfused"]
+    measured["max_logprob_difference"] = float(np.abs(a.logprobs - b.logprobs).max())
+    measured["max_entropy_difference"] = float(np.abs(a.entropy - b.entropy).max())
+    measured["same_top_k_ids"] = bool(np.array_equal(a.top_k_token_ids, b.top_k_token_ids))
+    if measured["unfused"]["peak_above_base_gib"]:
+        measured["peak_ratio"] = (
+            measured["chunked"]["peak_above_base_gib"] / measured["unfused"]["peak_above_base_gib"]
+        )
+    log.info("forward memory: %s", measured)
+    return measured
 
 
 def _versions() -> dict[str, str]:
@@ -760,6 +817,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument("--timeout", type=float, default=900.0, help="seconds for one run's start")
+    run.add_argument(
+        "--forward-memory",
+        action="store_true",
+        help="inprocess: after the steps, a Forward of the first microbatch with "
+        "log-probabilities, entropy and top-20, through the chunked and the unfused "
+        "vocab-parallel paths: peak memory of each above what was allocated before it",
+    )
     out = p.add_argument_group("output")
     out.add_argument(
         "--out",
@@ -903,6 +967,7 @@ def main(argv: list[str] | None = None) -> None:
             steps=args.steps,
             seed=args.seed,
             timeout_s=args.timeout,
+            forward_memory=args.forward_memory,
         )
         log.info("trainer args: %s", " ".join(trainer_args))
         costs = conversion_costs(plan)
@@ -944,6 +1009,9 @@ def main(argv: list[str] | None = None) -> None:
                     json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1) + "\n"
                 )
     print_table(summary, meta)
+    for r in runs:
+        if r.get("forward_memory"):
+            print(f"forward with log-probabilities, entropy and top-20: {r['forward_memory']}")
     print(f"results: {args.out}")
 
 

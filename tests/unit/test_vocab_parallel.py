@@ -1,4 +1,6 @@
-"""target_logprobs, entropy and top_k at TP size 1 equal torch's log_softmax over the real vocab."""
+"""target_logprobs, entropy and top_k at TP size 1 equal torch's log_softmax over the real vocab,
+and the chunked path equals the unfused one, gradients included (TP > 1: the trainer's
+layout-equivalence tests)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
+from trainer_svc.runtime.vocab_parallel import (
+    VocabShard,
+    chunk_rows,
+    target_logprobs,
+    target_logprobs_unfused,
+    top_k,
+    top_k_unfused,
+)
 
 VOCAB = 13
 PADDED = 16
@@ -117,3 +126,39 @@ def test_without_padding_results_equal_plain_log_softmax(tp_group: dist.ProcessG
     torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1))
     ids, _ = top_k(logits, 3, shard)
     assert torch.equal(ids, reference.topk(3, -1).indices)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 1000])
+def test_the_chunked_path_equals_the_unfused_one_with_gradients(
+    tp_group: dist.ProcessGroup, rows: int
+) -> None:
+    """Chunks of `rows` positions (one, several with a ragged last one, all at once) give the
+    unfused implementation's log-probabilities, entropies, top-k, and gradients of a loss that
+    uses both log-probabilities and entropy; padded columns get no gradient."""
+    shard = shard_of(tp_group)
+    base = logits_with_loud_padding(seed=8, shape=(3, 5)).float()
+    targets = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(9))
+    w_lp, w_h = (torch.rand(3, 5, generator=torch.Generator().manual_seed(s)) for s in (10, 11))
+    results = []
+    for fused in (True, False):
+        logits = base.clone().requires_grad_()
+        if fused:
+            logprobs, entropy = target_logprobs(
+                logits, targets, shard, with_entropy=True, rows=rows
+            )
+            ids, values = top_k(logits.detach(), 5, shard, rows=rows)
+        else:
+            logprobs, entropy = target_logprobs_unfused(logits, targets, shard, with_entropy=True)
+            ids, values = top_k_unfused(logits.detach(), 5, shard)
+        assert entropy is not None
+        ((logprobs * w_lp).sum() + (entropy * w_h).sum()).backward()
+        assert logits.grad is not None
+        results.append((logprobs, entropy, ids, values, logits.grad))
+    (lp, ent, ids, values, grad), (lp0, ent0, ids0, values0, grad0) = results
+    torch.testing.assert_close(lp, lp0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent, ent0, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ids, ids0)
+    torch.testing.assert_close(values, values0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, grad0, rtol=1e-5, atol=1e-6)
+    assert not grad[..., VOCAB:].any()
+    assert chunk_rows(152_064) == (256 << 20) // (4 * 152_064)

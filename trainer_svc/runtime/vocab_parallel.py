@@ -1,14 +1,29 @@
 """Log-probabilities, entropy and top-k over vocab-parallel logits.
 
 Logits arrive split over TP ranks along the vocab (``[..., V / tp]``). Rows past the HF vocab
-(padding) are masked to -inf, so results equal an unpadded model's. The sums that cross ranks use
-megatron's ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward),
-which keeps the gradients exact.
+(padding) are masked to -inf, so results equal an unpadded model's.
+
+`target_logprobs` and `top_k` work through the positions in chunks (`chunk_rows`: about 256 MiB
+of float32 per chunk), so full-size float32 logits and their softmax are never materialised: at
+a vocabulary of 152k and 16k positions those alone are 9.7 GB each. Per position they keep only
+the statistics the results and the gradients need (the max, the log-sum-exp, the expected logit
+for the entropy), all-reduced over the TP group once per pass; the backward pass recomputes
+each chunk's softmax from the logits and writes the gradient in their dtype:
+
+    d logp(t) / dz_j = [j = t] - p_j,        d H / dz_j = -p_j (z_j - E_p[z]).
+
+Each rank's gradient is its own vocab columns' (the loss is computed alike on every TP rank, as
+with megatron's reduce-forward, identity-backward regions).
+
+`target_logprobs_unfused` and `top_k_unfused` are the earlier direct implementations over the
+whole float32 logits (autograd through megatron's reduce regions): the reference the tests hold
+the chunked path to, and the baseline of the memory benchmark.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +62,7 @@ def _log_softmax_parts(logits: torch.Tensor, shard: VocabShard) -> LogSoftmaxPar
     return LogSoftmaxParts(shifted=shifted, lse=sum_exp.log(), padded=padded)
 
 
-def target_logprobs(
+def target_logprobs_unfused(
     logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard, *, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) per position (differentiable), and the entropy when asked."""
@@ -70,7 +85,9 @@ def target_logprobs(
 
 
 @torch.no_grad()
-def top_k(logits: torch.Tensor, k: int, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_unfused(
+    logits: torch.Tensor, k: int, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely token ids per position and their log-probabilities, best first."""
     parts = _log_softmax_parts(logits, shard)
     local_k = min(k, shard.end - shard.start)
@@ -84,3 +101,161 @@ def top_k(logits: torch.Tensor, k: int, shard: VocabShard) -> tuple[torch.Tensor
         values, order = torch.cat(gathered_v, dim=-1).topk(k, dim=-1)
         indices = torch.cat(gathered_i, dim=-1).gather(-1, order)
     return indices, values
+
+
+_CHUNK_BYTES = 256 << 20
+"""Float32 bytes of logits handled at once."""
+
+
+def chunk_rows(vocab_columns: int, chunk_bytes: int = _CHUNK_BYTES) -> int:
+    """Positions per chunk for `vocab_columns` columns of float32 logits."""
+    return max(1, chunk_bytes // (4 * max(vocab_columns, 1)))
+
+
+def _padded(shard: VocabShard, device: torch.device) -> torch.Tensor:
+    return torch.arange(shard.start, shard.end, device=device) >= shard.vocab_size
+
+
+def _chunk(flat: torch.Tensor, rows: slice, padded: torch.Tensor) -> torch.Tensor:
+    return flat[rows].float().masked_fill(padded, float("-inf"))
+
+
+def _all_reduce(tensor: torch.Tensor, shard: VocabShard, op: dist.ReduceOp.RedOpType) -> None:
+    if shard.tp_size > 1:
+        dist.all_reduce(tensor, op=op, group=shard.tp_group)
+
+
+def _stats(
+    flat: torch.Tensor,
+    targets: torch.Tensor | None,
+    shard: VocabShard,
+    *,
+    entropy: bool,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per position: the log-sum-exp over the whole vocab, the expected logit (with `entropy`)
+    and the target's logit (with `targets`), float32; two passes over the chunks, one
+    all-reduce each."""
+    n = flat.shape[0]
+    padded = _padded(shard, flat.device)
+    peak = torch.empty(n, dtype=torch.float32, device=flat.device)
+    for begin in range(0, n, rows):
+        span = slice(begin, begin + rows)
+        peak[span] = _chunk(flat, span, padded).max(dim=-1).values
+    _all_reduce(peak, shard, dist.ReduceOp.MAX)
+    sums = torch.zeros(3, n, dtype=torch.float32, device=flat.device)
+    if targets is not None:
+        local = (targets >= shard.start) & (targets < shard.end)
+        index = (targets - shard.start).clamp(0, shard.end - shard.start - 1)
+    for begin in range(0, n, rows):
+        span = slice(begin, begin + rows)
+        z = _chunk(flat, span, padded)
+        e = (z - peak[span, None]).exp()
+        sums[0, span] = e.sum(dim=-1)
+        if entropy:
+            sums[1, span] = (e * z.masked_fill(padded, 0.0)).sum(dim=-1)
+        if targets is not None:
+            picked = z.gather(-1, index[span, None]).squeeze(-1)
+            sums[2, span] = torch.where(local[span], picked, torch.zeros_like(picked))
+    _all_reduce(sums, shard, dist.ReduceOp.SUM)
+    lse = peak + sums[0].log()
+    expected = sums[1] / sums[0] if entropy else None
+    return lse, expected, sums[2] if targets is not None else None
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd passes them positionally)
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        shard: VocabShard,
+        entropy: bool,
+        rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = logits.reshape(-1, logits.shape[-1])
+        flat_targets = targets.reshape(-1)
+        lse, expected, picked = _stats(flat, flat_targets, shard, entropy=entropy, rows=rows)
+        assert picked is not None
+        logprobs = picked - lse
+        ent = lse - expected if expected is not None else torch.empty(0, device=logits.device)
+        ctx.save_for_backward(logits, targets, lse, expected if expected is not None else lse)
+        ctx.shard, ctx.entropy, ctx.rows = shard, entropy, rows
+        if not entropy:
+            ctx.mark_non_differentiable(ent)
+            return logprobs.view(targets.shape), ent
+        return logprobs.view(targets.shape), ent.view(targets.shape)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None, None, None]:
+        logits, targets, lse, expected = ctx.saved_tensors
+        shard: VocabShard = ctx.shard
+        flat = logits.reshape(-1, logits.shape[-1])
+        g_lp = grad_logprobs.reshape(-1).float()
+        g_h = (
+            grad_entropy.reshape(-1).float()
+            if ctx.entropy and grad_entropy is not None and grad_entropy.numel()
+            else None
+        )
+        flat_targets = targets.reshape(-1)
+        local = (flat_targets >= shard.start) & (flat_targets < shard.end)
+        index = (flat_targets - shard.start).clamp(0, shard.end - shard.start - 1)
+        padded = _padded(shard, flat.device)
+        grad = torch.empty_like(flat)
+        for begin in range(0, flat.shape[0], ctx.rows):
+            span = slice(begin, begin + ctx.rows)
+            z = _chunk(flat, span, padded)
+            p = (z - lse[span, None]).exp()
+            g = p * -g_lp[span, None]
+            hit = torch.where(local[span], g_lp[span], torch.zeros_like(g_lp[span]))
+            g.scatter_add_(-1, index[span, None], hit[:, None])
+            if g_h is not None:
+                centred = z.masked_fill(padded, 0.0) - expected[span, None]
+                g -= p * centred * g_h[span, None]
+            grad[span] = g.to(grad.dtype)
+        return grad.view_as(logits), None, None, None, None
+
+
+def target_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    shard: VocabShard,
+    *,
+    with_entropy: bool = False,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) per position (float32, differentiable), and the entropy when asked
+    (differentiable too), chunk by chunk (`rows` positions at a time; default `chunk_rows`)."""
+    chunk = rows or chunk_rows(logits.shape[-1])
+    logprobs, entropy = _TargetLogprobs.apply(logits, targets, shard, with_entropy, chunk)
+    return logprobs, entropy if with_entropy else None
+
+
+@torch.no_grad()
+def top_k(
+    logits: torch.Tensor, k: int, shard: VocabShard, *, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely token ids per position and their log-probabilities, best first,
+    chunk by chunk."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    chunk = rows or chunk_rows(flat.shape[-1])
+    lse, _, _ = _stats(flat, None, shard, entropy=False, rows=chunk)
+    padded = _padded(shard, flat.device)
+    local_k = min(k, shard.end - shard.start)
+    values = torch.empty(flat.shape[0], local_k, dtype=torch.float32, device=flat.device)
+    indices = torch.empty(flat.shape[0], local_k, dtype=torch.int64, device=flat.device)
+    for begin in range(0, flat.shape[0], chunk):
+        span = slice(begin, begin + chunk)
+        best = (_chunk(flat, span, padded) - lse[span, None]).topk(local_k, dim=-1)
+        values[span], indices[span] = best.values, best.indices + shard.start
+    if shard.tp_size > 1:
+        gathered_v = [torch.empty_like(values) for _ in range(shard.tp_size)]
+        gathered_i = [torch.empty_like(indices) for _ in range(shard.tp_size)]
+        dist.all_gather(gathered_v, values, group=shard.tp_group)
+        dist.all_gather(gathered_i, indices, group=shard.tp_group)
+        values, order = torch.cat(gathered_v, dim=-1).topk(k, dim=-1)
+        indices = torch.cat(gathered_i, dim=-1).gather(-1, order)
+    shape = (*logits.shape[:-1], values.shape[-1])
+    return indices.view(shape), values.view(shape)
