@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--max-microbatch-tokens", type=int, default=ServerConfig.max_microbatch_tokens
     )
+    server.add_argument(
+        "--pass-token-budget",
+        type=int,
+        default=None,
+        help="tokens per forward/backward pass on a rank: a larger share of a request runs in "
+        "several passes with the same result (default: derived from the model and the free "
+        "device memory; reported by GetStatus)",
+    )
     auth_flags.add_server_flags(parser)
     refit = parser.add_argument_group("refit publication")
     refit.add_argument(
@@ -161,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             port=args.port,
             port_file=args.port_file,
             max_microbatch_tokens=args.max_microbatch_tokens,
+            pass_token_budget=args.pass_token_budget,
             auth=auth_flags.server_auth(args, roles_in(METHOD_ROLES)),
         ),
         refit=RefitConfig(

@@ -114,6 +114,10 @@ class ServerConfig:
     max_message_bytes: int = 256 * 1024 * 1024
     max_microbatch_tokens: int = 1 << 20
     """A TrainMicrobatch or Forward request with more tokens than this is rejected."""
+    pass_token_budget: int | None = None
+    """Tokens per forward/backward pass on a rank; a request's share with more runs in several
+    passes with the same result (`runtime/passes.py`). None: derived from the model and the
+    device's free memory at start."""
     grace_seconds: float = 5.0
     auth: ServerAuth = field(default_factory=lambda: ServerAuth(insecure=True))
     """Who may call (docs/security.md). The CLI never falls back to this default: it needs
@@ -124,6 +128,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_message_bytes < 1024 or self.max_microbatch_tokens < 1:
             raise ValueError("max_message_bytes must be >= 1024 and max_microbatch_tokens >= 1")
+        if self.pass_token_budget is not None and self.pass_token_budget < 1:
+            raise ValueError(f"pass_token_budget must be >= 1, got {self.pass_token_budget}")
 
 
 @dataclass(frozen=True, kw_only=True)

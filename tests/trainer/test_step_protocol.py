@@ -7,9 +7,10 @@ import dataclasses
 import math
 
 import grpc
+import numpy as np
 import pytest
 
-from tests.support.batches import make_batch
+from tests.support.batches import make_batch, split
 from tests.support.trainer import TrainerProcess, assert_bit_identical
 from trainer_refit.errors import MAX_MESSAGE_BYTES
 from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages
@@ -28,12 +29,20 @@ from trainer_svc.domain import (
 LOSS = LossConfig(kind=LossKind.PPO, kl_coef=0.05)
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3)
 MAX_TOKENS = 256
+PASS_TOKENS = 20
+"""The batch's sequences of 11, 6 and 19 tokens run in two passes: [11, 6] and [19]."""
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("protocol")
-    process = TrainerProcess(workdir, ["--tp", "2", "--max-microbatch-tokens", str(MAX_TOKENS)])
+    process = TrainerProcess(
+        workdir,
+        [
+            *("--tp", "2", "--max-microbatch-tokens", str(MAX_TOKENS)),
+            *("--pass-token-budget", str(PASS_TOKENS)),
+        ],
+    )
     process.client.save_checkpoint(workdir / "base")
     process.base_weights = process.export("base")
     process.batch = make_batch(seed=3, lengths=[11, 6, 19], loss=LOSS)
@@ -289,3 +298,22 @@ def test_undecodable_bodies_and_huge_ids_are_refused_cleanly(trainer):
     assert len(error.details().encode()) <= MAX_MESSAGE_BYTES
     assert "(20000 characters)" in error.details()
     assert "Traceback" not in trainer.log_path.read_text(errors="replace")
+
+
+def test_a_request_over_the_pass_budget_trains_like_its_passes_sent_as_microbatches(trainer):
+    """The reference step sent the batch in one request; the service ran it in two passes
+    (GetStatus reports the budget). The same passes sent as two microbatches give the same
+    weights bit for bit, and a Forward of the whole batch equals Forwards of its parts."""
+    assert trainer.client.status().pass_token_budget == PASS_TOKENS
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    trainer.client.begin_step("passes", LOSS, OPTIMIZER)
+    for i, part in enumerate(split(trainer.batch, [2, 1])):
+        trainer.client.train_microbatch("passes", f"p{i}", part)
+    trainer.client.finish_step("passes")
+    assert_bit_identical(trainer.export("passes"), trainer.reference)
+    outputs = (ForwardOutput.LOGPROBS, ForwardOutput.ENTROPY, ForwardOutput.TOP_K)
+    whole = trainer.client.forward(trainer.batch, outputs, top_k=3)
+    parts = [trainer.client.forward(p, outputs, top_k=3) for p in split(trainer.batch, [2, 1])]
+    for field in ("logprobs", "entropy", "top_k_token_ids", "top_k_logprobs"):
+        joined = np.concatenate([getattr(p, field) for p in parts])
+        assert np.array_equal(getattr(whole, field), joined), field

@@ -306,7 +306,7 @@ class OpenStep(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device", "sidecar", "refit_snapshot_bytes")
+    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device", "sidecar", "refit_snapshot_bytes", "pass_token_budget")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class GetStatusResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_FIELD_NUMBER: _ClassVar[int]
     REFIT_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PASS_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.ParallelLayout
     model: ModelInfo
     weights_version: int
@@ -323,4 +324,5 @@ class GetStatusResponse(_message.Message):
     device: str
     sidecar: str
     refit_snapshot_bytes: int
-    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ..., sidecar: _Optional[str] = ..., refit_snapshot_bytes: _Optional[int] = ...) -> None: ...
+    pass_token_budget: int
+    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ..., sidecar: _Optional[str] = ..., refit_snapshot_bytes: _Optional[int] = ..., pass_token_budget: _Optional[int] = ...) -> None: ...

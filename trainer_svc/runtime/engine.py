@@ -45,6 +45,7 @@ from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
 from trainer_svc.runtime.model_runner import ModelRunner
 from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack, unpack_per_token
+from trainer_svc.runtime.passes import split_passes
 from trainer_svc.runtime.publication import Publisher
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
@@ -93,7 +94,10 @@ class StepEngine:
         device: torch.device,
         checkpointer: Checkpointer,
         publisher: Publisher | None = None,
+        pass_tokens: int | None = None,
     ) -> None:
+        """`pass_tokens`: tokens per forward/backward pass (`passes.py`; None: the request
+        limit)."""
         self.built = built
         self.spec = spec
         self.topology = topology
@@ -103,6 +107,7 @@ class StepEngine:
         self.device = device
         self.checkpointer = checkpointer
         self.publisher = publisher
+        self.pass_tokens = pass_tokens or limits.max_tokens
         self.runner = ModelRunner(built.ddp, device)
         local_vocab = padded_vocab // topology.layout.tensor_parallel
         self.vocab_shard = VocabShard(
@@ -276,6 +281,14 @@ class StepEngine:
         self.open_step = _OpenStep(command.step_id, command.loss, command.optimizer)
         return self.weights_version
 
+    def _passes(self, local: Any) -> list[Any]:
+        """This rank's share cut into passes of at most `pass_tokens` tokens (none when the
+        share is empty)."""
+        if not local.num_sequences:
+            return []
+        groups = split_passes(local.lengths(), self.pass_tokens)
+        return [local] if len(groups) == 1 else [local.select(g) for g in groups]
+
     def _local_share(self, command_batch: Any) -> Any:
         parts = assign_to_data_parallel(command_batch.lengths(), self.topology.layout.data_parallel)
         return command_batch.select(parts[self.topology.dp_rank])
@@ -284,16 +297,19 @@ class StepEngine:
         step = self.open_step
         assert step is not None and step.step_id == command.step_id
         local = self._local_share(command.batch)
-        packed = pack(local, self.device) if local.num_sequences else None
-        if packed is not None:
-            loss = step.loss
+        loss = step.loss
 
-            def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
-                logprobs, _ = target_logprobs(logits, batch.targets, self.vocab_shard)
-                sums = loss_sums(logprobs, batch.token_inputs, loss)
-                count = sums["valid_tokens"].detach().to(torch.int)
-                return sums["loss"], count, {k: v.detach() for k, v in sums.items()}
+        def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
+            logprobs, _ = target_logprobs(logits, batch.targets, self.vocab_shard)
+            sums = loss_sums(logprobs, batch.token_inputs, loss)
+            count = sums["valid_tokens"].detach().to(torch.int)
+            return sums["loss"], count, {k: v.detach() for k, v in sums.items()}
 
+        # Gradients and loss sums accumulate over the passes as over microbatches.
+        for part in self._passes(local):
+            packed = pack(part, self.device)
+            if packed is None:  # nothing to predict: one-token sequences only
+                continue
             outputs = self.runner.run(packed, loss_function, forward_only=False)
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
                 for sums in outputs:
@@ -409,33 +425,45 @@ class StepEngine:
     def _forward(self, command: cmd.RunForward) -> ForwardResult | None:
         parts = assign_to_data_parallel(command.batch.lengths(), self.topology.layout.data_parallel)
         local = command.batch.select(parts[self.topology.dp_rank])
-        packed = pack(local, self.device) if local.num_sequences else None
-        rows: dict[str, np.ndarray] = {}
-        if packed is not None:
-            wanted = command.outputs
-            k = command.top_k
+        wanted = command.outputs
+        k = command.top_k
 
-            def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
-                result: dict[str, torch.Tensor] = {}
-                logprobs, entropy = target_logprobs(
-                    logits,
-                    batch.targets,
-                    self.vocab_shard,
-                    with_entropy=ForwardOutput.ENTROPY in wanted,
-                )
-                result["logprobs"] = logprobs
-                if entropy is not None:
-                    result["entropy"] = entropy
-                if ForwardOutput.TOP_K in wanted:
-                    result["top_k_ids"], result["top_k_logprobs"] = top_k(
-                        logits, k, self.vocab_shard
-                    )
-                zero = logprobs.sum() * 0.0
-                return zero, torch.tensor(0, dtype=torch.int), result
+        def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
+            result: dict[str, torch.Tensor] = {}
+            logprobs, entropy = target_logprobs(
+                logits,
+                batch.targets,
+                self.vocab_shard,
+                with_entropy=ForwardOutput.ENTROPY in wanted,
+            )
+            result["logprobs"] = logprobs
+            if entropy is not None:
+                result["entropy"] = entropy
+            if ForwardOutput.TOP_K in wanted:
+                result["top_k_ids"], result["top_k_logprobs"] = top_k(logits, k, self.vocab_shard)
+            zero = logprobs.sum() * 0.0
+            return zero, torch.tensor(0, dtype=torch.int), result
 
-            outputs = self.runner.run(packed, loss_function, forward_only=True)
-            if outputs:
-                rows = {key: value.cpu().numpy() for key, value in outputs[0].items()}
+        # Per-token outputs of this rank's share, pass after pass (passes are consecutive); a
+        # pass with nothing to predict (one-token sequences) gives zeros.
+        passes: list[tuple[Any, dict[str, np.ndarray]]] = []
+        for part in self._passes(local):
+            packed = pack(part, self.device)
+            outputs = self.runner.run(packed, loss_function, forward_only=True) if packed else []
+            found = outputs[0] if outputs else {}
+            passes.append(
+                (part, {k: unpack_per_token(v.cpu().numpy(), part) for k, v in found.items()})
+            )
+        shapes = {k: v for _, found in passes for k, v in found.items()}
+        rows = {
+            key: np.concatenate(
+                [
+                    found.get(key, np.zeros((part.num_tokens, *like.shape[1:]), like.dtype))
+                    for part, found in passes
+                ]
+            )
+            for key, like in shapes.items()
+        }
         contributes = self.topology.is_last_stage and self.topology.tp_rank == 0
         gathered: list[Any] | None = (
             [None] * self.topology.layout.world_size if self.topology.is_leader else None
@@ -459,9 +487,7 @@ class StepEngine:
             if item is None or not item[1]:
                 continue
             dp_rank, rows = item
-            local = batch.select(parts[dp_rank])
-            for key, value in rows.items():
-                values = unpack_per_token(value, local)
+            for key, values in rows.items():
                 target = per_token.setdefault(
                     key, np.zeros((batch.num_tokens, *values.shape[1:]), dtype=values.dtype)
                 )

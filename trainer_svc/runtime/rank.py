@@ -26,6 +26,7 @@ from trainer_svc.runtime.liveness import LeaderLink, PeerLost, reachable_host
 from trainer_svc.runtime.liveness_monitor import PeerMonitor
 from trainer_svc.runtime.model_factory import build_model, wrap_for_training
 from trainer_svc.runtime.param_buffers import pack_parameters
+from trainer_svc.runtime.passes import derived_budget
 from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.publication import Publisher, published_parameters
 from trainer_svc.runtime.topology import Topology
@@ -162,6 +163,22 @@ def build_engine(
             nixl_net_devices=config.refit.nixl_net_devices,
         )
     snapshot_bytes = publisher.snapshot_bytes if publisher else 0
+    # The smallest budget of any rank, so the ranks of a replica cut a request alike.
+    budget = torch.tensor(
+        [
+            config.server.pass_token_budget
+            or derived_budget(
+                spec,
+                layers=len(model.decoder.layers),
+                local_vocab=padded // config.layout.tensor_parallel,
+                dtype=transformer_config.params_dtype,
+                device=device,
+                max_tokens=config.server.max_microbatch_tokens,
+            )
+        ],
+        dtype=torch.int64,
+    )
+    dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=topology.control_group)
     local = torch.tensor(
         [
             sum(p.numel() for p in model.parameters()) if topology.dp_rank == 0 else 0,
@@ -184,6 +201,7 @@ def build_engine(
         device=device,
         checkpointer=Checkpointer(model_dir, PathRoots.resolved(config.checkpoint_roots())),
         publisher=publisher,
+        pass_tokens=int(budget[0]),
     )
     info = ServiceInfo(
         spec=spec,
@@ -193,6 +211,7 @@ def build_engine(
         max_sequence_length=max_len,
         sidecar=config.refit.sidecar or "",
         refit_snapshot_bytes=int(local[1]),
+        pass_token_budget=int(budget[0]),
     )
     return engine, info
 

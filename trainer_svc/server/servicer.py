@@ -139,6 +139,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             device=engine.device.type,
             sidecar=self.info.sidecar,
             refit_snapshot_bytes=self.info.refit_snapshot_bytes,
+            pass_token_budget=self.info.pass_token_budget,
         )
         open_step = engine.open_step_info()
         if open_step is not None:

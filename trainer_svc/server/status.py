@@ -24,6 +24,7 @@ class ServiceInfo:
     max_sequence_length: int
     sidecar: str = ""
     refit_snapshot_bytes: int = 0
+    pass_token_budget: int = 0
 
     def model_info(self) -> pb.ModelInfo:
         spec = self.spec
