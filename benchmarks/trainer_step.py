@@ -339,6 +339,8 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         extra["device_name"] = torch.cuda.get_device_name()
     if plan.get("forward_memory") and plan["mode"] == "inprocess":
         extra["forward_memory"] = forward_memory(run, batches[0], device)
+    if device.type == "cuda" and plan["mode"] == "inprocess":
+        extra["matmul_tflops"] = matmul_peak_tflops(device)
     result_path.write_text(
         json.dumps(
             dict(
@@ -359,6 +361,23 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         loop.run_until_complete(leader.shutdown())
         loop.close()
     dist.destroy_process_group()
+
+
+def matmul_peak_tflops(device: Any, n: int = 8192, repeats: int = 20) -> float:
+    """bf16 TFLOP/s of an n x n x n matrix product on `device`: the peak MFU is measured
+    against, in the same process as the steps."""
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def forward_memory(run: Callable[[Any], Any], batch: Any, device: Any) -> dict[str, Any]:
@@ -693,6 +712,10 @@ def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any
         return summary
     base = modes["inprocess"]
     base_run = next(r for r in runs if r["mode"] == "inprocess")
+    peaks = [r["matmul_tflops"] for r in runs if r.get("matmul_tflops")]
+    if peaks:
+        summary["matmul_peak_tflops"] = max(peaks)
+        summary["mfu_inprocess"] = base["approx_model_tflops"] / max(peaks)
     commands = plan["microbatches"] + 2
     summary["against_inprocess"] = {}
     for mode in [m for m in modes if m != "inprocess"]:
@@ -1009,6 +1032,11 @@ def main(argv: list[str] | None = None) -> None:
                     json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1) + "\n"
                 )
     print_table(summary, meta)
+    if "mfu_inprocess" in summary:
+        print(
+            f"MFU in-process: {summary['mfu_inprocess']:.3f} of a measured bf16 matmul peak of "
+            f"{summary['matmul_peak_tflops']:.0f} TFLOP/s (model FLOPs: 6 x parameters x tokens)"
+        )
     for r in runs:
         if r.get("forward_memory"):
             print(f"forward with log-probabilities, entropy and top-20: {r['forward_memory']}")

@@ -1,4 +1,14 @@
-"""Command flow between ranks: rank 0 checks, broadcasts and executes; the others follow."""
+"""Command flow between ranks: rank 0 checks, broadcasts and executes; the others follow.
+
+Rank 0 runs one command at a time, in arrival order, on one thread. A TrainMicrobatch is
+answered as soon as it is checked (step open, request id new or a true duplicate, batch valid)
+and then executed: the client sends the next microbatch while this one runs, so the ranks never
+wait for a round trip between microbatches. The next command is checked only after the queued
+microbatch has run, so checks see every earlier microbatch applied, and at most one microbatch
+waits behind the one running. A queued microbatch that fails (on every rank, as every command)
+changes no weights; its step answers every later TrainMicrobatch and FinishTrainStep with the
+failure until it is aborted.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +16,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
 
-from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
+from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument, OpenStepInfo
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime.agreement import CommandFailed
 from trainer_svc.runtime.engine import StepEngine
@@ -60,6 +71,12 @@ class Leader:
         self.lost: str | None = None
         """Why the world is lost (a rank named), once it is."""
         self._lost = asyncio.Event()
+        self._queued_failure: tuple[str, Exception] | None = None
+        """(step id, error) of an acknowledged microbatch that then failed: the step answers
+        with it until it is aborted. Read and written on the command thread only."""
+        self._acked: Any = None
+        """The answer of the last microbatch acknowledged and not failed (its counts include
+        it), for GetStatus while it runs."""
 
     def world_lost(self, reason: str) -> None:
         """On the event loop: the command running now (its thread may never come back), those
@@ -74,18 +91,81 @@ class Leader:
                 "once it serves again"
             )
 
+    def open_step_info(self) -> OpenStepInfo | None:
+        """The open step as GetStatus reports it: its counts include every microbatch answered
+        so far, run or still running."""
+        info = self.engine.open_step_info()
+        acked = self._acked
+        if info is None or acked is None or acked.step_id != info.step_id:
+            return info
+        return replace(info, counts=acked.counts)
+
+    def _check_queued(self, command: cmd.Command) -> None:
+        """Raises the failure of a queued microbatch for the later commands of its step."""
+        if self._queued_failure is None:
+            return
+        step_id, error = self._queued_failure
+        open_step = self.engine.open_step
+        if open_step is None or open_step.step_id != step_id:
+            self._queued_failure = None  # the step ended (aborted, or the trainer reloaded)
+            return
+        match command:
+            case cmd.AbortStep(step_id=aborted) if aborted == step_id:
+                self._queued_failure = None
+            case cmd.TrainMicrobatch(step_id=s) | cmd.FinishStep(step_id=s) if s == step_id:
+                raise FailedPrecondition(
+                    f"a microbatch of step {step_id!r} failed after it was acknowledged: "
+                    f"{error}; the step changed no weights: abort it"
+                )
+
+    def _run_queued(self, command: cmd.TrainMicrobatch, acked: Future[Any]) -> None:
+        """A microbatch: answered once checked, then executed on every rank."""
+        try:
+            self._check_queued(command)
+            immediate = self.engine.precheck(command)
+            if immediate is None:
+                ack = self.engine.projected_ack(command)
+        except BaseException as error:
+            acked.set_exception(error)
+            return
+        if immediate is not None:
+            acked.set_result(immediate)
+            return
+        self._acked = ack
+        acked.set_result(ack)
+        start = time.perf_counter()
+        try:
+            self._execute(command)
+        except Exception as error:
+            self._acked = None
+            self._queued_failure = (command.step_id, error)
+            log.warning(
+                "microbatch %r of step %r failed after it was acknowledged: %s",
+                command.request_id,
+                command.step_id,
+                error,
+            )
+            return
+        log.debug("queued TrainMicrobatch ran in %.3f ms", 1e3 * (time.perf_counter() - start))
+
+    def _execute(self, command: cmd.Command) -> Any:
+        _broadcast(command, self.engine.topology.control_group)
+        try:
+            return self.engine.execute(command)
+        except CommandFailed as failed:
+            raise failed.error from failed
+
     def _run(self, command: cmd.Command) -> Any:
+        self._check_queued(command)
+        if isinstance(command, cmd.BeginStep):
+            self._acked = None  # a step id may come again
         immediate = self.engine.precheck(command)
         if immediate is not None:
             return immediate
         start = time.perf_counter()
         command = self.engine.prepare(command)
         prepared = time.perf_counter()
-        _broadcast(command, self.engine.topology.control_group)
-        try:
-            result = self.engine.execute(command)
-        except CommandFailed as failed:
-            raise failed.error from failed
+        result = self._execute(command)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: prepare %.3f ms, broadcast and execute %.3f ms",
@@ -123,6 +203,10 @@ class Leader:
         async with self._lock:
             if self._closed:
                 raise RuntimeError("the trainer is shutting down")
+            if isinstance(command, cmd.TrainMicrobatch):
+                acked: Future[Any] = Future()
+                self._executor.submit(self._run_queued, command, acked)
+                return await asyncio.wrap_future(acked)
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, self._run, command)
 

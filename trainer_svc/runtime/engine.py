@@ -195,6 +195,13 @@ class StepEngine:
                 self.checkpointer.check_exportable(path)
         return None
 
+    def projected_ack(self, command: cmd.TrainMicrobatch) -> MicrobatchAck:
+        """The answer a checked, new microbatch gets before it runs: the step's counts with
+        it applied."""
+        step = self._require_open(command.step_id, "TrainMicrobatch")
+        counts = step.counts.plus(command.batch)
+        return MicrobatchAck(step.step_id, command.request_id, False, counts)
+
     @staticmethod
     def _duplicate(step: _OpenStep, command: cmd.TrainMicrobatch) -> MicrobatchAck:
         """A request_id the step applied already: acknowledged again when it carries the same

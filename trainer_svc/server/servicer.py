@@ -141,7 +141,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             refit_snapshot_bytes=self.info.refit_snapshot_bytes,
             pass_token_budget=self.info.pass_token_budget,
         )
-        open_step = engine.open_step_info()
+        open_step = self.leader.open_step_info()
         if open_step is not None:
             response.open_step.CopyFrom(convert.open_step_to_proto(open_step))
         return response
