@@ -15,6 +15,9 @@ each chunk's softmax from the logits and writes the gradient in their dtype:
 Each rank's gradient is its own vocab columns' (the loss is computed alike on every TP rank, as
 with megatron's reduce-forward, identity-backward regions).
 
+On a GPU the statistics and the gradient come from Triton kernels (`vocab_kernels`): one
+program per position walks its row in blocks, so no float32 chunk is materialised either.
+
 `target_logprobs_unfused` and `top_k_unfused` are the earlier direct implementations over the
 whole float32 logits (autograd through megatron's reduce regions): the reference the tests hold
 the chunked path to, and the baseline of the memory benchmark.
@@ -28,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+from trainer_svc.runtime import vocab_kernels
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,28 @@ def _all_reduce(tensor: torch.Tensor, shard: VocabShard, op: dist.ReduceOp.RedOp
         dist.all_reduce(tensor, op=op, group=shard.tp_group)
 
 
+def _valid_columns(shard: VocabShard) -> int:
+    """Columns of this shard inside the real vocab (the rest is padding)."""
+    return max(0, min(shard.end, shard.vocab_size) - shard.start)
+
+
+def _kernel_stats(
+    flat: torch.Tensor, targets: torch.Tensor, shard: VocabShard, *, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`_stats` through the Triton kernel: one read of the logits, the ranks' online-softmax
+    rows merged with one all-reduce of the max and one of the rescaled sums."""
+    stats = vocab_kernels.row_stats(
+        flat, targets, shard.start, _valid_columns(shard), entropy=entropy
+    )
+    peak = stats[:, 0].clone()
+    _all_reduce(peak, shard, dist.ReduceOp.MAX)
+    factor = (stats[:, 0] - peak).exp()  # a shard of padding only: exp(-inf) = 0
+    sums = torch.stack([stats[:, 1] * factor, stats[:, 2] * factor, stats[:, 3]])
+    _all_reduce(sums, shard, dist.ReduceOp.SUM)
+    lse = peak + sums[0].log()
+    return lse, sums[1] / sums[0] if entropy else None, sums[2]
+
+
 def _stats(
     flat: torch.Tensor,
     targets: torch.Tensor | None,
@@ -135,7 +162,9 @@ def _stats(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per position: the log-sum-exp over the whole vocab, the expected logit (with `entropy`)
     and the target's logit (with `targets`), float32; two passes over the chunks, one
-    all-reduce each."""
+    all-reduce each (on a GPU with targets: the Triton kernel, one pass)."""
+    if targets is not None and vocab_kernels.usable(flat):
+        return _kernel_stats(flat, targets, shard, entropy=entropy)
     n = flat.shape[0]
     padded = _padded(shard, flat.device)
     peak = torch.empty(n, dtype=torch.float32, device=flat.device)
@@ -173,8 +202,8 @@ class _TargetLogprobs(torch.autograd.Function):
         entropy: bool,
         rows: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = logits.reshape(-1, logits.shape[-1])
-        flat_targets = targets.reshape(-1)
+        flat = logits.reshape(-1, logits.shape[-1]).contiguous()
+        flat_targets = targets.reshape(-1).contiguous()
         lse, expected, picked = _stats(flat, flat_targets, shard, entropy=entropy, rows=rows)
         assert picked is not None
         logprobs = picked - lse
@@ -200,6 +229,18 @@ class _TargetLogprobs(torch.autograd.Function):
             else None
         )
         flat_targets = targets.reshape(-1)
+        if vocab_kernels.usable(flat):
+            grad = vocab_kernels.row_grad(
+                flat.contiguous(),
+                flat_targets.contiguous(),
+                start=shard.start,
+                valid=_valid_columns(shard),
+                lse=lse,
+                expected=expected if g_h is not None else None,
+                g_lp=g_lp.contiguous(),
+                g_h=g_h.contiguous() if g_h is not None else None,
+            )
+            return grad.view_as(logits), None, None, None, None
         local = (flat_targets >= shard.start) & (flat_targets < shard.end)
         index = (flat_targets - shard.start).clamp(0, shard.end - shard.start - 1)
         padded = _padded(shard, flat.device)
