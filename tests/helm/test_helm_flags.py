@@ -124,6 +124,8 @@ def test_trainer_flags_exist_in_torchrun_and_trainer_parsers(
         assert nproc == container["resources"]["limits"][GPU_RESOURCE]
         assert config.layout.world_size == nnodes * nproc
         assert str(args.model) == values["model"]["path"]
+        assert args.attention == trainer["attention"]
+        assert args.pass_token_budget == trainer.get("passTokenBudget")  # null: derived
         assert run.master_port == trainer["rendezvousPort"]
         if pod.role == "head":
             assert run.node_rank == 0
@@ -358,6 +360,7 @@ def test_trainer_module_exists() -> None:
         (("trainer", "device"), "--device"),
         (("trainer", "optimizer", "kind"), "--optimizer"),
         (("trainer", "logLevel"), "--log-level"),
+        (("trainer", "attention"), "--attention"),
     ],
 )
 def test_schema_choices_are_the_trainer_parser_choices(

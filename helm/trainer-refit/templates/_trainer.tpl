@@ -99,6 +99,10 @@ spec:
         - --host=0.0.0.0
         - --port={{ $t.port | int }}
         - --max-microbatch-tokens={{ $t.maxMicrobatchTokens | int }}
+        {{- if not (kindIs "invalid" $t.passTokenBudget) }}
+        - --pass-token-budget={{ $t.passTokenBudget | int }}
+        {{- end }}
+        - --attention={{ $t.attention }}
         - --seed={{ $t.seed | int }}
         - --log-level={{ $t.logLevel }}
         {{- if $v.sidecar.enabled }}
