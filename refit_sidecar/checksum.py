@@ -16,11 +16,20 @@ import zlib
 import numpy as np
 
 from refit_sidecar.plan import PullPlan, ShardReads
-from refit_sidecar.wsum import UNIT, wsum64
+from refit_sidecar.wsum import MASK64, UNIT, wsum64
 
 
 class ChecksumMismatch(RuntimeError):
     """Pulled bytes differ from what the source published: never install them."""
+
+    @classmethod
+    def of(cls, reads: ShardReads, kind: str, got: int, published: int) -> ChecksumMismatch:
+        """The mismatch of one shard's `kind` checksum ("crc32" or "wsum64")."""
+        digits = 8 if kind == "crc32" else 16
+        return cls(
+            f"{reads.parameter} shard {reads.shard} from {reads.location.agent}: "
+            f"{kind} {got:#0{digits + 2}x} != published {published:#0{digits + 2}x}"
+        )
 
 
 def checksum(data: np.ndarray) -> int:
@@ -38,7 +47,7 @@ def verify_checksums(plan: PullPlan, dest: np.ndarray) -> int:
             continue
         if reads.crc32 is None:
             if reads.sum64 is not None:
-                _verify_sum64(reads, view)
+                _verify_sum64(reads, view, reads.sum64)
                 checked += 1
             continue
         crc = 0
@@ -46,22 +55,16 @@ def verify_checksums(plan: PullPlan, dest: np.ndarray) -> int:
             start = int(reads.dest_offsets[i])
             crc = zlib.crc32(view[start : start + int(reads.lengths[i])].data, crc)
         if crc != reads.crc32:
-            raise ChecksumMismatch(
-                f"{reads.parameter} shard {reads.shard} from {reads.location.agent}: "
-                f"crc32 {crc:#010x} != published {reads.crc32:#010x}"
-            )
+            raise ChecksumMismatch.of(reads, "crc32", crc, reads.crc32)
         checked += 1
     return checked
 
 
-def _verify_sum64(reads: ShardReads, view: np.ndarray) -> None:
+def _verify_sum64(reads: ShardReads, view: np.ndarray, published: int) -> None:
     total = 0
     starts, lengths = reads.dest_offsets.tolist(), reads.lengths.tolist()
     for start, length, at in zip(starts, lengths, reads.shard_offsets.tolist(), strict=True):
         total += wsum64(view[start : start + length], at // UNIT)
-    total &= (1 << 64) - 1
-    if total != reads.sum64:
-        raise ChecksumMismatch(
-            f"{reads.parameter} shard {reads.shard} from {reads.location.agent}: "
-            f"wsum64 {total:#018x} != published {reads.sum64:#018x}"
-        )
+    total &= MASK64
+    if total != published:
+        raise ChecksumMismatch.of(reads, "wsum64", total, published)

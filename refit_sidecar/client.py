@@ -49,7 +49,7 @@ from refit_sidecar.sources import (
     listing_from_proto,
 )
 from refit_sidecar.tree_types import TreeListing
-from refit_sidecar.wire import manifest_from_proto, publish_request
+from refit_sidecar.wire import checksums_from_proto, manifest_from_proto, publish_request
 from trainer_refit.auth import ClientAuth, open_channel
 from trainer_refit.errors import InvalidRequest
 from trainer_refit.status_details import violated_field
@@ -131,15 +131,7 @@ def _lease(reply: pb.Lease, sent: float | None = None) -> Lease:
         reply.expires_in_seconds,
         reply.manifest_key,
         reply.receiver_id,
-        tuple(
-            Checksums(
-                s.crc32 if s.HasField("crc32") else None,
-                s.wsum64 if s.HasField("wsum64") else None,
-            )
-            for s in reply.checksums
-        )
-        if reply.checksums
-        else None,
+        tuple(checksums_from_proto(s) for s in reply.checksums) if reply.checksums else None,
         math.inf if sent is None else sent + reply.expires_in_seconds,
     )
 
@@ -274,16 +266,7 @@ class SidecarClient:
         """Per parameter, the checksums of each shard of a readable version: what a replayed
         plan needs from its manifest when it verifies."""
         reply = self._call(self._stub.GetManifest, pb.GetManifestRequest(version=version))
-        return {
-            p.name: tuple(
-                Checksums(
-                    s.crc32 if s.HasField("crc32") else None,
-                    s.wsum64 if s.HasField("wsum64") else None,
-                )
-                for s in p.shards
-            )
-            for p in reply.parameters
-        }
+        return {p.name: tuple(checksums_from_proto(s) for s in p.shards) for p in reply.parameters}
 
     def acquire_lease(
         self,

@@ -25,7 +25,7 @@ from refit_sidecar.registry import (
 )
 from refit_sidecar.tree_service import TreeService
 from refit_sidecar.tree_types import NoLiveSource, NoSourceFree, TreeConfig, UnknownSource
-from refit_sidecar.wire import manifest_key
+from refit_sidecar.wire import checksums_from_proto, manifest_key, set_checksums
 from trainer_refit.errors import InvalidRequest
 from trainer_refit.serving import RunningServer, start_server, status_codes
 from trainer_refit.v1 import common_pb2
@@ -248,14 +248,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         cached = self._sums.get(version)
         if cached is None:
             manifest = self._manifest(version)[0]
-            cached = [
-                pb.ShardChecksums(
-                    crc32=shard.crc32 if shard.HasField("crc32") else None,
-                    wsum64=shard.wsum64 if shard.HasField("wsum64") else None,
-                )
-                for parameter in manifest.parameters
-                for shard in parameter.shards
-            ]
+            cached = []
+            for parameter in manifest.parameters:
+                for shard in parameter.shards:
+                    sums = pb.ShardChecksums()
+                    set_checksums(sums, checksums_from_proto(shard))
+                    cached.append(sums)
             for stale in [v for v in self._sums if v not in self._manifests]:
                 del self._sums[stale]
             self._sums[version] = cached

@@ -20,11 +20,9 @@ import numpy as np
 import torch
 
 from refit_sidecar import wsum
+from refit_sidecar.checksum import ChecksumMismatch
 from refit_sidecar.plan import PullPlan
 from refit_sidecar.transport import Region
-
-_I64 = (1 << 64) - 1
-
 
 _TORCH_CHUNK = 1 << 24
 """Units per torch pass (int64 temporaries of 128 MiB each)."""
@@ -81,34 +79,39 @@ _ALIGNED_UNITS = 8
 """Units in 16 bytes: blocks that start there and are whole load without masks."""
 
 
-class _Tables:
-    """A plan's block table and group numbers on a device, whole aligned blocks first (and how
-    many), kept for plans used again."""
+class _Recent:
+    """The last few values computed by key (a refit reuses its plan's tables every version)."""
 
     def __init__(self, capacity: int = 8) -> None:
-        self._cache: OrderedDict[tuple[int, torch.device], tuple[Any, ...]] = OrderedDict()
+        self._values: OrderedDict[Any, Any] = OrderedDict()
         self._capacity = capacity
 
-    def get(
-        self, plan: wsum.SumPlan, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        key = (id(plan), device)
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] is plan:
-            self._cache.move_to_end(key)
-            return hit[1], hit[2], hit[3]
+    def get(self, key: Any, make: Any) -> Any:
+        value = self._values.get(key)
+        if value is None:
+            value = self._values[key] = make()
+            while len(self._values) > self._capacity:
+                self._values.popitem(last=False)
+        self._values.move_to_end(key)
+        return value
+
+
+_device_tables = _Recent()
+
+
+def _tables(plan: wsum.SumPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The plan's block table and group numbers on `device`, whole aligned blocks first, and
+    how many those are."""
+
+    def make() -> tuple[wsum.SumPlan, torch.Tensor, torch.Tensor, int]:
         full = (plan.blocks[:, 1] == wsum.BLOCK) & (plan.blocks[:, 0] % _ALIGNED_UNITS == 0)
         order = np.argsort(~full, kind="stable")
         blocks = torch.from_numpy(np.ascontiguousarray(plan.blocks[order])).to(device)
-        groups = torch.from_numpy(plan.groups[order]).to(device)
-        entry = (plan, blocks, groups, int(full.sum()))
-        self._cache[key] = entry
-        while len(self._cache) > self._capacity:
-            self._cache.popitem(last=False)
-        return blocks, groups, entry[3]
+        return plan, blocks, torch.from_numpy(plan.groups[order]).to(device), int(full.sum())
 
-
-_tables = _Tables()
+    # Keyed by identity, and the plan kept with its tables so its id is never reused.
+    _, blocks, groups, full = _device_tables.get((id(plan), device), make)
+    return blocks, groups, full
 
 
 def group_sums(buffer: torch.Tensor, plan: wsum.SumPlan, *, use_triton: bool = True) -> np.ndarray:
@@ -127,7 +130,7 @@ def group_sums(buffer: torch.Tensor, plan: wsum.SumPlan, *, use_triton: bool = T
     units = buffer.view(torch.int16)
     kernel = _kernel() if use_triton and buffer.is_cuda else None
     if kernel is not None:
-        blocks, groups, full = _tables.get(plan, buffer.device)
+        blocks, groups, full = _tables(plan, buffer.device)
         partial = torch.empty(len(plan.blocks), dtype=torch.int64, device=buffer.device)
         for rows, whole in ((slice(0, full), True), (slice(full, None), False)):
             if not len(partial[rows]):
@@ -200,61 +203,46 @@ def region_tensor(region: Region) -> torch.Tensor:
     return owner[start : start + region.nbytes]
 
 
-class _PlanSums:
-    """The sum plan of a pull plan's checkable reads, by a digest of their layout."""
+_sum_plans = _Recent()
 
-    def __init__(self, capacity: int = 8) -> None:
-        self._cache: OrderedDict[bytes, tuple[wsum.SumPlan, tuple[int, ...]]] = OrderedDict()
-        self._capacity = capacity
 
-    def get(self, plan: PullPlan) -> tuple[wsum.SumPlan, tuple[int, ...]]:
-        """(sum plan, index in `plan.reads` of each group)."""
-        checked = [i for i, r in enumerate(plan.reads) if r.complete and r.sum64 is not None]
-        digest = hashlib.blake2b(digest_size=16)
-        for i in checked:
-            r = plan.reads[i]
-            digest.update(np.array([i, len(r.lengths)], np.int64).tobytes())
-            for array in (r.dest_offsets, r.lengths, r.shard_offsets):
-                digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
-        key = digest.digest()
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
+def _plan_sums(plan: PullPlan) -> tuple[wsum.SumPlan, tuple[int, ...]]:
+    """The sum plan of a pull plan's reads that carry a WSUM-64 and were read whole, and the
+    index in `plan.reads` of each of its groups; kept by a digest of their layout (a replayed
+    plan is a new object with the same reads)."""
+    checked = tuple(i for i, r in enumerate(plan.reads) if r.complete and r.sum64 is not None)
+    digest = hashlib.blake2b(digest_size=16)
+    for i in checked:
+        r = plan.reads[i]
+        digest.update(np.array([i, len(r.lengths)], np.int64).tobytes())
+        for array in (r.dest_offsets, r.lengths, r.shard_offsets):
+            digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+
+    def make() -> tuple[wsum.SumPlan, tuple[int, ...]]:
         parts = [plan.reads[i] for i in checked]
-        sums = wsum.SumPlan.of(
-            np.concatenate([r.dest_offsets for r in parts]) if parts else np.zeros(0),
-            np.concatenate([r.lengths for r in parts]) if parts else np.zeros(0),
-            np.concatenate([r.shard_offsets for r in parts]) if parts else np.zeros(0),
-            np.repeat(np.arange(len(parts)), [len(r.lengths) for r in parts]),
-            len(parts),
+        offsets, lengths, shard_offsets = (
+            np.concatenate([getattr(r, name) for r in parts]) if parts else np.zeros(0)
+            for name in ("dest_offsets", "lengths", "shard_offsets")
         )
-        entry = (sums, tuple(checked))
-        self._cache[key] = entry
-        while len(self._cache) > self._capacity:
-            self._cache.popitem(last=False)
-        return entry
+        groups = np.repeat(np.arange(len(parts)), [len(r.lengths) for r in parts])
+        return wsum.SumPlan.of(offsets, lengths, shard_offsets, groups, len(parts)), checked
 
-
-_plan_sums = _PlanSums()
+    result: tuple[wsum.SumPlan, tuple[int, ...]] = _sum_plans.get(digest.digest(), make)
+    return result
 
 
 def verify_device(plan: PullPlan, dest: Region) -> int:
     """Check the WSUM-64 of every shard of `plan` read whole into `dest` (device memory, or a
     CPU tensor) that carries one; returns how many were checked. ChecksumMismatch names the
     first shard that differs."""
-    from refit_sidecar.checksum import ChecksumMismatch
-
-    sums, indices = _plan_sums.get(plan)
+    sums, indices = _plan_sums(plan)
     if not indices:
         return 0
     got = group_sums(region_tensor(dest), sums)
     for value, i in zip(got.tolist(), indices, strict=True):
         reads = plan.reads[i]
-        want = reads.sum64
-        if value != want:
-            raise ChecksumMismatch(
-                f"{reads.parameter} shard {reads.shard} from {reads.location.agent}: "
-                f"wsum64 {value:#018x} != published {want:#018x}"
-            )
+        published = reads.sum64
+        assert published is not None  # the sum plan holds only reads that carry one
+        if value != published:
+            raise ChecksumMismatch.of(reads, "wsum64", value, published)
     return len(indices)

@@ -42,10 +42,12 @@ from refit_sidecar.tree import (
 from refit_sidecar.wire import (
     box_from_proto,
     box_to_proto,
+    checksums_from_proto,
     dtype_to_proto,
     location_from_proto,
     manifest_from_proto,
     manifest_key,
+    set_checksums,
 )
 from trainer_refit.errors import InvalidRequest, quoted
 from trainer_refit.v1 import refit_pb2 as pb
@@ -319,13 +321,9 @@ class TreeService:
         manifest, slots = layout
         self._tree.open_version(version, manifest)
         crcs = {
-            box: Checksums(
-                shard.crc32 if shard.HasField("crc32") else None,
-                shard.wsum64 if shard.HasField("wsum64") else None,
-            )
+            box: sums
             for parameter, at, box in slots
-            if (shard := proto.parameters[parameter].shards[at]).HasField("crc32")
-            or shard.HasField("wsum64")
+            if (sums := checksums_from_proto(proto.parameters[parameter].shards[at])) != Checksums()
         }
         opened = self._open[version] = _Open(proto, manifest, crcs)
         return opened
@@ -660,11 +658,7 @@ def _peer_copy(opened: _Open, source_id: str, stored: _Offer) -> _Copy:
     for parameter, shard, box in slots:
         sums = opened.crcs.get(box)
         if sums is not None:
-            record = shards.parameters[parameter].shards[shard]
-            if sums.crc32 is not None:
-                record.crc32 = sums.crc32
-            if sums.sum64 is not None:
-                record.wsum64 = sums.sum64
+            set_checksums(shards.parameters[parameter].shards[shard], sums)
     message = pb.SourceCopy(
         source_id=source_id,
         kind=pb.SOURCE_KIND_PEER,

@@ -31,6 +31,7 @@ from refit_sidecar.manifest import (
     ShardPiece,
     ShardRecord,
 )
+from refit_sidecar.plan import Checksums
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 
@@ -119,6 +120,23 @@ def location_from_proto(message: pb.ShardLocation) -> ShardLocation:
     )
 
 
+def checksums_from_proto(message: pb.ShardRecord | pb.ShardChecksums) -> Checksums:
+    """The checksums a shard record (or a lease's `ShardChecksums`) carries."""
+    return Checksums(
+        message.crc32 if message.HasField("crc32") else None,
+        message.wsum64 if message.HasField("wsum64") else None,
+    )
+
+
+def set_checksums(message: pb.ShardRecord | pb.ShardChecksums, sums: Checksums) -> None:
+    """Store `sums` in a shard record (or a lease's `ShardChecksums`); None leaves a field
+    unset."""
+    if sums.crc32 is not None:
+        message.crc32 = sums.crc32
+    if sums.sum64 is not None:
+        message.wsum64 = sums.sum64
+
+
 def shard_to_proto(shard: ShardRecord) -> pb.ShardRecord:
     message = pb.ShardRecord(
         location=location_to_proto(shard.location),
@@ -127,24 +145,22 @@ def shard_to_proto(shard: ShardRecord) -> pb.ShardRecord:
         tensor_rank=shard.tensor_rank,
         pipeline_stage=shard.pipeline_stage,
     )
-    if shard.crc32 is not None:
-        message.crc32 = shard.crc32
-    if shard.sum64 is not None:
-        message.wsum64 = shard.sum64
+    set_checksums(message, Checksums(shard.crc32, shard.sum64))
     return message
 
 
 def shard_from_proto(message: pb.ShardRecord) -> ShardRecord:
     if not message.HasField("location"):
         raise ValueError("a shard record needs a location")
+    sums = checksums_from_proto(message)
     return ShardRecord(
         location=location_from_proto(message.location),
         pieces=tuple(piece_from_proto(p) for p in message.pieces),
-        crc32=message.crc32 if message.HasField("crc32") else None,
+        crc32=sums.crc32,
         rank=message.rank,
         tensor_rank=message.tensor_rank,
         pipeline_stage=message.pipeline_stage,
-        sum64=message.wsum64 if message.HasField("wsum64") else None,
+        sum64=sums.sum64,
     )
 
 

@@ -11,30 +11,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from tests.support.isolation import in_child_process
+from tests.support.megatron_world import attention_config, one_rank_model_parallel
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _world() -> None:
-    import os
-    import socket
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
 
 
 def _run(module, inputs, grad, dtype):
@@ -46,27 +29,13 @@ def _run(module, inputs, grad, dtype):
 
 @in_child_process
 def test_sdpa_in_bf16_is_as_close_to_fp32_as_the_local_attention() -> None:
-    from megatron.core.transformer import TransformerConfig
-
-    _world()
+    one_rank_model_parallel(cuda=True)
     torch.manual_seed(0)
     seq, batch, heads, dim = 1024, 2, 16, 128
     for groups in (16, 8, 1):
 
         def make(dtype, cls, groups=groups):
-            config = TransformerConfig(
-                num_layers=1,
-                hidden_size=heads * dim,
-                num_attention_heads=heads,
-                num_query_groups=groups,
-                kv_channels=dim,
-                attention_dropout=0.0,
-                attention_softmax_in_fp32=True,
-                masked_softmax_fusion=False,
-                bf16=dtype is torch.bfloat16,
-                params_dtype=dtype,
-            )
-            return cls(config, 1, AttnMaskType.causal, "self")
+            return cls(attention_config(heads, groups, dim, dtype), 1, AttnMaskType.causal, "self")
 
         inputs = [torch.randn(seq, batch, n, dim, device="cuda") for n in (heads, groups, groups)]
         grad = torch.randn(seq, batch, heads * dim, device="cuda")

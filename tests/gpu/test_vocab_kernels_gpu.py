@@ -6,12 +6,11 @@ tests'). Run on a lent GPU machine: ``python -m pytest -m gpu tests/gpu -s``."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests.support.megatron_world import one_rank_group
 from trainer_svc.runtime import vocab_kernels
 from trainer_svc.runtime.vocab_parallel import (
     VocabShard,
@@ -27,12 +26,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory):
-    store = Path(tmp_path_factory.mktemp("gloo")) / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    with one_rank_group(tmp_path_factory.mktemp("gloo") / "rendezvous") as world:
+        yield world
 
 
 def _run(path, logits, targets, shard, *weights):

@@ -1,8 +1,8 @@
 """A refit sidecar that dies and comes back: the trainer's publication health goes NOT_SERVING,
 a FinishTrainStep that cannot publish is refused with its step left open, and once a sidecar
 serves again on the same address the trainer registers anew, publishes the finished step, and a
-receiver refits to it bit for bit; a version asked for before it is readable is leased by one
-waiting call and replays an earlier plan with the lease's checksums. A lease the sidecar no
+receiver refits to it bit for bit; a later version replays an earlier plan with the checksums
+its lease carries. A lease the sidecar no
 longer holds when the pull ends fails the refit closed."""
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         _assert_exported(trainer, _refit(receiver, 2), "v2")
         _wait_publication(trainer, SERVING)
 
-        # Once the receiver has met both slots, a version is asked for before it is readable,
-        # in one lease call that waits for it, and replays its slot's plan by manifest key with
-        # the checksums the lease carries (no GetManifest), verified.
+        # Once the receiver has met both slots, a version (asked for as FinishTrainStep
+        # returns, through the lease call that waits for it) replays its slot's plan by
+        # manifest key with the checksums the lease carries (no GetManifest), verified.
         assert train_step(trainer, "s3", seed=3) == 3
         _refit(receiver, 3)
 

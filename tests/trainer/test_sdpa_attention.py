@@ -7,9 +7,6 @@ SDPA, the CPU default."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -17,53 +14,22 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_hf.spec import ModelSpec
 from tests.support.isolation import in_child_process
+from tests.support.megatron_world import attention_config, one_rank_model_parallel
 from trainer_svc.builtin_model import write_builtin_model
 from trainer_svc.config import Attention
 from trainer_svc.runtime.model_factory import layer_spec_for
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _one_rank_world() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from trainer_svc.runtime import cpu_compat
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    cpu_compat.install()
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
-
-
 @in_child_process
 def test_sdpa_equals_the_local_attention_with_its_gradients() -> None:
-    from megatron.core.transformer import TransformerConfig
-
     from trainer_svc.runtime import cpu_compat
 
-    _one_rank_world()
+    one_rank_model_parallel(cuda=False)
     torch.manual_seed(0)
     seq, batch, heads, dim = 37, 3, 8, 16
     for groups in (8, 2, 1):  # MHA, GQA, MQA
-        config = TransformerConfig(
-            num_layers=1,
-            hidden_size=heads * dim,
-            num_attention_heads=heads,
-            num_query_groups=groups,
-            kv_channels=dim,
-            attention_dropout=0.0,
-            attention_softmax_in_fp32=True,
-            masked_softmax_fusion=False,
-            use_cpu_initialization=True,
-        )
+        config = attention_config(heads, groups, dim, torch.float32)
         local = DotProductAttention(config, 1, AttnMaskType.causal, "self")
         fused = SdpaAttention(config, 1, AttnMaskType.causal, "self")
         inputs = [

@@ -5,12 +5,12 @@ layout-equivalence tests)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support.megatron_world import one_rank_group
 from trainer_svc.runtime.vocab_parallel import (
     VocabShard,
     chunk_rows,
@@ -27,13 +27,8 @@ PADDED = 16
 @pytest.fixture(scope="module")
 def tp_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
     """A one-rank gloo world: megatron's reduce needs a real group even at size 1."""
-    assert not dist.is_initialized(), "another test left a default process group behind"
-    store = Path(tmp_path_factory.mktemp("gloo")) / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    with one_rank_group(tmp_path_factory.mktemp("gloo") / "rendezvous") as group:
+        yield group
 
 
 def shard_of(group: dist.ProcessGroup, padded: int = PADDED, vocab: int = VOCAB) -> VocabShard:

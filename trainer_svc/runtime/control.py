@@ -25,7 +25,7 @@ import torch.distributed as dist
 from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument, OpenStepInfo
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime.agreement import CommandFailed
-from trainer_svc.runtime.engine import StepEngine
+from trainer_svc.runtime.engine import MicrobatchAck, StepEngine
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Leader:
         self._queued_failure: tuple[str, Exception] | None = None
         """(step id, error) of an acknowledged microbatch that then failed: the step answers
         with it until it is aborted. Read and written on the command thread only."""
-        self._acked: Any = None
+        self._acked: MicrobatchAck | None = None
         """The answer of the last microbatch acknowledged and not failed (its counts include
         it), for GetStatus while it runs."""
 

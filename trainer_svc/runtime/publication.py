@@ -248,7 +248,8 @@ class Publisher:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if stream is not None:
             # Compiles the checksum kernel now, not in the first version's report.
-            filled[0].request(0, stream)
+            with torch.cuda.stream(stream):
+                filled[0].source.device_sums()
         publisher = cls(client, filled, parameters, topology, device, stream, agent)
         if topology.is_leader:
             client.wait_ready()

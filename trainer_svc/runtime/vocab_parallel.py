@@ -97,15 +97,21 @@ def top_k_unfused(
     parts = _log_softmax_parts(logits, shard)
     local_k = min(k, shard.end - shard.start)
     values, indices = (parts.shifted - parts.lse.unsqueeze(-1)).topk(local_k, dim=-1)
-    indices = indices + shard.start
-    if shard.tp_size > 1:
-        gathered_v = [torch.empty_like(values) for _ in range(shard.tp_size)]
-        gathered_i = [torch.empty_like(indices) for _ in range(shard.tp_size)]
-        dist.all_gather(gathered_v, values.contiguous(), group=shard.tp_group)
-        dist.all_gather(gathered_i, indices.contiguous(), group=shard.tp_group)
-        values, order = torch.cat(gathered_v, dim=-1).topk(k, dim=-1)
-        indices = torch.cat(gathered_i, dim=-1).gather(-1, order)
-    return indices, values
+    return _merge_top_k(indices + shard.start, values, k, shard)
+
+
+def _merge_top_k(
+    indices: torch.Tensor, values: torch.Tensor, k: int, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of every TP rank's own best (global ids), best first."""
+    if shard.tp_size == 1:
+        return indices, values
+    gathered_v = [torch.empty_like(values) for _ in range(shard.tp_size)]
+    gathered_i = [torch.empty_like(indices) for _ in range(shard.tp_size)]
+    dist.all_gather(gathered_v, values.contiguous(), group=shard.tp_group)
+    dist.all_gather(gathered_i, indices.contiguous(), group=shard.tp_group)
+    values, order = torch.cat(gathered_v, dim=-1).topk(k, dim=-1)
+    return torch.cat(gathered_i, dim=-1).gather(-1, order), values
 
 
 _CHUNK_BYTES = 256 << 20
@@ -291,12 +297,6 @@ def top_k(
         span = slice(begin, begin + chunk)
         best = (_chunk(flat, span, padded) - lse[span, None]).topk(local_k, dim=-1)
         values[span], indices[span] = best.values, best.indices + shard.start
-    if shard.tp_size > 1:
-        gathered_v = [torch.empty_like(values) for _ in range(shard.tp_size)]
-        gathered_i = [torch.empty_like(indices) for _ in range(shard.tp_size)]
-        dist.all_gather(gathered_v, values, group=shard.tp_group)
-        dist.all_gather(gathered_i, indices, group=shard.tp_group)
-        values, order = torch.cat(gathered_v, dim=-1).topk(k, dim=-1)
-        indices = torch.cat(gathered_i, dim=-1).gather(-1, order)
+    indices, values = _merge_top_k(indices, values, k, shard)
     shape = (*logits.shape[:-1], values.shape[-1])
     return indices.view(shape), values.view(shape)
