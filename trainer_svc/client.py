@@ -74,12 +74,16 @@ class CheckpointInfo:
 # -- requests -------------------------------------------------------------------------------
 
 
-def _sequences(batch: SequenceBatch) -> pb.Sequences:
-    return pb.Sequences(tokens=batch.tokens.tolist(), offsets=batch.offsets.tolist())
+def _fill_sequences(message: pb.Sequences, batch: SequenceBatch) -> None:
+    """Writes the batch into the request's own field: building a Sequences and assigning it
+    would copy every token once more."""
+    message.tokens.extend(batch.tokens.tolist())
+    message.offsets.extend(batch.offsets.tolist())
 
 
-def _listed(values: np.ndarray | None) -> list:
-    return [] if values is None else values.tolist()
+def _fill(field: Any, values: np.ndarray | None) -> None:
+    if values is not None:
+        field.extend(values.tolist())
 
 
 def begin_request(
@@ -102,25 +106,24 @@ def begin_request(
 def microbatch_request(
     step_id: str, request_id: str, batch: SequenceBatch
 ) -> pb.TrainMicrobatchRequest:
-    return pb.TrainMicrobatchRequest(
-        step_id=step_id,
-        request_id=request_id,
-        sequences=_sequences(batch),
-        loss_mask=_listed(batch.loss_mask),
-        advantages=_listed(batch.advantages),
-        behaviour_logprobs=_listed(batch.behaviour_logprobs),
-        reference_logprobs=_listed(batch.reference_logprobs),
-    )
+    request = pb.TrainMicrobatchRequest(step_id=step_id, request_id=request_id)
+    _fill_sequences(request.sequences, batch)
+    _fill(request.loss_mask, batch.loss_mask)
+    _fill(request.advantages, batch.advantages)
+    _fill(request.behaviour_logprobs, batch.behaviour_logprobs)
+    _fill(request.reference_logprobs, batch.reference_logprobs)
+    return request
 
 
 def forward_request(
     batch: SequenceBatch, outputs: Iterable[ForwardOutput], top_k: int
 ) -> pb.ForwardRequest:
-    return pb.ForwardRequest(
-        sequences=_sequences(batch),
+    request = pb.ForwardRequest(
         outputs=[FORWARD_OUTPUTS_TO_PROTO[o] for o in outputs],
         top_k=top_k,
     )
+    _fill_sequences(request.sequences, batch)
+    return request
 
 
 # -- replies --------------------------------------------------------------------------------

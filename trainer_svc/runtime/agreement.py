@@ -76,6 +76,10 @@ class CommandFailed(Exception):
 def agree(topology: Topology, error: Exception | None) -> None:
     """Collective over every rank: returns when no rank had an error, else raises
     `CommandFailed` on every rank."""
+    if topology.layout.world_size == 1:  # a world of one rank agrees with itself
+        if error is None:
+            return
+        raise CommandFailed([RankFailure.of(topology.rank, error)]) from error
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
     dist.all_reduce(failed, group=topology.control_group)
     if int(failed.item()) == 0:

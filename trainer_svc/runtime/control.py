@@ -1,13 +1,14 @@
 """Command flow between ranks: rank 0 checks, broadcasts and executes; the others follow.
 
-Rank 0 runs one command at a time, in arrival order, on one thread. A TrainMicrobatch is
-answered as soon as it is checked (step open, request id new or a true duplicate, batch valid)
-and then executed: the client sends the next microbatch while this one runs, so the ranks never
-wait for a round trip between microbatches. The next command is checked only after the queued
-microbatch has run, so checks see every earlier microbatch applied, and at most one microbatch
-waits behind the one running. A queued microbatch that fails (on every rank, as every command)
-changes no weights; its step answers every later TrainMicrobatch and FinishTrainStep with the
-failure until it is aborted.
+Rank 0 runs one command at a time, in arrival order, on one thread. BeginTrainStep and
+TrainMicrobatch are answered as soon as they are checked (for a microbatch: step open, request
+id new or a true duplicate, batch valid) and then executed: the client sends the next command
+while this one runs, so the ranks never wait for a round trip between a step's commands. The
+next command is checked only after the queued one has run, so checks see every earlier command
+applied, and at most one command waits behind the one running. A queued command that fails (on
+every rank, as every command) changes no weights; its step answers every later TrainMicrobatch
+and FinishTrainStep with the failure until it is aborted (a microbatch) or begun again (a
+BeginTrainStep).
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import contextlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
 
-from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument, OpenStepInfo
+from trainer_svc.domain import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    OpenStepInfo,
+    StepCounts,
+)
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime.agreement import CommandFailed
 from trainer_svc.runtime.engine import MicrobatchAck, StepEngine
@@ -31,9 +38,42 @@ log = logging.getLogger(__name__)
 
 
 def _broadcast(command: cmd.Command | None, group: Any) -> cmd.Command:
+    if dist.get_world_size(group) == 1:
+        assert command is not None
+        return command  # a world of one rank: nobody to tell
     box: list[Any] = [command]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+_QUEUED = (cmd.BeginStep, cmd.TrainMicrobatch)
+"""The commands answered once checked, before they run."""
+
+
+@dataclass(frozen=True)
+class _QueuedFailure:
+    """A command that failed after its answer: its step answers with `error` until it ends."""
+
+    step_id: str
+    error: Exception
+    begin: bool
+    """True when the step's BeginTrainStep failed: the step never opened."""
+
+    def relevant(self, open_step_id: str | None) -> bool:
+        """Whether the failure still speaks for the trainer's state: a failed begin while no
+        step is open, a failed microbatch while its step is."""
+        return open_step_id is None if self.begin else open_step_id == self.step_id
+
+    def error_for(self, step_id: str) -> FailedPrecondition:
+        if self.begin:
+            return FailedPrecondition(
+                f"BeginTrainStep of step {step_id!r} failed after it was acknowledged: "
+                f"{self.error}; no step is open: begin it again"
+            )
+        return FailedPrecondition(
+            f"a microbatch of step {step_id!r} failed after it was acknowledged: "
+            f"{self.error}; the step changed no weights: abort it"
+        )
 
 
 def follow(engine: StepEngine) -> None:
@@ -71,12 +111,14 @@ class Leader:
         self.lost: str | None = None
         """Why the world is lost (a rank named), once it is."""
         self._lost = asyncio.Event()
-        self._queued_failure: tuple[str, Exception] | None = None
-        """(step id, error) of an acknowledged microbatch that then failed: the step answers
-        with it until it is aborted. Read and written on the command thread only."""
+        self._queued_failure: _QueuedFailure | None = None
+        """An acknowledged command that then failed. Read and written on the command thread
+        only."""
         self._acked: MicrobatchAck | None = None
         """The answer of the last microbatch acknowledged and not failed (its counts include
         it), for GetStatus while it runs."""
+        self._begun: cmd.BeginStep | None = None
+        """A BeginTrainStep answered and not yet run, for GetStatus meanwhile."""
 
     def world_lost(self, reason: str) -> None:
         """On the event loop: the command running now (its thread may never come back), those
@@ -92,61 +134,84 @@ class Leader:
             )
 
     def open_step_info(self) -> OpenStepInfo | None:
-        """The open step as GetStatus reports it: its counts include every microbatch answered
-        so far, run or still running."""
+        """The open step as GetStatus reports it: open from its answered BeginTrainStep on, its
+        counts including every microbatch answered so far, run or still running."""
         info = self.engine.open_step_info()
+        begun = self._begun
+        if info is None and begun is not None:
+            return OpenStepInfo(step_id=begun.step_id, loss=begun.loss, counts=StepCounts())
         acked = self._acked
         if info is None or acked is None or acked.step_id != info.step_id:
             return info
         return replace(info, counts=acked.counts)
 
     def _check_queued(self, command: cmd.Command) -> None:
-        """Raises the failure of a queued microbatch for the later commands of its step."""
-        if self._queued_failure is None:
+        """Raises the failure of a queued command for the later commands of its step."""
+        failure = self._queued_failure
+        if failure is None:
             return
-        step_id, error = self._queued_failure
         open_step = self.engine.open_step
-        if open_step is None or open_step.step_id != step_id:
+        if not failure.relevant(None if open_step is None else open_step.step_id):
             self._queued_failure = None  # the step ended (aborted, or the trainer reloaded)
             return
         match command:
-            case cmd.AbortStep(step_id=aborted) if aborted == step_id:
+            case cmd.AbortStep(step_id=s) if s == failure.step_id:
                 self._queued_failure = None
-            case cmd.TrainMicrobatch(step_id=s) | cmd.FinishStep(step_id=s) if s == step_id:
-                raise FailedPrecondition(
-                    f"a microbatch of step {step_id!r} failed after it was acknowledged: "
-                    f"{error}; the step changed no weights: abort it"
-                )
+            case cmd.BeginStep() if failure.begin:
+                self._queued_failure = None
+            case cmd.TrainMicrobatch(step_id=s) | cmd.FinishStep(step_id=s) if s == failure.step_id:
+                raise failure.error_for(s)
 
-    def _run_queued(self, command: cmd.TrainMicrobatch, acked: Future[Any]) -> None:
-        """A microbatch: answered once checked, then executed on every rank."""
-        try:
-            self._check_queued(command)
-            immediate = self.engine.precheck(command)
-            if immediate is None:
-                ack = self.engine.projected_ack(command)
-        except BaseException as error:
-            acked.set_exception(error)
-            return
+    def _answer(self, command: cmd.BeginStep | cmd.TrainMicrobatch) -> tuple[Any, bool]:
+        """(answer, whether the command runs): the answer a checked, queued command gets
+        before it runs, or the immediate answer of one that needs no ranks (a duplicate)."""
+        self._check_queued(command)
+        if isinstance(command, cmd.BeginStep):
+            self._acked = None  # a step id may come again
+        immediate = self.engine.precheck(command)
         if immediate is not None:
-            acked.set_result(immediate)
+            return immediate, False
+        return self.engine.projected_answer(command), True
+
+    def _run_queued(
+        self, command: cmd.BeginStep | cmd.TrainMicrobatch, answered: Future[Any]
+    ) -> None:
+        """A BeginTrainStep or TrainMicrobatch: answered once checked, then executed on
+        every rank."""
+        try:
+            answer, runs = self._answer(command)
+        except BaseException as error:
+            answered.set_exception(error)
             return
-        self._acked = ack
-        acked.set_result(ack)
+        if not runs:
+            answered.set_result(answer)
+            return
+        if isinstance(command, cmd.BeginStep):
+            self._begun = command
+        else:
+            self._acked = answer
+        answered.set_result(answer)
         start = time.perf_counter()
         try:
             self._execute(command)
         except Exception as error:
             self._acked = None
-            self._queued_failure = (command.step_id, error)
+            begin = isinstance(command, cmd.BeginStep)
+            self._queued_failure = _QueuedFailure(command.step_id, error, begin)
+            what = (
+                f"microbatch {command.request_id!r}"
+                if isinstance(command, cmd.TrainMicrobatch)
+                else "BeginTrainStep"
+            )
             log.warning(
-                "microbatch %r of step %r failed after it was acknowledged: %s",
-                command.request_id,
-                command.step_id,
-                error,
+                "%s of step %r failed after it was acknowledged: %s", what, command.step_id, error
             )
             return
-        log.debug("queued TrainMicrobatch ran in %.3f ms", 1e3 * (time.perf_counter() - start))
+        finally:
+            self._begun = None
+        log.debug(
+            "queued %s ran in %.3f ms", type(command).__name__, 1e3 * (time.perf_counter() - start)
+        )
 
     def _execute(self, command: cmd.Command) -> Any:
         _broadcast(command, self.engine.topology.control_group)
@@ -157,8 +222,6 @@ class Leader:
 
     def _run(self, command: cmd.Command) -> Any:
         self._check_queued(command)
-        if isinstance(command, cmd.BeginStep):
-            self._acked = None  # a step id may come again
         immediate = self.engine.precheck(command)
         if immediate is not None:
             return immediate
@@ -203,10 +266,10 @@ class Leader:
         async with self._lock:
             if self._closed:
                 raise RuntimeError("the trainer is shutting down")
-            if isinstance(command, cmd.TrainMicrobatch):
-                acked: Future[Any] = Future()
-                self._executor.submit(self._run_queued, command, acked)
-                return await asyncio.wrap_future(acked)
+            if isinstance(command, _QUEUED):
+                answered: Future[Any] = Future()
+                self._executor.submit(self._run_queued, command, answered)
+                return await asyncio.wrap_future(answered)
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, self._run, command)
 

@@ -195,9 +195,11 @@ class StepEngine:
                 self.checkpointer.check_exportable(path)
         return None
 
-    def projected_ack(self, command: cmd.TrainMicrobatch) -> MicrobatchAck:
-        """The answer a checked, new microbatch gets before it runs: the step's counts with
-        it applied."""
+    def projected_answer(self, command: cmd.BeginStep | cmd.TrainMicrobatch) -> Any:
+        """The answer a checked command gets before it runs: for a BeginTrainStep the weights
+        version it trains from, for a new microbatch the step's counts with it applied."""
+        if isinstance(command, cmd.BeginStep):
+            return self.weights_version
         step = self._require_open(command.step_id, "TrainMicrobatch")
         counts = step.counts.plus(command.batch)
         return MicrobatchAck(step.step_id, command.request_id, False, counts)
