@@ -63,7 +63,9 @@ class _OpenStep:
     request_ids: dict[str, bytes] = field(default_factory=dict)
     """Each applied microbatch's request_id and (on rank 0, which answers duplicates) the
     digest of its batch."""
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(len(SUM_FIELDS)))
+    sums: torch.Tensor | None = None
+    """The loss sums (SUM_FIELDS, float64) on the device, added to without a host
+    synchronization: read back once, at FinishTrainStep."""
 
 
 @dataclass(frozen=True)
@@ -322,7 +324,8 @@ class StepEngine:
             outputs = self.runner.run(packed, loss_function, forward_only=False)
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
                 for sums in outputs:
-                    step.sums += np.array([float(sums[k]) for k in SUM_FIELDS])
+                    values = torch.stack([sums[k].to(torch.float64) for k in SUM_FIELDS])
+                    step.sums = values if step.sums is None else step.sums + values
         # Only rank 0 answers duplicates (`precheck`): the other ranks skip hashing the batch.
         digest = command.batch.digest() if self.topology.is_leader else b""
         step.request_ids[command.request_id] = digest
@@ -366,7 +369,8 @@ class StepEngine:
     def _global_sums(self, step: _OpenStep) -> tuple[dict[str, float], int]:
         """The step's loss sums over every rank, and how many ranks hold a non-finite
         gradient (one all-reduce for both)."""
-        local = [*step.sums, 0.0 if self._gradients_finite() else 1.0]
+        sums = [0.0] * len(SUM_FIELDS) if step.sums is None else step.sums.tolist()
+        local = [*sums, 0.0 if self._gradients_finite() else 1.0]
         totals = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(totals, group=self.topology.control_group)
         values = totals.tolist()

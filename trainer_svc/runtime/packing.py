@@ -8,6 +8,7 @@ real position's result unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,8 +57,22 @@ def _per_position(values: np.ndarray | None, batch: SequenceBatch, width: int) -
     return out
 
 
+def to_device(values: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """A host array on `device`. To a GPU through pinned memory and without waiting: a copy
+    from pageable memory waits for every kernel queued before it, so the next microbatch
+    could not be launched while this one runs (the caching host allocator keeps the pinned
+    block until the copy is done)."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if dtype is not None:
+        host = host.to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def pack(batch: SequenceBatch, device: torch.device) -> PackedBatch | None:
-    """None when the batch has no position to predict (every sequence has one token)."""
+    """None when the batch has no position to predict (every sequence has one token). Its
+    tensors reach a GPU without a host synchronization (`to_device`)."""
     counts = batch.lengths() - 1
     width = int(counts.max()) if len(counts) else 0
     if width == 0:
@@ -69,13 +84,11 @@ def pack(batch: SequenceBatch, device: torch.device) -> PackedBatch | None:
         targets[row, : end - start - 1] = batch.tokens[start + 1 : end]
 
     def tensor(values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if values is None else torch.as_tensor(values, dtype=dtype, device=device)
+        return None if values is None else to_device(values, device, dtype)
 
     mask = _per_position(batch.loss_mask, batch, width)
     token_inputs = TokenInputs(
-        mask=torch.as_tensor(
-            mask if mask is not None else np.zeros_like(inputs, dtype=bool), device=device
-        ),
+        mask=to_device(mask if mask is not None else np.zeros_like(inputs, dtype=bool), device),
         advantages=tensor(_per_position(batch.advantages, batch, width), torch.float32),
         behaviour_logprobs=tensor(
             _per_position(batch.behaviour_logprobs, batch, width), torch.float32
@@ -86,8 +99,8 @@ def pack(batch: SequenceBatch, device: torch.device) -> PackedBatch | None:
     )
     positions = torch.arange(width, device=device).unsqueeze(0).expand(batch.num_sequences, -1)
     return PackedBatch(
-        inputs=torch.as_tensor(inputs, device=device),
-        targets=torch.as_tensor(targets, device=device),
+        inputs=to_device(inputs, device),
+        targets=to_device(targets, device),
         positions=positions,
         token_inputs=token_inputs,
         target_counts=counts,
