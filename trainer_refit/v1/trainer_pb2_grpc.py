@@ -137,7 +137,9 @@ class TrainerServiceServicer:
     def BeginTrainStep(self, request, context):
         """Opens a step; returns the weights version it trains from. INVALID_ARGUMENT for an empty or
         over-long step_id or a loss or optimizer value out of range; FAILED_PRECONDITION while
-        another step is open.
+        another step is open. Answered once checked, before the ranks run it (as TrainMicrobatch);
+        should it then fail, the step's later calls fail with FAILED_PRECONDITION saying so, until
+        the step is begun again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,6 +151,9 @@ class TrainerServiceServicer:
         over-long request_id or inconsistent data (see TrainMicrobatchRequest). A request_id the
         step applied already is acknowledged again with duplicate = true (nothing applied) when it
         carries the same data, and refused with ALREADY_EXISTS when it carries other data.
+        Answered once checked, before the ranks run it, so the client sends the next microbatch
+        while this one runs; should it then fail, the step's later TrainMicrobatch and
+        FinishTrainStep calls fail with FAILED_PRECONDITION saying so, until it is aborted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,7 +166,9 @@ class TrainerServiceServicer:
         and the step is closed as failed (its gradients dropped, as by AbortTrainStep; aborting it
         again returns aborted = false). Begin a new step to go on. Refusals made before the step
         runs (no valid tokens, no refit slot) leave the step open. FAILED_PRECONDITION unless
-        step_id names the open step.
+        step_id names the open step. Answers once the update is queued on the devices, while they
+        apply it: every later call sees the new weights, and the version becomes readable to
+        receivers once the update and its snapshot copy are done (AcquireLease can wait for it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
