@@ -1,7 +1,8 @@
 """The Triton vocab-parallel kernels on a GPU against the torch chunked path and the unfused
 implementation: log-probabilities, entropy, and the gradient of a loss using both, in bf16 and
-float32, with padded vocab columns; one TP rank (the TP merge is the CPU tests' and the layout
-tests'). Run on a lent GPU machine: ``python -m pytest -m gpu tests/gpu -s``."""
+float32, with padded vocab columns; top-k (selected on the logits in their own dtype) against the
+unfused top-k; one TP rank (the TP merge is the CPU tests' and the layout tests'). Run on a lent
+GPU machine: ``python -m pytest -m gpu tests/gpu -s``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from trainer_svc.runtime.vocab_parallel import (
     VocabShard,
     target_logprobs,
     target_logprobs_unfused,
+    top_k,
+    top_k_unfused,
 )
 
 pytestmark = [
@@ -61,6 +64,27 @@ def test_the_kernels_equal_the_torch_paths(group, dtype) -> None:
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_top_k_equals_the_unfused_top_k(group, dtype) -> None:
+    """The kernel (k up to MAX_TOP_K) and the torch selection (forced, and past MAX_TOP_K)."""
+    assert vocab_kernels.kernels() is not None, "Triton must run here"
+    torch.manual_seed(0)
+    rows, padded, vocab = 1000, 32_768, 32_000
+    shard = VocabShard(start=0, end=padded, vocab_size=vocab, tp_group=group, tp_size=1)
+    logits = (torch.randn(rows, padded, device="cuda") * 4).to(dtype)
+    logits[:, vocab:] = 60.0  # loud padding: never a candidate
+    lse = torch.logsumexp(logits[:, :vocab].float(), dim=-1, keepdim=True)
+    for k in (1, 20, vocab_kernels.MAX_TOP_K, 100):
+        _, want = top_k_unfused(logits, k, shard)
+        for path in (top_k, lambda *a, **kw: _torch_only(top_k, *a, **kw)):
+            ids, values = path(logits, k, shard, rows=128)  # several chunks
+            torch.testing.assert_close(values, want, rtol=0, atol=1e-4, msg=f"k={k}")
+            assert bool((ids < vocab).all())
+            # Each id carries its own log-probability (ties may come in another order).
+            got = logits.float().gather(1, ids) - lse
+            torch.testing.assert_close(got, values, rtol=0, atol=1e-4, msg=f"k={k}")
+
+
 def _torch_only(path, *args, **kwargs):
     usable = vocab_kernels.usable
     vocab_kernels.usable = lambda _: False
@@ -92,5 +116,29 @@ def test_the_kernels_time_and_memory(group) -> None:
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         print(
             f"\n{name}: forward+backward {1e3 * (time.perf_counter() - start):.1f} ms, "
+            f"peak {peak:.2f} GiB above the logits"
+        )
+
+
+def test_top_k_time_and_memory(group) -> None:
+    """Printed for the record, not asserted: top-20 of 8k positions of a 152k vocabulary."""
+    rows, vocab, k = 8192, 152_064, 20
+    shard = VocabShard(start=0, end=vocab, vocab_size=vocab, tp_group=group, tp_size=1)
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    for name, path in (
+        ("kernel", top_k),
+        ("torch chunked", lambda *a, **kw: _torch_only(top_k, *a, **kw)),
+        ("unfused", top_k_unfused),
+    ):
+        path(logits, k, shard)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        path(logits, k, shard)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        print(
+            f"\ntop-{k} {name}: {1e3 * (time.perf_counter() - start):.1f} ms, "
             f"peak {peak:.2f} GiB above the logits"
         )

@@ -168,9 +168,13 @@ def _stats(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per position: the log-sum-exp over the whole vocab, the expected logit (with `entropy`)
     and the target's logit (with `targets`), float32; two passes over the chunks, one
-    all-reduce each (on a GPU with targets: the Triton kernel, one pass)."""
-    if targets is not None and vocab_kernels.usable(flat):
-        return _kernel_stats(flat, targets, shard, entropy=entropy)
+    all-reduce each (on a GPU: the Triton kernel, one pass)."""
+    if vocab_kernels.usable(flat):
+        if targets is not None:
+            return _kernel_stats(flat, targets, shard, entropy=entropy)
+        nowhere = torch.full((flat.shape[0],), -1, dtype=torch.int64, device=flat.device)
+        lse, expected, _ = _kernel_stats(flat, nowhere, shard, entropy=entropy)
+        return lse, expected, None
     n = flat.shape[0]
     padded = _padded(shard, flat.device)
     peak = torch.empty(n, dtype=torch.float32, device=flat.device)
@@ -285,18 +289,31 @@ def top_k(
     logits: torch.Tensor, k: int, shard: VocabShard, *, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely token ids per position and their log-probabilities, best first,
-    chunk by chunk."""
+    chunk by chunk. The selection reads the logits in their own dtype, without a float32
+    copy: a row's log-softmax is the row shifted by its log-sum-exp, and a bfloat16 logit's
+    float32 value is exact, so the best logits are the best log-probabilities. On a GPU, for
+    k up to `vocab_kernels.MAX_TOP_K`, a Triton kernel picks each block's best in one read of
+    the row (`vocab_kernels.block_top_k`)."""
     flat = logits.reshape(-1, logits.shape[-1])
     chunk = rows or chunk_rows(flat.shape[-1])
     lse, _, _ = _stats(flat, None, shard, entropy=False, rows=chunk)
-    padded = _padded(shard, flat.device)
-    local_k = min(k, shard.end - shard.start)
-    values = torch.empty(flat.shape[0], local_k, dtype=torch.float32, device=flat.device)
-    indices = torch.empty(flat.shape[0], local_k, dtype=torch.int64, device=flat.device)
-    for begin in range(0, flat.shape[0], chunk):
+    valid = _valid_columns(shard)  # padding is a suffix of the last shard
+    local_k = min(k, shard.end - shard.start)  # alike on every rank, for the merge
+    chosen = min(local_k, valid)
+    values = torch.full(
+        (flat.shape[0], local_k), float("-inf"), dtype=torch.float32, device=flat.device
+    )
+    indices = torch.full((flat.shape[0], local_k), shard.start, device=flat.device)
+    kernel = vocab_kernels.usable(flat) and chosen <= vocab_kernels.MAX_TOP_K
+    for begin in range(0, flat.shape[0] if chosen else 0, chunk):
         span = slice(begin, begin + chunk)
-        best = (_chunk(flat, span, padded) - lse[span, None]).topk(local_k, dim=-1)
-        values[span], indices[span] = best.values, best.indices + shard.start
+        if kernel:
+            best, columns = vocab_kernels.block_top_k(flat[span], chosen, valid)
+        else:
+            picked = flat[span, :valid].topk(chosen, dim=-1)
+            best, columns = picked.values.float(), picked.indices
+        values[span, :chosen] = best - lse[span, None]
+        indices[span, :chosen] = columns + shard.start
     indices, values = _merge_top_k(indices, values, k, shard)
     shape = (*logits.shape[:-1], values.shape[-1])
     return indices.view(shape), values.view(shape)
