@@ -9,7 +9,8 @@ bf16, the config-only Llama of the preset) as subprocesses with authentication o
 asks the sidecar where to read, reads its parent's chunks as they land, serves its own copy).
 The sidecar runs with ``--max-children`` and ``--max-root-children`` set to ``--max-children``.
 
-Each timed round trains one step and, right after FinishTrainStep returns, tells the receivers
+Each timed round trains one step and, right after FinishTrainStep returns (answered once the
+update is applied, as in refit_install: ``wait_for_update``), tells the receivers
 of one mode to refit the new version at once (the same pipe message as refit_install):
 
 * ``one``: receiver 0 alone, direct (the baseline);

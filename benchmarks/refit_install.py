@@ -12,7 +12,9 @@ installed, against a torch peer copy of the same bytes.
   GPU ``--dest-gpu`` and an ``inference_ext.receiver.Receiver`` (TP=1 layout, staging on the same
   GPU) whose installer ``copy_()``s each (HF name, tensor) into the model's parameter of that
   name, then synchronizes the GPU. It is started before the trainer, so its setup is not timed.
-* This process trains ``--warmup + --steps`` steps over gRPC. Right after each FinishTrainStep
+* This process trains ``--warmup + --steps`` steps over gRPC, each FinishTrainStep asked to
+  answer once its update is applied (``wait_for_update``: the clock starts when the new
+  weights exist, not when their update is queued). Right after each FinishTrainStep
   returns it reads ``time.monotonic()`` and writes the new version and that instant down a pipe
   to the receiver, which at once runs ``Receiver.fetch(version)`` (lease, manifest, plan or
   replayed plan, NIXL pull into staging) and ``Receiver.install`` and answers when the GPU is
@@ -503,13 +505,16 @@ def receiver_process(
 
 
 def train_step(client: TrainerClient, step_id: str, batches: list[Any]) -> dict[str, Any]:
-    """One step; ``finished_at`` is time.monotonic() right after FinishTrainStep returned."""
+    """One step; ``finished_at`` is time.monotonic() right after FinishTrainStep returned. It
+    asks FinishTrainStep to answer once the update is applied (``wait_for_update``), so the
+    refit is timed from the moment the new weights exist, not from when the update was
+    queued (the trainer's default answer, which would count the update's own time too)."""
     start = time.monotonic()
     client.begin_step(step_id, LossConfig())
     for j, batch in enumerate(batches):
         client.train_microbatch(step_id, f"{step_id}-mb{j}", batch)
     sent = time.monotonic()
-    result = client.finish_step(step_id)
+    result = client.finish_step(step_id, wait_for_update=True)
     finished_at = time.monotonic()
     return dict(
         version=result.weights_version,

@@ -343,7 +343,10 @@ def train(
         loss = LossConfig()
 
         def finish(step_id: str) -> tuple[float, float, int]:
-            result = client.finish_step(step_id)
+            # Answered once the update is applied: FinishTrainStep's time with and without
+            # the sidecar then differs by what publication adds, and "readable after it
+            # returns" is counted from the new weights' existence.
+            result = client.finish_step(step_id, wait_for_update=True)
             returned_at[result.weights_version] = time.perf_counter()
             m = result.metrics
             return m.loss, m.grad_norm, m.counts.valid_tokens

@@ -227,10 +227,12 @@ class TrainerClient:
         reply = self._call("TrainMicrobatch", microbatch_request(step_id, request_id, batch))
         return MicrobatchReceipt(reply.duplicate, _counts(reply.accumulated))
 
-    def finish_step(self, step_id: str) -> StepResult:
-        return step_result(
-            self._call("FinishTrainStep", pb.FinishTrainStepRequest(step_id=step_id))
-        )
+    def finish_step(self, step_id: str, *, wait_for_update: bool = False) -> StepResult:
+        """Applies the step. It answers once the update is queued on the devices (every later
+        call sees it; receivers see the version once it is published); `wait_for_update`
+        answers once it is applied."""
+        request = pb.FinishTrainStepRequest(step_id=step_id, wait_for_update=wait_for_update)
+        return step_result(self._call("FinishTrainStep", request))
 
     def abort_step(self, step_id: str) -> bool:
         return self._call("AbortTrainStep", pb.AbortTrainStepRequest(step_id=step_id)).aborted
@@ -294,9 +296,10 @@ class AsyncTrainerClient:
         reply = await self._call("TrainMicrobatch", microbatch_request(step_id, request_id, batch))
         return MicrobatchReceipt(reply.duplicate, _counts(reply.accumulated))
 
-    async def finish_step(self, step_id: str) -> StepResult:
-        reply = await self._call("FinishTrainStep", pb.FinishTrainStepRequest(step_id=step_id))
-        return step_result(reply)
+    async def finish_step(self, step_id: str, *, wait_for_update: bool = False) -> StepResult:
+        """As `TrainerClient.finish_step`."""
+        request = pb.FinishTrainStepRequest(step_id=step_id, wait_for_update=wait_for_update)
+        return step_result(await self._call("FinishTrainStep", request))
 
     async def abort_step(self, step_id: str) -> bool:
         reply = await self._call("AbortTrainStep", pb.AbortTrainStepRequest(step_id=step_id))

@@ -219,7 +219,9 @@ def test_abort_leaves_weights_and_optimizer_bit_identical(trainer):
 
     client.begin_step("next", LOSS, OPTIMIZER)
     client.train_microbatch("next", "r0", trainer.batch)
-    client.finish_step("next")
+    # Answered once the update is applied rather than queued: the same step, the same weights.
+    before = client.status().weights_version
+    assert client.finish_step("next", wait_for_update=True).weights_version == before + 1
     assert_bit_identical(trainer.export("after-abort-then-step"), trainer.reference)
 
 

@@ -136,10 +136,12 @@ class TrainMicrobatchResponse(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
 
 class FinishTrainStepRequest(_message.Message):
-    __slots__ = ("step_id",)
+    __slots__ = ("step_id", "wait_for_update")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_UPDATE_FIELD_NUMBER: _ClassVar[int]
     step_id: str
-    def __init__(self, step_id: _Optional[str] = ...) -> None: ...
+    wait_for_update: bool
+    def __init__(self, step_id: _Optional[str] = ..., wait_for_update: _Optional[bool] = ...) -> None: ...
 
 class LossTerms(_message.Message):
     __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio")

@@ -25,6 +25,8 @@ class TrainMicrobatch:
 @dataclass(frozen=True)
 class FinishStep:
     step_id: str
+    wait_for_update: bool = False
+    """Answer once the update is applied on the device, not once it is queued."""
     slot: int | None = None
     """Refit snapshot slot for the new version, reserved by rank 0 before the broadcast."""
 

@@ -404,12 +404,14 @@ class StepEngine:
         if bad_ranks or not math.isfinite(sums["loss"]):
             self._refuse_non_finite(step, sums["loss"] / divisor, bad_ranks)
         with cpu_compat.active():
-            # No host synchronization after the update: the answer goes out while the GPU
-            # applies it, so the client's next round trips overlap it. Every later command
-            # runs on this stream after the update, and the publication's snapshot copy waits
-            # for it on its own stream (`publication.snapshot`): the version becomes readable
-            # once the update and the copy are done.
+            # No host synchronization after the update unless asked for: the answer goes out
+            # while the GPU applies it, so the client's next round trips overlap it. Every
+            # later command runs on this stream after the update, and the publication's
+            # snapshot copy waits for it on its own stream (`publication.snapshot`): the
+            # version becomes readable once the update and the copy are done.
             _, grad_norm, _ = self.built.optimizer.step()
+            if command.wait_for_update and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         self.open_step = None
         self.weights_version += 1
         self.optimizer_step += 1

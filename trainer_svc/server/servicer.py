@@ -76,7 +76,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     @_grpc_errors
     async def FinishTrainStep(self, request: pb.FinishTrainStepRequest, context: Any) -> Any:
-        result = await self.leader.submit(cmd.FinishStep(step_id=request.step_id))
+        result = await self.leader.submit(
+            cmd.FinishStep(step_id=request.step_id, wait_for_update=request.wait_for_update)
+        )
         return pb.FinishTrainStepResponse(
             step_id=result.step_id,
             metrics=convert.metrics_to_proto(result.metrics),
