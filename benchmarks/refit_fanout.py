@@ -101,7 +101,8 @@ def run_rounds(
             sources = [sorted(x["stats"]["bytes_by_source"]) for x in refits]
             log.info(
                 "round %d %-8s version %d%s: %.2f ms to the last install (peer copy %.2f ms); "
-                "per receiver: latency %s, asking the sidecar %s, reading %s ms; sources %s",
+                "per receiver: latency %s, asking the sidecar %s, reading %s ms (reads in "
+                "flight %s, waiting on a parent %s ms); sources %s",
                 r,
                 mode,
                 step["version"],
@@ -114,6 +115,8 @@ def run_rounds(
                     round(1e3 * (x["stats"]["pull_finished"] - x["stats"]["pull_started"]), 1)
                     for x in refits
                 ],
+                [round(1e3 * x["stats"]["reading_s"], 1) for x in refits],
+                [round(1e3 * x["stats"]["gated_s"], 1) for x in refits],
                 sources,
             )
             index += 1

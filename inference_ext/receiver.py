@@ -188,6 +188,12 @@ class RefitStats:
     """Sources that failed mid-pull and were replaced (fan-out)."""
     ask_s: float = 0.0
     """Fan-out: seconds of `pull_s` spent asking the sidecar where to read."""
+    reading_s: float = 0.0
+    """Fan-out: seconds of `pull_s` with reads in flight (of the run that completed it)."""
+    gated_s: float = 0.0
+    """Fan-out: seconds of `pull_s` waiting for a parent's copy to advance with nothing else
+    to read. A slow pull with a large `gated_s` waited on its parent; one with a large
+    `reading_s` read slowly."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,6 +270,8 @@ class _Pulled:
     finished: float
     fallbacks: int
     ask_s: float
+    reading_s: float = 0.0
+    gated_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -451,7 +459,14 @@ class Receiver:
                 tree.nbytes, tree.seconds, tree.reads, tree.chunks, 0, tree.verified_shards
             )
             return _Pulled(
-                stats, tree.bytes_by_source, tree.started, tree.finished, tree.fallbacks, tree.ask_s
+                stats,
+                tree.bytes_by_source,
+                tree.started,
+                tree.finished,
+                tree.fallbacks,
+                tree.ask_s,
+                tree.reading_s,
+                tree.gated_s,
             )
         started = time.time()
         stats = self.transport.pull(plan, region, verify=self._verifies)
@@ -554,6 +569,8 @@ class Receiver:
             pull_finished=pulled.finished,
             fallbacks=pulled.fallbacks,
             ask_s=pulled.ask_s,
+            reading_s=pulled.reading_s,
+            gated_s=pulled.gated_s,
         )
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:

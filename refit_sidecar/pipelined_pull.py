@@ -168,6 +168,11 @@ class ChunkedStats:
     started: float
     """Wall-clock time of the first read posted (time.time())."""
     finished: float
+    reading_s: float = 0.0
+    """Seconds with reads in flight."""
+    gated_s: float = 0.0
+    """Seconds with no read in flight while reads remained: waiting for a parent's copy to
+    advance. With `reading_s`, what tells a slow link from a slow parent."""
 
 
 class ControlSlots:
@@ -244,6 +249,8 @@ class PipelinedPull:
         started: float | None = None
         failure: SourceLost | None = None
         pause = 0.0
+        reading_s = gated_s = 0.0
+        mark = time.perf_counter()
         self._publish(filled)
         while True:
             progressed = False
@@ -267,6 +274,7 @@ class PipelinedPull:
                 inflight.append((ready, posted))
                 reads += len(ready.ranges)
                 progressed = True
+            reading = bool(inflight)  # this turn of the loop had reads in flight
             # Ask peers how far they are when something waits on them.
             if failure is None:
                 for agent, peer in state.items():
@@ -352,6 +360,7 @@ class PipelinedPull:
                         filled,
                     )
                     inflight = [i for i in inflight if i[0].agent != late]
+            gated = not reading and failure is None and any(queues.values())
             if progressed:
                 pause = 0.0
             else:
@@ -359,8 +368,16 @@ class PipelinedPull:
                 # Reads in flight land within tens of microseconds on a GPU link: poll them
                 # closely; a pull waiting only on a parent's progress backs off further.
                 pause = min(2 * pause or 1e-5, 5e-5 if inflight else 5e-4)
+            now_pc = time.perf_counter()
+            if reading:
+                reading_s += now_pc - mark
+            elif gated:
+                gated_s += now_pc - mark
+            mark = now_pc
         finished = time.time()
-        return ChunkedStats(bytes_by, reads, len(chunks), started or finished, finished)
+        return ChunkedStats(
+            bytes_by, reads, len(chunks), started or finished, finished, reading_s, gated_s
+        )
 
     # -- planning chunks ------------------------------------------------------------------------
 

@@ -83,6 +83,11 @@ class TreePullStats:
     """Sources lost and replaced during the pull."""
     ask_s: float = 0.0
     """Seconds spent asking the sidecar for sources (GetSources, its retries included)."""
+    reading_s: float = 0.0
+    """Of the run that completed the pull: seconds with reads in flight."""
+    gated_s: float = 0.0
+    """Of the run that completed the pull: seconds waiting for a parent's copy to advance
+    with nothing else to read."""
 
 
 class TreePull:
@@ -193,6 +198,7 @@ class TreePull:
                 continue
             reads += stats.reads
             chunks += stats.chunks
+            completing = stats
             break
         else:
             raise TreePullError(f"version {version}: {_MAX_ATTEMPTS} sources failed in turn")
@@ -218,6 +224,8 @@ class TreePull:
             finished=time.time(),
             fallbacks=fallbacks,
             ask_s=ask_s,
+            reading_s=completing.reading_s,
+            gated_s=completing.gated_s,
         )
 
     def _routed(
