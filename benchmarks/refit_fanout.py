@@ -102,7 +102,7 @@ def run_rounds(
             log.info(
                 "round %d %-8s version %d%s: %.2f ms to the last install (peer copy %.2f ms); "
                 "per receiver: latency %s, asking the sidecar %s, reading %s ms (reads in "
-                "flight %s, waiting on a parent %s ms); sources %s",
+                "flight %s, waiting on a parent %s ms; requests prepared %s); sources %s",
                 r,
                 mode,
                 step["version"],
@@ -117,6 +117,7 @@ def run_rounds(
                 ],
                 [round(1e3 * x["stats"]["reading_s"], 1) for x in refits],
                 [round(1e3 * x["stats"]["gated_s"], 1) for x in refits],
+                [x["stats"]["prepared"] for x in refits],
                 sources,
             )
             index += 1

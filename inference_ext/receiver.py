@@ -194,6 +194,9 @@ class RefitStats:
     """Fan-out: seconds of `pull_s` waiting for a parent's copy to advance with nothing else
     to read. A slow pull with a large `gated_s` waited on its parent; one with a large
     `reading_s` read slowly."""
+    prepared: int = 0
+    """Fan-out: chunk requests prepared anew for this pull (a source or chunk not read from
+    before), not reused from the transport's cache."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -272,6 +275,7 @@ class _Pulled:
     ask_s: float
     reading_s: float = 0.0
     gated_s: float = 0.0
+    prepared: int = 0
 
 
 @dataclass(frozen=True)
@@ -467,6 +471,7 @@ class Receiver:
                 tree.ask_s,
                 tree.reading_s,
                 tree.gated_s,
+                tree.prepared,
             )
         started = time.time()
         stats = self.transport.pull(plan, region, verify=self._verifies)
@@ -571,6 +576,7 @@ class Receiver:
             ask_s=pulled.ask_s,
             reading_s=pulled.reading_s,
             gated_s=pulled.gated_s,
+            prepared=pulled.prepared,
         )
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:

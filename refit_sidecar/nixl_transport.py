@@ -175,12 +175,12 @@ class NixlTransport:
         `check`. Posting the same descriptors again while the request is in flight is an
         error; SourceLost when the source cannot be reached."""
         try:
-            xfer, _ = self._xfer(record, mem_type, remote, local, dest)
+            xfer, cached = self._xfer(record, mem_type, remote, local, dest)
             xfer.done = self._agent.transfer(xfer.handle) == "DONE"
         except _NIXL_ERRORS as e:
             self._forget_agent(record.name)
             raise SourceLost(f"{record.name}: {e}", agent=record.name) from e
-        return Posted(xfer)
+        return Posted(xfer, prepared=not cached)
 
     def check(self, posted: Posted) -> bool:
         """Whether a posted request is done; SourceLost (the source is disconnected, its other
@@ -308,6 +308,9 @@ class Posted:
     """A READ request posted with `NixlTransport.post`."""
 
     xfer: _Xfer
+    prepared: bool = False
+    """The request was prepared for this post (first use of these descriptors: metadata,
+    descriptor lists, the backend's handles), not reused from the cache."""
 
     @property
     def agent(self) -> str:

@@ -173,6 +173,9 @@ class ChunkedStats:
     gated_s: float = 0.0
     """Seconds with no read in flight while reads remained: waiting for a parent's copy to
     advance. With `reading_s`, what tells a slow link from a slow parent."""
+    prepared: int = 0
+    """Chunk requests prepared anew (first read of those bytes of that source into that
+    destination) rather than reused: a tree that changes shape between versions pays this."""
 
 
 class ControlSlots:
@@ -250,6 +253,7 @@ class PipelinedPull:
         failure: SourceLost | None = None
         pause = 0.0
         reading_s = gated_s = 0.0
+        prepared = 0
         mark = time.perf_counter()
         self._publish(filled)
         while True:
@@ -272,6 +276,7 @@ class PipelinedPull:
                     if filled.started is None:
                         filled.started = started
                 inflight.append((ready, posted))
+                prepared += posted.prepared
                 reads += len(ready.ranges)
                 progressed = True
             reading = bool(inflight)  # this turn of the loop had reads in flight
@@ -376,7 +381,14 @@ class PipelinedPull:
             mark = now_pc
         finished = time.time()
         return ChunkedStats(
-            bytes_by, reads, len(chunks), started or finished, finished, reading_s, gated_s
+            bytes_by,
+            reads,
+            len(chunks),
+            started or finished,
+            finished,
+            reading_s,
+            gated_s,
+            prepared,
         )
 
     # -- planning chunks ------------------------------------------------------------------------

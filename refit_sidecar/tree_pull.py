@@ -88,6 +88,8 @@ class TreePullStats:
     gated_s: float = 0.0
     """Of the run that completed the pull: seconds waiting for a parent's copy to advance
     with nothing else to read."""
+    prepared: int = 0
+    """Of the run that completed the pull: chunk requests prepared anew, not reused."""
 
 
 class TreePull:
@@ -226,6 +228,7 @@ class TreePull:
             ask_s=ask_s,
             reading_s=completing.reading_s,
             gated_s=completing.gated_s,
+            prepared=completing.prepared,
         )
 
     def _routed(

@@ -215,6 +215,10 @@ def test_six_receiver_processes_refit_through_a_pipelined_tree(stack: Stack) -> 
         and stats[edge.child]["pull_started"] < stats[edge.parent]["pull_finished"]
     ]
     assert overlapping, listing.describe()
+    # Every pull read for some time, and its chunk requests were prepared for it (the first
+    # version these receivers pull); a child whose parent was still filling waited on it.
+    assert all(s["reading_s"] > 0 and s["prepared"] > 0 for s in stats.values())
+    assert any(stats[child]["gated_s"] > 0 for _, child in overlapping), listing.describe()
 
 
 @dataclass(frozen=True)

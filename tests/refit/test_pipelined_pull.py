@@ -393,6 +393,8 @@ def test_a_child_reads_only_what_its_parent_holds_and_ends_when_it_is_complete(
     # The parent's copy took 0.4 s to fill; the child spent most of it waiting, not reading.
     assert stats.gated_s > 0.2  # type: ignore[attr-defined]
     assert 0 < stats.reading_s < stats.gated_s  # type: ignore[attr-defined]
+    # A fresh parent buffer: every chunk's request was prepared for this pull.
+    assert stats.prepared == stats.chunks  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("how", ["failed", "moved-on", "stalled"])
