@@ -83,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a receiver's offered copy stays a source without a renewal",
     )
     parser.add_argument(
+        "--hold-parents-seconds",
+        type=float,
+        default=tree.hold_parents_s,
+        help=(
+            "how long after a version opens each receiver's parents of its previous pull are "
+            "held for it, so the tree keeps its shape whatever order receivers ask in (0: off)"
+        ),
+    )
+    parser.add_argument(
         "--drain-timeout-seconds",
         type=float,
         default=SidecarConfig.drain_timeout_s,
@@ -116,6 +125,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, str]
                 max_children=args.max_children,
                 max_root_children=args.max_root_children,
                 peer_ttl_s=args.peer_ttl_seconds,
+                hold_parents_s=args.hold_parents_seconds,
             ),
             drain_timeout_s=args.drain_timeout_seconds,
         )

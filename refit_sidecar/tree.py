@@ -109,6 +109,9 @@ class _Version:
     roots: list[str] = field(default_factory=list)
     """The trainer's ranks (agents), dropped ones included."""
     seq: Iterator[int] = field(default_factory=itertools.count)
+    opened_at: float = 0.0
+    gone: set[str] = field(default_factory=set)
+    """Sources removed from this version (failed, lost, expired, unregistered)."""
 
 
 class Tree:
@@ -126,6 +129,9 @@ class Tree:
         """`_cut` by (holdings key, wants key)."""
         self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
         """`_holdings` by wants key."""
+        self._parents: dict[str, tuple[int, tuple[str, ...]]] = {}
+        """Each receiver's version and primaries of its latest assignment: held for it while a
+        later version is young (`TreeConfig.hold_parents_s`)."""
 
     # -- versions and sources -----------------------------------------------------------------
 
@@ -137,6 +143,7 @@ class Tree:
         if version in self._versions:
             raise InvalidRequest(f"version {version} is open already", field="version")
         v = _Version(version, {p.name: p.shape for p in manifest.parameters}, Ranking(self._caps))
+        v.opened_at = self._clock()
         holds: dict[str, dict[str, list[Box]]] = {}
         for p in manifest.parameters:
             for shard in p.shards:
@@ -208,6 +215,10 @@ class Tree:
         orphans: list[Orphan] = []
         for v in self._versions.values():
             orphans += self._remove(v, source_id)
+        self._parents.pop(source_id, None)
+        for receiver, (_, parents) in list(self._parents.items()):
+            if source_id in parents:
+                del self._parents[receiver]
         return tuple(orphans)
 
     def expire(self) -> tuple[Orphan, ...]:
@@ -258,8 +269,12 @@ class Tree:
             self._check_same(v, own, held[0])
         self._end_pull(v, rid)
         excluded = {rid, *self._descendants(v, rid)}
-        pieces = self._choose(v, receiver.domain, wants, excluded, wants_key)
+        prefer, reserved = self._held_parents(v, rid, excluded)
+        pieces = self._choose(
+            v, receiver.domain, wants, excluded, wants_key, prefer=prefer, reserved=reserved
+        )
         primaries = tuple(dict.fromkeys(p for _, _, p in pieces))
+        self._parents[rid] = (version, primaries)
         for p in primaries:
             v.sources[p].children.add(rid)
             v.ranking.place(v.sources[p])
@@ -550,14 +565,26 @@ class Tree:
         wants: Sequence[Want],
         excluded: set[str],
         wants_key: bytes = b"",
+        *,
+        prefer: Sequence[str] = (),
+        reserved: Mapping[str, int] | None = None,
     ) -> list[tuple[int, Box, str]]:
         """(want index, piece, primary), in want order: the best source with room first
-        takes all it holds of what is left."""
+        takes all it holds of what is left; `prefer` (sources with room) come first, and a
+        source's slots `reserved` for other receivers are not room."""
         left = [(i, w.box) for i, w in enumerate(wants)]
         names = [w.name for w in wants]
         pieces: list[tuple[int, Box, str]] = []
-        for source_id in v.ranking.ordered(domain, with_room=True):
-            if source_id in excluded:
+        held = reserved or {}
+
+        def room(source_id: str) -> bool:
+            source = v.sources[source_id]
+            return len(source.children) + held.get(source_id, 0) < self._caps[source.kind]
+
+        chosen = [p for p in prefer if p in v.sources and p not in excluded and room(p)]
+        ranked = (s for s in v.ranking.ordered(domain, with_room=True) if s not in chosen)
+        for source_id in itertools.chain(chosen, ranked):
+            if source_id in excluded or not room(source_id):
                 continue
             if not pieces and wants_key:
                 # The usual case: the first source holds everything (a peer of the same
@@ -586,6 +613,42 @@ class Tree:
             f"version {v.version}: no live source outside the receiver's own subtree holds "
             f"{name} {box.ranges}"
         )
+
+    def _held_parents(
+        self, v: _Version, receiver_id: str, excluded: set[str]
+    ) -> tuple[tuple[str, ...], dict[str, int]]:
+        """While `v` is young: the receiver's previous parents (NoSourceFree while one of them,
+        alive, has not asked for `v` yet), and the child slots held for the other receivers
+        that have not asked yet, by parent."""
+        if self._clock() - v.opened_at >= self.config.hold_parents_s:
+            return (), {}
+        before, mine = self._parents.get(receiver_id, (-1, ()))
+        if before >= v.version:
+            mine = ()  # assigned for this version already (a fallback): nothing to wait for
+        late = [
+            p
+            for p in mine
+            if p not in v.sources
+            and p not in excluded
+            and p not in v.gone
+            and any(p in w.sources for w in self._versions.values())
+        ]
+        if late:
+            raise NoSourceFree(
+                f"version {v.version}: {quoted(receiver_id)} waits for its previous parent "
+                f"{quoted(late[0])}, which has not asked for this version yet"
+            )
+        reserved: dict[str, int] = {}
+        for other, (then, parents) in self._parents.items():
+            if (
+                other != receiver_id
+                and then < v.version
+                and other not in v.pulls
+                and other not in v.gone
+            ):
+                for p in parents:
+                    reserved[p] = reserved.get(p, 0) + 1
+        return mine, reserved
 
     def _fallbacks(
         self,
@@ -690,6 +753,7 @@ class Tree:
         source = v.sources.pop(source_id, None)
         if source is None:
             return ()
+        v.gone.add(source_id)
         v.ranking.remove(source_id)
         orphans = tuple(Orphan(v.version, source_id, c) for c in sorted(source.children))
         if orphans:

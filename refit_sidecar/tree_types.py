@@ -63,6 +63,13 @@ class TreeConfig:
     """How long a peer registration lives without a renewal."""
     max_peer_fallbacks: int = 2
     """Peers listed per piece after the primary's parents and before the trainer ranks."""
+    hold_parents_s: float = 0.1
+    """For this long after a version opens, each receiver's parents of its previous pull are
+    held for it: a child slot it used is not given to another receiver, and a receiver whose
+    previous parent has not asked for the version yet waits for it (NoSourceFree) instead of
+    reading elsewhere. The tree then keeps its shape from version to version whatever order
+    the receivers ask in, so every reader keeps the connection and the prepared requests it
+    has with its parent (a first read from a new parent pays for both). 0: no holding."""
 
     def __post_init__(self) -> None:
         if self.max_children < 1 or self.max_root_children < 1:
@@ -74,6 +81,8 @@ class TreeConfig:
             raise ValueError(f"peer_ttl_s must be > 0, got {self.peer_ttl_s}")
         if self.max_peer_fallbacks < 0:
             raise ValueError(f"max_peer_fallbacks must be >= 0, got {self.max_peer_fallbacks}")
+        if self.hold_parents_s < 0:
+            raise ValueError(f"hold_parents_s must be >= 0, got {self.hold_parents_s}")
 
 
 @dataclass(frozen=True)

@@ -443,6 +443,7 @@ def test_a_peer_keeps_its_boxes_and_never_goes_back_to_filling():
         {"max_root_children": 0},
         {"peer_ttl_s": 0},
         {"max_peer_fallbacks": -1},
+        {"hold_parents_s": -1},
     ],
 )
 def test_bad_config_is_refused(config):
@@ -466,3 +467,83 @@ def test_readers_are_the_active_pulls_reading_from_a_source():
     assert tree.readers(1, "nobody") == ()
     with pytest.raises(UnknownVersion):
         tree.readers(2, "t0.0")
+
+
+def _chain(tree: Tree, version: int, order: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Each receiver of `order` asks for `version`, those told to wait asking again after the
+    others, as receivers retry NoSourceFree; then every pull completes."""
+    parents: dict[str, tuple[str, ...]] = {}
+    waiting = list(order)
+    for _ in range(len(order) + 1):
+        later = []
+        for name in waiting:
+            try:
+                parents[name] = tree.assign(version, Receiver(name), WHOLE).parents
+            except NoSourceFree:
+                later.append(name)
+        waiting = later
+    assert not waiting, waiting
+    for name in order:
+        tree.release(version, name, PullOutcome.COMPLETE)
+    return parents
+
+
+def _chain_tree(clock: Clock, **config) -> tuple[Tree, dict[str, tuple[str, ...]]]:
+    tree = make(clock, max_root_children=1, max_children=1, **config)
+    first = _chain(tree, 1, ("p1", "p2", "p3"))
+    assert first == {"p1": ("t0.0",), "p2": ("p1",), "p3": ("p2",)}
+    return tree, first
+
+
+def test_a_tree_keeps_its_shape_whatever_order_the_receivers_ask_in():
+    clock = Clock()
+    tree, first = _chain_tree(clock)
+    for version, order in ((2, ("p3", "p2", "p1")), (3, ("p2", "p3", "p1"))):
+        tree.open_version(version, trainer(version))
+        # p3 and p2 wait for their previous parents; the trainer's slot waits for p1.
+        with pytest.raises(NoSourceFree, match="'p3' waits for its previous parent 'p2'"):
+            tree.assign(version, Receiver("p3"), WHOLE)
+        assert _chain(tree, version, order) == first
+
+
+def test_a_newcomer_takes_no_held_slot_and_holding_ends_with_its_time():
+    clock = Clock()
+    tree, _ = _chain_tree(clock, hold_parents_s=0.1)
+    tree.open_version(2, trainer(2))
+    # The trainer's one slot is p1's while version 2 is young: a newcomer is told to wait.
+    with pytest.raises(NoSourceFree):
+        tree.assign(2, Receiver("new"), WHOLE)
+    clock.now += 0.2
+    # Held no longer: the newcomer takes the slot, and p2, whose parent p1 has not asked,
+    # reads from it rather than wait.
+    assert tree.assign(2, Receiver("new"), WHOLE).parents == ("t0.0",)
+    assert tree.assign(2, Receiver("p2"), WHOLE).parents == ("new",)
+
+
+def test_a_receiver_does_not_wait_for_a_previous_parent_that_failed_or_died():
+    clock = Clock()
+    tree, _ = _chain_tree(clock)
+    tree.open_version(2, trainer(2))
+    assert tree.assign(2, Receiver("p1"), WHOLE).parents == ("t0.0",)
+    tree.release(2, "p1", PullOutcome.FAILED)  # p1's copy of version 2 failed
+    assert tree.assign(2, Receiver("p2"), WHOLE).parents == ("t0.0",)
+    tree.drop("p2")  # p2 died: gone from every version
+    assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("t0.0",)
+
+
+def test_holding_can_be_turned_off():
+    clock = Clock()
+    tree, _ = _chain_tree(clock, hold_parents_s=0.0)
+    tree.open_version(2, trainer(2))
+    # First come, first served: the trainer's slot goes to whoever asks first.
+    assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("t0.0",)
+
+
+def test_the_sidecar_flag_sets_the_holding_time():
+    from refit_sidecar.cli import parse_config
+
+    config, _ = parse_config(["--insecure", "--hold-parents-seconds", "0.25"])
+    assert config.tree.hold_parents_s == 0.25
+    assert parse_config(["--insecure"])[0].tree.hold_parents_s == TreeConfig().hold_parents_s
+    with pytest.raises(SystemExit):
+        parse_config(["--insecure", "--hold-parents-seconds", "-1"])
