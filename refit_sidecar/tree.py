@@ -163,7 +163,11 @@ class Tree:
         self._versions[version] = v
 
     def retire(self, version: int) -> bool:
-        """Forgets `version` (the registry retired it); False when it was not open."""
+        """Forgets `version` (the registry retired it), and the parents of the receivers whose
+        latest pull was of it or older (they stopped pulling); False when it was not open."""
+        for receiver, (then, _) in list(self._parents.items()):
+            if then <= version:
+                del self._parents[receiver]
         return self._versions.pop(version, None) is not None
 
     @property

@@ -531,6 +531,15 @@ def test_a_receiver_does_not_wait_for_a_previous_parent_that_failed_or_died():
     assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("t0.0",)
 
 
+def test_a_receiver_that_stopped_pulling_holds_nothing_once_its_version_retires():
+    clock = Clock()
+    tree, _ = _chain_tree(clock)
+    tree.open_version(2, trainer(2))
+    assert tree.retire(1)  # p1, p2 and p3 last pulled version 1
+    # Nothing is held for them: the first to ask takes the trainer's slot.
+    assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("t0.0",)
+
+
 def test_holding_can_be_turned_off():
     clock = Clock()
     tree, _ = _chain_tree(clock, hold_parents_s=0.0)
