@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from inference_ext.lease_keeper import LeaseKeeper
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
@@ -69,8 +70,10 @@ class RefitOptions:
 
     receiver_id: str = "receiver"
     """Names this receiver in leases and its NIXL agent (with the TP rank appended)."""
-    lease_ttl_s: float = 300.0
-    """Lease held on the version while pulling; longer than a pull takes."""
+    lease_ttl_s: float = 30.0
+    """Lease held on the version while pulling, renewed every third of it for as long as the
+    pull takes (`lease_keeper`): how long a receiver that dies mid-pull can keep the trainer
+    from reusing the version's snapshot slot."""
     pull_timeout_s: float = 300.0
     connect_timeout_s: float = 30.0
     rpc_timeout_s: float = 30.0
@@ -415,6 +418,7 @@ class Receiver:
         except Exception as e:
             raise RefitError(f"cannot lease version {version}: {e}") from e
         leased = time.perf_counter()
+        keeper = LeaseKeeper(self.client, lease, self.options.lease_ttl_s)
         try:
             plan, replanned, by_key = self._plan_for(lease)
             plan_s = time.perf_counter() - begin
@@ -427,6 +431,7 @@ class Receiver:
             region = self.staging.ensure(plan.pull.nbytes)
             pulled = self._pull(plan.pull, region, on_progress)
         except BaseException as e:
+            keeper.stop()
             self._releases.submit(self._release, lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
                 raise
@@ -435,8 +440,11 @@ class Receiver:
         # clock it surely did not. Before it, bytes that were all verified need no more: the
         # release goes out in the background (a slot rewritten under the pull, after a sidecar
         # restart, fails the checksums). Otherwise the sidecar must confirm it held the lease.
+        lease = keeper.stop()
         verified = pulled.stats.verified_shards == len(plan.pull.reads)
-        if time.monotonic() < lease.expires_at and verified:
+        if keeper.lost:
+            held = False  # a renewal found the lease gone: the slot may have been rewritten
+        elif time.monotonic() < lease.expires_at and verified:
             self._releases.submit(self._release, lease)
             held = True
         else:

@@ -147,6 +147,27 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
                 short.fetch(4)
         finally:
             short.close()
+
+        # A pull that takes longer than the lease's time keeps its version: the lease is
+        # renewed every third of it while the pull runs (a dead receiver's lapses within it).
+        slow_options = RefitOptions(
+            receiver_id="slow", pull_timeout_s=60, lease_ttl_s=0.6, token_file=token
+        )
+        slow = Receiver(
+            address, spec, ReceiverLayout(), names, options=slow_options, device=torch.device("cpu")
+        )
+        pull = slow.transport.pull
+
+        def late_pull(*args: object, **kwargs: object) -> object:
+            time.sleep(1.5)
+            return pull(*args, **kwargs)
+
+        slow.transport.pull = late_pull  # type: ignore[method-assign]
+        try:
+            installed, _ = _refit_with_stats(slow, 4)
+            _assert_exported(trainer, installed, "v4-slow")
+        finally:
+            slow.close()
     finally:
         receiver.close()
         assert trainer.stop() == 0
