@@ -241,7 +241,8 @@ class SidecarClient:
     def wait_visible(self, version: int, timeout: float = 30.0) -> int:
         """Block until `version` or a newer one is readable; returns the latest. Trainer ranks
         report a finished step in the background, so its version becomes readable a moment
-        after FinishTrainStep returns it. TimeoutError after `timeout` seconds."""
+        after FinishTrainStep returns it (after the update, which FinishTrainStep does not wait
+        for unless asked). TimeoutError after `timeout` seconds."""
         request = pb.WatchVersionsRequest(after_version=version - 1)
         call = self._stub.WatchVersions(request, timeout=timeout)
         try:

@@ -12,7 +12,8 @@ Only the copy is on the trainer's path, and on a GPU not even its completion: th
 a side stream, the trainer's stream waits for it before the parameters change again (`fence`),
 and a reporter thread waits for it, adds the checksums (on a GPU the WSUM-64 of each shard, one
 kernel over the slot on the side stream) and sends the rank's report, which was built once per
-slot. The version becomes readable a moment after the command that made it returns; receivers
+slot. The version becomes readable a moment after the update that made it is applied (on a GPU
+FinishTrainStep answers once the update is queued, so possibly after the answer); receivers
 wait for it (`SidecarClient.wait_visible`).
 """
 
