@@ -51,6 +51,7 @@ from refit_sidecar.tree_types import (
     Assignment,
     CopyState,
     Edge,
+    HeldForParent,
     NodeInfo,
     NodeKind,
     NoLiveSource,
@@ -69,6 +70,7 @@ __all__ = [
     "Assignment",
     "CopyState",
     "Edge",
+    "HeldForParent",
     "NoLiveSource",
     "NoSourceFree",
     "NodeInfo",
@@ -274,9 +276,15 @@ class Tree:
         self._end_pull(v, rid)
         excluded = {rid, *self._descendants(v, rid)}
         prefer, reserved = self._held_parents(v, rid, excluded)
-        pieces = self._choose(
-            v, receiver.domain, wants, excluded, wants_key, prefer=prefer, reserved=reserved
-        )
+        try:
+            pieces = self._choose(
+                v, receiver.domain, wants, excluded, wants_key, prefer=prefer, reserved=reserved
+            )
+        except NoSourceFree as e:
+            if not reserved:
+                raise
+            until = v.opened_at + self.config.hold_parents_s
+            raise HeldForParent(f"{e} (some slots are held for receivers yet to ask)", until) from e
         primaries = tuple(dict.fromkeys(p for _, _, p in pieces))
         self._parents[rid] = (version, primaries)
         for p in primaries:
@@ -638,9 +646,10 @@ class Tree:
             and any(p in w.sources for w in self._versions.values())
         ]
         if late:
-            raise NoSourceFree(
+            raise HeldForParent(
                 f"version {v.version}: {quoted(receiver_id)} waits for its previous parent "
-                f"{quoted(late[0])}, which has not asked for this version yet"
+                f"{quoted(late[0])}, which has not asked for this version yet",
+                v.opened_at + self.config.hold_parents_s,
             )
         reserved: dict[str, int] = {}
         for other, (then, parents) in self._parents.items():

@@ -300,8 +300,8 @@ class TreePull:
         request.version = version
         request.lost.extend(s for s in lost if s)
         self._settle()
-        # A receiver told to wait is mostly waiting for its previous parent to ask (the
-        # sidecar holds the tree's shape, `TreeConfig.hold_parents_s`): a millisecond or two.
+        # Waits for a held parent happen on the sidecar; NoSourceFree here means a full tree:
+        # free again as soon as some pull ends.
         pause = 0.001
         while True:
             try:

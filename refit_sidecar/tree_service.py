@@ -17,6 +17,7 @@ about to be overwritten).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -30,6 +31,7 @@ from refit_sidecar.plan import Checksums, Want
 from refit_sidecar.registry import Registry, UnknownVersion
 from refit_sidecar.tree import (
     CopyState,
+    HeldForParent,
     NodeKind,
     PullOutcome,
     Receiver,
@@ -156,6 +158,9 @@ class TreeService:
         self._route_replies: OrderedDict[tuple[Route, ...], tuple[pb.GetSourcesResponse, bytes]]
         self._route_replies = OrderedDict()
         """Replies holding only these routes, and their digest: a steady tree repeats them."""
+        self._changed = asyncio.Event()
+        """Set (and replaced) whenever a receiver is assigned or releases: what a request
+        waiting for a held parent waits on."""
 
     @property
     def tree(self) -> Tree:
@@ -175,16 +180,32 @@ class TreeService:
         if offer is not None:
             await self._drain(version, rid)
             opened = self._opened(version)  # the registry may have moved on while we waited
-        assignment = self._tree.assign(
-            version,
-            Receiver(rid, request.domain),
-            checked.wants,
-            serve=offer is not None,
-            wants_key=checked.wants_key,
-        )
+        while True:
+            try:
+                assignment = self._tree.assign(
+                    version,
+                    Receiver(rid, request.domain),
+                    checked.wants,
+                    serve=offer is not None,
+                    wants_key=checked.wants_key,
+                )
+                break
+            except HeldForParent as held:
+                # The tree holds its previous shape for a moment: answer as soon as another
+                # receiver asks or releases, or the hold ends, rather than have this one
+                # retry.
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), max(held.until - self._clock(), 0.0))
+                opened = self._opened(version)  # the registry may have moved on meanwhile
+        self._notify()
         if offer is not None:
             self._offers[(version, rid)] = _Offer(checked)
         return self._reply(version, opened, rid, checked, assignment.routes)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _reply(
         self,
@@ -247,6 +268,7 @@ class TreeService:
         self._sync()
         outcome = PullOutcome.COMPLETE if request.complete else PullOutcome.FAILED
         orphans = self._tree.release(request.version, request.receiver_id, outcome)
+        self._notify()
         if orphans:
             log.info(
                 "version %d: %r failed; its readers fall back: %s",

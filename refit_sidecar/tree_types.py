@@ -48,6 +48,16 @@ class NoSourceFree(RuntimeError):
     feeds its maximum of children: retry once a pull ends (maps to RESOURCE_EXHAUSTED)."""
 
 
+class HeldForParent(NoSourceFree):
+    """NoSourceFree because the tree holds slots for receivers of its previous shape
+    (`TreeConfig.hold_parents_s`): an answer may come as soon as another receiver asks, and
+    surely once the hold ends, at `until` (the tree's clock)."""
+
+    def __init__(self, message: str, until: float) -> None:
+        super().__init__(message)
+        self.until = until
+
+
 class NoLiveSource(RuntimeError):
     """No live source outside the receiver's own subtree holds some wanted bytes (the trainer
     ranks holding them were dropped; maps to UNAVAILABLE)."""

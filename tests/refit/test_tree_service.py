@@ -341,6 +341,26 @@ def test_routing_keys_repeat_where_the_reads_do(fleet):
     )
 
 
+def test_a_receiver_asking_before_its_previous_parent_is_answered_when_the_parent_asks(fleet):
+    """The tree holds its shape: a child asking before its parent of the last version waits
+    on the sidecar (no NoSourceFree, no retry) and is answered the moment the parent asks."""
+    f = fleet("--max-root-children", "1", "--max-children", "1", "--hold-parents-seconds", "20")
+    for rid in ("p1", "p2"):
+        f.client.get_sources(1, rid, HALF, offer=offer(rid, HALF))
+    for rid in ("p1", "p2"):
+        f.client.release_sources(1, rid, complete=True)
+    f.publish(2)
+    with ThreadPoolExecutor(1) as pool:
+        child = pool.submit(f.client.get_sources, 2, "p2", HALF, offer=offer("p2", HALF))
+        time.sleep(0.3)
+        assert not child.done(), "the child was answered before its parent asked"
+        asked = time.monotonic()
+        parent = f.client.get_sources(2, "p1", HALF, offer=offer("p1", HALF))
+        answer = child.result(timeout=10)
+        assert time.monotonic() - asked < 5  # at once, not at the end of the 20 s hold
+    assert _primaries(parent) == {"rank-0"} and _primaries(answer) == {"p1"}
+
+
 def _raw_offer(receiver: str, wants: list[Want]) -> pb.PeerOffer:
     o = offer(receiver, wants)
     return pb.PeerOffer(
