@@ -156,3 +156,26 @@ def test_a_sidecar_that_does_not_answer_changes_nothing(stack: Stack, server: Vl
     ok(server.post("/init_weight_transfer_engine", {"init_info": _init_info(stack.sidecar)}))
     ok(server.rl_update("latest", reported))
     assert gap(_probe(server), served) <= FIDELITY
+
+
+def test_the_server_refits_through_the_source_tree(stack: Stack, server: VllmServer) -> None:
+    """Initialised with `fanout`, the same server reads each version through the sidecar's
+    source tree (GetSources, chunked reads, its copy offered to later receivers) and serves
+    exactly what the trainer computes, version after version."""
+    ok(
+        server.post(
+            "/init_weight_transfer_engine",
+            {"init_info": _init_info(stack.sidecar, fanout=True, receiver_id="vllm-serve-tree")},
+        )
+    )
+    for seed in (3, 4):
+        before = _probe(server)
+        version = train_step(stack.trainer, f"tree-{seed}", seed=seed)
+        trained = trainer_logprobs(stack.trainer)
+        ok(server.rl_update(version, str(version)))
+        assert gap(_probe(server), trained) <= FIDELITY
+        assert gap(before, trained) > 100 * FIDELITY
+        assert server.weight_version() == str(version)
+    with stack.sidecar.client() as client:
+        listing = client.list_tree(version)
+    assert any(e.child.startswith("vllm-serve-tree") for e in listing.edges), listing.describe()
