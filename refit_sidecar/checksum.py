@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 
 from refit_sidecar.plan import PullPlan, ShardReads
-from refit_sidecar.wsum import MASK64, UNIT, wsum64
+from refit_sidecar.wsum import MASK64, UNIT, host_wsum64
 
 
 class ChecksumMismatch(RuntimeError):
@@ -64,7 +64,7 @@ def _verify_sum64(reads: ShardReads, view: np.ndarray, published: int) -> None:
     total = 0
     starts, lengths = reads.dest_offsets.tolist(), reads.lengths.tolist()
     for start, length, at in zip(starts, lengths, reads.shard_offsets.tolist(), strict=True):
-        total += wsum64(view[start : start + length], at // UNIT)
+        total += host_wsum64(view[start : start + length], at // UNIT)
     total &= MASK64
     if total != published:
         raise ChecksumMismatch.of(reads, "wsum64", total, published)

