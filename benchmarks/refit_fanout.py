@@ -7,7 +7,9 @@ bf16, the config-only Llama of the preset) as subprocesses with authentication o
 ``--receivers`` receiver processes on GPU ``--dest-gpu``, each a transformers model and two
 `Receiver`s: "direct" (reads the trainer's ranks) and "tree" (``RefitOptions(fanout=True)``:
 asks the sidecar where to read, reads its parent's chunks as they land, serves its own copy).
-The sidecar runs with ``--max-children`` and ``--max-root-children`` set to ``--max-children``.
+The sidecar runs with ``--max-children`` and ``--max-root-children`` set to ``--max-children``,
+and ``--hold-parents-seconds`` as given (0 shows the tree changing shape with the order
+receivers ask in).
 
 Each timed round trains one step and, right after FinishTrainStep returns (answered once the
 update is applied, as in refit_install: ``wait_for_update``), tells the receivers
@@ -49,6 +51,7 @@ from typing import Any
 from benchmarks import refit_install as ri
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
+from refit_sidecar.tree_types import TreeConfig
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 
@@ -157,6 +160,7 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
     root = trainer_root(work)
     tree_flags = ["--max-children", str(args.max_children)]
     tree_flags += ["--max-root-children", str(args.max_children)]
+    tree_flags += ["--hold-parents-seconds", str(args.hold_parents_seconds)]
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(
             sidecar_server(work, logs / "sidecar.log", config.timeout, tokens, tree_flags)
@@ -238,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
     fan.add_argument("--chunk-bytes", type=int, default=16 << 20)
     fan.add_argument("--rounds", type=int, default=4, help="rounds of the four modes")
+    fan.add_argument(
+        "--hold-parents-seconds",
+        type=float,
+        default=TreeConfig.hold_parents_s,
+        help="the sidecar's holding of the tree's shape (0: off, the tree as receivers ask)",
+    )
     p.set_defaults(out=Path("runs/refit_fanout.json"), warmup=1, steps=1)
     return p
 
@@ -250,7 +260,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.receivers < 1 or args.rounds < 2:
         parser.error("--receivers must be >= 1 and --rounds >= 2 (the first are warm-ups)")
-    fan = {k: getattr(args, k) for k in ("receivers", "max_children", "chunk_bytes", "rounds")}
+    fan = {
+        k: getattr(args, k)
+        for k in ("receivers", "max_children", "chunk_bytes", "rounds", "hold_parents_seconds")
+    }
     for key in fan:
         delattr(args, key)
     config = ri.resolve(args)

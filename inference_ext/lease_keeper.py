@@ -3,9 +3,10 @@
 A lease pins the trainer's snapshot slot of a version: while it holds, the trainer publishes no
 other version into that slot. A receiver that dies mid-pull keeps its lease until the lease's
 time runs out, so the time a lease is granted for is how long a dead receiver can hold up the
-trainer's publication. The keeper renews the lease every third of that time while the pull
-runs: a live receiver keeps its version for as long as its pull takes, a dead one frees the
-slot within one lease time.
+trainer's publication. The keeper renews the lease of the pull in progress every third of that
+time: a live receiver keeps its version for as long as its pull takes, a dead one frees the slot
+within one lease time. One thread per receiver, idle between pulls: a refit only hands it the
+lease and takes it back.
 """
 
 from __future__ import annotations
@@ -21,40 +22,64 @@ log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    """Renews `lease` every `ttl_s / 3` seconds on its own thread until `stop`."""
+    """Renews the lease handed to `keep` every `ttl_s / 3` seconds until `take_back`."""
 
-    def __init__(self, client: SidecarClient, lease: Lease, ttl_s: float) -> None:
+    def __init__(self, client: SidecarClient, ttl_s: float) -> None:
         self._client = client
         self._ttl_s = ttl_s
-        self._lease = lease
+        self._cond = threading.Condition()
+        self._lease: Lease | None = None
         self._lost = False
-        self.renewals = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"lease-{lease.lease_id[:8]}", daemon=True
-        )
+        self._due = 0.0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._ttl_s / 3):
-            sent = time.monotonic()
-            try:
-                renewed = self._client.renew_lease(self._lease, self._ttl_s)
-            except Exception as e:  # ended (expired, the sidecar restarted) or unreachable
-                log.warning("renewing lease %s failed: %s", self._lease.lease_id, e)
-                self._lost = True
-                return
-            self._lease = replace(self._lease, expires_at=sent + renewed.expires_in_seconds)
-            self.renewals += 1
+    def keep(self, lease: Lease) -> None:
+        """Renew `lease` from now on (it replaces any lease kept before)."""
+        with self._cond:
+            self._lease, self._lost = lease, False
+            self._due = time.monotonic() + self._ttl_s / 3
+            self._cond.notify()
 
-    def stop(self) -> Lease:
-        """Stops renewing; returns the lease as last renewed. A renewal that failed leaves its
-        `expires_at` at the end the last good one gave it, so a pull past it fails closed."""
-        self._stop.set()
+    def take_back(self) -> tuple[Lease, bool]:
+        """Stop renewing; the lease as last renewed, and whether a renewal found it gone (the
+        sidecar may no longer hold it). A renewal that failed leaves `expires_at` where the
+        last good one put it, so a pull past it fails closed."""
+        with self._cond:
+            lease, lost = self._lease, self._lost
+            self._lease = None
+        if lease is None:
+            raise RuntimeError("no lease is kept")
+        return lease, lost
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         self._thread.join()
-        return self._lease
 
-    @property
-    def lost(self) -> bool:
-        """A renewal failed: the sidecar may no longer hold the lease."""
-        return self._lost
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                lease = self._lease
+                wait = self._due - time.monotonic()
+                if lease is None or self._lost or wait > 0:
+                    self._cond.wait(None if lease is None or self._lost else wait)
+                    continue
+                self._cond.release()  # the RPC runs unlocked: taking the lease back never waits
+                sent = time.monotonic()
+                try:
+                    renewed, error = self._client.renew_lease(lease, self._ttl_s), None
+                except Exception as e:  # ended (expired, the sidecar restarted) or unreachable
+                    renewed, error = None, e
+                finally:
+                    self._cond.acquire()
+                if self._lease is not lease:
+                    continue  # taken back (or replaced) meanwhile: the answer is moot
+                if renewed is None:
+                    log.warning("renewing lease %s failed: %s", lease.lease_id, error)
+                    self._lost = True
+                    continue
+                self._lease = replace(lease, expires_at=sent + renewed.expires_in_seconds)
+                self._due = time.monotonic() + self._ttl_s / 3

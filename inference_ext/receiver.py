@@ -378,6 +378,8 @@ class Receiver:
         self._tree: TreePull | None = None
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="lease-release")
         """Releases of verified pulls' leases, off the refit's path."""
+        self._keeper = LeaseKeeper(self.client, options.lease_ttl_s)
+        """Renews the lease of the pull in progress."""
         if options.fanout:
             chunks = ChunkConfig(
                 chunk_bytes=options.chunk_bytes,
@@ -418,7 +420,7 @@ class Receiver:
         except Exception as e:
             raise RefitError(f"cannot lease version {version}: {e}") from e
         leased = time.perf_counter()
-        keeper = LeaseKeeper(self.client, lease, self.options.lease_ttl_s)
+        self._keeper.keep(lease)
         try:
             plan, replanned, by_key = self._plan_for(lease)
             plan_s = time.perf_counter() - begin
@@ -431,7 +433,7 @@ class Receiver:
             region = self.staging.ensure(plan.pull.nbytes)
             pulled = self._pull(plan.pull, region, on_progress)
         except BaseException as e:
-            keeper.stop()
+            self._keeper.take_back()
             self._releases.submit(self._release, lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
                 raise
@@ -440,9 +442,9 @@ class Receiver:
         # clock it surely did not. Before it, bytes that were all verified need no more: the
         # release goes out in the background (a slot rewritten under the pull, after a sidecar
         # restart, fails the checksums). Otherwise the sidecar must confirm it held the lease.
-        lease = keeper.stop()
+        lease, lost = self._keeper.take_back()
         verified = pulled.stats.verified_shards == len(plan.pull.reads)
-        if keeper.lost:
+        if lost:
             held = False  # a renewal found the lease gone: the slot may have been rewritten
         elif time.monotonic() < lease.expires_at and verified:
             self._releases.submit(self._release, lease)
@@ -628,6 +630,7 @@ class Receiver:
         return full
 
     def close(self) -> None:
+        self._keeper.close()
         self._releases.shutdown(wait=True)
         if self._tree is not None:
             self._tree.close()

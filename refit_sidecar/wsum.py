@@ -21,8 +21,8 @@ What it is for, like the CRC-32 of host slots: torn, misplaced or corrupted read
   index where it starts in the shard, in any order and on any device: integer addition mod
   2**64 is associative, so a GPU's block-wise reduction gives exactly the host's value.
 
-This module is the specification: a NumPy reference (`wsum64`), a host implementation about
-twenty times as fast (`host_wsum64`, what a receiver staging in host memory verifies with) and
+This module is the specification: a NumPy reference (`wsum64`), a faster host implementation
+(`host_wsum64`, what a receiver staging in host memory verifies with) and
 the block table the device kernels read (`SumPlan`). `torch_wsum` computes the same value on a
 GPU (a Triton kernel) or a CPU tensor (torch), and a test holds them all to the reference.
 """
@@ -89,9 +89,9 @@ _FAST_CHUNK = 1 << 16
 
 
 def host_wsum64(data: np.ndarray | bytes, start_unit: int = 0) -> int:
-    """`wsum64` computed for speed on the host (about 20x the reference on one core): the
-    weights in 32-bit arithmetic, in place, over cache-sized passes. What a receiver staging in
-    host memory checks a device slot's shards with."""
+    """`wsum64` computed for speed on the host: the weights in 32-bit arithmetic, in place, over
+    cache-sized passes. What a receiver staging in host memory checks a device slot's shards
+    with."""
     raw = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if raw.size % UNIT:

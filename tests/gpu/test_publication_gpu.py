@@ -9,13 +9,14 @@ copy that did not wait for the update would copy a half-updated model. Run on a 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.trainer_step import write_model
 from megatron_hf.convert import megatron_to_hf
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
@@ -37,30 +38,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _model_dir(path: Path) -> Path:
-    """A config-only Llama of about 250M parameters: its update takes milliseconds on the GPU,
-    long enough for a snapshot that did not wait for it to catch it half done."""
-    path.mkdir(parents=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": 16,
-        "hidden_size": 1024,
-        "intermediate_size": 2816,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 32000,
-        "max_position_embeddings": 1024,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "dtype": "bfloat16",
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    """A config-only Llama of about 250M parameters (`benchmarks.trainer_step.write_model`):
+    its update takes milliseconds on the GPU, long enough for a snapshot that did not wait for
+    it to catch it half done."""
+    shape = dict(layers=16, hidden=1024, ffn=2816, heads=16, kv_heads=8, vocab=32000)
+    return write_model(
+        path,
+        SimpleNamespace(**shape, max_positions=1024, params_dtype="bfloat16", hf_weights=False),
+    )
 
 
 @in_child_process

@@ -41,14 +41,24 @@ def _run(path, logits, targets, shard, *weights):
     return logprobs, entropy, leaf.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_kernels_equal_the_torch_paths(group, dtype) -> None:
+_ROWS, _VOCAB = 1000, 32_000
+
+
+def _padded_logits(group, dtype) -> tuple[VocabShard, torch.Tensor]:
+    """Seeded logits of a 32,000-token vocabulary padded to 32,768 columns, the padding loud
+    (unmasked, it would dominate), and the one-rank shard of them."""
     assert vocab_kernels.kernels() is not None, "Triton must run here"
     torch.manual_seed(0)
-    rows, padded, vocab = 1000, 32_768, 32_000
-    shard = VocabShard(start=0, end=padded, vocab_size=vocab, tp_group=group, tp_size=1)
-    logits = (torch.randn(rows, padded, device="cuda") * 4).to(dtype)
-    logits[:, vocab:] = 60.0  # loud padding: unmasked, it would dominate
+    shard = VocabShard(start=0, end=32_768, vocab_size=_VOCAB, tp_group=group, tp_size=1)
+    logits = (torch.randn(_ROWS, 32_768, device="cuda") * 4).to(dtype)
+    logits[:, _VOCAB:] = 60.0
+    return shard, logits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_equal_the_torch_paths(group, dtype) -> None:
+    shard, logits = _padded_logits(group, dtype)
+    rows, vocab = _ROWS, _VOCAB
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     w_lp, w_h = torch.rand(rows, device="cuda"), torch.rand(rows, device="cuda")
     kernel = _run(target_logprobs, logits, targets, shard, w_lp, w_h)
@@ -67,12 +77,8 @@ def test_the_kernels_equal_the_torch_paths(group, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_top_k_equals_the_unfused_top_k(group, dtype) -> None:
     """The kernel (k up to MAX_TOP_K) and the torch selection (forced, and past MAX_TOP_K)."""
-    assert vocab_kernels.kernels() is not None, "Triton must run here"
-    torch.manual_seed(0)
-    rows, padded, vocab = 1000, 32_768, 32_000
-    shard = VocabShard(start=0, end=padded, vocab_size=vocab, tp_group=group, tp_size=1)
-    logits = (torch.randn(rows, padded, device="cuda") * 4).to(dtype)
-    logits[:, vocab:] = 60.0  # loud padding: never a candidate
+    shard, logits = _padded_logits(group, dtype)
+    vocab = _VOCAB
     lse = torch.logsumexp(logits[:, :vocab].float(), dim=-1, keepdim=True)
     for k in (1, 20, vocab_kernels.MAX_TOP_K, 100):
         _, want = top_k_unfused(logits, k, shard)

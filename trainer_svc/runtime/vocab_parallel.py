@@ -170,11 +170,11 @@ def _stats(
     and the target's logit (with `targets`), float32; two passes over the chunks, one
     all-reduce each (on a GPU: the Triton kernel, one pass)."""
     if vocab_kernels.usable(flat):
-        if targets is not None:
-            return _kernel_stats(flat, targets, shard, entropy=entropy)
+        # No targets: -1 is in no shard, so the kernel picks nothing.
         nowhere = torch.full((flat.shape[0],), -1, dtype=torch.int64, device=flat.device)
-        lse, expected, _ = _kernel_stats(flat, nowhere, shard, entropy=entropy)
-        return lse, expected, None
+        wanted = targets if targets is not None else nowhere
+        lse, expected, picked = _kernel_stats(flat, wanted, shard, entropy=entropy)
+        return lse, expected, picked if targets is not None else None
     n = flat.shape[0]
     padded = _padded(shard, flat.device)
     peak = torch.empty(n, dtype=torch.float32, device=flat.device)
