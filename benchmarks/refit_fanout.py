@@ -51,6 +51,7 @@ from typing import Any
 from benchmarks import refit_install as ri
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
+from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
 from refit_sidecar.tree_types import TreeConfig
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     fan = p.add_argument_group("fan-out")
     fan.add_argument("--receivers", type=int, default=3)
     fan.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
-    fan.add_argument("--chunk-bytes", type=int, default=16 << 20)
+    fan.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     fan.add_argument("--rounds", type=int, default=4, help="rounds of the four modes")
     fan.add_argument(
         "--hold-parents-seconds",

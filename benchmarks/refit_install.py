@@ -82,6 +82,7 @@ from benchmarks.trainer_step import (
     trainer_server,
 )
 from benchmarks.trainer_step import write_model as _write_model
+from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, SequenceBatch
@@ -169,7 +170,7 @@ class ReceiverSettings:
     tree: bool = False
     """Also hold a receiver that reads through the sidecar's source tree (refit mode
     "tree"), beside the one reading from the trainer's ranks (mode "direct")."""
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """The tree receiver's chunk size."""
     checksums: bool = True
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""

@@ -30,7 +30,7 @@ from megatron_hf.spec import ModelSpec
 from refit_sidecar.client import Lease, SidecarClient
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pipelined_pull import ChunkConfig
+from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES, ChunkConfig
 from refit_sidecar.plan import (
     PullPlan,
     UnsupportedRequest,
@@ -100,7 +100,7 @@ class RefitOptions:
     from receivers that hold the version, and serve this receiver's copy to later ones."""
     domain: str = ""
     """Topology domain (node, rack) for the tree: sources of the same domain come first."""
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Fan-out: bytes per chunk; a child reads a parent's chunk once the parent has it."""
     chunks_in_flight: int = 4
     """Fan-out: chunks read at once."""

@@ -56,9 +56,16 @@ class PeerGate:
     base: int
 
 
+DEFAULT_CHUNK_BYTES = 256 << 20
+"""Each chunk costs about 0.2 ms of its own (its gate, post and progress update), whatever its
+size: on two H100s a 2 GB peer read on one GPU took 25 ms in 16 MiB chunks, 8 ms in 64 MiB
+and 3.6 ms in 256 MiB ones (BENCHMARKS.md, "Tree fan-out"), while a level of the tree lags its
+parent by about one chunk (1 ms at 256 GB/s)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChunkConfig:
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Bytes per chunk: a child reads a parent's chunk once the parent has all of it."""
     window: int = 4
     """Chunks in flight at once, over all sources."""

@@ -131,9 +131,10 @@ class Tree:
         """`_cut` by (holdings key, wants key)."""
         self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
         """`_holdings` by wants key."""
-        self._parents: dict[str, tuple[int, tuple[str, ...]]] = {}
-        """Each receiver's version and primaries of its latest assignment: held for it while a
-        later version is young (`TreeConfig.hold_parents_s`)."""
+        self._parents: dict[str, tuple[int, tuple[str, ...], float]] = {}
+        """Each receiver's version, primaries and time of its latest assignment: held for it
+        while a later version is young (`TreeConfig.hold_parents_s`), as long as the receiver
+        asked within `TreeConfig.peer_ttl_s` (it may skip versions, not stop)."""
 
     # -- versions and sources -----------------------------------------------------------------
 
@@ -165,12 +166,17 @@ class Tree:
         self._versions[version] = v
 
     def retire(self, version: int) -> bool:
-        """Forgets `version` (the registry retired it), and the parents of the receivers whose
-        latest pull was of it or older (they stopped pulling); False when it was not open."""
-        for receiver, (then, _) in list(self._parents.items()):
-            if then <= version:
-                del self._parents[receiver]
+        """Forgets `version` (the registry retired it), and the parents of the receivers that
+        stopped pulling (none for `peer_ttl_s`); False when it was not open. A receiver that
+        skips versions keeps its parents: the tree keeps its shape across the gap."""
+        for receiver in [r for r in self._parents if not self._recent(r)]:
+            del self._parents[receiver]
         return self._versions.pop(version, None) is not None
+
+    def _recent(self, receiver_id: str) -> bool:
+        """`receiver_id` was assigned a version within `peer_ttl_s`."""
+        entry = self._parents.get(receiver_id)
+        return entry is not None and self._clock() - entry[2] < self.config.peer_ttl_s
 
     @property
     def versions(self) -> list[int]:
@@ -222,7 +228,7 @@ class Tree:
         for v in self._versions.values():
             orphans += self._remove(v, source_id)
         self._parents.pop(source_id, None)
-        for receiver, (_, parents) in list(self._parents.items()):
+        for receiver, (_, parents, _) in list(self._parents.items()):
             if source_id in parents:
                 del self._parents[receiver]
         return tuple(orphans)
@@ -286,7 +292,7 @@ class Tree:
             until = v.opened_at + self.config.hold_parents_s
             raise HeldForParent(f"{e} (some slots are held for receivers yet to ask)", until) from e
         primaries = tuple(dict.fromkeys(p for _, _, p in pieces))
-        self._parents[rid] = (version, primaries)
+        self._parents[rid] = (version, primaries, self._clock())
         for p in primaries:
             v.sources[p].children.add(rid)
             v.ranking.place(v.sources[p])
@@ -634,16 +640,16 @@ class Tree:
         that have not asked yet, by parent."""
         if self._clock() - v.opened_at >= self.config.hold_parents_s:
             return (), {}
-        before, mine = self._parents.get(receiver_id, (-1, ()))
-        if before >= v.version:
-            mine = ()  # assigned for this version already (a fallback): nothing to wait for
+        before, mine, _ = self._parents.get(receiver_id, (-1, (), 0.0))
+        if before >= v.version or not self._recent(receiver_id):
+            mine = ()  # assigned for this version already (a fallback), or it had stopped
         late = [
             p
             for p in mine
             if p not in v.sources
             and p not in excluded
             and p not in v.gone
-            and any(p in w.sources for w in self._versions.values())
+            and (self._recent(p) or any(p in w.sources for w in self._versions.values()))
         ]
         if late:
             raise HeldForParent(
@@ -652,12 +658,13 @@ class Tree:
                 v.opened_at + self.config.hold_parents_s,
             )
         reserved: dict[str, int] = {}
-        for other, (then, parents) in self._parents.items():
+        for other, (then, parents, _) in self._parents.items():
             if (
                 other != receiver_id
                 and then < v.version
                 and other not in v.pulls
                 and other not in v.gone
+                and self._recent(other)
             ):
                 for p in parents:
                     reserved[p] = reserved.get(p, 0) + 1

@@ -531,12 +531,35 @@ def test_a_receiver_does_not_wait_for_a_previous_parent_that_failed_or_died():
     assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("t0.0",)
 
 
-def test_a_receiver_that_stopped_pulling_holds_nothing_once_its_version_retires():
+def test_receivers_that_skip_versions_keep_the_shape_of_the_tree():
+    clock = Clock()
+    tree, first = _chain_tree(clock)
+    # Versions 2 and 3 come and go while the chain pulls none of them (it refits less often
+    # than the trainer publishes, or another mode of a benchmark runs).
+    for version in (2, 3):
+        tree.open_version(version, trainer(version))
+    assert tree.retire(1) and tree.retire(2)
+    clock.now += 1.0
+    tree.open_version(4, trainer(4))
+    with pytest.raises(NoSourceFree, match="'p3' waits for its previous parent 'p2'"):
+        tree.assign(4, Receiver("p3"), WHOLE)
+    assert _chain(tree, 4, ("p3", "p2", "p1")) == first
+
+
+def test_a_receiver_that_stopped_pulling_holds_nothing():
     clock = Clock()
     tree, _ = _chain_tree(clock)
+    # p1, p2 and p3 asked for nothing for longer than a peer registration lives.
+    clock.now += TreeConfig().peer_ttl_s
     tree.open_version(2, trainer(2))
-    assert tree.retire(1)  # p1, p2 and p3 last pulled version 1
+    assert tree.retire(1)
     # Nothing is held for them: the first to ask takes the trainer's slot.
+    assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("t0.0",)
+    # Nor for a receiver whose version is still open, once it stopped that long.
+    clock = Clock()
+    tree, _ = _chain_tree(clock)
+    clock.now += TreeConfig().peer_ttl_s
+    tree.open_version(2, trainer(2))
     assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("t0.0",)
 
 

@@ -356,15 +356,17 @@ class StepEngine:
         return chosen
 
     def _gradients_finite(self) -> bool:
-        """Whether this rank's gradient buffers hold only finite values: a float64 sum of each
-        is finite exactly when every element is (it cannot overflow, and inf or NaN
-        propagate), and it needs no buffer-sized temporary and one host sync in all."""
+        """Whether this rank's gradient buffers hold only finite values: each buffer's minimum
+        and maximum are finite exactly when every element is (NaN propagates through both,
+        and nothing can overflow), with no buffer-sized temporary and one host sync in all.
+        A float64 sum of each buffer, used before, cast the whole buffer to float64 first on
+        CUDA: 22.5 GiB more at FinishTrainStep for a 3B model, out of memory on an 80 GB GPU."""
         ddp = self.built.ddp
         buffers = ddp.buffers + ddp.expert_parallel_buffers
         if not buffers:
             return True
-        sums = torch.stack([buffer.grad_data.sum(dtype=torch.float64) for buffer in buffers])
-        return bool(torch.isfinite(sums).all())
+        ends = torch.stack([end for b in buffers for end in torch.aminmax(b.grad_data)])
+        return bool(torch.isfinite(ends).all())
 
     def _global_sums(self, step: _OpenStep) -> tuple[dict[str, float], int]:
         """The step's loss sums over every rank, and how many ranks hold a non-finite
