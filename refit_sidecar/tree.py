@@ -668,6 +668,13 @@ class Tree:
             ):
                 for p in parents:
                     reserved[p] = reserved.get(p, 0) + 1
+        # Holds can claim more of a parent than it has: a receiver that finished early frees
+        # its slot, another takes it, and both remember that parent. This receiver is one of
+        # the claimants: it asked first, so one slot is its own.
+        for p in mine:
+            source = v.sources.get(p)
+            if source is not None and p in reserved:
+                reserved[p] = min(reserved[p], self._caps[source.kind] - 1)
         return mine, reserved
 
     def _fallbacks(

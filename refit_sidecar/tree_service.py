@@ -180,6 +180,7 @@ class TreeService:
         if offer is not None:
             await self._drain(version, rid)
             opened = self._opened(version)  # the registry may have moved on while we waited
+        waited: HeldForParent | None = None
         while True:
             try:
                 assignment = self._tree.assign(
@@ -194,10 +195,15 @@ class TreeService:
                 # The tree holds its previous shape for a moment: answer as soon as another
                 # receiver asks or releases, or the hold ends, rather than have this one
                 # retry.
+                waited = held
                 changed = self._changed
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), max(held.until - self._clock(), 0.0))
                 opened = self._opened(version)  # the registry may have moved on meanwhile
+        if waited is not None and self._clock() >= waited.until:
+            # Not the steady state (a parent that skipped this version, or a tree that changed
+            # shape): say why a receiver waited the whole hold.
+            log.info("version %d: %r waited out the tree's hold: %s", version, rid, waited)
         self._notify()
         if offer is not None:
             self._offers[(version, rid)] = _Offer(checked)

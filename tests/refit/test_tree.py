@@ -520,6 +520,27 @@ def test_a_newcomer_takes_no_held_slot_and_holding_ends_with_its_time():
     assert tree.assign(2, Receiver("p2"), WHOLE).parents == ("new",)
 
 
+def test_two_receivers_remembering_one_parent_slot_wait_for_neither():
+    clock = Clock()
+    tree = make(clock, max_root_children=1, max_children=1)
+    # p1 reads the trainer's one slot and p2 reads p1; p1 finishes first, and p3 takes the
+    # trainer's freed slot. p1 and p3 now both remember the trainer as their parent.
+    assert tree.assign(1, Receiver("p1"), WHOLE).parents == ("t0.0",)
+    assert tree.assign(1, Receiver("p2"), WHOLE).parents == ("p1",)
+    tree.release(1, "p1", PullOutcome.COMPLETE)
+    assert tree.assign(1, Receiver("p3"), WHOLE).parents == ("t0.0",)
+    for name in ("p2", "p3"):
+        tree.release(1, name, PullOutcome.COMPLETE)
+    tree.open_version(2, trainer(2))
+    # p1 asks first: the slot is its own, not held for p3 (which would keep p1 waiting
+    # until the hold ends). p1's one slot stays p2's: p3 waits for p2, then reads it.
+    assert tree.assign(2, Receiver("p1"), WHOLE).parents == ("t0.0",)
+    with pytest.raises(NoSourceFree, match="held for receivers yet to ask"):
+        tree.assign(2, Receiver("p3"), WHOLE)
+    assert tree.assign(2, Receiver("p2"), WHOLE).parents == ("p1",)
+    assert tree.assign(2, Receiver("p3"), WHOLE).parents == ("p2",)
+
+
 def test_a_receiver_does_not_wait_for_a_previous_parent_that_failed_or_died():
     clock = Clock()
     tree, _ = _chain_tree(clock)

@@ -361,6 +361,21 @@ def test_a_receiver_asking_before_its_previous_parent_is_answered_when_the_paren
     assert _primaries(parent) == {"rank-0"} and _primaries(answer) == {"p1"}
 
 
+def test_a_receiver_whose_previous_parent_skips_a_version_reads_elsewhere_after_the_hold(fleet):
+    f = fleet("--max-root-children", "1", "--max-children", "1", "--hold-parents-seconds", "0.3")
+    for rid in ("p1", "p2"):
+        f.client.get_sources(1, rid, HALF, offer=offer(rid, HALF))
+    for rid in ("p1", "p2"):
+        f.client.release_sources(1, rid, complete=True)
+    f.publish(2)
+    asked = time.monotonic()
+    answer = f.client.get_sources(2, "p2", HALF, offer=offer("p2", HALF))  # p1 never asks
+    assert 0.2 < time.monotonic() - asked < 5
+    assert _primaries(answer) == {"rank-0"}
+    assert "'p2' waited out the tree's hold" in f.log()
+    assert "waits for its previous parent 'p1'" in f.log()
+
+
 def _raw_offer(receiver: str, wants: list[Want]) -> pb.PeerOffer:
     o = offer(receiver, wants)
     return pb.PeerOffer(
