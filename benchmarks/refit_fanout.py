@@ -16,7 +16,8 @@ update is applied, as in refit_install: ``wait_for_update``), tells the receiver
 of one mode to refit the new version at once (the same pipe message as refit_install):
 
 * ``one``: receiver 0 alone, direct (the baseline);
-* ``one-tree``: receiver 0 alone, through the tree (the tree's own overhead);
+* ``one-tree``: the tree's root alone (receiver 0 until a ``tree`` round says otherwise),
+  through the tree (the tree's own overhead);
 * ``star``: every receiver, direct: the trainer's links carry the model N times;
 * ``tree``: every receiver through the tree.
 
@@ -61,9 +62,21 @@ log = logging.getLogger("benchmarks.refit_fanout")
 MODES = ("one", "one-tree", "star", "tree")
 
 
-def _receivers_of(mode: str, n: int) -> tuple[range, str]:
-    count = 1 if mode.startswith("one") else n
-    return range(count), "tree" if mode.endswith("tree") else "direct"
+def _receivers_of(mode: str, n: int, root: int) -> tuple[list[int], str]:
+    """Who refits in `mode`, and how. `one-tree` is the tree's root alone (the receiver that
+    read from the trainer in the last `tree` round): any other receiver would wait out the
+    sidecar's hold for its parent of that round, which skips this version."""
+    if mode == "one":
+        return [0], "direct"
+    if mode == "one-tree":
+        return [root], "tree"
+    return list(range(n)), "tree" if mode == "tree" else "direct"
+
+
+def _reads_the_trainer(refit: dict[str, Any]) -> bool:
+    """Every byte came from the trainer's ranks (`trainer_svc.runtime.publication` names
+    their agents `trainer-rank<r>-<hex>`)."""
+    return all(s.startswith("trainer-rank") for s in refit["stats"]["bytes_by_source"])
 
 
 def run_rounds(
@@ -75,17 +88,21 @@ def run_rounds(
 ) -> list[dict[str, Any]]:
     records = []
     warm: set[tuple[str, int]] = set()
-    index = 0
+    index = root = 0
     for r in range(rounds):
         for m in range(len(MODES)):
             mode = MODES[(m + r) % len(MODES)]
-            which, kind = _receivers_of(mode, len(receivers))
+            which, kind = _receivers_of(mode, len(receivers), root)
             step = ri.train_step(client, f"step-{index}", batches)
             for i in which:
                 receivers[i].send(
                     "refit", version=step["version"], finished_at=step["finished_at"], mode=kind
                 )
             refits = [receivers[i].reply(config.refit_timeout + 30) for i in which]
+            if mode == "tree":
+                root = next(
+                    (i for i, x in zip(which, refits, strict=True) if _reads_the_trainer(x)), root
+                )
             peer = receivers[0].request("peer_copy", config.timeout)
             slot = step["version"] % config.slots
             warmup = (mode, slot) not in warm

@@ -200,6 +200,9 @@ class RefitStats:
     prepared: int = 0
     """Fan-out: chunk requests prepared anew for this pull (a source or chunk not read from
     before), not reused from the transport's cache."""
+    asked_ahead: bool = False
+    """Fan-out: the sources were asked for beside the lease (every fetch after the first), so
+    `ask_s` is only the wait for that answer once leased."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -279,6 +282,7 @@ class _Pulled:
     reading_s: float = 0.0
     gated_s: float = 0.0
     prepared: int = 0
+    asked_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -415,9 +419,15 @@ class Receiver:
         self._fetched = None
         self._staged = None
         begin = time.perf_counter()
+        wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
+        if self._tree is not None:
+            # The tree's answer comes back beside the lease, not after it.
+            self._tree.ask_ahead(version, wait_s=max(wait, 0.0))
         try:
-            lease = self._lease(version, visible_timeout_s)
+            lease = self._lease(version, wait)
         except Exception as e:
+            if self._tree is not None:
+                self._tree.abandon()
             raise RefitError(f"cannot lease version {version}: {e}") from e
         leased = time.perf_counter()
         self._keeper.keep(lease)
@@ -433,6 +443,8 @@ class Receiver:
             region = self.staging.ensure(plan.pull.nbytes)
             pulled = self._pull(plan.pull, region, on_progress)
         except BaseException as e:
+            if self._tree is not None:
+                self._tree.abandon()  # when the pull did not take the answer asked ahead
             self._keeper.take_back()
             self._releases.submit(self._release, lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
@@ -482,6 +494,7 @@ class Receiver:
                 tree.reading_s,
                 tree.gated_s,
                 tree.prepared,
+                tree.asked_ahead,
             )
         started = time.time()
         stats = self.transport.pull(plan, region, verify=self._verifies)
@@ -529,12 +542,11 @@ class Receiver:
                 self._by_manifest_key.popitem(last=False)
         return fresh, replanned, False
 
-    def _lease(self, version: int, visible_timeout_s: float | None) -> Lease:
+    def _lease(self, version: int, wait: float) -> Lease:
         """A lease on `version`, with its checksums when they will be checked; one not readable
-        yet is waited for on the sidecar (`visible_timeout_s`, default the options'), so the
-        lease comes back as soon as the trainer's ranks have reported it."""
+        yet is waited for on the sidecar (`wait` seconds), so the lease comes back as soon as
+        the trainer's ranks have reported it."""
         options = self.options
-        wait = options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
         return self.client.acquire_lease(
             version,
             options.receiver_id,
@@ -587,6 +599,7 @@ class Receiver:
             reading_s=pulled.reading_s,
             gated_s=pulled.gated_s,
             prepared=pulled.prepared,
+            asked_ahead=pulled.asked_ahead,
         )
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:

@@ -316,14 +316,16 @@ class SidecarClient:
         domain: str = "",
         offer: Offer | None = None,
         lost: Sequence[str] = (),
+        wait_s: float = 0.0,
     ) -> Sources:
         """Where to read `wants` of `version` from. With `offer`, this receiver serves its
         copy to later receivers from now on (and its copy of an older version stops being
         handed out once its readers are done, bounded by the sidecar's drain timeout). `lost`:
         sources this receiver could not read from. Replaces this receiver's previous
-        assignment of the version."""
+        assignment of the version. `wait_s`: a version newer than every readable one is
+        waited for that long on the sidecar (UnknownVersion if it is not readable by then)."""
         return self.ask_sources(
-            version, receiver_id, wants, domain=domain, offer=offer, lost=lost
+            version, receiver_id, wants, domain=domain, offer=offer, lost=lost, wait_s=wait_s
         ).sources()
 
     def ask_sources(
@@ -335,17 +337,20 @@ class SidecarClient:
         domain: str = "",
         offer: Offer | None = None,
         lost: Sequence[str] = (),
+        wait_s: float = 0.0,
     ) -> Answer:
         """`get_sources`, the reply left unparsed until needed (`Answer.sources`)."""
         request = get_sources_request(
-            version, receiver_id, wants, domain=domain, offer=offer, lost=lost
+            version, receiver_id, wants, domain=domain, offer=offer, lost=lost, wait_s=wait_s
         )
         return self.ask(request)
 
     def ask(self, request: pb.GetSourcesRequest) -> Answer:
         """GetSources with a request built already (`sources.get_sources_request`): a
-        receiver asking for every version with the same wants and offer builds it once."""
-        return Answer.of(self._call(self._stub.GetSources, request, tree=True))
+        receiver asking for every version with the same wants and offer builds it once. Its
+        `wait_seconds` extends the call's deadline by as much."""
+        extra = max(request.wait_seconds, 0.0)
+        return Answer.of(self._call(self._stub.GetSources, request, tree=True, extra_s=extra))
 
     def release_sources(self, version: int, receiver_id: str, *, complete: bool) -> None:
         """This receiver's pull of `version` ended: complete (its offered copy becomes

@@ -209,15 +209,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> Any:
-        wait = request.wait_seconds
-        if not 0 <= wait <= self.registry.config.max_lease_seconds:  # NaN fails too
-            raise InvalidRequest(
-                f"wait_seconds must lie in [0, {self.registry.config.max_lease_seconds}], "
-                f"got {wait}",
-                field="wait_seconds",
-            )
-        if wait > 0:
-            await self._until_readable(request.version, wait)
+        await self._wait_requested(request.version, request.wait_seconds)
         lease = self.registry.acquire_lease(
             request.version, request.receiver_id, request.ttl_seconds
         )
@@ -225,6 +217,17 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         if request.with_checksums:
             reply.checksums.extend(self._checksums(request.version))
         return reply
+
+    async def _wait_requested(self, version: int, wait: float) -> None:
+        """A request's `wait_seconds`, checked, then waited for `version` to be readable."""
+        if not 0 <= wait <= self.registry.config.max_lease_seconds:  # NaN fails too
+            raise InvalidRequest(
+                f"wait_seconds must lie in [0, {self.registry.config.max_lease_seconds}], "
+                f"got {wait}",
+                field="wait_seconds",
+            )
+        if wait > 0:
+            await self._until_readable(version, wait)
 
     async def _until_readable(self, version: int, timeout: float) -> None:
         """Returns once `version` is readable, or can no longer become so (a newer one is), or
@@ -276,6 +279,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def GetSources(self, request: pb.GetSourcesRequest, context: Any) -> Any:
+        if request.wait_seconds:
+            await self._wait_requested(request.version, request.wait_seconds)
+            # The leases woken by the same publication answer first: a receiver replays its
+            # plan with the lease while its sources are being assigned.
+            await asyncio.sleep(0)
         return await self.tree.get_sources(request)
 
     @_grpc_errors

@@ -107,6 +107,7 @@ def get_sources_request(
     domain: str = "",
     offer: Offer | None = None,
     lost: Sequence[str] = (),
+    wait_s: float = 0.0,
 ) -> pb.GetSourcesRequest:
     request = pb.GetSourcesRequest(
         version=version,
@@ -114,6 +115,7 @@ def get_sources_request(
         domain=domain,
         wants=[pb.WantedBox(name=w.name, box=box_to_proto(w.box)) for w in wants],
         lost=list(lost),
+        wait_seconds=wait_s,
     )
     if offer is not None:
         request.offer.CopyFrom(

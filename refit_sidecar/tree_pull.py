@@ -90,6 +90,18 @@ class TreePullStats:
     with nothing else to read."""
     prepared: int = 0
     """Of the run that completed the pull: chunk requests prepared anew, not reused."""
+    asked_ahead: bool = False
+    """The sources came from `TreePull.ask_ahead` (`ask_s` is then the wait for its answer)."""
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A GetSources sent before the pull (`TreePull.ask_ahead`), with the key of the wants and
+    offer it was built from."""
+
+    version: int
+    key: object
+    answer: Future[Answer]
 
 
 class TreePull:
@@ -119,8 +131,62 @@ class TreePull:
         self._offered: int | None = None
         """The version this receiver's copy is offered for."""
         self._releases = ThreadPoolExecutor(1, thread_name_prefix=f"release-{agent}")
-        """ReleaseSources goes out in the background, in order: off the refit's path."""
+        """ReleaseSources goes out in the background, in order: off the refit's path. So does
+        a GetSources asked ahead, in the same order."""
         self._released: Future[None] | None = None
+        self._ahead: _Ahead | None = None
+
+    def ask_ahead(self, version: int, *, wait_s: float) -> None:
+        """Ask for `version`'s sources now, in the background, as the last pull asked (a
+        receiver's wants and staging stay the same): the sidecar answers once the version is
+        readable (waiting up to `wait_s`), so the caller's lease and this answer come back
+        together rather than one after the other, and the receivers of a tree are assigned
+        one after another on the sidecar, without a round trip between them. The next `pull`
+        of `version` uses the answer when its wants and offer are those; `abandon` drops it.
+        Nothing happens before a first pull (its wants are not known yet)."""
+        self.abandon()
+        if self._request is None:
+            return
+        key, template = self._request
+        request = pb.GetSourcesRequest()
+        request.CopyFrom(template)
+        request.version = version
+        request.wait_seconds = wait_s
+        self._settle()
+        self._ahead = _Ahead(version, key, self._releases.submit(self._client.ask, request))
+
+    def abandon(self) -> None:
+        """Drop a GetSources asked ahead and not used: once answered, its assignment is
+        released as failed, and this receiver's copy of that version is marked FAILED (it was
+        offered to readers, and will never be filled)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        try:
+            ahead.answer.result()
+        except Exception as e:  # nothing was assigned
+            log.debug("version %d: the sources asked ahead were not given: %s", ahead.version, e)
+            return
+        if self.config.serve:
+            self._own.start(ahead.version)
+            self._offered = ahead.version
+        self._fail(ahead.version)
+
+    def _take_ahead(self, version: int, key: object) -> Answer | None:
+        """The answer asked ahead for this pull; None (and any other one abandoned) when there
+        is none, it was for another version or other wants, or the sidecar refused it."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        if ahead.version != version or ahead.key != key:
+            self.abandon()
+            return None
+        self._ahead = None
+        try:
+            return ahead.answer.result()
+        except Exception as e:  # asked again at once, as without asking ahead
+            log.debug("version %d: the sources asked ahead were not given: %s", version, e)
+            return None
 
     def pull(
         self,
@@ -161,12 +227,15 @@ class TreePull:
         lost: list[str] = []
         reads = chunks = fallbacks = 0
         started_copy = False
-        ask_s = 0.0
         gone: set[str] = set()
+        ahead = self._take_ahead(version, (tuple(wants), offer))
+        asked_ahead = ahead is not None
+        ask_s = time.perf_counter() - begin  # waiting for the answer asked ahead, if any
         for _ in range(_MAX_ATTEMPTS):
             asked = time.perf_counter()
-            sources = self._sources(version, wants, offer, lost, deadline)
+            sources = ahead or self._sources(version, wants, offer, lost, deadline)
             ask_s += time.perf_counter() - asked
+            ahead = None
             again = sorted(gone.intersection(sources.primaries))
             if again:
                 # The sidecar knows no other source for those bytes (a trainer rank stays a
@@ -229,6 +298,7 @@ class TreePull:
             reading_s=completing.reading_s,
             gated_s=completing.gated_s,
             prepared=completing.prepared,
+            asked_ahead=asked_ahead and fallbacks == 0,
         )
 
     def _routed(
@@ -338,6 +408,7 @@ class TreePull:
 
     def close(self) -> None:
         """Stop serving: readers of this copy see it withdrawn."""
+        self.abandon()
         if self._offered is not None:
             self._own.finish(CopyProgress.FAILED)
             self._release(self._offered, complete=False)

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_sidecar.client import SidecarClient
 from tests.support.fanout_puller import (
+    Failed,
     Fetched,
     PullerConfig,
     PullerProcess,
@@ -221,6 +222,27 @@ def test_six_receiver_processes_refit_through_a_pipelined_tree(stack: Stack) -> 
     assert any(stats[child]["gated_s"] > 0 for _, child in overlapping), listing.describe()
 
 
+def test_a_fetch_of_a_version_that_never_comes_fails_and_leaves_nothing_behind(
+    stack: Stack,
+) -> None:
+    """A receiver asks for its sources beside its lease: when the version does not come,
+    both fail, nothing stays assigned, and its next fetch asks ahead again and is exact."""
+    puller = stack.pullers[1]
+    version, exported = stack.new_version()
+    puller.fetch(version)
+    _assert_exact(_ranks(puller.result(), "first"), exported)
+    puller.fetch(version + 1, visible_timeout_s=0.5)
+    failed = puller.result()
+    assert isinstance(failed, Failed) and "cannot lease" in failed.error, failed
+    later, exported = stack.new_version()
+    assert later == version + 1
+    assert not set(puller.agents) & {n.node_id for n in stack.client.list_tree(later).nodes}
+    puller.fetch(later)
+    ranks = _ranks(puller.result(), "after the failed fetch")
+    _assert_exact(ranks, exported)
+    assert all(r.stats["asked_ahead"] for r in ranks), [r.stats for r in ranks]
+
+
 @dataclass(frozen=True)
 class Round:
     fraction: float
@@ -284,6 +306,9 @@ def test_a_parent_killed_mid_pull_is_replaced_and_every_refit_stays_exact(
         filled = _ranks(filler.result(), f"round {number}: filler")
         _assert_exact(ranks, exported)
         _assert_exact(filled, exported)
+        if number:
+            # A receiver that pulled before asks for its sources beside its lease.
+            assert all(r.stats["asked_ahead"] for r in filled), [r.stats for r in filled]
 
         # The victim died by SIGKILL, mid-pull, at the fraction it was given.
         assert exited.code == -9, f"round {number}: the victim exited with {exited.code}"

@@ -376,6 +376,23 @@ def test_a_receiver_whose_previous_parent_skips_a_version_reads_elsewhere_after_
     assert "waits for its previous parent 'p1'" in f.log()
 
 
+def test_sources_asked_for_a_version_not_yet_readable_come_once_it_is(fleet):
+    f = fleet()
+    with pytest.raises(UnknownVersion):
+        f.client.get_sources(2, "p1", HALF, offer=offer("p1", HALF))
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(f.client.get_sources, 2, "p1", HALF, offer=offer("p1", HALF), wait_s=30)
+        time.sleep(0.3)
+        assert not asked.done(), "answered before version 2 was readable"
+        f.publish(2)
+        sources = asked.result(timeout=10)
+    assert sources.version == 2 and _primaries(sources) == {"rank-0"}
+    # A version that never comes: UnknownVersion once the wait is over, and nothing assigned.
+    with pytest.raises(UnknownVersion):
+        f.client.get_sources(3, "p2", HALF, wait_s=0.2)
+    assert "p2" not in f.nodes(2)
+
+
 def _raw_offer(receiver: str, wants: list[Want]) -> pb.PeerOffer:
     o = offer(receiver, wants)
     return pb.PeerOffer(
@@ -385,7 +402,9 @@ def _raw_offer(receiver: str, wants: list[Want]) -> pb.PeerOffer:
     )
 
 
-def _code(call, request) -> grpc.StatusCode:
+def _code(call, request, **changes) -> grpc.StatusCode:
+    for name, value in changes.items():
+        setattr(request, name, value)
     with pytest.raises(grpc.RpcError) as info:
         call(request, timeout=30)
     assert info.value.details()
@@ -455,6 +474,8 @@ def test_errors_map_to_status_codes_and_client_exceptions(fleet):
     no_meta.offer.agent.metadata = b""
     assert _code(stub.GetSources, no_meta) == invalid
     assert _code(stub.GetSources, pb.GetSourcesRequest(version=1, receiver_id="r")) == invalid
+    for wait in (-1.0, float("nan"), 1e9):
+        assert _code(stub.GetSources, request(), wait_seconds=wait) == invalid
     not_found = grpc.StatusCode.NOT_FOUND
     assert _code(stub.ListTree, pb.ListTreeRequest(version=7)) == not_found
     exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -73,6 +73,8 @@ class Fetch:
     and is offered, but advances no further until the test says so)."""
     kill_at: float | None = None
     """Victims only: SIGKILL the process once filled / total reaches this fraction."""
+    visible_timeout_s: float | None = None
+    """How long a version not readable yet is waited for (default: the receiver's option)."""
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,9 @@ def _fetch_one(receiver: Any, command: Fetch, send: Callable[[object], None]) ->
         if command.throttle_s:
             time.sleep(command.throttle_s)
 
-    receiver.fetch(command.version, on_progress=on_progress)
+    receiver.fetch(
+        command.version, on_progress=on_progress, visible_timeout_s=command.visible_timeout_s
+    )
     stats = receiver.install(lambda tensors: [None for _ in tensors])
     slices: Slices = {
         name: (box.ranges, tensor.numpy()) for name, (box, tensor) in receiver.slices().items()
@@ -387,9 +391,11 @@ class PullerProcess:
     def wait_ready(self, timeout: float = 120.0) -> None:
         self.agents = self.channel.expect(Ready, timeout).agents
 
-    def fetch(self, version: int, *, throttle_s: float = 0.0) -> None:
+    def fetch(
+        self, version: int, *, throttle_s: float = 0.0, visible_timeout_s: float | None = None
+    ) -> None:
         """Start fetching `version` (returns at once; `result` waits)."""
-        self._conn.send(Fetch(version, throttle_s=throttle_s))
+        self._conn.send(Fetch(version, throttle_s=throttle_s, visible_timeout_s=visible_timeout_s))
 
     def wait_started(self, agent: str | None = None, timeout: float = 30.0) -> Started:
         """The first progress of the fetch under way (of rank `agent`, or of any rank)."""

@@ -261,20 +261,22 @@ class PeerOffer(_message.Message):
     def __init__(self, agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., locations: _Optional[_Iterable[_Union[ShardLocation, _Mapping]]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
 
 class GetSourcesRequest(_message.Message):
-    __slots__ = ("version", "receiver_id", "domain", "wants", "offer", "lost")
+    __slots__ = ("version", "receiver_id", "domain", "wants", "offer", "lost", "wait_seconds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     WANTS_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     receiver_id: str
     domain: str
     wants: _containers.RepeatedCompositeFieldContainer[WantedBox]
     offer: PeerOffer
     lost: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., domain: _Optional[str] = ..., wants: _Optional[_Iterable[_Union[WantedBox, _Mapping]]] = ..., offer: _Optional[_Union[PeerOffer, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., domain: _Optional[str] = ..., wants: _Optional[_Iterable[_Union[WantedBox, _Mapping]]] = ..., offer: _Optional[_Union[PeerOffer, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class SourceRoute(_message.Message):
     __slots__ = ("name", "box", "primary", "fallbacks")
