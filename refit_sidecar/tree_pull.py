@@ -156,21 +156,28 @@ class TreePull:
         self._ahead = _Ahead(version, key, self._releases.submit(self._client.ask, request))
 
     def abandon(self) -> None:
-        """Drop a GetSources asked ahead and not used: once answered, its assignment is
-        released as failed, and this receiver's copy of that version is marked FAILED (it was
-        offered to readers, and will never be filled)."""
+        """Drop a GetSources asked ahead and not used, without waiting for it: its assignment
+        is released as failed once answered. When the answer is in already, this receiver's
+        copy of that version (offered to readers, never to be filled) is marked FAILED too, so
+        readers drop it at once; one answered later is only released (readers waiting on the
+        copy give it up after their stall timeout)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        try:
-            ahead.answer.result()
-        except Exception as e:  # nothing was assigned
-            log.debug("version %d: the sources asked ahead were not given: %s", ahead.version, e)
+        if not ahead.answer.done():
+            self._released = self._releases.submit(self._release_answered, ahead)
             return
+        if ahead.answer.exception() is not None:
+            return  # nothing was assigned
         if self.config.serve:
             self._own.start(ahead.version)
             self._offered = ahead.version
         self._fail(ahead.version)
+
+    def _release_answered(self, ahead: _Ahead) -> None:
+        """On the release thread, after the ask (which ran before it there)."""
+        if ahead.answer.exception() is None:
+            self._send_release(ahead.version, False)
 
     def _take_ahead(self, version: int, key: object) -> Answer | None:
         """The answer asked ahead for this pull; None (and any other one abandoned) when there
