@@ -362,10 +362,11 @@ class StepEngine:
         A float64 sum of each buffer, used before, cast the whole buffer to float64 first on
         CUDA: 22.5 GiB more at FinishTrainStep for a 3B model, out of memory on an 80 GB GPU."""
         ddp = self.built.ddp
-        buffers = ddp.buffers + ddp.expert_parallel_buffers
-        if not buffers:
+        grads = [b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers]
+        grads = [g for g in grads if g.numel()]  # aminmax refuses an empty tensor
+        if not grads:
             return True
-        ends = torch.stack([end for b in buffers for end in torch.aminmax(b.grad_data)])
+        ends = torch.stack([end for g in grads for end in torch.aminmax(g)])
         return bool(torch.isfinite(ends).all())
 
     def _global_sums(self, step: _OpenStep) -> tuple[dict[str, float], int]:
