@@ -27,7 +27,7 @@ from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import Lease, SidecarClient
+from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES, ChunkConfig
@@ -201,8 +201,8 @@ class RefitStats:
     """Fan-out: chunk requests prepared anew for this pull (a source or chunk not read from
     before), not reused from the transport's cache."""
     asked_ahead: bool = False
-    """Fan-out: the sources were asked for beside the lease (every fetch after the first), so
-    `ask_s` is only the wait for that answer once leased."""
+    """Fan-out: the lease and the sources came in one call (every fetch after the first), so
+    `plan_s` holds the wait for both and `ask_s` is about nothing."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -440,11 +440,22 @@ class Receiver:
         self._staged = None
         begin = time.perf_counter()
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
-        if self._tree is not None:
-            # The tree's answer comes back beside the lease, not after it.
-            self._tree.ask_ahead(version, wait_s=max(wait, 0.0))
+        lease: Lease | None = None
         try:
-            lease = self._lease(version, wait)
+            if self._tree is not None:
+                # One call for the lease and the tree's answer (after a first pull, whose
+                # wants and offer it repeats): they come back together.
+                self._tree.ask_ahead(
+                    version,
+                    wait_s=max(wait, 0.0),
+                    lease_ttl_s=self.options.lease_ttl_s,
+                    checksums=self._verifies,
+                )
+                lease, refused = self._tree.ahead_lease()
+                if isinstance(refused, UnknownVersion):
+                    wait = 0.0  # waited for already: lease it now if it came meanwhile
+            if lease is None:
+                lease = self._lease(version, wait)
         except Exception as e:
             if self._tree is not None:
                 self._tree.abandon()

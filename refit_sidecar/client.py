@@ -124,7 +124,9 @@ class Lease:
     sidecar's `expires_in_seconds` (the sidecar started the lease after the call did)."""
 
 
-def _lease(reply: pb.Lease, sent: float | None = None) -> Lease:
+def lease_from_proto(reply: pb.Lease, sent: float | None = None) -> Lease:
+    """`sent`: when the request went out (time.monotonic()); the lease ends for the holder
+    `expires_in_seconds` after it, whatever the transit took."""
     return Lease(
         reply.lease_id,
         reply.version,
@@ -289,7 +291,7 @@ class SidecarClient:
             with_checksums=checksums,
         )
         sent = time.monotonic()
-        return _lease(self._call(self._stub.AcquireLease, request, extra_s=wait_s), sent)
+        return lease_from_proto(self._call(self._stub.AcquireLease, request, extra_s=wait_s), sent)
 
     def renew_lease(self, lease: Lease, ttl: float) -> Lease:
         """Extend `lease` (as its holder, `lease.receiver_id`); UnknownLease when it ended or
@@ -297,7 +299,7 @@ class SidecarClient:
         request = pb.RenewLeaseRequest(
             lease_id=lease.lease_id, ttl_seconds=ttl, receiver_id=lease.receiver_id
         )
-        return _lease(self._call(self._stub.RenewLease, request, UnknownLease))
+        return lease_from_proto(self._call(self._stub.RenewLease, request, UnknownLease))
 
     def release_lease(self, lease: Lease) -> None:
         """End `lease` (as its holder); UnknownLease when it ended or another receiver holds

@@ -279,12 +279,33 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def GetSources(self, request: pb.GetSourcesRequest, context: Any) -> Any:
+        ttl = request.lease_ttl_seconds
+        if not 0 <= ttl <= self.registry.config.max_lease_seconds:  # NaN fails too
+            raise InvalidRequest(
+                f"lease_ttl_seconds must lie in [0, {self.registry.config.max_lease_seconds}], "
+                f"got {ttl}",
+                field="lease_ttl_seconds",
+            )
         if request.wait_seconds:
             await self._wait_requested(request.version, request.wait_seconds)
             # The leases woken by the same publication answer first: a receiver replays its
             # plan with the lease while its sources are being assigned.
             await asyncio.sleep(0)
-        return await self.tree.get_sources(request)
+        if not ttl:
+            return await self.tree.get_sources(request)
+        # The lease first (the version must be readable, its slot held), then the sources; a
+        # lease whose sources cannot be given ends again, so a refused call holds nothing.
+        lease = self.registry.acquire_lease(request.version, request.receiver_id, ttl)
+        try:
+            reply = await self.tree.get_sources(request)
+        except BaseException:
+            self.registry.release_lease(lease.lease_id, receiver_id=lease.receiver_id)
+            await self._notify()
+            raise
+        reply.lease.CopyFrom(self._lease(lease, self._manifest(request.version)[1]))
+        if request.lease_with_checksums:
+            reply.lease.checksums.extend(self._checksums(request.version))
+        return reply
 
     @_grpc_errors
     async def ReleaseSources(self, request: pb.ReleaseSourcesRequest, context: Any) -> Any:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refit_sidecar.checksum import ChecksumMismatch
-from refit_sidecar.client import SidecarClient, UnknownVersion
+from refit_sidecar.client import Lease, SidecarClient, UnknownVersion, lease_from_proto
 from refit_sidecar.manifest import AgentRecord, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport
 from refit_sidecar.pipelined_pull import (
@@ -94,7 +94,7 @@ class TreePullStats:
     """The sources came from `TreePull.ask_ahead` (`ask_s` is then the wait for its answer)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Ahead:
     """A GetSources sent before the pull (`TreePull.ask_ahead`), with the key of the wants and
     offer it was built from."""
@@ -102,6 +102,19 @@ class _Ahead:
     version: int
     key: object
     answer: Future[Answer]
+    sent: float
+    """time.monotonic() when it was sent: the lease it carries ends no later than this plus
+    its TTL."""
+    lease_asked: bool = False
+    lease_taken: bool = False
+    """The caller took the lease (`ahead_lease`): it holds and ends it."""
+
+    def lease(self) -> Lease | None:
+        """The lease of the answer, when it came with one (the answer must be in)."""
+        if not self.lease_asked or self.answer.exception() is not None:
+            return None
+        reply = self.answer.result().reply
+        return lease_from_proto(reply.lease, self.sent) if reply.HasField("lease") else None
 
 
 class TreePull:
@@ -136,14 +149,18 @@ class TreePull:
         self._released: Future[None] | None = None
         self._ahead: _Ahead | None = None
 
-    def ask_ahead(self, version: int, *, wait_s: float) -> None:
+    def ask_ahead(
+        self, version: int, *, wait_s: float, lease_ttl_s: float = 0.0, checksums: bool = False
+    ) -> None:
         """Ask for `version`'s sources now, in the background, as the last pull asked (a
         receiver's wants and staging stay the same): the sidecar answers once the version is
         readable (waiting up to `wait_s`), so the caller's lease and this answer come back
         together rather than one after the other, and the receivers of a tree are assigned
         one after another on the sidecar, without a round trip between them. The next `pull`
         of `version` uses the answer when its wants and offer are those; `abandon` drops it.
-        Nothing happens before a first pull (its wants are not known yet)."""
+        With `lease_ttl_s`, the answer also carries a lease on the version for that long
+        (with its checksums if `checksums`), for `ahead_lease`. Nothing happens before a first
+        pull (its wants are not known yet)."""
         self.abandon()
         if self._request is None:
             return
@@ -152,8 +169,26 @@ class TreePull:
         request.CopyFrom(template)
         request.version = version
         request.wait_seconds = wait_s
+        request.lease_ttl_seconds = lease_ttl_s
+        request.lease_with_checksums = checksums
         self._settle()
-        self._ahead = _Ahead(version, key, self._releases.submit(self._client.ask, request))
+        sent = time.monotonic()
+        answer = self._releases.submit(self._client.ask, request)
+        self._ahead = _Ahead(version, key, answer, sent, lease_asked=lease_ttl_s > 0)
+
+    def ahead_lease(self) -> tuple[Lease | None, Exception | None]:
+        """Waits for the answer asked ahead; the lease it came with (the caller then holds and
+        ends it), and the sidecar's refusal of the call if it refused it. (None, None) when
+        nothing was asked ahead, or without a lease."""
+        ahead = self._ahead
+        if ahead is None or not ahead.lease_asked:
+            return None, None
+        error = ahead.answer.exception()
+        if error is not None:
+            return None, error if isinstance(error, Exception) else None
+        lease = ahead.lease()
+        ahead.lease_taken = lease is not None
+        return lease, None
 
     def abandon(self) -> None:
         """Drop a GetSources asked ahead and not used, without waiting for it: its assignment
@@ -173,11 +208,25 @@ class TreePull:
             self._own.start(ahead.version)
             self._offered = ahead.version
         self._fail(ahead.version)
+        if not ahead.lease_taken:
+            self._released = self._releases.submit(self._end_lease, ahead)
 
     def _release_answered(self, ahead: _Ahead) -> None:
         """On the release thread, after the ask (which ran before it there)."""
         if ahead.answer.exception() is None:
             self._send_release(ahead.version, False)
+            self._end_lease(ahead)
+
+    def _end_lease(self, ahead: _Ahead) -> None:
+        lease = ahead.lease()
+        if lease is None:
+            return
+        try:
+            self._client.release_lease(lease)
+        except Exception as e:  # it runs out at its TTL anyway
+            log.warning(
+                "releasing the lease asked ahead on version %d failed: %s", lease.version, e
+            )
 
     def _take_ahead(self, version: int, key: object) -> Answer | None:
         """The answer asked ahead for this pull; None (and any other one abandoned) when there

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from refit_sidecar.cli import parse_config
-from refit_sidecar.client import SidecarClient, TrainerLayout, UnknownVersion
+from refit_sidecar.client import SidecarClient, TrainerLayout, UnknownVersion, lease_from_proto
 from refit_sidecar.manifest import (
     AgentRecord,
     Box,
@@ -28,7 +28,7 @@ from refit_sidecar.manifest import (
     ShardRecord,
 )
 from refit_sidecar.plan import Want
-from refit_sidecar.sources import NoLiveSource, NoSourceFree, Offer, Sources
+from refit_sidecar.sources import NoLiveSource, NoSourceFree, Offer, Sources, get_sources_request
 from refit_sidecar.tree_types import CopyState, NodeInfo, NodeKind, TreeConfig
 from refit_sidecar.wire import box_to_proto, location_to_proto
 from tests.support.sidecar import Sidecar, running_sidecar
@@ -391,6 +391,40 @@ def test_sources_asked_for_a_version_not_yet_readable_come_once_it_is(fleet):
     with pytest.raises(UnknownVersion):
         f.client.get_sources(3, "p2", HALF, wait_s=0.2)
     assert "p2" not in f.nodes(2)
+
+
+def test_sources_and_a_lease_come_in_one_call_and_a_refused_call_holds_no_lease(fleet):
+    f = fleet("--when-all-slots-leased", "fail")
+    request = get_sources_request(1, "p1", HALF, offer=offer("p1", HALF))
+    request.lease_ttl_seconds, request.lease_with_checksums = 30.0, True
+    answer = f.client.ask(request)
+    assert _primaries(answer.sources()) == {"rank-0"}
+    lease = lease_from_proto(answer.reply.lease)
+    alone = f.client.acquire_lease(1, "someone", 30.0, checksums=True)
+    assert (lease.version, lease.receiver_id, lease.manifest_key) == (1, "p1", alone.manifest_key)
+    assert lease.checksums == alone.checksums and lease.checksums
+    assert 0 < lease.expires_in_seconds <= 30.0
+    # A lease like AcquireLease's: its holder renews and ends it.
+    f.client.renew_lease(lease, 30.0)
+    for held in (lease, alone):
+        f.client.release_lease(held)
+
+    # Refused (nobody holds the wanted box): no lease stays behind, so with version 2 leased
+    # (a fully leased trainer fails its step here), version 3 still retires version 1.
+    gap = pb.GetSourcesRequest(
+        version=1,
+        receiver_id="g",
+        wants=[pb.WantedBox(name="gap", box=pb.Box(start=[2], stop=[4]))],
+        lease_ttl_seconds=30.0,
+    )
+    assert _code(f.stub.GetSources, gap) == grpc.StatusCode.UNAVAILABLE
+    f.publish(2)
+    second = f.client.acquire_lease(2, "someone", 30.0)
+    f.publish(3)
+    f.client.release_lease(second)
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    for ttl in (-1.0, float("nan"), 1e9):
+        assert _code(f.stub.GetSources, request, version=3, lease_ttl_seconds=ttl) == invalid
 
 
 def _raw_offer(receiver: str, wants: list[Want]) -> pb.PeerOffer:
