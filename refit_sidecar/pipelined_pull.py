@@ -58,9 +58,9 @@ class PeerGate:
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 """Each chunk costs about 0.2 ms of its own (its gate, post and progress update), whatever its
-size: on two H100s a 2 GB peer read on one GPU took 25 ms in 16 MiB chunks, 8 ms in 64 MiB
-and 3.6 ms in 256 MiB ones (BENCHMARKS.md, "Tree fan-out"), while a level of the tree lags its
-parent by about one chunk (1 ms at 256 GB/s)."""
+size: on two H100s a 2 GB peer read on one GPU had reads in flight for 15-28 ms in 16 MiB
+chunks, 7.6-10 ms in 64 MiB and 3.4-4.4 ms in 256 MiB ones (BENCHMARKS.md, "Rerun on two
+H100s"), while a level of the tree lags its parent by about one chunk (1 ms at 256 GB/s)."""
 
 
 @dataclass(frozen=True, kw_only=True)

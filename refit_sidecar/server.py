@@ -218,15 +218,16 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             reply.checksums.extend(self._checksums(request.version))
         return reply
 
+    def _seconds(self, value: float, field: str) -> float:
+        """A request's `field`, checked to lie in [0, --max-lease-seconds]."""
+        bound = self.registry.config.max_lease_seconds
+        if not 0 <= value <= bound:  # NaN fails too
+            raise InvalidRequest(f"{field} must lie in [0, {bound}], got {value}", field=field)
+        return value
+
     async def _wait_requested(self, version: int, wait: float) -> None:
         """A request's `wait_seconds`, checked, then waited for `version` to be readable."""
-        if not 0 <= wait <= self.registry.config.max_lease_seconds:  # NaN fails too
-            raise InvalidRequest(
-                f"wait_seconds must lie in [0, {self.registry.config.max_lease_seconds}], "
-                f"got {wait}",
-                field="wait_seconds",
-            )
-        if wait > 0:
+        if self._seconds(wait, "wait_seconds") > 0:
             await self._until_readable(version, wait)
 
     async def _until_readable(self, version: int, timeout: float) -> None:
@@ -279,13 +280,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def GetSources(self, request: pb.GetSourcesRequest, context: Any) -> Any:
-        ttl = request.lease_ttl_seconds
-        if not 0 <= ttl <= self.registry.config.max_lease_seconds:  # NaN fails too
-            raise InvalidRequest(
-                f"lease_ttl_seconds must lie in [0, {self.registry.config.max_lease_seconds}], "
-                f"got {ttl}",
-                field="lease_ttl_seconds",
-            )
+        ttl = self._seconds(request.lease_ttl_seconds, "lease_ttl_seconds")
         if request.wait_seconds:
             await self._wait_requested(request.version, request.wait_seconds)
             # The leases woken by the same publication answer first: a receiver replays its

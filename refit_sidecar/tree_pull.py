@@ -91,13 +91,14 @@ class TreePullStats:
     prepared: int = 0
     """Of the run that completed the pull: chunk requests prepared anew, not reused."""
     asked_ahead: bool = False
-    """The sources came from `TreePull.ask_ahead` (`ask_s` is then the wait for its answer)."""
+    """The lease and the sources came from `TreePull.ask_ahead` (`ask_s` is then the wait
+    for that answer, about nothing once the lease is in)."""
 
 
 @dataclass
 class _Ahead:
-    """A GetSources sent before the pull (`TreePull.ask_ahead`), with the key of the wants and
-    offer it was built from."""
+    """A GetSources with a lease sent before the pull (`TreePull.ask_ahead`), with the key of
+    the wants and offer it was built from."""
 
     version: int
     key: object
@@ -105,16 +106,14 @@ class _Ahead:
     sent: float
     """time.monotonic() when it was sent: the lease it carries ends no later than this plus
     its TTL."""
-    lease_asked: bool = False
     lease_taken: bool = False
     """The caller took the lease (`ahead_lease`): it holds and ends it."""
 
     def lease(self) -> Lease | None:
-        """The lease of the answer, when it came with one (the answer must be in)."""
-        if not self.lease_asked or self.answer.exception() is not None:
+        """The answer's lease; None when the sidecar refused the call (the answer is in)."""
+        if self.answer.exception() is not None:
             return None
-        reply = self.answer.result().reply
-        return lease_from_proto(reply.lease, self.sent) if reply.HasField("lease") else None
+        return lease_from_proto(self.answer.result().reply.lease, self.sent)
 
 
 class TreePull:
@@ -150,17 +149,16 @@ class TreePull:
         self._ahead: _Ahead | None = None
 
     def ask_ahead(
-        self, version: int, *, wait_s: float, lease_ttl_s: float = 0.0, checksums: bool = False
+        self, version: int, *, wait_s: float, lease_ttl_s: float, checksums: bool
     ) -> None:
-        """Ask for `version`'s sources now, in the background, as the last pull asked (a
-        receiver's wants and staging stay the same): the sidecar answers once the version is
-        readable (waiting up to `wait_s`), so the caller's lease and this answer come back
-        together rather than one after the other, and the receivers of a tree are assigned
-        one after another on the sidecar, without a round trip between them. The next `pull`
-        of `version` uses the answer when its wants and offer are those; `abandon` drops it.
-        With `lease_ttl_s`, the answer also carries a lease on the version for that long
-        (with its checksums if `checksums`), for `ahead_lease`. Nothing happens before a first
-        pull (its wants are not known yet)."""
+        """Ask in the background, in one GetSources, for a lease on `version` (for
+        `lease_ttl_s`, with its checksums if `checksums`) and its sources as the last pull
+        asked (a receiver's wants and staging stay the same). The sidecar answers once the
+        version is readable (waiting up to `wait_s`), so a tree's receivers are assigned one
+        after another on the sidecar, without a round trip between them. `ahead_lease` waits
+        for the lease; the next `pull` of `version` takes the sources when its wants and offer
+        are those; `abandon` drops both. Nothing happens before a first pull (its wants are not
+        known yet)."""
         self.abandon()
         if self._request is None:
             return
@@ -173,22 +171,17 @@ class TreePull:
         request.lease_with_checksums = checksums
         self._settle()
         sent = time.monotonic()
-        answer = self._releases.submit(self._client.ask, request)
-        self._ahead = _Ahead(version, key, answer, sent, lease_asked=lease_ttl_s > 0)
+        self._ahead = _Ahead(version, key, self._releases.submit(self._client.ask, request), sent)
 
-    def ahead_lease(self) -> tuple[Lease | None, Exception | None]:
-        """Waits for the answer asked ahead; the lease it came with (the caller then holds and
-        ends it), and the sidecar's refusal of the call if it refused it. (None, None) when
-        nothing was asked ahead, or without a lease."""
+    def ahead_lease(self) -> tuple[Lease | None, BaseException | None]:
+        """Waits for the answer asked ahead: its lease (the caller then holds and ends it), or
+        the sidecar's refusal of the call. (None, None) when nothing was asked ahead."""
         ahead = self._ahead
-        if ahead is None or not ahead.lease_asked:
+        if ahead is None:
             return None, None
-        error = ahead.answer.exception()
-        if error is not None:
-            return None, error if isinstance(error, Exception) else None
         lease = ahead.lease()
         ahead.lease_taken = lease is not None
-        return lease, None
+        return lease, ahead.answer.exception()
 
     def abandon(self) -> None:
         """Drop a GetSources asked ahead and not used, without waiting for it: its assignment

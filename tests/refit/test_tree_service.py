@@ -341,15 +341,24 @@ def test_routing_keys_repeat_where_the_reads_do(fleet):
     )
 
 
-def test_a_receiver_asking_before_its_previous_parent_is_answered_when_the_parent_asks(fleet):
-    """The tree holds its shape: a child asking before its parent of the last version waits
-    on the sidecar (no NoSourceFree, no retry) and is answered the moment the parent asks."""
-    f = fleet("--max-root-children", "1", "--max-children", "1", "--hold-parents-seconds", "20")
+def _chain_of_two(fleet: Callable[..., Fleet], hold_s: float) -> Fleet:
+    """A sidecar holding the tree's shape for `hold_s`, where p1 read version 1 from the
+    trainer and p2 from p1; version 2 just published."""
+    f = fleet(
+        "--max-root-children", "1", "--max-children", "1", "--hold-parents-seconds", str(hold_s)
+    )
     for rid in ("p1", "p2"):
         f.client.get_sources(1, rid, HALF, offer=offer(rid, HALF))
     for rid in ("p1", "p2"):
         f.client.release_sources(1, rid, complete=True)
     f.publish(2)
+    return f
+
+
+def test_a_receiver_asking_before_its_previous_parent_is_answered_when_the_parent_asks(fleet):
+    """The tree holds its shape: a child asking before its parent of the last version waits
+    on the sidecar (no NoSourceFree, no retry) and is answered the moment the parent asks."""
+    f = _chain_of_two(fleet, hold_s=20)
     with ThreadPoolExecutor(1) as pool:
         child = pool.submit(f.client.get_sources, 2, "p2", HALF, offer=offer("p2", HALF))
         time.sleep(0.3)
@@ -362,12 +371,7 @@ def test_a_receiver_asking_before_its_previous_parent_is_answered_when_the_paren
 
 
 def test_a_receiver_whose_previous_parent_skips_a_version_reads_elsewhere_after_the_hold(fleet):
-    f = fleet("--max-root-children", "1", "--max-children", "1", "--hold-parents-seconds", "0.3")
-    for rid in ("p1", "p2"):
-        f.client.get_sources(1, rid, HALF, offer=offer(rid, HALF))
-    for rid in ("p1", "p2"):
-        f.client.release_sources(1, rid, complete=True)
-    f.publish(2)
+    f = _chain_of_two(fleet, hold_s=0.3)
     asked = time.monotonic()
     answer = f.client.get_sources(2, "p2", HALF, offer=offer("p2", HALF))  # p1 never asks
     assert 0.2 < time.monotonic() - asked < 5
