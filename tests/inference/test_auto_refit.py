@@ -170,7 +170,12 @@ class Traffic:
             thread.join(timeout=120)
 
     def _guard(self, loop: Any) -> None:
-        with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
+        # A connection per request: a server kept from its event loop past its keep-alive
+        # timeout (5 s; two cores shared by every process of the stack) closes an idle
+        # kept-alive connection on which the next request is already on its way, and that
+        # race is not what this test is about. A stall still shows in the token gaps.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(base_url=self.server.url, timeout=120.0, limits=limits) as http:
             while not self.stop.is_set():
                 try:
                     loop(http)
@@ -230,7 +235,7 @@ def test_the_server_follows_the_trainer_by_itself(stack: Stack, record_property:
         deadline = time.monotonic() + 60
         while len(traffic.probes) < seen + 3 and time.monotonic() < deadline:
             time.sleep(0.1)
-    assert not traffic.errors, traffic.errors
+    assert not traffic.errors, f"{traffic.errors}\n{server.log_tail()}"
     assert server.get("/trainer_refit/ready").status_code == 200
 
     # Every completion is attributed: its spans cover its tokens, each names a version.
