@@ -89,11 +89,16 @@ def run_rounds(
     records = []
     warm: set[tuple[str, int]] = set()
     index = root = 0
+    version: int | None = None
     for r in range(rounds):
         for m in range(len(MODES)):
             mode = MODES[(m + r) % len(MODES)]
             which, kind = _receivers_of(mode, len(receivers), root)
+            if config.expect and version is not None:
+                for i in which:
+                    receivers[i].request("expect", config.timeout, version=version + 1, mode=kind)
             step = ri.train_step(client, f"step-{index}", batches)
+            version = step["version"]
             for i in which:
                 receivers[i].send(
                     "refit", version=step["version"], finished_at=step["finished_at"], mode=kind

@@ -124,6 +124,8 @@ class RunConfig:
     steps: int
     verify: bool
     checksums: bool
+    expect: bool
+    """Receivers ask for each next version before its step (`Receiver.expect`)."""
     lr: float
     seed: int
     timeout: float
@@ -344,6 +346,11 @@ class InstallEndpoint:
             stats=stats.to_dict(),
         )
 
+    def expect(self, version: int, mode: str = "direct") -> dict[str, Any]:
+        """Ask ahead for `version` (answered when it is readable): before its step."""
+        self.receivers[mode].expect(version)
+        return {}
+
     def peer_copy(self) -> dict[str, Any]:
         return dict(seconds=self.peer.seconds(), nbytes=self.peer.nbytes)
 
@@ -530,10 +537,14 @@ def run_refits(
     client: TrainerClient, receiver: ReceiverProcess, batches: list[Any], config: RunConfig
 ) -> list[dict[str, Any]]:
     records = []
+    version: int | None = None
     for index in range(config.refits):
         peer_first = index % 2 == 1
         peer = receiver.request("peer_copy", config.timeout) if peer_first else None
+        if config.expect and version is not None:
+            receiver.request("expect", config.timeout, version=version + 1)
         step = train_step(client, f"step-{index}", batches)
+        version = step["version"]
         receiver.send("refit", version=step["version"], finished_at=step["finished_at"])
         refit = receiver.reply(config.refit_timeout + 30)
         if not peer_first:
@@ -697,6 +708,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="receivers skip verifying the trainer's checksums (WSUM-64 on the GPU)",
     )
+    run.add_argument(
+        "--no-expect",
+        action="store_true",
+        help="receivers ask for a version once told of it, not before its step "
+        "(Receiver.expect, as a follower does)",
+    )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument(
@@ -735,6 +752,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values.setdefault("work_dir", None)
     values["verify"] = not values.pop("no_verify")
     values["checksums"] = not values.pop("no_checksums")
+    values["expect"] = not values.pop("no_expect")
     config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
     if config.seq_len > config.max_positions:
         raise SystemExit(

@@ -21,6 +21,14 @@ from refit_sidecar.client import Lease, SidecarClient
 log = logging.getLogger(__name__)
 
 
+def renewed(client: SidecarClient, lease: Lease, ttl_s: float) -> Lease:
+    """`lease` renewed for `ttl_s` from now: its `expires_at` counts from this call's start
+    (the sidecar's errors are raised: UnknownLease when it ended)."""
+    sent = time.monotonic()
+    renewal = client.renew_lease(lease, ttl_s)
+    return replace(lease, expires_at=sent + renewal.expires_in_seconds)
+
+
 class LeaseKeeper:
     """Renews the lease handed to `keep` every `ttl_s / 3` seconds until `take_back`."""
 
@@ -68,18 +76,17 @@ class LeaseKeeper:
                     self._cond.wait(None if lease is None or self._lost else wait)
                     continue
                 self._cond.release()  # the RPC runs unlocked: taking the lease back never waits
-                sent = time.monotonic()
                 try:
-                    renewed, error = self._client.renew_lease(lease, self._ttl_s), None
+                    fresh, error = renewed(self._client, lease, self._ttl_s), None
                 except Exception as e:  # ended (expired, the sidecar restarted) or unreachable
-                    renewed, error = None, e
+                    fresh, error = None, e
                 finally:
                     self._cond.acquire()
                 if self._lease is not lease:
                     continue  # taken back (or replaced) meanwhile: the answer is moot
-                if renewed is None:
+                if fresh is None:
                     log.warning("renewing lease %s failed: %s", lease.lease_id, error)
                     self._lost = True
                     continue
-                self._lease = replace(lease, expires_at=sent + renewed.expires_in_seconds)
+                self._lease = fresh
                 self._due = time.monotonic() + self._ttl_s / 3

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from inference_ext.lease_keeper import LeaseKeeper
+from inference_ext.ahead import AheadLease
+from inference_ext.lease_keeper import LeaseKeeper, renewed
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
@@ -203,6 +204,9 @@ class RefitStats:
     asked_ahead: bool = False
     """Fan-out: the lease and the sources came in one call (every fetch after the first), so
     `plan_s` holds the wait for both and `ask_s` is about nothing."""
+    expected: bool = False
+    """The lease (and, through the tree, the sources) had been asked for before the fetch,
+    by `Receiver.expect`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -292,6 +296,7 @@ class _Fetched:
     plan_s: float
     replanned: bool
     by_key: bool
+    expected: bool
 
 
 _VIEWS_KEPT = 4096
@@ -404,6 +409,8 @@ class Receiver:
         """Releases of verified pulls' leases, off the refit's path."""
         self._keeper = LeaseKeeper(self.client, options.lease_ttl_s)
         """Renews the lease of the pull in progress."""
+        self._ahead = AheadLease(self.client, self._releases)
+        """Direct path: the lease asked ahead by `expect`."""
         if options.fanout:
             chunks = ChunkConfig(
                 chunk_bytes=options.chunk_bytes,
@@ -425,6 +432,32 @@ class Receiver:
     def latest_version(self) -> int | None:
         return self.client.latest_version()
 
+    def expect(self, version: int, *, wait_s: float | None = None) -> None:
+        """Ask the sidecar now for `version`'s lease (through the tree, with its sources), to
+        be answered the moment the trainer's ranks have published it, so that the next
+        `fetch(version)` reads at once instead of asking then. For a receiver that fetches
+        each version as soon as it is readable (a follower): the lease granted holds the
+        trainer's slot until that fetch takes it, or for its TTL if none does. The call waits
+        on the sidecar for up to `wait_s` (default `visible_timeout_s`); a `fetch` of another
+        version, a later `expect` or `close` drops it. Through the tree it needs a first
+        pull (until then this does nothing)."""
+        wait = self.options.visible_timeout_s if wait_s is None else wait_s
+        if not 0 <= wait < math.inf:
+            raise ValueError(f"wait_s must be a non-negative number of seconds, got {wait_s!r}")
+        options = self.options
+        if self._tree is not None:
+            self._tree.ask_ahead(
+                version, wait_s=wait, lease_ttl_s=options.lease_ttl_s, checksums=self._verifies
+            )
+        else:
+            self._ahead.ask(
+                version,
+                options.receiver_id,
+                options.lease_ttl_s,
+                wait_s=wait,
+                checksums=self._verifies,
+            )
+
     def fetch(
         self,
         version: int,
@@ -441,21 +474,28 @@ class Receiver:
         begin = time.perf_counter()
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
         lease: Lease | None = None
+        expected = False
         try:
             if self._tree is not None:
                 # One call for the lease and the tree's answer (after a first pull, whose
-                # wants and offer it repeats): they come back together.
-                self._tree.ask_ahead(
-                    version,
-                    wait_s=max(wait, 0.0),
-                    lease_ttl_s=self.options.lease_ttl_s,
-                    checksums=self._verifies,
-                )
+                # wants and offer it repeats): they come back together. `expect` may have
+                # sent it already.
+                asked = self._tree.asked(version)
+                if not asked:
+                    self._tree.ask_ahead(
+                        version,
+                        wait_s=max(wait, 0.0),
+                        lease_ttl_s=self.options.lease_ttl_s,
+                        checksums=self._verifies,
+                    )
                 lease, refused = self._tree.ahead_lease()
-                if isinstance(refused, UnknownVersion):
+                expected = asked and lease is not None
+                if isinstance(refused, UnknownVersion) and not asked:
                     wait = 0.0  # waited for already: lease it now if it came meanwhile
-            if lease is None:
-                lease = self._lease(version, wait)
+            else:
+                lease = self._ahead.take(version)
+                expected = lease is not None
+            lease = self._lease(version, wait) if lease is None else self._fresh(lease)
         except Exception as e:
             if self._tree is not None:
                 self._tree.abandon()
@@ -501,7 +541,7 @@ class Receiver:
                 f"the lease on version {version} ended before its pull did (expired, or the "
                 "sidecar restarted); the bytes may have been overwritten, so nothing installs"
             )
-        self._fetched = _Fetched(plan, pulled, plan_s, replanned, by_key)
+        self._fetched = _Fetched(plan, pulled, plan_s, replanned, by_key, expected)
 
     def _pull(
         self,
@@ -573,6 +613,14 @@ class Receiver:
                 self._by_manifest_key.popitem(last=False)
         return fresh, replanned, False
 
+    def _fresh(self, lease: Lease) -> Lease:
+        """A lease asked ahead counts its end from when it was asked: one asked long before
+        its version came is renewed now, so the pull starts with at least half a TTL."""
+        ttl = self.options.lease_ttl_s
+        if lease.expires_at - time.monotonic() >= ttl / 2:
+            return lease
+        return renewed(self.client, lease, ttl)
+
     def _lease(self, version: int, wait: float) -> Lease:
         """A lease on `version`, with its checksums when they will be checked; one not readable
         yet is waited for on the sidecar (`wait` seconds), so the lease comes back as soon as
@@ -631,6 +679,7 @@ class Receiver:
             gated_s=pulled.gated_s,
             prepared=pulled.prepared,
             asked_ahead=pulled.asked_ahead,
+            expected=fetched.expected,
         )
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:
@@ -672,6 +721,7 @@ class Receiver:
         return full
 
     def close(self) -> None:
+        self._ahead.drop()
         self._keeper.close()
         self._releases.shutdown(wait=True)
         if self._tree is not None:

@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refit_sidecar.manifest import Manifest
+from refit_sidecar.pending import Pending
 from refit_sidecar.plan import Checksums, Want
 from refit_sidecar.registry import (
     NotRegistered,
@@ -175,7 +176,7 @@ class SidecarClient:
         extra_s: float = 0.0,
     ) -> Reply:
         """`extra_s`: seconds the call may take beyond the client's deadline (a wait)."""
-        timeout = None if self.timeout is None else self.timeout + extra_s
+        timeout = self._timeout(extra_s)
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as error:
@@ -184,6 +185,9 @@ class SidecarClient:
             if mapped is None:
                 raise
             raise mapped from error
+
+    def _timeout(self, extra_s: float) -> float | None:
+        return None if self.timeout is None else self.timeout + extra_s
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until the sidecar's health service answers SERVING (TimeoutError after
@@ -293,6 +297,34 @@ class SidecarClient:
         sent = time.monotonic()
         return lease_from_proto(self._call(self._stub.AcquireLease, request, extra_s=wait_s), sent)
 
+    def lease_later(
+        self,
+        version: int,
+        receiver_id: str,
+        ttl: float,
+        *,
+        wait_s: float,
+        checksums: bool = False,
+    ) -> Pending[Lease]:
+        """`acquire_lease` left in flight (`pending.Pending`): asked before `version` is
+        readable, answered the moment it is (or after `wait_s`, UnknownVersion). Its lease's
+        `expires_at` counts from the call's start, so a call parked long leaves little of it:
+        renew before relying on it (`Receiver.fetch` does)."""
+        request = pb.AcquireLeaseRequest(
+            version=version,
+            receiver_id=receiver_id,
+            ttl_seconds=ttl,
+            wait_seconds=wait_s,
+            with_checksums=checksums,
+        )
+        sent = time.monotonic()
+        future = self._stub.AcquireLease.future(request, timeout=self._timeout(wait_s))
+        return Pending(
+            future,
+            lambda reply: lease_from_proto(reply, sent),
+            lambda error: _domain_error(error, UnknownVersion),
+        )
+
     def renew_lease(self, lease: Lease, ttl: float) -> Lease:
         """Extend `lease` (as its holder, `lease.receiver_id`); UnknownLease when it ended or
         another receiver holds it."""
@@ -353,6 +385,18 @@ class SidecarClient:
         `wait_seconds` extends the call's deadline by as much."""
         extra = max(request.wait_seconds, 0.0)
         return Answer.of(self._call(self._stub.GetSources, request, tree=True, extra_s=extra))
+
+    def ask_later(self, request: pb.GetSourcesRequest) -> Pending[Answer]:
+        """`ask` left in flight (`pending.Pending`): with `wait_seconds`, the sidecar answers
+        the moment the version is readable."""
+        future = self._stub.GetSources.future(
+            request, timeout=self._timeout(max(request.wait_seconds, 0.0))
+        )
+        return Pending(
+            future,
+            Answer.of,
+            lambda error: _tree_error(error) or _domain_error(error, UnknownVersion),
+        )
 
     def release_sources(self, version: int, receiver_id: str, *, complete: bool) -> None:
         """This receiver's pull of `version` ended: complete (its offered copy becomes

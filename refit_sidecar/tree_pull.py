@@ -26,6 +26,7 @@ from refit_sidecar.checksum import ChecksumMismatch
 from refit_sidecar.client import Lease, SidecarClient, UnknownVersion, lease_from_proto
 from refit_sidecar.manifest import AgentRecord, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport
+from refit_sidecar.pending import Pending
 from refit_sidecar.pipelined_pull import (
     ChunkConfig,
     ControlSlots,
@@ -102,7 +103,7 @@ class _Ahead:
 
     version: int
     key: object
-    answer: Future[Answer]
+    answer: Pending[Answer]
     sent: float
     """time.monotonic() when it was sent: the lease it carries ends no later than this plus
     its TTL."""
@@ -110,7 +111,8 @@ class _Ahead:
     """The caller took the lease (`ahead_lease`): it holds and ends it."""
 
     def lease(self) -> Lease | None:
-        """The answer's lease; None when the sidecar refused the call (the answer is in)."""
+        """The answer's lease (waiting for it); None when the sidecar refused the call or it
+        was cancelled. Its `expires_at` counts from when the call was sent."""
         if self.answer.exception() is not None:
             return None
         return lease_from_proto(self.answer.result().reply.lease, self.sent)
@@ -143,22 +145,23 @@ class TreePull:
         self._offered: int | None = None
         """The version this receiver's copy is offered for."""
         self._releases = ThreadPoolExecutor(1, thread_name_prefix=f"release-{agent}")
-        """ReleaseSources goes out in the background, in order: off the refit's path. So does
-        a GetSources asked ahead, in the same order."""
+        """ReleaseSources goes out in the background, in order: off the refit's path. A
+        GetSources asked ahead waits for the release before it (`_settle`)."""
         self._released: Future[None] | None = None
         self._ahead: _Ahead | None = None
 
     def ask_ahead(
         self, version: int, *, wait_s: float, lease_ttl_s: float, checksums: bool
     ) -> None:
-        """Ask in the background, in one GetSources, for a lease on `version` (for
-        `lease_ttl_s`, with its checksums if `checksums`) and its sources as the last pull
-        asked (a receiver's wants and staging stay the same). The sidecar answers once the
-        version is readable (waiting up to `wait_s`), so a tree's receivers are assigned one
-        after another on the sidecar, without a round trip between them. `ahead_lease` waits
-        for the lease; the next `pull` of `version` takes the sources when its wants and offer
-        are those; `abandon` drops both. Nothing happens before a first pull (its wants are not
-        known yet)."""
+        """Ask, in one GetSources left in flight, for a lease on `version` (for `lease_ttl_s`,
+        with its checksums if `checksums`) and its sources as the last pull asked (a
+        receiver's wants and staging stay the same). The sidecar answers once the version is
+        readable (waiting up to `wait_s`), so a tree's receivers are assigned one after
+        another on the sidecar, without a round trip between them; asked before the version
+        is published, the answer comes the moment it is. `ahead_lease` waits for the lease;
+        the next `pull` of `version` takes the sources when its wants and offer are those;
+        `abandon` drops both (cancelling the call if it is still in flight). Nothing happens
+        before a first pull (its wants are not known yet)."""
         self.abandon()
         if self._request is None:
             return
@@ -169,9 +172,13 @@ class TreePull:
         request.wait_seconds = wait_s
         request.lease_ttl_seconds = lease_ttl_s
         request.lease_with_checksums = checksums
-        self._settle()
+        self._settle()  # the sidecar sees this receiver's calls in order
         sent = time.monotonic()
-        self._ahead = _Ahead(version, key, self._releases.submit(self._client.ask, request), sent)
+        self._ahead = _Ahead(version, key, self._client.ask_later(request), sent)
+
+    def asked(self, version: int) -> bool:
+        """Whether a GetSources asked ahead for `version` is in flight or answered."""
+        return self._ahead is not None and self._ahead.version == version
 
     def ahead_lease(self) -> tuple[Lease | None, BaseException | None]:
         """Waits for the answer asked ahead: its lease (the caller then holds and ends it), or
@@ -184,16 +191,17 @@ class TreePull:
         return lease, ahead.answer.exception()
 
     def abandon(self) -> None:
-        """Drop a GetSources asked ahead and not used, without waiting for it: its assignment
-        is released as failed once answered. When the answer is in already, this receiver's
-        copy of that version (offered to readers, never to be filled) is marked FAILED too, so
-        readers drop it at once; one answered later is only released (readers waiting on the
-        copy give it up after their stall timeout)."""
+        """Drop a GetSources asked ahead and not used, without waiting for it. One still in
+        flight is cancelled (the sidecar assigns nothing to a cancelled call; one it answered
+        at that very moment is released as failed, and its lease runs out at its TTL). When
+        the answer is in already, this receiver's copy of that version (offered to readers,
+        never to be filled) is marked FAILED, so readers drop it at once, and its assignment
+        and lease are released."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        if not ahead.answer.done():
-            self._released = self._releases.submit(self._release_answered, ahead)
+        if ahead.answer.cancel():
+            self._release(ahead.version, complete=False)
             return
         if ahead.answer.exception() is not None:
             return  # nothing was assigned
@@ -203,12 +211,6 @@ class TreePull:
         self._fail(ahead.version)
         if not ahead.lease_taken:
             self._released = self._releases.submit(self._end_lease, ahead)
-
-    def _release_answered(self, ahead: _Ahead) -> None:
-        """On the release thread, after the ask (which ran before it there)."""
-        if ahead.answer.exception() is None:
-            self._send_release(ahead.version, False)
-            self._end_lease(ahead)
 
     def _end_lease(self, ahead: _Ahead) -> None:
         lease = ahead.lease()

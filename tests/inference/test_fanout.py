@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.client import SidecarClient, UnknownVersion
 from tests.support.fanout_puller import (
     Failed,
     Fetched,
@@ -241,6 +241,69 @@ def test_a_fetch_of_a_version_that_never_comes_fails_and_leaves_nothing_behind(
     ranks = _ranks(puller.result(), "after the failed fetch")
     _assert_exact(ranks, exported)
     assert all(r.stats["asked_ahead"] for r in ranks), [r.stats for r in ranks]
+
+
+def _tree_nodes(stack: Stack, version: int) -> set[str]:
+    return {n.node_id for n in stack.client.list_tree(version).nodes}
+
+
+def test_a_receiver_that_expects_a_version_reads_it_the_moment_it_is_published(
+    stack: Stack,
+) -> None:
+    """`Receiver.expect`: receivers ask for the next version's lease and sources before the
+    trainer has it; the sidecar assigns nothing until it is readable, then answers at once,
+    and the fetches that follow read without asking again, exact. An expected version that is
+    not fetched leaves nothing in the tree: an answered call's assignment is released, a
+    waiting one is cancelled."""
+    a, b = stack.pullers[4], stack.pullers[3]  # TP=1 and TP=2
+    version, exported = stack.new_version()
+    for puller in (a, b):
+        puller.fetch(version)
+    for puller in (a, b):
+        _assert_exact(_ranks(puller.result(), puller.config.receiver_id), exported)
+
+    for puller in (a, b):
+        puller.expect(version + 1)
+    with pytest.raises(UnknownVersion):
+        stack.client.list_tree(version + 1)  # not readable yet: nothing assigned
+    expected, exported = stack.new_version()
+    assert expected == version + 1
+    for puller in (a, b):
+        puller.fetch(expected)
+    for puller in (a, b):
+        ranks = _ranks(puller.result(), f"{puller.config.receiver_id} expecting")
+        _assert_exact(ranks, exported)
+        assert all(r.stats["expected"] and r.stats["asked_ahead"] for r in ranks), [
+            r.stats for r in ranks
+        ]
+
+    # Answered, then not used: a fetches a later version instead.
+    a.expect(expected + 1)
+    skipped, _ = stack.new_version()
+    deadline = time.monotonic() + 10
+    while not set(a.agents) <= _tree_nodes(stack, skipped):
+        assert time.monotonic() < deadline, "the expected version was never assigned"
+        time.sleep(0.01)
+    later, exported = stack.new_version()
+    a.fetch(later)
+    ranks = _ranks(a.result(), "after an expected version it skipped")
+    _assert_exact(ranks, exported)
+    assert not any(r.stats["expected"] for r in ranks)
+    assert not set(a.agents) & _tree_nodes(stack, skipped)
+
+    # Still waiting, then dropped: b expects one version, then another; the first is
+    # cancelled before it comes and the second when b fetches the first.
+    b.expect(later + 1)
+    b.expect(later + 2)
+    dropped, exported = stack.new_version()
+    assert dropped == later + 1
+    time.sleep(0.2)  # time for a call that was not cancelled to be answered
+    assert not set(b.agents) & _tree_nodes(stack, dropped)
+    b.fetch(dropped)
+    _assert_exact(_ranks(b.result(), "after dropping its expectations"), exported)
+    following, _ = stack.new_version()
+    time.sleep(0.2)
+    assert not set(b.agents) & _tree_nodes(stack, following)
 
 
 @dataclass(frozen=True)

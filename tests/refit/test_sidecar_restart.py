@@ -2,8 +2,9 @@
 a FinishTrainStep that cannot publish is refused with its step left open, and once a sidecar
 serves again on the same address the trainer registers anew, publishes the finished step, and a
 receiver refits to it bit for bit; a later version replays an earlier plan with the checksums
-its lease carries. A lease the sidecar no
-longer holds when the pull ends fails the refit closed."""
+its lease carries. A lease the sidecar no longer holds when the pull ends fails the refit
+closed. A lease asked for ahead (`Receiver.expect`) is taken by the fetch that follows, given
+back when not used, and renewed before the pull when it was asked for long before."""
 
 from __future__ import annotations
 
@@ -168,6 +169,52 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
             _assert_exported(trainer, installed, "v4-slow")
         finally:
             slow.close()
+
+        # A follower asks for the next version's lease before the step (`expect`): the lease
+        # comes the moment the version is published and the fetch takes it.
+        receiver.expect(5)
+        assert train_step(trainer, "s5", seed=5) == 5
+        installed, stats = _refit_with_stats(receiver, 5)
+        assert stats.expected
+        _assert_exported(trainer, installed, "v5")
+        # An expected version that is not fetched gives its lease back (the next expect drops
+        # it): the trainer's two slots stay free for the versions after it.
+        receiver.expect(6)
+        assert train_step(trainer, "s6", seed=6) == 6
+        with running.client() as client:
+            client.wait_visible(6, timeout=30)
+        time.sleep(0.2)  # the lease on version 6 is granted and its answer is in
+        receiver.expect(7)
+        assert train_step(trainer, "s7", seed=7) == 7
+        start = time.monotonic()
+        assert train_step(trainer, "s8", seed=8) == 8  # into version 6's slot
+        assert time.monotonic() - start < 10, "a lease asked ahead and dropped held its slot"
+        installed, stats = _refit_with_stats(receiver, 8)
+        assert not stats.expected  # version 7's lease was dropped by this fetch
+        _assert_exported(trainer, installed, "v8")
+
+        # A lease asked for long before its version came counts its time from the asking: it
+        # is renewed before the pull, which would otherwise fail closed.
+        follower_options = RefitOptions(
+            receiver_id="follower", pull_timeout_s=60, lease_ttl_s=0.6, token_file=token
+        )
+        follower = Receiver(
+            address,
+            spec,
+            ReceiverLayout(),
+            names,
+            options=follower_options,
+            device=torch.device("cpu"),
+        )
+        try:
+            follower.expect(9, wait_s=20)
+            time.sleep(1.0)
+            assert train_step(trainer, "s9", seed=9) == 9
+            installed, stats = _refit_with_stats(follower, 9)
+            assert stats.expected
+            _assert_exported(trainer, installed, "v9-follower")
+        finally:
+            follower.close()
     finally:
         receiver.close()
         assert trainer.stop() == 0

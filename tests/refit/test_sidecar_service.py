@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
 from refit_sidecar.client import InvalidRequest, TrainerLayout, UnknownVersion
+from refit_sidecar.pending import CallCancelled
 from tests.support.sidecar import running_sidecar
 from trainer_refit.auth import Role
 from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages
@@ -229,6 +230,35 @@ def test_a_lease_call_waits_for_the_version_and_carries_its_checksums(tmp_path):
         with pytest.raises(UnknownVersion):
             client.acquire_lease(1, "r", ttl=30, wait_s=30.0)
         assert time.monotonic() - start < 5
+
+
+def test_a_lease_asked_later_is_answered_when_the_version_comes_or_cancelled(tmp_path):
+    """`lease_later`: the call stays in flight until the version is readable and then gives
+    what `acquire_lease` would (its errors too); a call cancelled while it waits holds
+    nothing once the version comes."""
+    fail = ("--when-all-slots-leased", "fail")
+    with running_sidecar(tmp_path / "sidecar", *fail) as sidecar, sidecar.client() as client:
+        stub = sidecar.stub(Role.TRAINER)
+        _register(stub, world_size=1, slots=1)
+        with pytest.raises(UnknownVersion, match="version 1 is not readable"):
+            client.lease_later(1, "r", 30, wait_s=0.2).result(timeout=10)
+        waiting = client.lease_later(1, "r", 30, wait_s=30.0, checksums=True)
+        cancelled = client.lease_later(1, "s", 30, wait_s=30.0)
+        time.sleep(0.2)
+        assert not waiting.done() and not cancelled.done()
+        assert cancelled.cancel()
+        with pytest.raises(CallCancelled):
+            cancelled.result()
+        stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
+        _publish(stub, 1, rank=0, crc32=7)
+        lease = waiting.result(timeout=10)
+        assert lease.version == 1 and lease.receiver_id == "r"
+        assert lease.checksums is not None and [tuple(c) for c in lease.checksums] == [(7, 7 << 40)]
+        assert not waiting.cancel()  # answered: nothing to cancel
+        client.release_lease(lease)
+        # Only the cancelled call could hold version 1 now, and it holds nothing: the one
+        # slot goes to version 2 at once (this sidecar refuses rather than waits).
+        stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
 
 
 def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_path):

@@ -78,6 +78,18 @@ class Fetch:
 
 
 @dataclass(frozen=True)
+class Expect:
+    """Every rank asks ahead for `version` (`Receiver.expect`); answered with `Expected`."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Expected:
+    version: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -274,6 +286,11 @@ def _puller_main(config: PullerConfig, conn: Connection) -> None:
             command = conn.recv()
             if isinstance(command, Stop):
                 break
+            if isinstance(command, Expect):
+                for receiver in ranks.receivers:
+                    receiver.expect(command.version)
+                send(Expected(command.version))
+                continue
             try:
                 send(ranks.fetch(command, send))
             except Exception:
@@ -396,6 +413,11 @@ class PullerProcess:
     ) -> None:
         """Start fetching `version` (returns at once; `result` waits)."""
         self._conn.send(Fetch(version, throttle_s=throttle_s, visible_timeout_s=visible_timeout_s))
+
+    def expect(self, version: int, timeout: float = 30.0) -> None:
+        """Every rank asks ahead for `version`; returns once they have."""
+        self._conn.send(Expect(version))
+        self.channel.expect(Expected, timeout, lambda m: m.version == version)
 
     def wait_started(self, agent: str | None = None, timeout: float = 30.0) -> Started:
         """The first progress of the fetch under way (of rank `agent`, or of any rank)."""

@@ -1,0 +1,70 @@
+"""A receiver's lease asked for ahead (`Receiver.expect`) on the direct path: an AcquireLease
+left in flight before the version is readable, which the sidecar answers the moment the
+trainer's ranks have published it, so the refit that follows starts reading at once. (Through
+the source tree the same is one GetSources, `TreePull.ask_ahead`.)"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Executor
+
+from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
+from refit_sidecar.pending import Pending
+
+log = logging.getLogger(__name__)
+
+
+class AheadLease:
+    """At most one lease asked ahead, for one version. `releases` runs the release of a lease
+    that was answered but not used, off the caller's path."""
+
+    def __init__(self, client: SidecarClient, releases: Executor) -> None:
+        self._client = client
+        self._releases = releases
+        self._pending: tuple[int, Pending[Lease]] | None = None
+
+    def ask(
+        self, version: int, receiver_id: str, ttl_s: float, *, wait_s: float, checksums: bool
+    ) -> None:
+        """Ask for a lease on `version` now (any other asked ahead is dropped)."""
+        self.drop()
+        pending = self._client.lease_later(
+            version, receiver_id, ttl_s, wait_s=wait_s, checksums=checksums
+        )
+        self._pending = (version, pending)
+
+    def asked(self, version: int) -> bool:
+        return self._pending is not None and self._pending[0] == version
+
+    def take(self, version: int) -> Lease | None:
+        """The lease asked ahead on `version` (waiting for the answer); None when none was
+        asked or the version was not readable within the call's wait (the caller leases it
+        itself). Another version's is dropped. The sidecar's other refusals are raised."""
+        if not self.asked(version):
+            self.drop()
+            return None
+        assert self._pending is not None
+        pending, self._pending = self._pending[1], None
+        try:
+            return pending.result()
+        except UnknownVersion:
+            return None
+
+    def drop(self) -> None:
+        """Cancel the lease asked ahead, or release it when it was granted already."""
+        if self._pending is None:
+            return
+        version, pending = self._pending
+        self._pending = None
+        if pending.cancel() or pending.exception() is not None:
+            return
+        self._releases.submit(self._release, pending.result())
+        log.debug("version %d: the lease asked ahead was not used; released", version)
+
+    def _release(self, lease: Lease) -> None:
+        try:
+            self._client.release_lease(lease)
+        except Exception as e:  # it runs out at its TTL anyway
+            log.warning(
+                "releasing the lease asked ahead on version %d failed: %s", lease.version, e
+            )
