@@ -157,6 +157,8 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
                 assert engine.call("installed_version") == 1
                 assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
             assert train_step(trainer, "s3", seed=5) == 3
+            with sidecar.client() as client:  # both ranks reported it (just after the step)
+                client.wait_visible(3, timeout=30)
             launcher.suspend()
             (rank1,) = [p for p in launcher.children() if p.environ().get("RANK") == "1"]
             rank1.kill()
