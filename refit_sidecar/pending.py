@@ -63,7 +63,8 @@ class Pending(Generic[T]):
             if self._outcome is not None:
                 return self._outcome
             try:
-                reply = self._future.result(timeout=timeout)
+                reply = self._future.result(timeout)  # positional: gRPC names it otherwise
+                # on a call that failed before it was sent
             except grpc.FutureCancelledError:
                 outcome: tuple[T | None, BaseException | None] = (None, CallCancelled())
             except grpc.FutureTimeoutError:

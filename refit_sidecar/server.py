@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -52,6 +53,25 @@ _grpc_errors = status_codes(
 )
 
 
+class _Changes:
+    """Wakes every waiter at once when the registry changes: a waiter woken needs no lock
+    back (a Condition would hand its lock to each in turn, a loop iteration apiece)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float | None = None) -> None:
+        """Until the next `notify`, or `timeout` seconds. The caller checks its condition
+        just before, with no await between: no change can slip past."""
+        event = self._event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+
 class RefitServicer(pb_grpc.RefitServiceServicer):
     def __init__(
         self,
@@ -61,7 +81,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         drain_timeout_s: float = 5.0,
     ) -> None:
         self.registry = registry
-        self._changed = asyncio.Condition()
+        self._changes = _Changes()
+        self._parked: collections.Counter[int] = collections.Counter()
+        """GetSources calls waiting for each version to be readable."""
         self._layout = common_pb2.ParallelLayout()
         self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
         self._sums: dict[int, list[pb.ShardChecksums]] = {}
@@ -72,9 +94,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             drain_timeout_s=drain_timeout_s,
         )
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _notify(self) -> None:
+        self._changes.notify()
 
     def _version_info(self) -> pb.VersionInfo:
         latest = self.registry.latest
@@ -99,7 +120,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         log.info(
             "trainer registered: world size %d, %d slots", layout.world_size, request.num_slots
         )
-        await self._notify()
+        self._notify()
         return pb.RegisterTrainerResponse()
 
     @_grpc_errors
@@ -130,19 +151,19 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                     raise
                 expiry = self.registry.next_expiry()
                 deadline = min(lease_deadline, expiry if expiry is not None else lease_deadline)
-            async with self._changed:
-                with contextlib.suppress(TimeoutError):
-                    timeout = max(deadline - time.monotonic(), 0.01)
-                    await asyncio.wait_for(self._changed.wait(), timeout=timeout)
+            await self._changes.wait(max(deadline - time.monotonic(), 0.01))
 
     @_grpc_errors
     async def PublishShards(self, request: pb.PublishShardsRequest, context: Any) -> Any:
         visible = self.registry.publish(request.version, request.rank, request)
         if visible:
             log.info("version %d is readable", request.version)
-            await self._notify()
-            # Right after this reply: the version's source tree, ready before receivers ask.
-            asyncio.get_running_loop().call_soon(self.tree.prepare, request.version)
+            self._notify()
+            if not self._parked.get(request.version):
+                # Right after this reply: the version's source tree, ready before receivers
+                # ask. Receivers that asked ahead are answered first instead: they open the
+                # tree as they need it, and would otherwise wait for all of it.
+                asyncio.get_running_loop().call_soon(self.tree.prepare, request.version)
         return pb.PublishShardsResponse(visible=visible)
 
     @_grpc_errors
@@ -166,8 +187,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             if latest is not None and latest > seen:
                 seen = latest
                 yield self._version_info()
-            async with self._changed:
-                await self._changed.wait()
+            await self._changes.wait()
 
     @_grpc_errors
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> Any:
@@ -239,13 +259,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             latest = self.registry.latest
             return version not in self.registry.readable() and (latest is None or latest < version)
 
-        async with self._changed:
-            while waiting():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), remaining)
+        while waiting():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            await self._changes.wait(remaining)
 
     def _checksums(self, version: int) -> list[pb.ShardChecksums]:
         """Every shard's checksums in the merged manifest's order, built once per version."""
@@ -273,7 +291,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     @_grpc_errors
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> Any:
         self.registry.release_lease(request.lease_id, receiver_id=request.receiver_id)
-        await self._notify()
+        self._notify()
         return pb.ReleaseLeaseResponse()
 
     # -- tree fan-out (docs/fanout.md) --------------------------------------------------------
@@ -282,10 +300,18 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     async def GetSources(self, request: pb.GetSourcesRequest, context: Any) -> Any:
         ttl = self._seconds(request.lease_ttl_seconds, "lease_ttl_seconds")
         if request.wait_seconds:
-            await self._wait_requested(request.version, request.wait_seconds)
-            # The leases woken by the same publication answer first: a receiver replays its
-            # plan with the lease while its sources are being assigned.
-            await asyncio.sleep(0)
+            self._parked[request.version] += 1
+            try:
+                await self._wait_requested(request.version, request.wait_seconds)
+            finally:
+                self._parked[request.version] -= 1
+                if not self._parked[request.version]:
+                    del self._parked[request.version]
+            if not ttl:
+                # The leases woken by the same publication answer first: a receiver that
+                # asked for its lease apart replays its plan with it while its sources are
+                # being assigned. (One asking for both in this call waits for nobody.)
+                await asyncio.sleep(0)
         if not ttl:
             return await self.tree.get_sources(request)
         # The lease first (the version must be readable, its slot held), then the sources; a
@@ -295,7 +321,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             reply = await self.tree.get_sources(request)
         except BaseException:
             self.registry.release_lease(lease.lease_id, receiver_id=lease.receiver_id)
-            await self._notify()
+            self._notify()
             raise
         reply.lease.CopyFrom(self._lease(lease, self._manifest(request.version)[1]))
         if request.lease_with_checksums:

@@ -1,0 +1,305 @@
+"""The sidecar's control plane alone: from a trainer rank's last report of a version to each
+receiver's answer, with no bytes moved.
+
+* ``python -m refit_sidecar`` as deployed (bearer tokens, ``--max-children`` and
+  ``--max-root-children`` from ``--max-children``), as a subprocess.
+* This process plays a one-rank trainer (``--refit-slots`` slots) publishing a synthetic
+  Llama-shaped manifest: per layer the six tensors Megatron publishes (two norms, QKV, the
+  output projection, FC1, FC2) plus embedding, final norm and output layer, one shard each, with
+  checksums, as the trainer's ranks report them.
+* ``--receivers`` receivers, each a process of its own, want every tensor whole and offer their
+  staging (as `Receiver` through the tree does after a first pull). Before each version they
+  send their GetSources with a lease, parked on the sidecar until the version is readable
+  (``Receiver.expect``); each then releases its lease and its sources, as after a pull. With
+  ``--direct`` they send AcquireLease instead (no tree).
+* Latency: the receiver's ``time.monotonic()`` when its answer arrived minus the trainer's
+  when it sent its PublishShards call (one clock for every process of the machine). The
+  sidecar's answers for a tree come one after another (a child once its parent is assigned),
+  so the last receiver's latency is what the control plane adds to a chain's last refit.
+
+    python -m benchmarks.sidecar_control --layers 16 --receivers 3 --max-children 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import multiprocessing
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from benchmarks.refit_pull import sidecar_server
+from benchmarks.trainer_step import tokens_for
+from refit_sidecar.client import SidecarClient, TrainerLayout
+from refit_sidecar.manifest import (
+    AgentRecord,
+    Box,
+    DType,
+    Manifest,
+    ParameterRecord,
+    ShardLocation,
+    ShardPiece,
+    ShardRecord,
+)
+from refit_sidecar.plan import Want
+from refit_sidecar.sources import Offer, get_sources_request
+from trainer_refit.auth import ClientAuth, Role, TokenDir
+
+log = logging.getLogger("benchmarks.sidecar_control")
+
+_LAYER_TENSORS = (
+    ("input_layernorm.weight", "hidden"),
+    ("self_attention.linear_qkv.weight", "qkv"),
+    ("self_attention.linear_proj.weight", "square"),
+    ("pre_mlp_layernorm.weight", "hidden"),
+    ("mlp.linear_fc1.weight", "fc1"),
+    ("mlp.linear_fc2.weight", "fc2"),
+)
+_WAIT_S = 30.0
+_LEASE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Config:
+    layers: int
+    hidden: int
+    receivers: int
+    max_children: int
+    direct: bool
+    slots: int
+    warmup: int
+    versions: int
+    timeout: float
+    out: Path | None
+
+
+def _shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    return {
+        "hidden": (hidden,),
+        "qkv": (3 * hidden, hidden),
+        "square": (hidden, hidden),
+        "fc1": (8 * hidden, hidden),
+        "fc2": (hidden, 4 * hidden),
+        "vocab": (4 * hidden, hidden),
+    }
+
+
+def tensors(config: Config) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every published tensor, in the trainer's order."""
+    shapes = _shapes(config.hidden)
+    out = [("embedding.word_embeddings.weight", shapes["vocab"])]
+    for layer in range(config.layers):
+        for name, kind in _LAYER_TENSORS:
+            out.append((f"decoder.layers.{layer}.{name}", shapes[kind]))
+    out += [("decoder.final_layernorm.weight", shapes["hidden"])]
+    out += [("output_layer.weight", shapes["vocab"])]
+    return out
+
+
+def trainer_part(config: Config, version: int, agent: str) -> Manifest:
+    """The one rank's report of `version`: every tensor whole in the slot of `version`."""
+    slot_base = (1 << 32) * (1 + version % config.slots)
+    address = slot_base
+    params = []
+    for index, (name, shape) in enumerate(tensors(config)):
+        location = ShardLocation.contiguous(agent=agent, address=address, shape=shape, itemsize=2)
+        address += location.nbytes
+        piece = ShardPiece(Box.full(shape), (0,) * len(shape))
+        checksum = (version << 20) + index
+        shard = ShardRecord(location, (piece,), checksum, rank=0, sum64=checksum << 8)
+        params.append(ParameterRecord(name, shape, DType.BFLOAT16, (shard,)))
+    return Manifest(version, tuple(params), {agent: AgentRecord(agent, b"meta", rank=0)})
+
+
+def receiver_offer(config: Config, receiver: str) -> tuple[list[Want], Offer]:
+    wants = [Want(name, Box.full(shape)) for name, shape in tensors(config)]
+    address = 1 << 40
+    locations = []
+    for want in wants:
+        location = ShardLocation.contiguous(
+            agent=receiver, address=address, shape=want.box.shape, itemsize=2
+        )
+        locations.append(location)
+        address += location.nbytes
+    progress = ShardLocation.contiguous(agent=receiver, address=address, shape=(24,), itemsize=1)
+    return wants, Offer(AgentRecord(receiver, b"peer-meta"), tuple(locations), progress)
+
+
+# -- a receiver process ---------------------------------------------------------------------------
+
+
+def _receiver_main(
+    config: Config, sidecar: str, token_file: str, name: str, conn: Connection
+) -> None:
+    """Per command (a version): park the call for it, answer "parked"; when its answer comes,
+    report the arrival time, release as after a pull, answer "done"."""
+    auth = ClientAuth(token_file=Path(token_file))
+    with SidecarClient(sidecar, timeout=config.timeout, auth=auth) as client:
+        wants, offer = receiver_offer(config, name)
+        template = get_sources_request(0, name, wants, offer=offer, wait_s=_WAIT_S)
+        template.lease_ttl_seconds = _LEASE_S
+        template.lease_with_checksums = True
+        conn.send("ready")
+        while (version := conn.recv()) is not None:
+            if config.direct:
+                pending: Any = client.lease_later(
+                    version, name, _LEASE_S, wait_s=_WAIT_S, checksums=True
+                )
+            else:
+                request = type(template)()
+                request.CopyFrom(template)
+                request.version = version
+                pending = client.ask_later(request)
+            conn.send("parked")
+            answer = pending.result()
+            arrived = time.monotonic()
+            if config.direct:
+                client.release_lease(answer)
+            else:
+                client.release_sources(version, name, complete=True)
+                client.release_lease(lease_of(answer))
+            conn.send((arrived, None if config.direct else list(answer.primaries)))
+
+
+def lease_of(answer: Any) -> Any:
+    from refit_sidecar.client import lease_from_proto
+
+    return lease_from_proto(answer.reply.lease)
+
+
+@contextlib.contextmanager
+def receivers(config: Config, sidecar: str, tokens: TokenDir) -> Iterator[list[Connection]]:
+    context = multiprocessing.get_context("spawn")
+    processes, conns = [], []
+    try:
+        for i in range(config.receivers):
+            mine, theirs = context.Pipe()
+            name = f"receiver-{i}"
+            process = context.Process(
+                target=_receiver_main,
+                args=(config, sidecar, str(tokens.file(Role.RECEIVER)), name, theirs),
+                daemon=True,
+            )
+            process.start()
+            processes.append(process)
+            conns.append(mine)
+        for conn in conns:
+            if not conn.poll(config.timeout) or conn.recv() != "ready":
+                raise RuntimeError("a receiver did not start")
+        yield conns
+    finally:
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+def run(config: Config, work: Path) -> dict[str, Any]:
+    tokens = tokens_for(work)
+    flags = ["--max-children", str(config.max_children)]
+    flags += ["--max-root-children", str(config.max_children)]
+    records = []
+    with (
+        sidecar_server(work, work / "sidecar.log", config.timeout, tokens, flags) as sidecar,
+        SidecarClient(
+            sidecar, timeout=config.timeout, auth=ClientAuth(token_file=tokens.file(Role.TRAINER))
+        ) as trainer,
+        receivers(config, sidecar, tokens) as conns,
+    ):
+        trainer.register_trainer(TrainerLayout(), config.slots)
+        agent = "trainer-rank0"
+        for index in range(config.warmup + config.versions):
+            version = index + 1
+            trainer.reserve_slot(version)
+            for conn in conns:
+                conn.send(version)
+            for conn in conns:
+                assert conn.recv() == "parked"
+            time.sleep(0.05)  # the calls reach the sidecar and wait there
+            part = trainer_part(config, version, agent)
+            start = time.monotonic()
+            assert trainer.publish(version, 0, part)
+            published = time.monotonic()
+            answers = [conn.recv() for conn in conns]
+            latencies = sorted(arrived - start for arrived, _ in answers)
+            records.append(
+                dict(
+                    version=version,
+                    warmup=index < config.warmup,
+                    publish_s=published - start,
+                    latencies_s=latencies,
+                    sources=[s for _, s in answers],
+                )
+            )
+            log.info(
+                "version %d%s: report %.2f ms; answers %s ms after it was sent",
+                version,
+                " (warm-up)" if index < config.warmup else "",
+                1e3 * (published - start),
+                [round(1e3 * t, 2) for t in latencies],
+            )
+    timed = [r for r in records if not r["warmup"]]
+    ranks = list(zip(*(r["latencies_s"] for r in timed), strict=True))
+    summary = dict(
+        tensors=len(tensors(config)),
+        report_s=statistics.median(r["publish_s"] for r in timed),
+        answers_s=[statistics.median(col) for col in ranks],
+    )
+    return dict(
+        config={k: str(v) for k, v in asdict(config).items()}, summary=summary, records=records
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.sidecar_control",
+        description="The sidecar's answers to parked receivers after a version's last report.",
+    )
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=64, help="tensor sizes (no bytes move)")
+    p.add_argument("--receivers", type=int, default=3)
+    p.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
+    p.add_argument("--direct", action="store_true", help="AcquireLease, no tree")
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--versions", type=int, default=30)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--out", type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench] %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    config = Config(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    with tempfile.TemporaryDirectory(prefix="sidecar-control-") as tmp:
+        result = run(config, Path(tmp))
+    summary = result["summary"]
+    print(
+        f"\n{summary['tensors']} tensors, {config.receivers} receivers "
+        f"({'direct' if config.direct else f'tree, max children {config.max_children}'}); "
+        f"medians: report {1e3 * summary['report_s']:.2f} ms; answers "
+        + ", ".join(f"{1e3 * t:.2f}" for t in summary["answers_s"])
+        + " ms after it was sent"
+    )
+    if config.out is not None:
+        config.out.parent.mkdir(parents=True, exist_ok=True)
+        config.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""`benchmarks.sidecar_control` on a real sidecar: receivers that asked ahead are answered once
+each version is published, through a chain (one child per source) and directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.sidecar_control import Config, run
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_parked_receivers_are_answered_for_every_version(tmp_path: Path, direct: bool) -> None:
+    config = Config(
+        layers=2,
+        hidden=16,
+        receivers=2,
+        max_children=1,
+        direct=direct,
+        slots=2,
+        warmup=1,
+        versions=2,
+        timeout=60.0,
+        out=None,
+    )
+    result = run(config, tmp_path)
+    records = result["records"]
+    assert [r["version"] for r in records] == [1, 2, 3]
+    assert all(len(r["latencies_s"]) == 2 and min(r["latencies_s"]) > 0 for r in records)
+    assert result["summary"]["tensors"] == 2 * 6 + 3
+    if direct:
+        assert all(r["sources"] == [None, None] for r in records)
+    else:
+        # A chain: one receiver reads the trainer's rank, the other reads that receiver.
+        for record in records:
+            primaries = sorted(tuple(s) for s in record["sources"])
+            assert primaries[0][0].startswith("receiver-"), record
+            assert primaries[1] == ("trainer-rank0",), record
