@@ -76,6 +76,8 @@ class Switch:
     stall_s: float
     installed_at: float
     """Wall-clock time (``time.time()``) the engine resumed on it."""
+    expected: bool = False
+    """Every worker had asked for it before it was published (`Receiver.expect`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +85,7 @@ class Switch:
             "prefetch_s": round(self.prefetch_s, 6),
             "stall_s": round(self.stall_s, 6),
             "installed_at": self.installed_at,
+            "expected": self.expected,
         }
 
 
@@ -299,6 +302,16 @@ class AutoRefit:
         prefetch_s = time.perf_counter() - begin
         await self._switch(version, prefetch_s)
 
+    async def _expect(self, version: int) -> None:
+        """Keeping up with the trainer: every worker asks the sidecar for the next version
+        now, so it is leased (through the tree, with its sources) the moment it is published.
+        A follower that is behind skips this (it fetches a version that is readable already,
+        and an expected one it then skipped would be answered for nothing)."""
+        try:
+            await self.engine.collective_rpc("refit_expect", args=(version,))
+        except Exception as e:  # an optimisation only: the prefetch asks as before
+            log.debug("auto-refit: asking ahead for version %d failed: %s", version, e)
+
     async def _switch(self, version: int, prefetch_s: float) -> None:
         mode = self.config.pause_mode
         paused = time.perf_counter()
@@ -310,6 +323,7 @@ class AutoRefit:
             if errors:
                 self._fail(version, str(errors[0].get("error")))
                 return
+            expected = all(r.get("expected") for r in results)
             await self.engine.update_weight_version(str(version))
             self.installed = version
             self.last_error = None
@@ -324,7 +338,9 @@ class AutoRefit:
         finally:
             await self.engine.resume_generation()
         stall_s = time.perf_counter() - paused
-        self.switches.append(Switch(version, prefetch_s, stall_s, time.time()))
+        self.switches.append(Switch(version, prefetch_s, stall_s, time.time(), expected))
+        if self.newest == version:
+            await self._expect(version + 1)
         log.info(
             "auto-refit: serving version %d (prefetch %.3f s beside generation, stall %.3f s)",
             version,

@@ -189,6 +189,15 @@ class WorkerRefit:
         self._prefetch = Prefetch(self.receiver, version)
         return self._prefetch.state()
 
+    def expect(self, version: int) -> dict[str, Any]:
+        """Ask the sidecar ahead for `version` (`Receiver.expect`), unless a pull is running
+        (the receiver is its thread's until it ends)."""
+        current = self._prefetch
+        if current is not None and not current.done:
+            return {"version": version, "expected": False}
+        self.receiver.expect(version)
+        return {"version": version, "expected": True}
+
     def prefetch_state(self, version: int) -> dict[str, Any]:
         """``{"version", "state": "pending" | "ready" | "failed" | "none", "error"?}`` of the
         background pull of `version` ("none": no such pull)."""

@@ -113,7 +113,10 @@ class RecordingEngine:
             state = self._prefetch.pop(0)
             return [{"tp_rank": r, "version": args[0], "state": state} for r in (0, 1)]
         if method == "refit_to":
-            return [{"ok": self._refit_ok, "error": None if self._refit_ok else "no"}] * 2
+            error = None if self._refit_ok else "no"
+            return [{"ok": self._refit_ok, "error": error, "expected": True}] * 2
+        if method == "refit_expect":
+            return [{"tp_rank": r, "version": args[0], "expected": True} for r in (0, 1)]
         raise AssertionError(method)
 
     async def pause_generation(self, *, mode, clear_cache):
@@ -151,6 +154,23 @@ def test_a_switch_pauses_installs_labels_and_resumes(mode: PauseMode) -> None:
     assert ("weight_version", ("7",)) in engine.calls
     assert follower.installed == 7 and follower.last_error is None
     assert [s.version for s in follower.switches] == [7]
+
+
+@pytest.mark.parametrize("newest", [7, 9])
+def test_a_follower_keeping_up_asks_ahead_for_the_next_version(newest: int) -> None:
+    """After switching to the newest version the workers ask the sidecar for the next one
+    (refit_expect), once generation has resumed; a follower that is behind does not."""
+    engine = RecordingEngine(["ready"])
+    follower = _follower(engine, PauseMode.KEEP)
+    follower.newest = newest
+    asyncio.run(follower._refit(7))
+    names = [c[0] for c in engine.calls]
+    if newest == 7:
+        assert engine.calls[-1] == ("refit_expect", (8,))
+        assert names.index("refit_expect") > names.index("resume")
+    else:
+        assert "refit_expect" not in names
+    assert follower.switches[-1].expected  # the workers' refit_to said so
 
 
 def test_a_failed_prefetch_never_pauses_generation() -> None:
