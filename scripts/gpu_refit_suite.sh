@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The refit measurements of BENCHMARKS.md on a two-GPU host, in groups that each fit ten
+# minutes: `scripts/gpu_refit_suite.sh GROUP...` from the repository root, with the wheels of
+# scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
+#   install     refit_install, 1b, checksums on and off
+#   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
+#   fanout      refit_fanout, 1b, three receivers, one child per source, then two
+#   control     sidecar_control: the control plane alone (tree and direct)
+#   tests       the GPU-marked tests
+set -o pipefail
+export OUT=${OUT:-runs}
+mkdir -p "$OUT"
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh || exit 1
+logs=/tmp/refit-suite-logs
+status=0
+run() {  # name, command...: output to $OUT/name.log; the summary lines to the terminal
+    local name=$1
+    shift
+    echo "== $name: $*"
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    grep -v "\] INFO \|NIXL INFO" "$OUT/$name.log" | tail -25
+    [ $rc -eq 0 ] || { echo "== $name failed ($rc)"; status=1; }
+}
+for group in "$@"; do
+    case $group in
+    install)
+        run install-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \
+            --dest-gpu 1 --out "$OUT/refit_install_1b.json" --log-dir $logs/install-1b
+        run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \
+            --device cuda --dest-gpu 1 --no-checksums \
+            --out "$OUT/refit_install_1b_no_checksums.json" --log-dir $logs/install-1b-nc
+        ;;
+    install-3b)
+        memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+        slots=2
+        [ "$memory" -lt 100000 ] && slots=1
+        run install-3b python3 -m benchmarks.refit_install --preset 3b --device cuda \
+            --dest-gpu 1 --slots $slots --out "$OUT/refit_install_3b.json" \
+            --log-dir $logs/install-3b
+        ;;
+    fanout)
+        run fanout-k1 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
+            --max-children 1 --rounds 5 --out "$OUT/refit_fanout_1b_k1.json" \
+            --log-dir $logs/fanout-k1
+        run fanout-k2 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
+            --max-children 2 --rounds 4 --no-verify --out "$OUT/refit_fanout_1b_k2.json" \
+            --log-dir $logs/fanout-k2
+        ;;
+    control)
+        run control-tree python3 -m benchmarks.sidecar_control --layers 16 --receivers 3 \
+            --max-children 1 --out "$OUT/sidecar_control_tree.json"
+        run control-direct python3 -m benchmarks.sidecar_control --layers 16 --receivers 3 \
+            --direct --out "$OUT/sidecar_control_direct.json"
+        ;;
+    tests)
+        run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q
+        ;;
+    *)
+        echo "unknown group $group"
+        status=2
+        ;;
+    esac
+done
+tar czf "$OUT/logs.tgz" -C /tmp refit-suite-logs 2>/dev/null
+exit $status
