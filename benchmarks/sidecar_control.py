@@ -16,6 +16,8 @@ receiver's answer, with no bytes moved.
   when it sent its PublishShards call (one clock for every process of the machine). The
   sidecar's answers for a tree come one after another (a child once its parent is assigned),
   so the last receiver's latency is what the control plane adds to a chain's last refit.
+  The sidecar's CPU time per timed version (user and system, every thread) is reported too:
+  unlike latencies, it does not depend on how fast an idle machine wakes up.
 
     python -m benchmarks.sidecar_control --layers 16 --receivers 3 --max-children 1
 """
@@ -35,6 +37,8 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import tokens_for
@@ -208,6 +212,15 @@ def receivers(config: Config, sidecar: str, tokens: TokenDir) -> Iterator[list[C
 # -- the driver -----------------------------------------------------------------------------------
 
 
+def _cpu_seconds(work: Path) -> float:
+    """CPU time (user + system) the sidecar serving `work` has used so far."""
+    for process in psutil.Process().children():
+        if "refit_sidecar" in process.cmdline() and str(work) in " ".join(process.cmdline()):
+            times = process.cpu_times()
+            return float(times.user + times.system)
+    raise RuntimeError("the sidecar process is not a child of this one")
+
+
 def run(config: Config, work: Path) -> dict[str, Any]:
     tokens = tokens_for(work)
     flags = ["--max-children", str(config.max_children)]
@@ -222,8 +235,11 @@ def run(config: Config, work: Path) -> dict[str, Any]:
     ):
         trainer.register_trainer(TrainerLayout(), config.slots)
         agent = "trainer-rank0"
+        cpu_start = 0.0
         for index in range(config.warmup + config.versions):
             version = index + 1
+            if index == config.warmup:
+                cpu_start = _cpu_seconds(work)
             trainer.reserve_slot(version)
             for conn in conns:
                 conn.send(version)
@@ -252,12 +268,14 @@ def run(config: Config, work: Path) -> dict[str, Any]:
                 1e3 * (published - start),
                 [round(1e3 * t, 2) for t in latencies],
             )
+        cpu_s = _cpu_seconds(work) - cpu_start
     timed = [r for r in records if not r["warmup"]]
     ranks = list(zip(*(r["latencies_s"] for r in timed), strict=True))
     summary = dict(
         tensors=len(tensors(config)),
         report_s=statistics.median(r["publish_s"] for r in timed),
         answers_s=[statistics.median(col) for col in ranks],
+        sidecar_cpu_s_per_version=cpu_s / len(timed),
     )
     return dict(
         config={k: str(v) for k, v in asdict(config).items()}, summary=summary, records=records
@@ -294,7 +312,9 @@ def main(argv: list[str] | None = None) -> None:
         f"({'direct' if config.direct else f'tree, max children {config.max_children}'}); "
         f"medians: report {1e3 * summary['report_s']:.2f} ms; answers "
         + ", ".join(f"{1e3 * t:.2f}" for t in summary["answers_s"])
-        + " ms after it was sent"
+        + " ms after it was sent; the sidecar's CPU "
+        + f"{1e3 * summary['sidecar_cpu_s_per_version']:.2f}"
+        " ms per version"
     )
     if config.out is not None:
         config.out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,9 @@ class RequestDecoding(grpc.aio.ServerInterceptor):
             raise ValueError(f"max_peers must be >= 1, got {max_peers}")
         self._max_peers = max_peers
         self._logged: OrderedDict[str, None] = OrderedDict()
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        """Per method: the handler gRPC found and its wrapped twin, built once (a call would
+        otherwise pay for building it, about a third of an empty call's server time)."""
 
     async def intercept_service(
         self,
@@ -85,6 +88,14 @@ class RequestDecoding(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        replaced = self._wrap(method, handler)
+        self._wrapped[method] = (handler, replaced)
+        return replaced
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         wrapped: dict[str, Any] = {"request_deserializer": _tolerant(handler.request_deserializer)}
         if handler.unary_unary is not None:
             wrapped["unary_unary"] = self._unary_unary(method, handler.unary_unary)
