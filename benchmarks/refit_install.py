@@ -18,7 +18,9 @@ installed, against a torch peer copy of the same bytes.
   returns it reads ``time.monotonic()`` and writes the new version and that instant down a pipe
   to the receiver, which at once runs ``Receiver.fetch(version)`` (lease, manifest, plan or
   replayed plan, NIXL pull into staging) and ``Receiver.install`` and answers when the GPU is
-  synchronized. **Latency** = the receiver's ``time.monotonic()`` then minus the driver's
+  synchronized. Before each step after the first, the receiver asks the sidecar ahead for the
+  version that step will make (``Receiver.expect``, as a follower does; ``--no-expect``: not),
+  so its lease is answered the moment the version is published. **Latency** = the receiver's ``time.monotonic()`` then minus the driver's
   instant: CLOCK_MONOTONIC is one clock for every process of the machine, so the number covers
   everything from the trainer's reply to installed weights, the pipe hop included (tens of
   microseconds; reported as ``notify``). The sidecar's WatchVersions would announce a version
