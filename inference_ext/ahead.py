@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Executor
 
-from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
+from refit_sidecar.client import Lease, SidecarClient
 from refit_sidecar.pending import Pending
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,9 @@ class AheadLease:
 
     def take(self, version: int) -> Lease | None:
         """The lease asked ahead on `version` (waiting for the answer); None when none was
-        asked or the version was not readable within the call's wait (the caller leases it
-        itself). Another version's is dropped. The sidecar's other refusals are raised."""
+        asked, or the call did not give one (the version was not readable within its wait,
+        the sidecar restarted meanwhile, ...): the caller then leases it itself, and that call
+        says what is wrong, if anything still is. Another version's is dropped."""
         if not self.asked(version):
             self.drop()
             return None
@@ -47,7 +48,8 @@ class AheadLease:
         pending, self._pending = self._pending[1], None
         try:
             return pending.result()
-        except UnknownVersion:
+        except Exception as e:
+            log.debug("version %d: the lease asked ahead was not given: %s", version, e)
             return None
 
     def drop(self) -> None:
