@@ -12,21 +12,21 @@ installed, against a torch peer copy of the same bytes.
   GPU ``--dest-gpu`` and an ``inference_ext.receiver.Receiver`` (TP=1 layout, staging on the same
   GPU) whose installer ``copy_()``s each (HF name, tensor) into the model's parameter of that
   name, then synchronizes the GPU. It is started before the trainer, so its setup is not timed.
-* This process trains ``--warmup + --steps`` steps over gRPC, each FinishTrainStep asked to
-  answer once its update is applied (``wait_for_update``: the clock starts when the new
-  weights exist, not when their update is queued). Right after each FinishTrainStep
-  returns it reads ``time.monotonic()`` and writes the new version and that instant down a pipe
-  to the receiver, which at once runs ``Receiver.fetch(version)`` (lease, manifest, plan or
-  replayed plan, NIXL pull into staging) and ``Receiver.install`` and answers when the GPU is
-  synchronized. Before each step after the first, the receiver asks the sidecar ahead for the
-  version that step will make (``Receiver.expect``, as a follower does; ``--no-expect``: not),
-  so its lease is answered the moment the version is published. **Latency** = the receiver's ``time.monotonic()`` then minus the driver's
-  instant: CLOCK_MONOTONIC is one clock for every process of the machine, so the number covers
-  everything from the trainer's reply to installed weights, the pipe hop included (tens of
-  microseconds; reported as ``notify``). The sidecar's WatchVersions would announce a version
-  no earlier than the RPC returns (the version is readable just before the reply), so the pipe
-  does not flatter the result. The driver waits for the answer before the next step: the refit
-  runs on idle GPUs, not under training.
+* This process trains ``--warmup + --steps`` steps over gRPC, each FinishTrainStep asked to answer
+  once its update is applied (``wait_for_update``: the clock starts when the new weights exist,
+  not when their update is queued). Right after each FinishTrainStep returns it reads
+  ``time.monotonic()`` and writes the new version and that instant down a pipe to the receiver,
+  which at once runs ``Receiver.fetch(version)`` (lease, manifest, plan or replayed plan, NIXL
+  pull into staging) and ``Receiver.install`` and answers when the GPU is synchronized. Before
+  each step after the first, the receiver asks the sidecar ahead for the version that step will
+  make (``Receiver.expect``, as a follower does; ``--no-expect``: not), so its lease is answered
+  the moment the version is published. **Latency** = the receiver's ``time.monotonic()`` then
+  minus the driver's instant: CLOCK_MONOTONIC is one clock for every process of the machine, so
+  the number covers everything from the trainer's reply to installed weights, the pipe hop
+  included (tens of microseconds; reported as ``notify``). The sidecar's WatchVersions would
+  announce a version no earlier than the RPC returns (the version is readable just before the
+  reply), so the pipe does not flatter the result. The driver waits for the answer before the next
+  step: the refit runs on idle GPUs, not under training.
 * The phases come from ``RefitStats`` (plan: lease + manifest + plan/rebase; pull; translate;
   install: the copies and the synchronize) and the receiver's own clock (``fetch``). The first
   refit connects, plans, registers staging and prepares the NIXL requests of its slot and is

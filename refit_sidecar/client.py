@@ -51,7 +51,7 @@ from refit_sidecar.sources import (
 )
 from refit_sidecar.tree_types import TreeListing
 from refit_sidecar.wire import checksums_from_proto, manifest_from_proto, publish_request
-from trainer_refit.auth import ClientAuth, open_channel
+from trainer_refit.auth import ClientAuth, call_metadata, open_channel
 from trainer_refit.errors import InvalidRequest
 from trainer_refit.status_details import violated_field
 from trainer_refit.v1 import common_pb2
@@ -149,7 +149,9 @@ class SidecarClient:
         self.timeout = timeout
         # A restarted sidecar is found again within a second, not after gRPC's default
         # exponential backoff (up to two minutes).
-        self._channel = open_channel(target, auth, options=_RECONNECT)
+        # The token goes as each call's metadata, not through gRPC's interceptor layer.
+        self._channel = open_channel(target, auth, options=_RECONNECT, bearer=False)
+        self._metadata = call_metadata(auth)
         self._stub = pb_grpc.RefitServiceStub(self._channel)
 
     def __enter__(self) -> SidecarClient:
@@ -178,7 +180,7 @@ class SidecarClient:
         """`extra_s`: seconds the call may take beyond the client's deadline (a wait)."""
         timeout = self._timeout(extra_s)
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as error:
             mapped = _tree_error(error) if tree else None
             mapped = mapped or _domain_error(error, not_found)
@@ -201,7 +203,9 @@ class SidecarClient:
                 raise TimeoutError(f"refit sidecar at {self.target} not serving after {timeout} s")
             try:
                 request = health_pb2.HealthCheckRequest(service=_SERVICE)
-                reply = health.Check(request, timeout=left, wait_for_ready=True)
+                reply = health.Check(
+                    request, timeout=left, wait_for_ready=True, metadata=self._metadata()
+                )
                 if reply.status == serving:
                     return
             except grpc.RpcError as error:
@@ -250,7 +254,7 @@ class SidecarClient:
         after FinishTrainStep returns it (after the update, which FinishTrainStep does not wait
         for unless asked). TimeoutError after `timeout` seconds."""
         request = pb.WatchVersionsRequest(after_version=version - 1)
-        call = self._stub.WatchVersions(request, timeout=timeout)
+        call = self._stub.WatchVersions(request, timeout=timeout, metadata=self._metadata())
         try:
             for info in call:
                 if info.version:  # 0: a trainer registered again, nothing readable yet
@@ -318,7 +322,9 @@ class SidecarClient:
             with_checksums=checksums,
         )
         sent = time.monotonic()
-        future = self._stub.AcquireLease.future(request, timeout=self._timeout(wait_s))
+        future = self._stub.AcquireLease.future(
+            request, timeout=self._timeout(wait_s), metadata=self._metadata()
+        )
         return Pending(
             future,
             lambda reply: lease_from_proto(reply, sent),
@@ -390,7 +396,9 @@ class SidecarClient:
         """`ask` left in flight (`pending.Pending`): with `wait_seconds`, the sidecar answers
         the moment the version is readable."""
         future = self._stub.GetSources.future(
-            request, timeout=self._timeout(max(request.wait_seconds, 0.0))
+            request,
+            timeout=self._timeout(max(request.wait_seconds, 0.0)),
+            metadata=self._metadata(),
         )
         return Pending(
             future,
@@ -416,7 +424,9 @@ class SidecarClient:
         then each new one; 0 when a trainer registered again (nothing is readable until its
         first version, whose number starts again). The stream starts at the first `next()`;
         closing the iterator (or the client) ends it."""
-        call = self._stub.WatchVersions(pb.WatchVersionsRequest(after_version=after_version))
+        call = self._stub.WatchVersions(
+            pb.WatchVersionsRequest(after_version=after_version), metadata=self._metadata()
+        )
         try:
             for info in call:
                 yield info.version

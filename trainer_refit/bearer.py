@@ -38,6 +38,11 @@ def aio_interceptors(token: TokenFile) -> list[grpc.aio.ClientInterceptor]:
     return [kind(token) for kind in _AIO_BEARERS]
 
 
+def bearer_metadata(token: TokenFile) -> tuple[tuple[str, str], ...]:
+    """The metadata of one call: the token file's current token (what the interceptors add)."""
+    return _with_token((), token)
+
+
 def _with_token(metadata: Any, token: TokenFile) -> tuple[tuple[str, str], ...]:
     return (*(tuple(metadata) if metadata else ()), (AUTHORIZATION, f"Bearer {token.read()[0]}"))
 

@@ -22,6 +22,7 @@ from trainer_refit.auth import (
     MethodRoles,
     Role,
     ServerAuth,
+    call_metadata,
     open_aio_channel,
     open_channel,
     write_token_dir,
@@ -196,6 +197,25 @@ def test_a_replaced_token_file_is_honoured_without_a_restart(
         write_token_dir(tokens.directory, [Role.ORCHESTRATOR])  # rotate: replace the file
         assert say(b"after", timeout=10) == b"after"  # the client read the new token
     assert _code(target, ClientAuth(token_file=old), SAY) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_channel_without_the_interceptor_sends_the_token_as_call_metadata(
+    server: tuple[str, Echo], tokens: Tokens
+) -> None:
+    """`open_channel(bearer=False)` adds nothing; `call_metadata` gives each call the token
+    file's current token (what `SidecarClient` sends), a replaced file's from then on."""
+    target, _ = server
+    client = tokens.client(Role.ORCHESTRATOR)
+    metadata = call_metadata(client)
+    with open_channel(target, client, bearer=False) as channel:
+        say = channel.unary_unary(SAY)
+        with pytest.raises(grpc.RpcError) as refused:
+            say(b"bare", timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert say(b"before", timeout=10, metadata=metadata()) == b"before"
+        write_token_dir(tokens.directory, [Role.ORCHESTRATOR])  # rotate: replace the file
+        assert say(b"after", timeout=10, metadata=metadata()) == b"after"
+    assert call_metadata(ClientAuth(token_file=None, insecure=True))() == ()
 
 
 def test_a_token_file_of_several_lines_rotates_without_refusing_anyone(
