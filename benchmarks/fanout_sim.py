@@ -31,6 +31,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--chunk-overhead-us", type=float, default=10.0, help="fixed cost of each chunk read"
     )
+    parser.add_argument(
+        "--answer-us",
+        type=float,
+        default=0.0,
+        help="the sidecar's time per answer, serialized over the receivers",
+    )
     parser.add_argument("--chunk-mib", type=float, nargs="+", default=[4.0, 16.0, 64.0])
     parser.add_argument("--max-children", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument(
@@ -64,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             bandwidth=bandwidth * 1e9,
             latency_s=args.latency_us * 1e-6,
             chunk_overhead_s=args.chunk_overhead_us * 1e-6,
+            answer_s=args.answer_us * 1e-6,
         )
         rows = sweep(
             receivers=args.receivers,
@@ -73,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         print(
             f"\n#### S = {args.model_gb:g} GB, B = {bandwidth:g} GB/s per source, "
-            f"L = {args.latency_us:g} us per hop, {args.chunk_overhead_us:g} us per chunk read\n"
+            f"L = {args.latency_us:g} us per hop, {args.chunk_overhead_us:g} us per chunk read, "
+            f"{args.answer_us:g} us per answer\n"
         )
         print("Predicted refit time in ms (x one receiver alone, same chunk size):\n")
         print(format_table(rows))

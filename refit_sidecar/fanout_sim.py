@@ -10,6 +10,9 @@ timing model (docs/fanout.md says why these assumptions):
 - a chunk a parent has is readable by its child `latency_s` later (one hop: the parent's
   progress becomes visible, the read request reaches it); the trainer has every chunk at 0;
 - every chunk read also costs `chunk_overhead_s`, not overlapped with the transfer;
+- the sidecar answers receivers one after another, `answer_s` each, in assignment order:
+  receiver i sends no read before i x `answer_s` (a parent's children start together when
+  the last of them is answered, a bound from above);
 - star: every receiver reads from the trainer; tree (store and forward): a child starts once
   its parent holds every chunk; pipelined tree: a child reads chunk k once its parent has it.
 
@@ -66,6 +69,9 @@ class LinkModel:
     """Per hop: how much later a chunk the parent has is readable by its child."""
     chunk_overhead_s: float = 0.0
     """Fixed cost of each chunk read, not overlapped with the transfer."""
+    answer_s: float = 0.0
+    """The sidecar's time per answer: receiver i (from 1, in assignment order) is answered
+    i x answer_s after the version is published (one event loop answers them in turn)."""
 
     def __post_init__(self) -> None:
         if self.model_bytes <= 0 or self.chunk_bytes <= 0:
@@ -74,10 +80,10 @@ class LinkModel:
             )
         if not self.bandwidth > 0:
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
-        if self.latency_s < 0 or self.chunk_overhead_s < 0:
+        if min(self.latency_s, self.chunk_overhead_s, self.answer_s) < 0:
             raise ValueError(
-                f"latency_s ({self.latency_s}) and chunk_overhead_s ({self.chunk_overhead_s}) "
-                "must be >= 0"
+                f"latency_s ({self.latency_s}), chunk_overhead_s ({self.chunk_overhead_s}) and "
+                f"answer_s ({self.answer_s}) must be >= 0"
             )
 
     @property
@@ -180,7 +186,8 @@ def simulate(tree: FanoutTree, link: LinkModel, topology: Topology) -> SimResult
     have: dict[int, np.ndarray] = {0: np.zeros(link.chunks)}
     finish = np.zeros(tree.receivers + 1)
     for parent, kids in _by_parent(tree):
-        times = have.pop(parent)
+        # The group reads once its last child is answered, and reads reach the parent L later.
+        times = np.maximum(have.pop(parent), max(kids) * link.answer_s)
         if topology is Topology.PIPELINED:
             ready = times + link.latency_s
         else:
@@ -207,8 +214,10 @@ def _by_parent(tree: FanoutTree) -> list[tuple[int, list[int]]]:
 
 
 def one_receiver_s(link: LinkModel) -> float:
-    """Closed form of one receiver alone: latency + chunks x overhead + bytes / bandwidth."""
-    return link.latency_s + link.chunks * link.chunk_overhead_s + link.model_bytes / link.bandwidth
+    """Closed form of one receiver alone: its answer, then latency + chunks x overhead +
+    bytes / bandwidth."""
+    transfer = link.chunks * link.chunk_overhead_s + link.model_bytes / link.bandwidth
+    return link.answer_s + link.latency_s + transfer
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,33 @@ def test_a_star_of_n_receivers_takes_n_times_the_bytes(n):
     assert result.first_s == pytest.approx(result.refit_s)  # all share the trainer's link
 
 
+A = 0.6e-3
+"""The sidecar's time per answer."""
+
+
+def test_one_receiver_waits_for_its_answer_first():
+    link = LinkModel(model_bytes=S, chunk_bytes=C, bandwidth=B, latency_s=L, answer_s=A)
+    assert one_receiver_s(link) == pytest.approx(A + L + S / B)
+    for topology in Topology:
+        assert refit(build_tree(1, max_children=2), topology, link) == pytest.approx(A + L + S / B)
+
+
+@pytest.mark.parametrize("n", [1, 2, 64])
+def test_a_star_starts_when_its_last_receiver_is_answered(n):
+    link = LinkModel(model_bytes=S, chunk_bytes=C, bandwidth=B, latency_s=L, answer_s=A)
+    assert refit(star(n), Topology.STAR, link) == pytest.approx(n * A + L + n * S / B)
+
+
+def test_answers_bound_a_large_pipelined_tree():
+    """With answers serialized, a thousand receivers wait for the sidecar longer than for
+    their bytes: the last one is answered at 1000 x A."""
+    tree = build_tree(1000, max_children=2)
+    fast = LinkModel(model_bytes=S, chunk_bytes=C, bandwidth=B, latency_s=L)
+    slow = LinkModel(model_bytes=S, chunk_bytes=C, bandwidth=B, latency_s=L, answer_s=A)
+    assert refit(tree, Topology.PIPELINED, slow) >= 1000 * A + S / B / 2
+    assert refit(tree, Topology.PIPELINED, slow) > 2 * refit(tree, Topology.PIPELINED, fast)
+
+
 def test_store_and_forward_pays_every_level_in_full():
     # Full binary levels: 2 then 4 receivers, each level reading at B/2 after its parent.
     tree = build_tree(6, max_children=2)
