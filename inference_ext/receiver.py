@@ -489,13 +489,15 @@ class Receiver:
                         checksums=self._verifies,
                     )
                 lease, refused = self._tree.ahead_lease()
-                expected = asked and lease is not None
                 if isinstance(refused, UnknownVersion) and not asked:
                     wait = 0.0  # waited for already: lease it now if it came meanwhile
             else:
                 lease = self._ahead.take(version)
-                expected = lease is not None
-            lease = self._lease(version, wait) if lease is None else self._fresh(lease)
+            if lease is not None:
+                lease = self._fresh(lease)
+            expected = lease is not None and (self._tree is None or asked)
+            if lease is None:
+                lease = self._lease(version, wait)
         except Exception as e:
             if self._tree is not None:
                 self._tree.abandon()
@@ -613,13 +615,18 @@ class Receiver:
                 self._by_manifest_key.popitem(last=False)
         return fresh, replanned, False
 
-    def _fresh(self, lease: Lease) -> Lease:
+    def _fresh(self, lease: Lease) -> Lease | None:
         """A lease asked ahead counts its end from when it was asked: one asked long before
-        its version came is renewed now, so the pull starts with at least half a TTL."""
+        its version came is renewed now, so the pull starts with at least half a TTL. None
+        when it cannot be (it ran out before the fetch came): the caller leases anew."""
         ttl = self.options.lease_ttl_s
         if lease.expires_at - time.monotonic() >= ttl / 2:
             return lease
-        return renewed(self.client, lease, ttl)
+        try:
+            return renewed(self.client, lease, ttl)
+        except Exception as e:
+            log.debug("the lease asked ahead on version %d ended: %s", lease.version, e)
+            return None
 
     def _lease(self, version: int, wait: float) -> Lease:
         """A lease on `version`, with its checksums when they will be checked; one not readable

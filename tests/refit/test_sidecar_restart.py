@@ -216,6 +216,15 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
             installed, stats = _refit_with_stats(follower, 9)
             assert stats.expected
             _assert_exported(trainer, installed, "v9-follower")
+            # Answered, then fetched only after its lease ran out: leased anew.
+            follower.expect(10, wait_s=20)
+            assert train_step(trainer, "s10", seed=10) == 10
+            with running.client() as client:
+                client.wait_visible(10, timeout=30)
+            time.sleep(1.5)
+            installed, stats = _refit_with_stats(follower, 10)
+            assert not stats.expected
+            _assert_exported(trainer, installed, "v10-follower")
         finally:
             follower.close()
     finally:
