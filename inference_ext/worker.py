@@ -81,7 +81,7 @@ class RefitWorkerExtension:
     def refit_expect(self, version: int) -> dict[str, Any]:
         """Ask the sidecar now for `version`, to be answered the moment it is published
         (`Receiver.expect`): the prefetch or refit of it that follows starts reading at once.
-        Returns ``expected``; never raises (see `_never_raises`)."""
+        Returns ``asking``; never raises (see `_never_raises`)."""
         return self._never_raises(version, lambda refit: refit.expect(version))
 
     def refit_prefetch_state(self, version: int) -> dict[str, Any]:

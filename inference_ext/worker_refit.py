@@ -131,6 +131,8 @@ class WorkerRefit:
         self.tied = tied
         self._prefetch: Prefetch | None = None
         """The last background pull, until a `fetch` or `close` settles it."""
+        self._asking: threading.Thread | None = None
+        """`expect`'s call in progress, until anything else settles it."""
 
     @classmethod
     def build(
@@ -190,13 +192,24 @@ class WorkerRefit:
         return self._prefetch.state()
 
     def expect(self, version: int) -> dict[str, Any]:
-        """Ask the sidecar ahead for `version` (`Receiver.expect`), unless a pull is running
-        (the receiver is its thread's until it ends)."""
+        """Ask the sidecar ahead for `version` (`Receiver.expect`) in a thread, so the engine's
+        step loop never waits on the sidecar; nothing when a pull is running (the receiver is
+        its thread's until it ends). The next prefetch, fetch or close waits for the asking."""
         current = self._prefetch
         if current is not None and not current.done:
-            return {"version": version, "expected": False}
-        self.receiver.expect(version)
-        return {"version": version, "expected": True}
+            return {"version": version, "asking": False}
+        self._settle()
+        self._asking = threading.Thread(
+            target=self._expect, args=(version,), name=f"refit-expect-{version}", daemon=True
+        )
+        self._asking.start()
+        return {"version": version, "asking": True}
+
+    def _expect(self, version: int) -> None:
+        try:
+            self.receiver.expect(version)
+        except Exception as e:  # an optimisation only: the fetch asks as before
+            log.warning("refit: asking ahead for version %d failed: %s", version, _describe(e))
 
     def prefetch_state(self, version: int) -> dict[str, Any]:
         """``{"version", "state": "pending" | "ready" | "failed" | "none", "error"?}`` of the
@@ -207,7 +220,11 @@ class WorkerRefit:
         return current.state()
 
     def _settle(self) -> Prefetch | None:
-        """Wait for a background pull, and forget it: the receiver is this thread's again."""
+        """Wait for a background pull (or asking), and forget it: the receiver is this
+        thread's again."""
+        asking, self._asking = self._asking, None
+        if asking is not None:
+            asking.join()
         current, self._prefetch = self._prefetch, None
         if current is not None:
             current.wait()

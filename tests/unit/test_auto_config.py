@@ -116,7 +116,7 @@ class RecordingEngine:
             error = None if self._refit_ok else "no"
             return [{"ok": self._refit_ok, "error": error, "expected": True}] * 2
         if method == "refit_expect":
-            return [{"tp_rank": r, "version": args[0], "expected": True} for r in (0, 1)]
+            return [{"tp_rank": r, "version": args[0], "asking": True} for r in (0, 1)]
         raise AssertionError(method)
 
     async def pause_generation(self, *, mode, clear_cache):
