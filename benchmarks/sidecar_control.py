@@ -12,6 +12,8 @@ receiver's answer, with no bytes moved.
   send their GetSources with a lease, parked on the sidecar until the version is readable
   (``Receiver.expect``); each then releases its lease and its sources, as after a pull. With
   ``--direct`` they send AcquireLease instead (no tree).
+* Also: the same work called in-process (the servicer without gRPC), and the cost of an empty
+  call (back to back, after 50 ms of idleness, and the sidecar's CPU per call).
 * Latency: the receiver's ``time.monotonic()`` when its answer arrived minus the trainer's
   when it sent its PublishShards call (one clock for every process of the machine). The
   sidecar's answers for a tree come one after another (a child once its parent is assigned),
@@ -25,6 +27,7 @@ receiver's answer, with no bytes moved.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -32,7 +35,7 @@ import multiprocessing
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -42,7 +45,7 @@ import psutil
 
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import tokens_for
-from refit_sidecar.client import SidecarClient, TrainerLayout
+from refit_sidecar.client import SidecarClient, TrainerLayout, lease_from_proto
 from refit_sidecar.manifest import (
     AgentRecord,
     Box,
@@ -54,8 +57,14 @@ from refit_sidecar.manifest import (
     ShardRecord,
 )
 from refit_sidecar.plan import Want
+from refit_sidecar.registry import Registry, RegistryConfig
+from refit_sidecar.server import RefitServicer
 from refit_sidecar.sources import Offer, get_sources_request
+from refit_sidecar.tree_types import TreeConfig
+from refit_sidecar.wire import publish_request
 from trainer_refit.auth import ClientAuth, Role, TokenDir
+from trainer_refit.v1 import common_pb2
+from trainer_refit.v1 import refit_pb2 as pb
 
 log = logging.getLogger("benchmarks.sidecar_control")
 
@@ -169,14 +178,8 @@ def _receiver_main(
                 client.release_lease(answer)
             else:
                 client.release_sources(version, name, complete=True)
-                client.release_lease(lease_of(answer))
+                client.release_lease(lease_from_proto(answer.reply.lease))
             conn.send((arrived, None if config.direct else list(answer.primaries)))
-
-
-def lease_of(answer: Any) -> Any:
-    from refit_sidecar.client import lease_from_proto
-
-    return lease_from_proto(answer.reply.lease)
 
 
 @contextlib.contextmanager
@@ -219,6 +222,109 @@ def _cpu_seconds(work: Path) -> float:
             times = process.cpu_times()
             return float(times.user + times.system)
     raise RuntimeError("the sidecar process is not a child of this one")
+
+
+def empty_calls(
+    client: SidecarClient, sidecar_cpu: Callable[[], float], calls: int = 300
+) -> dict[str, float]:
+    """The cost of a call that does nothing (GetLatestVersion): its round trip back to back,
+    the sidecar's CPU per call, and its round trip after 50 ms of idleness (a machine that
+    sleeps when idle wakes up slowly)."""
+    for _ in range(20):
+        client.latest_version()
+    times = []
+    cpu = sidecar_cpu()
+    for _ in range(calls):
+        start = time.perf_counter()
+        client.latest_version()
+        times.append(time.perf_counter() - start)
+    cpu = (sidecar_cpu() - cpu) / calls
+    idle = []
+    for _ in range(20):
+        time.sleep(0.05)
+        start = time.perf_counter()
+        client.latest_version()
+        idle.append(time.perf_counter() - start)
+    return dict(
+        empty_call_s=statistics.median(times),
+        empty_call_cpu_s=cpu,
+        empty_call_after_idle_s=statistics.median(idle),
+    )
+
+
+class _Context:
+    """What the servicer's error handling needs of a gRPC context, in-process."""
+
+    async def abort_with_status(self, status: Any) -> None:
+        raise RuntimeError(f"the sidecar refused an in-process call: {status}")
+
+    def peer(self) -> str:
+        return "in-process"
+
+
+def in_process(config: Config, versions: int = 40, warmup: int = 5) -> dict[str, float]:
+    """The sidecar's own work for one version without gRPC: the servicer called directly
+    (the version readable before the receivers ask). Medians of the publication (the report,
+    and opening the version's tree) and of one answer (the lease and, unless direct, the
+    sources)."""
+    return asyncio.run(_in_process(config, versions, warmup))
+
+
+async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, float]:
+    tree = TreeConfig(max_children=config.max_children, max_root_children=config.max_children)
+    servicer = RefitServicer(Registry(RegistryConfig()), tree)
+    context = _Context()
+    layout = common_pb2.ParallelLayout(tensor_parallel=1, world_size=1)
+    request = pb.RegisterTrainerRequest(layout=layout, num_slots=config.slots)
+    await servicer.RegisterTrainer(request, context)
+    asks = []
+    for i in range(config.receivers):
+        wants, offer = receiver_offer(config, f"receiver-{i}")
+        ask = get_sources_request(0, f"receiver-{i}", wants, offer=offer)
+        ask.lease_ttl_seconds = _LEASE_S
+        ask.lease_with_checksums = True
+        asks.append(ask)
+    publications, answers = [], []
+    for version in range(1, warmup + versions + 1):
+        await servicer.ReserveSlot(pb.ReserveSlotRequest(version=version), context)
+        report = publish_request(version, 0, trainer_part(config, version, "trainer-rank0"))
+        start = time.perf_counter()
+        await servicer.PublishShards(report, context)
+        await asyncio.sleep(0)  # what the publication scheduled (opening the tree)
+        published = time.perf_counter()
+        leases = []
+        for ask in asks:
+            begin = time.perf_counter()
+            if config.direct:
+                leases.append(await servicer.AcquireLease(_acquire(ask, version), context))
+            else:
+                ask.version = version
+                leases.append((await servicer.GetSources(ask, context)).lease)
+            if version > warmup:
+                answers.append(time.perf_counter() - begin)
+        if version > warmup:
+            publications.append(published - start)
+        for ask, lease in zip(asks, leases, strict=True):
+            if not config.direct:
+                release = pb.ReleaseSourcesRequest(
+                    version=version, receiver_id=ask.receiver_id, complete=True
+                )
+                await servicer.ReleaseSources(release, context)
+            end = pb.ReleaseLeaseRequest(lease_id=lease.lease_id, receiver_id=ask.receiver_id)
+            await servicer.ReleaseLease(end, context)
+    return dict(
+        in_process_publication_s=statistics.median(publications),
+        in_process_answer_s=statistics.median(answers),
+    )
+
+
+def _acquire(ask: pb.GetSourcesRequest, version: int) -> pb.AcquireLeaseRequest:
+    return pb.AcquireLeaseRequest(
+        version=version,
+        receiver_id=ask.receiver_id,
+        ttl_seconds=ask.lease_ttl_seconds,
+        with_checksums=ask.lease_with_checksums,
+    )
 
 
 def run(config: Config, work: Path) -> dict[str, Any]:
@@ -269,6 +375,9 @@ def run(config: Config, work: Path) -> dict[str, Any]:
                 [round(1e3 * t, 2) for t in latencies],
             )
         cpu_s = _cpu_seconds(work) - cpu_start
+        auth = ClientAuth(token_file=tokens.file(Role.RECEIVER))
+        with SidecarClient(sidecar, timeout=config.timeout, auth=auth) as client:
+            calls = empty_calls(client, lambda: _cpu_seconds(work))
     timed = [r for r in records if not r["warmup"]]
     ranks = list(zip(*(r["latencies_s"] for r in timed), strict=True))
     summary = dict(
@@ -276,6 +385,8 @@ def run(config: Config, work: Path) -> dict[str, Any]:
         report_s=statistics.median(r["publish_s"] for r in timed),
         answers_s=[statistics.median(col) for col in ranks],
         sidecar_cpu_s_per_version=cpu_s / len(timed),
+        **calls,
+        **in_process(config),
     )
     return dict(
         config={k: str(v) for k, v in asdict(config).items()}, summary=summary, records=records
@@ -314,7 +425,12 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{1e3 * t:.2f}" for t in summary["answers_s"])
         + " ms after it was sent; the sidecar's CPU "
         + f"{1e3 * summary['sidecar_cpu_s_per_version']:.2f}"
-        " ms per version"
+        " ms per version\n"
+        f"in-process (no gRPC): publication {1e3 * summary['in_process_publication_s']:.2f} ms, "
+        f"an answer {1e3 * summary['in_process_answer_s']:.2f} ms\n"
+        f"an empty call: {1e3 * summary['empty_call_s']:.3f} ms back to back, "
+        f"{1e3 * summary['empty_call_after_idle_s']:.3f} ms after 50 ms idle; "
+        f"the sidecar's CPU {1e3 * summary['empty_call_cpu_s']:.3f} ms"
     )
     if config.out is not None:
         config.out.parent.mkdir(parents=True, exist_ok=True)

@@ -60,13 +60,5 @@ class AheadLease:
         self._pending = None
         if pending.cancel() or pending.exception() is not None:
             return
-        self._releases.submit(self._release, pending.result())
+        self._releases.submit(self._client.end_lease, pending.result())
         log.debug("version %d: the lease asked ahead was not used; released", version)
-
-    def _release(self, lease: Lease) -> None:
-        try:
-            self._client.release_lease(lease)
-        except Exception as e:  # it runs out at its TTL anyway
-            log.warning(
-                "releasing the lease asked ahead on version %d failed: %s", lease.version, e
-            )

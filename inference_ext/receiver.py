@@ -519,7 +519,7 @@ class Receiver:
             if self._tree is not None:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
             self._keeper.take_back()
-            self._releases.submit(self._release, lease)
+            self._releases.submit(self.client.end_lease, lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
                 raise
             raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
@@ -532,10 +532,10 @@ class Receiver:
         if lost:
             held = False  # a renewal found the lease gone: the slot may have been rewritten
         elif time.monotonic() < lease.expires_at and verified:
-            self._releases.submit(self._release, lease)
+            self._releases.submit(self.client.end_lease, lease)
             held = True
         else:
-            held = self._release(lease) and time.monotonic() < lease.expires_at
+            held = self.client.end_lease(lease) and time.monotonic() < lease.expires_at
         if not held:
             # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
             # protect the slot for the whole pull: the trainer may have overwritten it.
@@ -578,15 +578,6 @@ class Receiver:
         if on_progress is not None:
             on_progress(plan.nbytes, plan.nbytes)
         return _Pulled(stats, by_source, started, time.time(), 0, 0.0)
-
-    def _release(self, lease: Lease) -> bool:
-        """Release `lease`; True when the sidecar still held it (it was valid all along)."""
-        try:
-            self.client.release_lease(lease)
-        except Exception as e:
-            log.warning("releasing lease %s failed: %s", lease.lease_id, e)
-            return False
-        return True
 
     def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
         """The leased version's plan, whether it was planned anew, and whether it was replayed

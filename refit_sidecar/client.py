@@ -20,6 +20,7 @@ refused token is the `grpc.RpcError` UNAUTHENTICATED or PERMISSION_DENIED.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -71,6 +72,8 @@ __all__ = [
     "UnknownLease",
     "UnknownVersion",
 ]
+
+log = logging.getLogger(__name__)
 
 Reply = TypeVar("Reply")
 _RECONNECT = [
@@ -291,13 +294,7 @@ class SidecarClient:
         """A lease on `version` for `ttl` seconds. `wait_s`: a version newer than every
         readable one is waited for that long on the sidecar, then leased (UnknownVersion if it
         is not readable by then); `checksums`: the lease carries the version's checksums."""
-        request = pb.AcquireLeaseRequest(
-            version=version,
-            receiver_id=receiver_id,
-            ttl_seconds=ttl,
-            wait_seconds=wait_s,
-            with_checksums=checksums,
-        )
+        request = _lease_request(version, receiver_id, ttl, wait_s, checksums)
         sent = time.monotonic()
         return lease_from_proto(self._call(self._stub.AcquireLease, request, extra_s=wait_s), sent)
 
@@ -314,13 +311,7 @@ class SidecarClient:
         readable, answered the moment it is (or after `wait_s`, UnknownVersion). Its lease's
         `expires_at` counts from the call's start, so a call parked long leaves little of it:
         renew before relying on it (`Receiver.fetch` does)."""
-        request = pb.AcquireLeaseRequest(
-            version=version,
-            receiver_id=receiver_id,
-            ttl_seconds=ttl,
-            wait_seconds=wait_s,
-            with_checksums=checksums,
-        )
+        request = _lease_request(version, receiver_id, ttl, wait_s, checksums)
         sent = time.monotonic()
         future = self._stub.AcquireLease.future(
             request, timeout=self._timeout(wait_s), metadata=self._metadata()
@@ -344,6 +335,18 @@ class SidecarClient:
         it."""
         request = pb.ReleaseLeaseRequest(lease_id=lease.lease_id, receiver_id=lease.receiver_id)
         self._call(self._stub.ReleaseLease, request, UnknownLease)
+
+    def end_lease(self, lease: Lease) -> bool:
+        """`release_lease`, logging a failure instead of raising it (a lease nobody ends runs
+        out at its TTL); True when the sidecar still held the lease (it was valid all along)."""
+        try:
+            self.release_lease(lease)
+        except Exception as e:
+            log.warning(
+                "releasing lease %s on version %d failed: %s", lease.lease_id, lease.version, e
+            )
+            return False
+        return True
 
     # -- tree fan-out (docs/fanout.md) ---------------------------------------------------------
 
@@ -439,6 +442,18 @@ class SidecarClient:
             raise mapped from error
         finally:
             call.cancel()
+
+
+def _lease_request(
+    version: int, receiver_id: str, ttl: float, wait_s: float, checksums: bool
+) -> pb.AcquireLeaseRequest:
+    return pb.AcquireLeaseRequest(
+        version=version,
+        receiver_id=receiver_id,
+        ttl_seconds=ttl,
+        wait_seconds=wait_s,
+        with_checksums=checksums,
+    )
 
 
 def _tree_error(error: grpc.RpcError) -> Exception | None:

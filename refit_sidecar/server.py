@@ -233,9 +233,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         lease = self.registry.acquire_lease(
             request.version, request.receiver_id, request.ttl_seconds
         )
-        reply = self._lease(lease, self._manifest(request.version)[1])
-        if request.with_checksums:
-            reply.checksums.extend(self._checksums(request.version))
+        return self._granted(lease, request.with_checksums)
+
+    def _granted(self, lease: Any, with_checksums: bool) -> pb.Lease:
+        """A lease just granted on a readable version, with its manifest key, and its
+        checksums when asked for."""
+        reply = self._lease(lease, self._manifest(lease.version)[1])
+        if with_checksums:
+            reply.checksums.extend(self._checksums(lease.version))
         return reply
 
     def _seconds(self, value: float, field: str) -> float:
@@ -323,9 +328,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             self.registry.release_lease(lease.lease_id, receiver_id=lease.receiver_id)
             self._notify()
             raise
-        reply.lease.CopyFrom(self._lease(lease, self._manifest(request.version)[1]))
-        if request.lease_with_checksums:
-            reply.lease.checksums.extend(self._checksums(request.version))
+        reply.lease.CopyFrom(self._granted(lease, request.lease_with_checksums))
         return reply
 
     @_grpc_errors

@@ -214,14 +214,8 @@ class TreePull:
 
     def _end_lease(self, ahead: _Ahead) -> None:
         lease = ahead.lease()
-        if lease is None:
-            return
-        try:
-            self._client.release_lease(lease)
-        except Exception as e:  # it runs out at its TTL anyway
-            log.warning(
-                "releasing the lease asked ahead on version %d failed: %s", lease.version, e
-            )
+        if lease is not None:
+            self._client.end_lease(lease)
 
     def _take_ahead(self, version: int, key: object) -> Answer | None:
         """The answer asked ahead for this pull; None (and any other one abandoned) when there

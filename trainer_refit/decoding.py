@@ -76,8 +76,8 @@ class RequestDecoding(grpc.aio.ServerInterceptor):
         self._max_peers = max_peers
         self._logged: OrderedDict[str, None] = OrderedDict()
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-        """Per method: the handler gRPC found and its wrapped twin, built once (a call would
-        otherwise pay for building it, about a third of an empty call's server time)."""
+        """Per method: the handler gRPC found and its wrapped twin, built once rather than
+        for every call."""
 
     async def intercept_service(
         self,

@@ -28,7 +28,11 @@ def test_parked_receivers_are_answered_for_every_version(tmp_path: Path, direct:
     records = result["records"]
     assert [r["version"] for r in records] == [1, 2, 3]
     assert all(len(r["latencies_s"]) == 2 and min(r["latencies_s"]) > 0 for r in records)
-    assert result["summary"]["tensors"] == 2 * 6 + 3
+    summary = result["summary"]
+    assert summary["tensors"] == 2 * 6 + 3
+    for key in ("in_process_publication_s", "in_process_answer_s", "empty_call_s"):
+        assert 0 < summary[key] < 1, key
+    assert summary["empty_call_cpu_s"] > 0 and summary["empty_call_after_idle_s"] > 0
     if direct:
         assert all(r["sources"] == [None, None] for r in records)
     else:
