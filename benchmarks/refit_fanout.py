@@ -184,6 +184,7 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
     tree_flags = ["--max-children", str(args.max_children)]
     tree_flags += ["--max-root-children", str(args.max_children)]
     tree_flags += ["--hold-parents-seconds", str(args.hold_parents_seconds)]
+    tree_flags += ["--log-level", args.sidecar_log_level]
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(
             sidecar_server(work, logs / "sidecar.log", config.timeout, tokens, tree_flags)
@@ -271,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=TreeConfig.hold_parents_s,
         help="the sidecar's holding of the tree's shape (0: off, the tree as receivers ask)",
     )
+    fan.add_argument(
+        "--sidecar-log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="DEBUG: when each version became readable and each receiver was answered",
+    )
     p.set_defaults(out=Path("runs/refit_fanout.json"), warmup=1, steps=1)
     return p
 
@@ -285,7 +292,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--receivers must be >= 1 and --rounds >= 2 (the first are warm-ups)")
     fan = {
         k: getattr(args, k)
-        for k in ("receivers", "max_children", "chunk_bytes", "rounds", "hold_parents_seconds")
+        for k in (
+            "receivers",
+            "max_children",
+            "chunk_bytes",
+            "rounds",
+            "hold_parents_seconds",
+            "sidecar_log_level",
+        )
     }
     for key in fan:
         delattr(args, key)

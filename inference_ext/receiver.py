@@ -185,6 +185,9 @@ class RefitStats:
     tp_rank: int = 0
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     """Bytes read from each source (a trainer rank's NIXL agent, or a peer receiver's)."""
+    leased_at: float = 0.0
+    """Wall-clock time (time.time()) the lease (through the tree, with the sources) was in
+    hand: before it the receiver waited on the sidecar."""
     pull_started: float = 0.0
     """Wall-clock time (time.time()) of the pull's first read."""
     pull_finished: float = 0.0
@@ -297,6 +300,7 @@ class _Fetched:
     replanned: bool
     by_key: bool
     expected: bool
+    leased_at: float
 
 
 _VIEWS_KEPT = 4096
@@ -502,7 +506,7 @@ class Receiver:
             if self._tree is not None:
                 self._tree.abandon()
             raise RefitError(f"cannot lease version {version}: {e}") from e
-        leased = time.perf_counter()
+        leased, leased_at = time.perf_counter(), time.time()
         self._keeper.keep(lease)
         try:
             plan, replanned, by_key = self._plan_for(lease)
@@ -543,7 +547,7 @@ class Receiver:
                 f"the lease on version {version} ended before its pull did (expired, or the "
                 "sidecar restarted); the bytes may have been overwritten, so nothing installs"
             )
-        self._fetched = _Fetched(plan, pulled, plan_s, replanned, by_key, expected)
+        self._fetched = _Fetched(plan, pulled, plan_s, replanned, by_key, expected, leased_at)
 
     def _pull(
         self,
@@ -669,6 +673,7 @@ class Receiver:
             replayed_by_key=fetched.by_key,
             tp_rank=self.layout.tp_rank,
             bytes_by_source=dict(pulled.bytes_by_source),
+            leased_at=fetched.leased_at,
             pull_started=pulled.started,
             pull_finished=pulled.finished,
             fallbacks=pulled.fallbacks,

@@ -7,7 +7,10 @@ into several); a peer's chunks go in the order of its own buffer, so chunk k is 
 the peer's progress word (`progress.py`) says it holds chunk k. At most `window` chunks are in
 flight. A chunk read from a peer counts only once a later read of the peer's word still shows
 the same version not FAILED (the peer had not started overwriting it), and the pull ends only
-when every peer it read from says COMPLETE (verified).
+when every peer it read from says COMPLETE (verified). Unless the caller verifies every byte
+itself against the trainer's checksums (`verified_here`): a chunk then counts as it lands
+(bytes being overwritten under the read would fail that check) and the pull ends with its last
+chunk, so a chain of receivers does not wait for each level above it to verify in turn.
 
 What this receiver holds is published as it goes (`Filled`, and its own progress word when it
 serves): the bytes of the destination filled in order from its first byte, counting the
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refit_sidecar.chunking import cut_long, groups
 from refit_sidecar.intervals import Intervals
 from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport, Posted
@@ -225,12 +229,17 @@ class PipelinedPull:
         *,
         own: OwnProgress | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        verified_here: bool = False,
     ) -> None:
+        """`verified_here`: the caller checks every byte of the plan against the trainer's
+        checksums after the run (`transport.verifies_every_read`), so a peer's chunk counts as
+        it lands and the run does not wait for the peers to say COMPLETE."""
         self._transport = transport
         self._control = control
         self._config = config
         self._own = own
         self._on_progress = on_progress
+        self._verified_here = verified_here
 
     def run(
         self,
@@ -314,7 +323,7 @@ class PipelinedPull:
                 inflight.remove(item)
                 progressed = True
                 bytes_by[chunk.agent] = bytes_by.get(chunk.agent, 0) + chunk.nbytes
-                if chunk.agent in state:
+                if chunk.agent in state and not self._verified_here:
                     chunk.done_seq = seq
                     state[chunk.agent].unvalidated.append(chunk)
                 else:
@@ -404,27 +413,19 @@ class PipelinedPull:
         self, plan: PullPlan, dest: Region, filled: Filled, peers: Mapping[str, PeerGate]
     ) -> list[_Chunk]:
         size = self._config.chunk_bytes
-        groups: dict[tuple[str, MemType], list[tuple[np.ndarray, ...]]] = {}
+        by_source: dict[tuple[str, MemType], list[tuple[np.ndarray, ...]]] = {}
         for reads in plan.reads:
             loc = reads.location
-            groups.setdefault((loc.agent, loc.mem_type), []).append(
+            by_source.setdefault((loc.agent, loc.mem_type), []).append(
                 (reads.remote_addresses, reads.lengths.astype(np.uint64), reads.dest_offsets)
             )
         out: list[_Chunk] = []
-        for (agent, mem_type), parts in groups.items():
+        for (agent, mem_type), parts in by_source.items():
             remote = np.concatenate([p[0] for p in parts])
             length = np.concatenate([p[1] for p in parts]).astype(np.int64)
             dst = np.concatenate([p[2] for p in parts]).astype(np.int64)
             device = next(r.location.device_id for r in plan.reads if r.location.agent == agent)
-            # Cut reads longer than a chunk.
-            pieces = np.maximum(1, -(-length // size))
-            first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-            k = np.arange(int(pieces.sum())) - first
-            owner = np.repeat(np.arange(len(length)), pieces)
-            offset = k * size
-            remote = remote[owner] + offset.astype(np.uint64)
-            dst = dst[owner] + offset
-            length = np.minimum(length[owner] - offset, size)
+            remote, length, dst = cut_long(remote, length, dst, size)
             if filled.by_source:  # a run after a source failed: skip what did land
                 keep = np.array(
                     [
@@ -439,11 +440,7 @@ class PipelinedPull:
             gate = peers.get(agent)
             order = np.argsort(remote if gate is not None else dst, kind="stable")
             remote, dst, length = remote[order], dst[order], length[order]
-            ends = np.cumsum(length)
-            bounds = np.searchsorted(ends, np.arange(size, int(ends[-1]), size), side="left") + 1
-            for idx in np.split(np.arange(len(length)), np.unique(bounds[bounds < len(length)])):
-                if not len(idx):
-                    continue
+            for idx in groups(length, size):
                 r, n, d = remote[idx], length[idx], dst[idx]
                 dev = np.full(len(idx), device, np.uint64)
                 local = np.stack(
@@ -486,14 +483,17 @@ class PipelinedPull:
             return head
         return None
 
-    @staticmethod
-    def _waits_on(agent: str, peer: _Peer, queues: Mapping[str, deque[_Chunk]]) -> bool:
+    def _waits_on(self, agent: str, peer: _Peer, queues: Mapping[str, deque[_Chunk]]) -> bool:
         queue = queues.get(agent)
         if queue and (peer.word is None or peer.word.filled < queue[0].need):
             return True
         if peer.unvalidated:
             return True
-        return peer.used and (peer.word is None or peer.word.state is not CopyProgress.COMPLETE)
+        return (
+            not self._verified_here
+            and peer.used
+            and (peer.word is None or peer.word.state is not CopyProgress.COMPLETE)
+        )
 
     def _post_poll(self, record: AgentRecord, peer: _Peer, control: Region, slot: int) -> Posted:
         loc = peer.gate.progress
@@ -546,11 +546,14 @@ class PipelinedPull:
                 return agent
         return next((a for a, q in queues.items() if q), "")
 
-    @staticmethod
-    def _peers_settled(state: Mapping[str, _Peer]) -> bool:
+    def _peers_settled(self, state: Mapping[str, _Peer]) -> bool:
         return all(
             not p.used
-            or (not p.unvalidated and p.word is not None and p.word.state is CopyProgress.COMPLETE)
+            or (
+                not p.unvalidated
+                and p.word is not None
+                and (self._verified_here or p.word.state is CopyProgress.COMPLETE)
+            )
             for p in state.values()
         )
 

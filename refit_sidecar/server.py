@@ -158,6 +158,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         visible = self.registry.publish(request.version, request.rank, request)
         if visible:
             log.info("version %d is readable", request.version)
+            log.debug("version %d readable at %.6f", request.version, time.time())
             self._notify()
             if not self._parked.get(request.version):
                 # Right after this reply: the version's source tree, ready before receivers
@@ -304,6 +305,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     @_grpc_errors
     async def GetSources(self, request: pb.GetSourcesRequest, context: Any) -> Any:
         ttl = self._seconds(request.lease_ttl_seconds, "lease_ttl_seconds")
+        woke = 0.0
         if request.wait_seconds:
             self._parked[request.version] += 1
             try:
@@ -312,6 +314,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 self._parked[request.version] -= 1
                 if not self._parked[request.version]:
                     del self._parked[request.version]
+            woke = time.time()
             if not ttl:
                 # The leases woken by the same publication answer first: a receiver that
                 # asked for its lease apart replays its plan with it while its sources are
@@ -329,6 +332,14 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             self._notify()
             raise
         reply.lease.CopyFrom(self._granted(lease, request.lease_with_checksums))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "version %d: sources for %r at %.6f (%.3f ms after its call woke)",
+                request.version,
+                request.receiver_id,
+                time.time(),
+                1e3 * (time.time() - woke) if woke else 0.0,
+            )
         return reply
 
     @_grpc_errors

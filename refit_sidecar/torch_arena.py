@@ -74,7 +74,10 @@ class TorchArena:
 class TorchWords:
     """`progress.Words` in a small tensor on `device`: a receiver staging on a GPU keeps its
     progress word and the slots it reads its parents' words into in device memory, next to
-    its copy. Writes and reads are synchronous copies of a few bytes."""
+    its copy. Writes and reads are synchronous copies of a few bytes; on a GPU they go through
+    pinned host memory on a stream of their own, so that they wait for nothing else this
+    process has queued (the legacy default stream would wait for every blocking stream of the
+    process, the data copies in flight and an engine's kernels included)."""
 
     def __init__(self, nbytes: int, *, device: torch.device) -> None:
         self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -82,6 +85,11 @@ class TorchWords:
         self._region = Region(
             int(self.tensor.data_ptr()), nbytes, mem_type, device_id, owner=self.tensor
         )
+        self._stream: torch.cuda.Stream | None = None
+        self._host = self.tensor
+        if self.tensor.is_cuda:
+            self._stream = torch.cuda.Stream(device=self.tensor.device)
+            self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
 
     @property
     def region(self) -> Region:
@@ -89,7 +97,20 @@ class TorchWords:
 
     def write(self, offset: int, data: np.ndarray) -> None:
         raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-        self.tensor[offset : offset + raw.numel()].copy_(raw)
+        end = offset + raw.numel()
+        if self._stream is None:
+            self.tensor[offset:end].copy_(raw)
+            return
+        self._host[offset:end].copy_(raw)
+        with torch.cuda.stream(self._stream):
+            self.tensor[offset:end].copy_(self._host[offset:end], non_blocking=True)
+        self._stream.synchronize()
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
-        return self.tensor[offset : offset + nbytes].cpu().numpy()
+        end = offset + nbytes
+        if self._stream is None:
+            return self.tensor[offset:end].cpu().numpy()
+        with torch.cuda.stream(self._stream):
+            self._host[offset:end].copy_(self.tensor[offset:end], non_blocking=True)
+        self._stream.synchronize()
+        return self._host[offset:end].numpy().copy()

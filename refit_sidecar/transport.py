@@ -58,7 +58,8 @@ class PullStats:
     reads: int
     """Descriptors (byte ranges) read."""
     transfers: int
-    """Transfer requests posted (one per source agent and memory type)."""
+    """Transfer requests posted (over NIXL: per source agent and memory type, one per
+    `NixlConfig.request_bytes` or so)."""
     reposted: int = 0
     """Of those, requests prepared by an earlier pull and posted again."""
     verified_shards: int = 0
@@ -83,6 +84,15 @@ def verify_pulled(plan: PullPlan, dest: Region) -> int:
     from refit_sidecar.torch_wsum import verify_device  # device memory: torch is there
 
     return verify_device(plan, dest)
+
+
+def verifies_every_read(plan: PullPlan, dest: Region) -> bool:
+    """Whether `verify_pulled` into `dest` checks every byte of `plan`: each read is of a whole
+    shard carrying the checksum that memory is checked with (WSUM-64 in device memory; CRC-32
+    or WSUM-64 in host memory)."""
+    if dest.mem_type is MemType.DRAM:
+        return all(r.complete and (r.crc32 is not None or r.sum64 is not None) for r in plan.reads)
+    return all(r.complete and r.sum64 is not None for r in plan.reads)
 
 
 def host_view(region: Region) -> np.ndarray:

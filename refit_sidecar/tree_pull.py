@@ -39,7 +39,7 @@ from refit_sidecar.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
 from refit_sidecar.routing import peer_bases, route_manifest
 from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
-from refit_sidecar.transport import Region, SourceLost, verify_pulled
+from refit_sidecar.transport import Region, SourceLost, verifies_every_read, verify_pulled
 from refit_sidecar.wire import agent_from_proto, location_from_proto, mem_type_from_proto
 from trainer_refit.v1 import refit_pb2 as pb
 
@@ -267,6 +267,7 @@ class TreePull:
             self.config.chunks,
             own=self._own if offer is not None else None,
             on_progress=on_progress,
+            verified_here=self.config.verify and verifies_every_read(plan, staging),
         )
         begin = time.perf_counter()
         lost: list[str] = []
@@ -323,7 +324,8 @@ class TreePull:
             try:
                 verified = verify_pulled(plan, staging)
             except ChecksumMismatch as e:
-                raise TreePullError(str(e)) from e
+                read_from = sorted(filled.bytes_by_source())
+                raise TreePullError(f"{e} (this copy was read from {read_from})") from e
         if offer is not None:
             self._own.finish(CopyProgress.COMPLETE)
         self._release(version, complete=True)

@@ -412,3 +412,46 @@ def test_a_parent_killed_mid_pull_is_replaced_and_every_refit_stays_exact(
         "bytes_by_source leaves out bytes read from a source lost later: " + "; ".join(unaccounted)
     )
     assert read_from_victim >= len(ROUNDS) - 2, read_from_victim
+
+
+def test_a_parent_serving_a_corrupted_copy_fails_its_childs_refit_closed(stack: Stack) -> None:
+    """A parent whose copy holds a flipped byte (flipped before anyone read it) fails its own
+    check, and its child, which read that byte, fails its refit naming the parent rather than
+    install what it read: it saw the parent's copy fail, or (when it checks every byte against
+    the trainer's checksums itself, not waiting for its parent's check) its own check failed.
+    The child's next refit is exact again."""
+    filler = stack.pullers[FILLER]
+    child = stack.pullers[1]
+    version, first = stack.new_version()
+    gate = stack.root / "gate-corrupt"
+    victim = stack.zygote.victim(
+        stack.config("corrupter", 2, lease_ttl_s=VICTIM_LEASE_S),
+        version,
+        corrupt=True,
+        throttle_s=VICTIM_THROTTLE_S,
+        gate=gate,
+    )
+    agent = victim.wait_started().agent
+    filler.fetch(version, throttle_s=VICTIM_THROTTLE_S)
+    filler.wait_started()
+    child.fetch(version)
+    reader = _wait_for_edge(stack, version, agent, child.agents)
+    assert reader is not None, "the child was not given the corrupting parent"
+    child.wait_started(reader, timeout=10.0)
+    victim.release()
+    outcome = child.result()
+    assert isinstance(outcome, Failed), outcome
+    assert agent in outcome.error, outcome.error
+    parent = victim.result()
+    assert isinstance(parent, Failed) and "crc32" in parent.error, parent
+    exited, _ = victim.wait_exit()
+    assert exited.code == 0
+    # The filler may have read from the corrupter too: exact, or failed like the child.
+    filled = filler.result()
+    if isinstance(filled, Failed):
+        assert agent in filled.error, filled.error
+    else:
+        _assert_exact(filled.ranks, first)
+    version, exported = stack.new_version()
+    child.fetch(version)
+    _assert_exact(_ranks(child.result(), "the child, a version later"), exported)

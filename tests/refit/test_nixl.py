@@ -177,6 +177,39 @@ def test_refreshed_versions_reuse_registrations_and_requests(
         puller.deregister(dest)
 
 
+def test_a_pull_is_posted_as_requests_of_bounded_size(source: Source) -> None:
+    """With `request_bytes` smaller than the tensors, a pull posts several requests per source
+    (long reads cut), all at once; the bytes are the same, and the next pull re-posts them."""
+    size = 1000  # not a multiple of any row: reads are cut mid-row
+    transport = NixlTransport.create(
+        NixlConfig(name="small-requests-puller", pull_timeout_s=60, request_bytes=size)
+    )
+    try:
+        plan = plan_pull(source.manifest, whole(source.manifest))
+        array = np.zeros(plan.nbytes, np.uint8)
+        dest = Region.of_array(array)
+        transport.register(dest)
+        for attempt in range(2):
+            stats = transport.pull(plan, dest, verify=True)
+            per_agent = {
+                agent: sum(r.nbytes for r in plan.reads if r.location.agent == agent)
+                for agent in {r.location.agent for r in plan.reads}
+            }
+            assert stats.transfers >= sum(-(-n // (2 * size)) for n in per_agent.values())
+            assert stats.transfers > len(per_agent)
+            assert stats.reads >= plan.num_reads  # long reads were cut
+            assert stats.nbytes == plan.bytes_read
+            assert stats.verified_shards == len(plan.reads)
+            assert stats.reposted == (stats.transfers if attempt else 0)
+            for t in plan.targets:
+                shape, dtype = TENSORS[t.name]
+                expected = random_global(t.name, shape, dtype, 1)[index(t.box)]
+                assert array[t.span].tobytes() == expected.tobytes(), t
+            array[:] = 0
+    finally:
+        transport.close()
+
+
 def test_metadata_fetched_from_the_source_listener(source: Source) -> None:
     agents = {
         n: AgentRecord(n, host=a.host, port=a.port) for n, a in source.manifest.agents.items()

@@ -332,6 +332,8 @@ def _run(
     peer: Peer,
     stall_s: float = 5.0,
     words: Callable[[int], Words] = HostWords,
+    *,
+    verified_here: bool = False,
 ) -> tuple[threading.Thread, dict[str, object], np.ndarray, list[int]]:
     plan = plan_pull(peer.manifest, WANTS)
     dest = np.zeros(plan.nbytes, np.uint8)
@@ -343,6 +345,7 @@ def _run(
         ControlSlots(child, words),
         ChunkConfig(chunk_bytes=4096, window=2, stall_timeout_s=stall_s),
         on_progress=lambda filled, total: seen.append(filled),
+        verified_here=verified_here,
     )
     gate = PeerGate(peer.own.location, peer.staging.ctypes.data)
     out: dict[str, object] = {}
@@ -395,6 +398,33 @@ def test_a_child_reads_only_what_its_parent_holds_and_ends_when_it_is_complete(
     assert 0 < stats.reading_s < stats.gated_s  # type: ignore[attr-defined]
     # A fresh parent buffer: every chunk's request was prepared for this pull.
     assert stats.prepared == stats.chunks  # type: ignore[attr-defined]
+
+
+def test_a_child_that_checks_every_byte_itself_ends_before_its_parent_is_complete(
+    agents: tuple[NixlTransport, NixlTransport],
+) -> None:
+    """A receiver that verifies its whole copy against the trainer's checksums does not wait
+    for its parent's verification: the pull ends once every chunk landed, the parent still
+    FILLING. (Its own check then decides: tests/inference/test_fanout.py.)"""
+    peer_t, child = agents
+    peer = _peer(peer_t, version=6)
+    thread, out, dest, seen = _run(child, peer, verified_here=True)
+    peer.fill(peer.plan.nbytes)
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    assert peer.own.read().state is CopyProgress.FILLING
+    assert dest.tobytes() == peer.truth.tobytes()
+    assert seen[-1] == peer.plan.nbytes
+    # A parent that fails while the child still waits on it is lost, as with the default.
+    peer = _peer(peer_t, version=7)
+    thread, out, _, _ = _run(child, peer, verified_here=True)
+    peer.fill(peer.plan.nbytes // 2)
+    time.sleep(0.05)
+    peer.own.finish(CopyProgress.FAILED)
+    thread.join(10)
+    assert not thread.is_alive()
+    error = out.get("error")
+    assert isinstance(error, SourceLost) and error.agent == "hand-peer"
 
 
 @pytest.mark.parametrize("how", ["failed", "moved-on", "stalled"])

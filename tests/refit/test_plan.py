@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from refit_sidecar.manifest import (
     Box,
     DType,
     Manifest,
+    MemType,
     ParameterRecord,
     ShardLocation,
     ShardRecord,
@@ -25,7 +28,7 @@ from refit_sidecar.plan import (
     whole,
     with_checksums,
 )
-from refit_sidecar.transport import InMemoryTransport, Region, SourceLost
+from refit_sidecar.transport import InMemoryTransport, Region, SourceLost, verifies_every_read
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
 
 Placed = list[tuple[str, ShardSpec, np.ndarray]]
@@ -206,6 +209,23 @@ def test_checksums_catch_corruption_of_whole_shards_only() -> None:
     plan = plan_pull(manifest, whole(manifest))
     with pytest.raises(ChecksumMismatch, match="d0-tp1"):
         transport.pull(plan, Region.of_array(np.zeros(plan.nbytes, np.uint8)), verify=True)
+
+
+def test_a_plan_is_checked_whole_only_when_every_read_is_a_whole_checksummed_shard() -> None:
+    """`verifies_every_read`: what lets a fan-out child skip waiting for its parent's check."""
+    _, placed = _publish("w", (4, 6), dim=0, parts=1, tp=2)
+    manifest = in_memory_manifest(1, placed)
+    host = Region.of_array(np.zeros(1, np.uint8))
+    device = Region(1 << 20, 1, MemType.VRAM, 0)
+    whole_plan = plan_pull(manifest, whole(manifest))
+    assert verifies_every_read(whole_plan, host)  # CRC-32 on each whole shard
+    assert not verifies_every_read(whole_plan, device)  # no WSUM-64 to check on a GPU
+    with_sums = replace(whole_plan, reads=tuple(replace(r, sum64=7) for r in whole_plan.reads))
+    assert verifies_every_read(with_sums, device)
+    partial = plan_pull(manifest, [Want("w", Box(((2, 3), (0, 6))))])
+    assert not verifies_every_read(partial, host)
+    unsummed = replace(whole_plan, reads=tuple(replace(r, crc32=None) for r in whole_plan.reads))
+    assert not verifies_every_read(unsummed, host)
 
 
 def test_in_memory_transport_refuses_unregistered_memory() -> None:

@@ -73,6 +73,10 @@ class Fetch:
     and is offered, but advances no further until the test says so)."""
     kill_at: float | None = None
     """Victims only: SIGKILL the process once filled / total reaches this fraction."""
+    corrupt: bool = False
+    """Victims only: once a quarter of the copy is filled, flip a byte in the middle of what is
+    filled, then say the pull started (so a child, reading after that, reads the flipped
+    byte): the copy it serves is corrupt."""
     visible_timeout_s: float | None = None
     """How long a version not readable yet is waited for (default: the receiver's option)."""
 
@@ -226,6 +230,13 @@ def _fetch_one(receiver: Any, command: Fetch, send: Callable[[object], None]) ->
 
     def on_progress(filled: int, total: int) -> None:
         nonlocal calls
+        if command.corrupt and calls == 0:
+            if filled <= total // 4:
+                return
+            # Nobody reads this copy before `Started`: its children read the flipped byte.
+            from refit_sidecar.transport import host_view
+
+            host_view(receiver.staging.region)[filled // 2] ^= 0xFF
         calls += 1
         if calls == 1:
             send(Started(agent, filled, total))
@@ -338,6 +349,11 @@ def _victim_main(config: PullerConfig, fetch: Fetch, conn: Connection) -> None:
         os._exit(code)
 
 
+def _names(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
 class _Channel:
     """The test's end of a worker's pipe: messages of one kind are awaited, others kept."""
 
@@ -347,7 +363,12 @@ class _Channel:
         self._alive = alive
         self._pending: list[object] = []
 
-    def expect(self, kind: type, timeout: float, match: Callable[[Any], bool] | None = None) -> Any:
+    def expect(
+        self,
+        kind: type | tuple[type, ...],
+        timeout: float,
+        match: Callable[[Any], bool] | None = None,
+    ) -> Any:
         """The next message of `kind` (and `match`), one received meanwhile included."""
 
         def wanted(message: object) -> bool:
@@ -360,10 +381,10 @@ class _Channel:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{self._name}: no {kind.__name__} within {timeout} s")
+                raise TimeoutError(f"{self._name}: no {_names(kind)} within {timeout} s")
             if not self._conn.poll(min(left, 0.5)):
                 if not self._alive():
-                    raise RuntimeError(f"{self._name} died waiting for {kind.__name__}")
+                    raise RuntimeError(f"{self._name} died waiting for {_names(kind)}")
                 continue
             try:
                 message = self._conn.recv()
@@ -472,12 +493,22 @@ class Zygote:
         self.channel.expect(Ready, timeout)
 
     def victim(
-        self, config: PullerConfig, version: int, *, kill_at: float, throttle_s: float, gate: Path
+        self,
+        config: PullerConfig,
+        version: int,
+        *,
+        kill_at: float | None = None,
+        corrupt: bool = False,
+        throttle_s: float,
+        gate: Path,
     ) -> Victim:
         """Fork a receiver that fetches `version`, holds at its first progress until `gate`
         exists, then goes on with `throttle_s` per progress call and SIGKILLs itself once
-        `kill_at` of its staging is filled."""
-        fetch = Fetch(version, throttle_s=throttle_s, gate=str(gate), kill_at=kill_at)
+        `kill_at` of its staging is filled (or, with `corrupt`, serves a copy whose first byte
+        it flipped)."""
+        fetch = Fetch(
+            version, throttle_s=throttle_s, gate=str(gate), kill_at=kill_at, corrupt=corrupt
+        )
         self._conn.send((config, fetch))
         return Victim(self.channel, gate)
 
@@ -506,6 +537,11 @@ class Victim:
     def release(self) -> None:
         """Let the held pull go on."""
         self.gate.touch()
+
+    def result(self, timeout: float = 60.0) -> Fetched | Failed:
+        """The outcome of a victim that was not killed."""
+        outcome: Fetched | Failed = self.channel.expect((Fetched, Failed), timeout)
+        return outcome
 
     def wait_exit(self, timeout: float = 60.0) -> tuple[Exited, list[Killing]]:
         """The zygote's report of its exit, and the victim's last words (if it killed itself)."""
