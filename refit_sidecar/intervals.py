@@ -15,6 +15,12 @@ class Intervals:
         for start, end in ranges:
             self.add(start, end)
 
+    def copy(self) -> Intervals:
+        other = Intervals()
+        other._starts = list(self._starts)
+        other._ends = list(self._ends)
+        return other
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter(zip(self._starts, self._ends, strict=True))
 

@@ -24,10 +24,12 @@ stays in `Filled`, so the caller asks for other sources and runs again for the r
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -93,12 +95,19 @@ class SourceFailed(SourceLost):
 class Filled:
     """Which bytes of the destination are valid, and how far they run in order from byte 0."""
 
+    _gaps: tuple[object, Intervals] | None = None
+    """The alignment gaps of the last layout seen, by its targets (the same object for every
+    version of a layout)."""
+
     def __init__(self, plan: PullPlan) -> None:
         self.nbytes = plan.nbytes
-        gaps = Intervals([(0, plan.nbytes)])
-        for t in plan.targets:
-            gaps.remove(t.offset, t.offset + t.nbytes)
-        self.valid = gaps
+        cached = Filled._gaps
+        if cached is None or cached[0] is not plan.targets:
+            gaps = Intervals([(0, plan.nbytes)])
+            for t in plan.targets:
+                gaps.remove(t.offset, t.offset + t.nbytes)
+            cached = Filled._gaps = (plan.targets, gaps)
+        self.valid = cached[1].copy()
         self.by_source: dict[str, Intervals] = {}
         self.published = 0
         """The largest prefix published so far (it never shrinks)."""
@@ -140,6 +149,28 @@ class Filled:
 
     def prefix(self) -> int:
         return self.valid.prefix()
+
+
+_CUTS_KEPT = 16
+_CUTS: OrderedDict[bytes, tuple[tuple[Any, ...], ...]] = OrderedDict()
+"""Chunks by `_cut_key`: the arrays of each are never written, so runs share them."""
+
+
+def _cut_key(
+    plan: PullPlan, dest: Region, peers: Mapping[str, PeerGate], chunk_bytes: int
+) -> bytes:
+    """A digest of everything `PipelinedPull._cut` reads: where each read comes from and goes,
+    the destination, the peers' bases and the chunk size (a new version of one layout differs
+    only in its checksums, which chunks do not carry)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((dest.address, dest.device_id, chunk_bytes)).encode())
+    digest.update(repr(sorted((agent, gate.base) for agent, gate in peers.items())).encode())
+    for reads in plan.reads:
+        loc = reads.location
+        digest.update(f"{loc.agent}|{loc.mem_type.value}|{loc.device_id}".encode())
+        for array in (reads.remote_addresses, reads.lengths, reads.dest_offsets):
+            digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.digest()
 
 
 @dataclass(eq=False)
@@ -410,6 +441,27 @@ class PipelinedPull:
     # -- planning chunks ------------------------------------------------------------------------
 
     def _chunks(
+        self, plan: PullPlan, dest: Region, filled: Filled, peers: Mapping[str, PeerGate]
+    ) -> list[_Chunk]:
+        """The run's chunks; a first run of a layout pulled before (every version of a steady
+        tree) takes them from `_CUTS` instead of cutting the reads again."""
+        if filled.by_source:  # a run after a source failed: only what did not land
+            return self._cut(plan, dest, filled, peers)
+        key = _cut_key(plan, dest, peers, self._config.chunk_bytes)
+        cut = _CUTS.get(key)
+        if cut is None:
+            cut = tuple(
+                (c.agent, c.mem_type, c.remote, c.local, c.ranges, c.need)
+                for c in self._cut(plan, dest, filled, peers)
+            )
+            _CUTS[key] = cut
+            while len(_CUTS) > _CUTS_KEPT:
+                _CUTS.popitem(last=False)
+        else:
+            _CUTS.move_to_end(key)
+        return [_Chunk(*fields) for fields in cut]
+
+    def _cut(
         self, plan: PullPlan, dest: Region, filled: Filled, peers: Mapping[str, PeerGate]
     ) -> list[_Chunk]:
         size = self._config.chunk_bytes

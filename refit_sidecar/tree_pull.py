@@ -140,6 +140,7 @@ class TreePull:
         self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
         """Routed plans by `Sources.key`."""
         self._last_offer: tuple[object, Offer] | None = None
+        self._last_wants: tuple[object, list[Want]] | None = None
         self._request: tuple[object, pb.GetSourcesRequest] | None = None
         """The last GetSources request built, by (wants, offer): reused with a new version."""
         self._offered: int | None = None
@@ -258,7 +259,7 @@ class TreePull:
         on_progress: Callable[[int, int], None] | None,
     ) -> TreePullStats:
         version = plan.version
-        wants = [Want(t.name, t.box) for t in plan.targets]
+        wants = self._wants(plan)
         offer = self._offer(plan, staging) if self.config.serve else None
         filled = Filled(plan)
         runner = PipelinedPull(
@@ -347,6 +348,15 @@ class TreePull:
             prepared=completing.prepared,
             asked_ahead=asked_ahead and fallbacks == 0,
         )
+
+    def _wants(self, plan: PullPlan) -> list[Want]:
+        """What `plan` reads, as the sidecar is asked for it: the same objects for every
+        version of one layout, so comparing an answer's key with the pull's costs nothing."""
+        last = self._last_wants
+        if last is None or last[0] is not plan.targets:
+            last = (plan.targets, [Want(t.name, t.box) for t in plan.targets])
+            self._last_wants = last
+        return last[1]
 
     def _routed(
         self, answer: Answer, plan: PullPlan, wants: list[Want]

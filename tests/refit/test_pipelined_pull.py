@@ -427,6 +427,34 @@ def test_a_child_that_checks_every_byte_itself_ends_before_its_parent_is_complet
     assert isinstance(error, SourceLost) and error.agent == "hand-peer"
 
 
+def test_a_layout_pulled_again_reuses_its_chunks_and_a_fresh_fill(
+    agents: tuple[NixlTransport, NixlTransport],
+) -> None:
+    """Every version of a steady tree cuts the same reads into the same chunks: the second run
+    takes them from the cache (the same arrays), and each run still starts from its own
+    `Filled`, whose gaps the cache must not share."""
+    peer_t, child = agents
+    peer = _peer(peer_t, version=8)
+    plan = plan_pull(peer.manifest, WANTS)
+    dest = Region.of_array(np.zeros(plan.nbytes, np.uint8))
+    gate = {"hand-peer": PeerGate(peer.own.location, peer.staging.ctypes.data)}
+    runner = PipelinedPull(child, ControlSlots(child), ChunkConfig(chunk_bytes=4096, window=2))
+    first = runner._chunks(plan, dest, Filled(plan), gate)
+    again = runner._chunks(plan, dest, Filled(plan), gate)
+    assert len(first) == len(again) == 32
+    assert all(a.remote is b.remote and a is not b for a, b in zip(first, again, strict=True))
+    assert [c.need for c in first] == [c.need for c in again]
+    other = PipelinedPull(child, ControlSlots(child), ChunkConfig(chunk_bytes=8192, window=2))
+    assert len(other._chunks(plan, dest, Filled(plan), gate)) == 16
+    moved = {"hand-peer": PeerGate(peer.own.location, peer.staging.ctypes.data + 4096)}
+    assert [c.need for c in runner._chunks(plan, dest, Filled(plan), moved)] != [
+        c.need for c in first
+    ]
+    one, two = Filled(plan), Filled(plan)
+    one.add("hand-peer", np.array([[0, plan.nbytes]]))
+    assert one.complete and not two.complete and two.prefix() == 0
+
+
 @pytest.mark.parametrize("how", ["failed", "moved-on", "stalled"])
 def test_a_parent_that_fails_moves_on_or_stalls_is_lost(
     agents: tuple[NixlTransport, NixlTransport], how: str
