@@ -55,8 +55,8 @@ class NixlConfig:
     request_bytes: int = 256 << 20
     """About how many bytes one READ request of a pull carries (`chunking.groups`); a pull
     posts all of its requests at once. Several requests in flight move a model faster than one
-    request holding every read: on two H200s, 1.96 GB in one request took about 9.6 ms, in
-    256 MiB requests 4 at a time 7.1 ms (BENCHMARKS.md, "Refit in peer-copy time")."""
+    request holding every read: on two H200s, a 1B model's 1.96 GB took 9.6-10.3 ms in one
+    request, 7.8-8.9 ms in 256 MiB requests (BENCHMARKS.md, "Refit in peer-copy time")."""
     metadata_listener: bool = False
     """Run NIXL's metadata listener, which fetching a source's metadata from the source's own
     listener needs (`AgentRecord` without a blob)."""
