@@ -188,6 +188,12 @@ class RefitStats:
     leased_at: float = 0.0
     """Wall-clock time (time.time()) the lease (through the tree, with the sources) was in
     hand: before it the receiver waited on the sidecar."""
+    sidecar_readable_at: float = 0.0
+    """When the version became readable, by the sidecar's clock (0 when unknown)."""
+    sidecar_answered_at: float = 0.0
+    """When the sidecar built the answer that brought the lease, by its clock: on one host,
+    `sidecar_answered_at - sidecar_readable_at` is the sidecar's time to answer and
+    `leased_at - sidecar_answered_at` the answer's way to the receiver's thread."""
     pull_started: float = 0.0
     """Wall-clock time (time.time()) of the pull's first read."""
     pull_finished: float = 0.0
@@ -301,6 +307,8 @@ class _Fetched:
     by_key: bool
     expected: bool
     leased_at: float
+    sidecar_readable_at: float
+    sidecar_answered_at: float
 
 
 _VIEWS_KEPT = 4096
@@ -497,16 +505,19 @@ class Receiver:
                     wait = 0.0  # waited for already: lease it now if it came meanwhile
             else:
                 lease = self._ahead.take(version)
+            answer = lease
             if lease is not None:
                 lease = self._fresh(lease)
             expected = lease is not None and (self._tree is None or asked)
             if lease is None:
-                lease = self._lease(version, wait)
+                lease = answer = self._lease(version, wait)
         except Exception as e:
             if self._tree is not None:
                 self._tree.abandon()
             raise RefitError(f"cannot lease version {version}: {e}") from e
         leased, leased_at = time.perf_counter(), time.time()
+        # The sidecar's times, from its answer (a renewal of a lease asked long before has none).
+        sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
         self._keeper.keep(lease)
         try:
             plan, replanned, by_key = self._plan_for(lease)
@@ -547,7 +558,9 @@ class Receiver:
                 f"the lease on version {version} ended before its pull did (expired, or the "
                 "sidecar restarted); the bytes may have been overwritten, so nothing installs"
             )
-        self._fetched = _Fetched(plan, pulled, plan_s, replanned, by_key, expected, leased_at)
+        self._fetched = _Fetched(
+            plan, pulled, plan_s, replanned, by_key, expected, leased_at, *sidecar
+        )
 
     def _pull(
         self,
@@ -674,6 +687,8 @@ class Receiver:
             tp_rank=self.layout.tp_rank,
             bytes_by_source=dict(pulled.bytes_by_source),
             leased_at=fetched.leased_at,
+            sidecar_readable_at=fetched.sidecar_readable_at,
+            sidecar_answered_at=fetched.sidecar_answered_at,
             pull_started=pulled.started,
             pull_finished=pulled.finished,
             fallbacks=pulled.fallbacks,

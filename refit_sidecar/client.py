@@ -126,6 +126,11 @@ class Lease:
     expires_at: float = math.inf
     """A `time.monotonic()` by which the lease has surely ended: the call's start plus the
     sidecar's `expires_in_seconds` (the sidecar started the lease after the call did)."""
+    readable_at: float = 0.0
+    """When the version became readable, by the sidecar's clock (`time.time()`; 0 from
+    renewals)."""
+    answered_at: float = 0.0
+    """When the sidecar built this answer, by its clock."""
 
 
 def lease_from_proto(reply: pb.Lease, sent: float | None = None) -> Lease:
@@ -139,6 +144,8 @@ def lease_from_proto(reply: pb.Lease, sent: float | None = None) -> Lease:
         reply.receiver_id,
         tuple(checksums_from_proto(s) for s in reply.checksums) if reply.checksums else None,
         math.inf if sent is None else sent + reply.expires_in_seconds,
+        reply.readable_at,
+        reply.answered_at,
     )
 
 

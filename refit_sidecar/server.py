@@ -87,6 +87,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._layout = common_pb2.ParallelLayout()
         self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
         self._sums: dict[int, list[pb.ShardChecksums]] = {}
+        self._readable_at: dict[int, float] = {}
+        """When each version became readable (`time.time()`), for the leases' answers."""
         self.tree = TreeService(
             registry,
             self._manifest,
@@ -158,7 +160,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         visible = self.registry.publish(request.version, request.rank, request)
         if visible:
             log.info("version %d is readable", request.version)
-            log.debug("version %d readable at %.6f", request.version, time.time())
+            self._readable_at[request.version] = readable_at = time.time()
+            for old in [v for v in self._readable_at if v not in self.registry.readable()]:
+                del self._readable_at[old]
+            log.debug("version %d readable at %.6f", request.version, readable_at)
             self._notify()
             if not self._parked.get(request.version):
                 # Right after this reply: the version's source tree, ready before receivers
@@ -242,6 +247,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         reply = self._lease(lease, self._manifest(lease.version)[1])
         if with_checksums:
             reply.checksums.extend(self._checksums(lease.version))
+        reply.readable_at = self._readable_at.get(lease.version, 0.0)
+        reply.answered_at = time.time()
         return reply
 
     def _seconds(self, value: float, field: str) -> float:

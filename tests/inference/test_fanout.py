@@ -276,6 +276,11 @@ def test_a_receiver_that_expects_a_version_reads_it_the_moment_it_is_published(
         assert all(r.stats["expected"] and r.stats["asked_ahead"] for r in ranks), [
             r.stats for r in ranks
         ]
+        # The sidecar's times, on this host's clock: readable, answered, in the receiver's hand.
+        for r in ranks:
+            s = r.stats
+            assert 0 < s["sidecar_readable_at"] <= s["sidecar_answered_at"] <= s["leased_at"], s
+        assert len({r.stats["sidecar_readable_at"] for r in ranks}) == 1
 
     # Answered, then not used: a fetches a later version instead.
     a.expect(expected + 1)

@@ -253,6 +253,15 @@ def test_a_lease_asked_later_is_answered_when_the_version_comes_or_cancelled(tmp
         _publish(stub, 1, rank=0, crc32=7)
         lease = waiting.result(timeout=10)
         assert lease.version == 1 and lease.receiver_id == "r"
+        # When the version became readable and when the answer was built, by the sidecar's
+        # clock (this host's): the parked call was answered after the publication, a later
+        # lease of the version names the same moment, a renewal neither.
+        assert 0 < lease.readable_at <= lease.answered_at <= time.time()
+        again = client.acquire_lease(1, "s", ttl=30)
+        assert again.readable_at == lease.readable_at and again.answered_at > lease.answered_at
+        client.release_lease(again)
+        renewed = client.renew_lease(lease, 30)
+        assert renewed.readable_at == renewed.answered_at == 0
         assert lease.checksums is not None and [tuple(c) for c in lease.checksums] == [(7, 7 << 40)]
         assert not waiting.cancel()  # answered: nothing to cancel
         client.release_lease(lease)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from trainer_refit.v1 import common_pb2 as trainer__refit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrainer_refit/v1/refit.proto\x12\x10trainer_refit.v1\x1a\x1dtrainer_refit/v1/common.proto\"\"\n\x03\x42ox\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"E\n\nShardPiece\x12\"\n\x03\x62ox\x18\x01 \x01(\x0b\x32\x15.trainer_refit.v1.Box\x12\x13\n\x0blocal_start\x18\x02 \x03(\x03\"\xa0\x01\n\rShardLocation\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07strides\x18\x05 \x03(\x03\x12,\n\x06memory\x18\x06 \x01(\x0e\x32\x1c.trainer_refit.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xe7\x01\n\x0bShardRecord\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\x12,\n\x06pieces\x18\x02 \x03(\x0b\x32\x1c.trainer_refit.v1.ShardPiece\x12\x12\n\x05\x63rc32\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0btensor_rank\x18\x05 \x01(\r\x12\x16\n\x0epipeline_stage\x18\x06 \x01(\r\x12\x13\n\x06wsum64\x18\x07 \x01(\x06H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_wsum64\"\x85\x01\n\x0fParameterRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.trainer_refit.v1.DType\x12-\n\x06shards\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.ShardRecord\";\n\x0bSourceAgent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xb3\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layout\x18\x02 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x35\n\nparameters\x18\x03 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\x12-\n\x06\x61gents\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\"3\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x19\n\x17GetLatestVersionRequest\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"~\n\x13\x41\x63quireLeaseRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x16\n\x0ewith_checksums\x18\x05 \x01(\x08\"N\n\x0eShardChecksums\x12\x12\n\x05\x63rc32\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06wsum64\x18\x02 \x01(\x06H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_wsum64\"\xa6\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1a\n\x12\x65xpires_in_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cmanifest_key\x18\x04 \x01(\x0c\x12\x13\n\x0breceiver_id\x18\x05 \x01(\t\x12\x33\n\tchecksums\x18\x06 \x03(\x0b\x32 .trainer_refit.v1.ShardChecksums\"O\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\x12\x13\n\x0breceiver_id\x18\x03 \x01(\t\"<\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"]\n\x16RegisterTrainerRequest\x12\x30\n\x06layout\x18\x01 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x19\n\x17RegisterTrainerResponse\"4\n\x12ReserveSlotRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x61head\x18\x02 \x01(\x08\"<\n\x13ReserveSlotResponse\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x17\n\x0fretired_version\x18\x02 \x01(\x04\"\x9a\x01\n\x14PublishShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12,\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\x12\x35\n\nparameters\x18\x04 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\"(\n\x15PublishShardsResponse\x12\x0f\n\x07visible\x18\x01 \x01(\x08\"=\n\tWantedBox\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x15.trainer_refit.v1.Box\"\xa0\x01\n\tPeerOffer\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\x12\x32\n\tlocations\x18\x02 \x03(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\x12\x31\n\x08progress\x18\x03 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\"\xfe\x01\n\x11GetSourcesRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12*\n\x05wants\x18\x04 \x03(\x0b\x32\x1b.trainer_refit.v1.WantedBox\x12*\n\x05offer\x18\x05 \x01(\x0b\x32\x1b.trainer_refit.v1.PeerOffer\x12\x0c\n\x04lost\x18\x06 \x03(\t\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01\x12\x19\n\x11lease_ttl_seconds\x18\x08 \x01(\x01\x12\x1c\n\x14lease_with_checksums\x18\t \x01(\x08\"c\n\x0bSourceRoute\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x15.trainer_refit.v1.Box\x12\x0f\n\x07primary\x18\x03 \x01(\t\x12\x11\n\tfallbacks\x18\x04 \x03(\t\"\xaa\x01\n\nSourceCopy\x12\x11\n\tsource_id\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.trainer_refit.v1.SourceKind\x12*\n\x06shards\x18\x03 \x01(\x0b\x32\x1a.trainer_refit.v1.Manifest\x12\x31\n\x08progress\x18\x04 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\"\xe2\x01\n\x12GetSourcesResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x06routes\x18\x02 \x03(\x0b\x32\x1d.trainer_refit.v1.SourceRoute\x12-\n\x07sources\x18\x03 \x03(\x0b\x32\x1c.trainer_refit.v1.SourceCopy\x12 \n\x18offer_expires_in_seconds\x18\x04 \x01(\x01\x12\x13\n\x0brouting_key\x18\x05 \x01(\x0c\x12&\n\x05lease\x18\x06 \x01(\x0b\x32\x17.trainer_refit.v1.Lease\"O\n\x15ReleaseSourcesRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"\x18\n\x16ReleaseSourcesResponse\"\"\n\x0fListTreeRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x9a\x01\n\x08TreeNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.trainer_refit.v1.SourceKind\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x10\n\x08\x63hildren\x18\x06 \x01(\r\x12\x0e\n\x06serves\x18\x07 \x01(\x08\"9\n\x08TreeEdge\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\r\n\x05\x63hild\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\"\x83\x01\n\x0bTreeListing\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\x05nodes\x18\x02 \x03(\x0b\x32\x1a.trainer_refit.v1.TreeNode\x12)\n\x05\x65\x64ges\x18\x03 \x03(\x0b\x32\x1a.trainer_refit.v1.TreeEdge\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*X\n\nSourceKind\x12\x1b\n\x17SOURCE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13SOURCE_KIND_TRAINER\x10\x01\x12\x14\n\x10SOURCE_KIND_PEER\x10\x02\x32\xc4\x08\n\x0cRefitService\x12\\\n\x10GetLatestVersion\x12).trainer_refit.v1.GetLatestVersionRequest\x1a\x1d.trainer_refit.v1.VersionInfo\x12X\n\rWatchVersions\x12&.trainer_refit.v1.WatchVersionsRequest\x1a\x1d.trainer_refit.v1.VersionInfo0\x01\x12O\n\x0bGetManifest\x12$.trainer_refit.v1.GetManifestRequest\x1a\x1a.trainer_refit.v1.Manifest\x12N\n\x0c\x41\x63quireLease\x12%.trainer_refit.v1.AcquireLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12J\n\nRenewLease\x12#.trainer_refit.v1.RenewLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12]\n\x0cReleaseLease\x12%.trainer_refit.v1.ReleaseLeaseRequest\x1a&.trainer_refit.v1.ReleaseLeaseResponse\x12\x66\n\x0fRegisterTrainer\x12(.trainer_refit.v1.RegisterTrainerRequest\x1a).trainer_refit.v1.RegisterTrainerResponse\x12Z\n\x0bReserveSlot\x12$.trainer_refit.v1.ReserveSlotRequest\x1a%.trainer_refit.v1.ReserveSlotResponse\x12`\n\rPublishShards\x12&.trainer_refit.v1.PublishShardsRequest\x1a\'.trainer_refit.v1.PublishShardsResponse\x12W\n\nGetSources\x12#.trainer_refit.v1.GetSourcesRequest\x1a$.trainer_refit.v1.GetSourcesResponse\x12\x63\n\x0eReleaseSources\x12\'.trainer_refit.v1.ReleaseSourcesRequest\x1a(.trainer_refit.v1.ReleaseSourcesResponse\x12L\n\x08ListTree\x12!.trainer_refit.v1.ListTreeRequest\x1a\x1d.trainer_refit.v1.TreeListingb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrainer_refit/v1/refit.proto\x12\x10trainer_refit.v1\x1a\x1dtrainer_refit/v1/common.proto\"\"\n\x03\x42ox\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"E\n\nShardPiece\x12\"\n\x03\x62ox\x18\x01 \x01(\x0b\x32\x15.trainer_refit.v1.Box\x12\x13\n\x0blocal_start\x18\x02 \x03(\x03\"\xa0\x01\n\rShardLocation\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07strides\x18\x05 \x03(\x03\x12,\n\x06memory\x18\x06 \x01(\x0e\x32\x1c.trainer_refit.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xe7\x01\n\x0bShardRecord\x12\x31\n\x08location\x18\x01 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\x12,\n\x06pieces\x18\x02 \x03(\x0b\x32\x1c.trainer_refit.v1.ShardPiece\x12\x12\n\x05\x63rc32\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0btensor_rank\x18\x05 \x01(\r\x12\x16\n\x0epipeline_stage\x18\x06 \x01(\r\x12\x13\n\x06wsum64\x18\x07 \x01(\x06H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_wsum64\"\x85\x01\n\x0fParameterRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.trainer_refit.v1.DType\x12-\n\x06shards\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.ShardRecord\";\n\x0bSourceAgent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xb3\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x30\n\x06layout\x18\x02 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x35\n\nparameters\x18\x03 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\x12-\n\x06\x61gents\x18\x04 \x03(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\"3\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x19\n\x17GetLatestVersionRequest\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"%\n\x12GetManifestRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"~\n\x13\x41\x63quireLeaseRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x16\n\x0ewith_checksums\x18\x05 \x01(\x08\"N\n\x0eShardChecksums\x12\x12\n\x05\x63rc32\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06wsum64\x18\x02 \x01(\x06H\x01\x88\x01\x01\x42\x08\n\x06_crc32B\t\n\x07_wsum64\"\xd0\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x1a\n\x12\x65xpires_in_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cmanifest_key\x18\x04 \x01(\x0c\x12\x13\n\x0breceiver_id\x18\x05 \x01(\t\x12\x33\n\tchecksums\x18\x06 \x03(\x0b\x32 .trainer_refit.v1.ShardChecksums\x12\x13\n\x0breadable_at\x18\x07 \x01(\x01\x12\x13\n\x0b\x61nswered_at\x18\x08 \x01(\x01\"O\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\x12\x13\n\x0breceiver_id\x18\x03 \x01(\t\"<\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"]\n\x16RegisterTrainerRequest\x12\x30\n\x06layout\x18\x01 \x01(\x0b\x32 .trainer_refit.v1.ParallelLayout\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x19\n\x17RegisterTrainerResponse\"4\n\x12ReserveSlotRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x61head\x18\x02 \x01(\x08\"<\n\x13ReserveSlotResponse\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x17\n\x0fretired_version\x18\x02 \x01(\x04\"\x9a\x01\n\x14PublishShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12,\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\x12\x35\n\nparameters\x18\x04 \x03(\x0b\x32!.trainer_refit.v1.ParameterRecord\"(\n\x15PublishShardsResponse\x12\x0f\n\x07visible\x18\x01 \x01(\x08\"=\n\tWantedBox\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x15.trainer_refit.v1.Box\"\xa0\x01\n\tPeerOffer\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.trainer_refit.v1.SourceAgent\x12\x32\n\tlocations\x18\x02 \x03(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\x12\x31\n\x08progress\x18\x03 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\"\xfe\x01\n\x11GetSourcesRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12*\n\x05wants\x18\x04 \x03(\x0b\x32\x1b.trainer_refit.v1.WantedBox\x12*\n\x05offer\x18\x05 \x01(\x0b\x32\x1b.trainer_refit.v1.PeerOffer\x12\x0c\n\x04lost\x18\x06 \x03(\t\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01\x12\x19\n\x11lease_ttl_seconds\x18\x08 \x01(\x01\x12\x1c\n\x14lease_with_checksums\x18\t \x01(\x08\"c\n\x0bSourceRoute\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x15.trainer_refit.v1.Box\x12\x0f\n\x07primary\x18\x03 \x01(\t\x12\x11\n\tfallbacks\x18\x04 \x03(\t\"\xaa\x01\n\nSourceCopy\x12\x11\n\tsource_id\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.trainer_refit.v1.SourceKind\x12*\n\x06shards\x18\x03 \x01(\x0b\x32\x1a.trainer_refit.v1.Manifest\x12\x31\n\x08progress\x18\x04 \x01(\x0b\x32\x1f.trainer_refit.v1.ShardLocation\"\xe2\x01\n\x12GetSourcesResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x06routes\x18\x02 \x03(\x0b\x32\x1d.trainer_refit.v1.SourceRoute\x12-\n\x07sources\x18\x03 \x03(\x0b\x32\x1c.trainer_refit.v1.SourceCopy\x12 \n\x18offer_expires_in_seconds\x18\x04 \x01(\x01\x12\x13\n\x0brouting_key\x18\x05 \x01(\x0c\x12&\n\x05lease\x18\x06 \x01(\x0b\x32\x17.trainer_refit.v1.Lease\"O\n\x15ReleaseSourcesRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"\x18\n\x16ReleaseSourcesResponse\"\"\n\x0fListTreeRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x9a\x01\n\x08TreeNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.trainer_refit.v1.SourceKind\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x10\n\x08\x63hildren\x18\x06 \x01(\r\x12\x0e\n\x06serves\x18\x07 \x01(\x08\"9\n\x08TreeEdge\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\r\n\x05\x63hild\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\"\x83\x01\n\x0bTreeListing\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\x05nodes\x18\x02 \x03(\x0b\x32\x1a.trainer_refit.v1.TreeNode\x12)\n\x05\x65\x64ges\x18\x03 \x03(\x0b\x32\x1a.trainer_refit.v1.TreeEdge\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*X\n\nSourceKind\x12\x1b\n\x17SOURCE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13SOURCE_KIND_TRAINER\x10\x01\x12\x14\n\x10SOURCE_KIND_PEER\x10\x02\x32\xc4\x08\n\x0cRefitService\x12\\\n\x10GetLatestVersion\x12).trainer_refit.v1.GetLatestVersionRequest\x1a\x1d.trainer_refit.v1.VersionInfo\x12X\n\rWatchVersions\x12&.trainer_refit.v1.WatchVersionsRequest\x1a\x1d.trainer_refit.v1.VersionInfo0\x01\x12O\n\x0bGetManifest\x12$.trainer_refit.v1.GetManifestRequest\x1a\x1a.trainer_refit.v1.Manifest\x12N\n\x0c\x41\x63quireLease\x12%.trainer_refit.v1.AcquireLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12J\n\nRenewLease\x12#.trainer_refit.v1.RenewLeaseRequest\x1a\x17.trainer_refit.v1.Lease\x12]\n\x0cReleaseLease\x12%.trainer_refit.v1.ReleaseLeaseRequest\x1a&.trainer_refit.v1.ReleaseLeaseResponse\x12\x66\n\x0fRegisterTrainer\x12(.trainer_refit.v1.RegisterTrainerRequest\x1a).trainer_refit.v1.RegisterTrainerResponse\x12Z\n\x0bReserveSlot\x12$.trainer_refit.v1.ReserveSlotRequest\x1a%.trainer_refit.v1.ReserveSlotResponse\x12`\n\rPublishShards\x12&.trainer_refit.v1.PublishShardsRequest\x1a\'.trainer_refit.v1.PublishShardsResponse\x12W\n\nGetSources\x12#.trainer_refit.v1.GetSourcesRequest\x1a$.trainer_refit.v1.GetSourcesResponse\x12\x63\n\x0eReleaseSources\x12\'.trainer_refit.v1.ReleaseSourcesRequest\x1a(.trainer_refit.v1.ReleaseSourcesResponse\x12L\n\x08ListTree\x12!.trainer_refit.v1.ListTreeRequest\x1a\x1d.trainer_refit.v1.TreeListingb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainer_refit.v1.refit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYKIND']._serialized_start=3590
-  _globals['_MEMORYKIND']._serialized_end=3675
-  _globals['_SOURCEKIND']._serialized_start=3677
-  _globals['_SOURCEKIND']._serialized_end=3765
+  _globals['_MEMORYKIND']._serialized_start=3632
+  _globals['_MEMORYKIND']._serialized_end=3717
+  _globals['_SOURCEKIND']._serialized_start=3719
+  _globals['_SOURCEKIND']._serialized_end=3807
   _globals['_BOX']._serialized_start=81
   _globals['_BOX']._serialized_end=115
   _globals['_SHARDPIECE']._serialized_start=117
@@ -63,49 +63,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDCHECKSUMS']._serialized_start=1258
   _globals['_SHARDCHECKSUMS']._serialized_end=1336
   _globals['_LEASE']._serialized_start=1339
-  _globals['_LEASE']._serialized_end=1505
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1507
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1586
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1588
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1648
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1650
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1672
-  _globals['_REGISTERTRAINERREQUEST']._serialized_start=1674
-  _globals['_REGISTERTRAINERREQUEST']._serialized_end=1767
-  _globals['_REGISTERTRAINERRESPONSE']._serialized_start=1769
-  _globals['_REGISTERTRAINERRESPONSE']._serialized_end=1794
-  _globals['_RESERVESLOTREQUEST']._serialized_start=1796
-  _globals['_RESERVESLOTREQUEST']._serialized_end=1848
-  _globals['_RESERVESLOTRESPONSE']._serialized_start=1850
-  _globals['_RESERVESLOTRESPONSE']._serialized_end=1910
-  _globals['_PUBLISHSHARDSREQUEST']._serialized_start=1913
-  _globals['_PUBLISHSHARDSREQUEST']._serialized_end=2067
-  _globals['_PUBLISHSHARDSRESPONSE']._serialized_start=2069
-  _globals['_PUBLISHSHARDSRESPONSE']._serialized_end=2109
-  _globals['_WANTEDBOX']._serialized_start=2111
-  _globals['_WANTEDBOX']._serialized_end=2172
-  _globals['_PEEROFFER']._serialized_start=2175
-  _globals['_PEEROFFER']._serialized_end=2335
-  _globals['_GETSOURCESREQUEST']._serialized_start=2338
-  _globals['_GETSOURCESREQUEST']._serialized_end=2592
-  _globals['_SOURCEROUTE']._serialized_start=2594
-  _globals['_SOURCEROUTE']._serialized_end=2693
-  _globals['_SOURCECOPY']._serialized_start=2696
-  _globals['_SOURCECOPY']._serialized_end=2866
-  _globals['_GETSOURCESRESPONSE']._serialized_start=2869
-  _globals['_GETSOURCESRESPONSE']._serialized_end=3095
-  _globals['_RELEASESOURCESREQUEST']._serialized_start=3097
-  _globals['_RELEASESOURCESREQUEST']._serialized_end=3176
-  _globals['_RELEASESOURCESRESPONSE']._serialized_start=3178
-  _globals['_RELEASESOURCESRESPONSE']._serialized_end=3202
-  _globals['_LISTTREEREQUEST']._serialized_start=3204
-  _globals['_LISTTREEREQUEST']._serialized_end=3238
-  _globals['_TREENODE']._serialized_start=3241
-  _globals['_TREENODE']._serialized_end=3395
-  _globals['_TREEEDGE']._serialized_start=3397
-  _globals['_TREEEDGE']._serialized_end=3454
-  _globals['_TREELISTING']._serialized_start=3457
-  _globals['_TREELISTING']._serialized_end=3588
-  _globals['_REFITSERVICE']._serialized_start=3768
-  _globals['_REFITSERVICE']._serialized_end=4860
+  _globals['_LEASE']._serialized_end=1547
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1549
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1628
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1630
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1690
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1692
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1714
+  _globals['_REGISTERTRAINERREQUEST']._serialized_start=1716
+  _globals['_REGISTERTRAINERREQUEST']._serialized_end=1809
+  _globals['_REGISTERTRAINERRESPONSE']._serialized_start=1811
+  _globals['_REGISTERTRAINERRESPONSE']._serialized_end=1836
+  _globals['_RESERVESLOTREQUEST']._serialized_start=1838
+  _globals['_RESERVESLOTREQUEST']._serialized_end=1890
+  _globals['_RESERVESLOTRESPONSE']._serialized_start=1892
+  _globals['_RESERVESLOTRESPONSE']._serialized_end=1952
+  _globals['_PUBLISHSHARDSREQUEST']._serialized_start=1955
+  _globals['_PUBLISHSHARDSREQUEST']._serialized_end=2109
+  _globals['_PUBLISHSHARDSRESPONSE']._serialized_start=2111
+  _globals['_PUBLISHSHARDSRESPONSE']._serialized_end=2151
+  _globals['_WANTEDBOX']._serialized_start=2153
+  _globals['_WANTEDBOX']._serialized_end=2214
+  _globals['_PEEROFFER']._serialized_start=2217
+  _globals['_PEEROFFER']._serialized_end=2377
+  _globals['_GETSOURCESREQUEST']._serialized_start=2380
+  _globals['_GETSOURCESREQUEST']._serialized_end=2634
+  _globals['_SOURCEROUTE']._serialized_start=2636
+  _globals['_SOURCEROUTE']._serialized_end=2735
+  _globals['_SOURCECOPY']._serialized_start=2738
+  _globals['_SOURCECOPY']._serialized_end=2908
+  _globals['_GETSOURCESRESPONSE']._serialized_start=2911
+  _globals['_GETSOURCESRESPONSE']._serialized_end=3137
+  _globals['_RELEASESOURCESREQUEST']._serialized_start=3139
+  _globals['_RELEASESOURCESREQUEST']._serialized_end=3218
+  _globals['_RELEASESOURCESRESPONSE']._serialized_start=3220
+  _globals['_RELEASESOURCESRESPONSE']._serialized_end=3244
+  _globals['_LISTTREEREQUEST']._serialized_start=3246
+  _globals['_LISTTREEREQUEST']._serialized_end=3280
+  _globals['_TREENODE']._serialized_start=3283
+  _globals['_TREENODE']._serialized_end=3437
+  _globals['_TREEEDGE']._serialized_start=3439
+  _globals['_TREEEDGE']._serialized_end=3496
+  _globals['_TREELISTING']._serialized_start=3499
+  _globals['_TREELISTING']._serialized_end=3630
+  _globals['_REFITSERVICE']._serialized_start=3810
+  _globals['_REFITSERVICE']._serialized_end=4902
 # @@protoc_insertion_point(module_scope)

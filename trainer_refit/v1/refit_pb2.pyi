@@ -159,20 +159,24 @@ class ShardChecksums(_message.Message):
     def __init__(self, crc32: _Optional[int] = ..., wsum64: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key", "receiver_id", "checksums")
+    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key", "receiver_id", "checksums", "readable_at", "answered_at")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_KEY_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    READABLE_AT_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_AT_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     expires_in_seconds: float
     manifest_key: bytes
     receiver_id: str
     checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksums]
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ..., receiver_id: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksums, _Mapping]]] = ...) -> None: ...
+    readable_at: float
+    answered_at: float
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ..., receiver_id: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksums, _Mapping]]] = ..., readable_at: _Optional[float] = ..., answered_at: _Optional[float] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_seconds", "receiver_id")
