@@ -25,6 +25,7 @@ stays in `Filled`, so the caller asks for other sources and runs again for the r
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
@@ -152,6 +153,7 @@ class Filled:
 
 
 _CUTS_KEPT = 16
+_CUTS_LOCK = threading.Lock()
 _CUTS: OrderedDict[bytes, tuple[tuple[Any, ...], ...]] = OrderedDict()
 """Chunks by `_cut_key`: the arrays of each are never written, so runs share them."""
 
@@ -448,17 +450,19 @@ class PipelinedPull:
         if filled.by_source:  # a run after a source failed: only what did not land
             return self._cut(plan, dest, filled, peers)
         key = _cut_key(plan, dest, peers, self._config.chunk_bytes)
-        cut = _CUTS.get(key)
+        with _CUTS_LOCK:  # the ranks of a receiver process pull at once, from threads
+            cut = _CUTS.get(key)
+            if cut is not None:
+                _CUTS.move_to_end(key)
         if cut is None:
             cut = tuple(
                 (c.agent, c.mem_type, c.remote, c.local, c.ranges, c.need)
                 for c in self._cut(plan, dest, filled, peers)
             )
-            _CUTS[key] = cut
-            while len(_CUTS) > _CUTS_KEPT:
-                _CUTS.popitem(last=False)
-        else:
-            _CUTS.move_to_end(key)
+            with _CUTS_LOCK:
+                _CUTS[key] = cut
+                while len(_CUTS) > _CUTS_KEPT:
+                    _CUTS.popitem(last=False)
         return [_Chunk(*fields) for fields in cut]
 
     def _cut(
