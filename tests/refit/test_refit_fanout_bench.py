@@ -1,0 +1,42 @@
+"""`benchmarks.refit_fanout` end to end on the CPU (tiny model, two receivers, one child per
+source): every mode is timed, the tree is a chain, and each refit reports the sidecar's times
+beside its own, which the sidecar's DEBUG log repeats."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
+    tmp_path: Path,
+) -> None:
+    out, logs = tmp_path / "fanout.json", tmp_path / "logs"
+    command = [sys.executable, "-m", "benchmarks.refit_fanout", "--preset", "tiny"]
+    command += ["--device", "cpu", "--receivers", "2", "--max-children", "1", "--rounds", "3"]
+    command += ["--no-verify", "--sidecar-log-level", "DEBUG"]
+    command += ["--out", str(out), "--log-dir", str(logs), "--work-dir", str(tmp_path / "work")]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["summary"]["median_ms"]) == {"one", "one-tree", "star", "tree"}
+    trees = [r for r in result["records"] if r["mode"] == "tree"]
+    assert trees
+    for record in trees:
+        sources = sorted(sorted(x["stats"]["bytes_by_source"]) for x in record["refits"])
+        assert sources[0][0].startswith("fanout-") and sources[1][0].startswith("trainer-rank")
+        for refit in record["refits"]:
+            s = refit["stats"]
+            # One host, one clock: readable, answered, in the receiver's hand, first read.
+            assert 0 < s["sidecar_readable_at"] <= s["sidecar_answered_at"] <= s["leased_at"], s
+            assert s["leased_at"] <= s["pull_started"] <= s["pull_finished"], s
+    log = (logs / "sidecar.log").read_text()
+    last = trees[-1]["step"]["version"]
+    assert f"version {last} readable at" in log
+    assert log.count(f"version {last}: sources for ") == 2
