@@ -161,7 +161,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         if visible:
             log.info("version %d is readable", request.version)
             self._readable_at[request.version] = readable_at = time.time()
-            for old in [v for v in self._readable_at if v not in self.registry.readable()]:
+            readable = set(self.registry.readable())
+            for old in [v for v in self._readable_at if v not in readable]:
                 del self._readable_at[old]
             log.debug("version %d readable at %.6f", request.version, readable_at)
             self._notify()
@@ -340,12 +341,13 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             raise
         reply.lease.CopyFrom(self._granted(lease, request.lease_with_checksums))
         if log.isEnabledFor(logging.DEBUG):
+            now = time.time()
             log.debug(
                 "version %d: sources for %r at %.6f (%.3f ms after its call woke)",
                 request.version,
                 request.receiver_id,
-                time.time(),
-                1e3 * (time.time() - woke) if woke else 0.0,
+                now,
+                1e3 * (now - woke) if woke else 0.0,
             )
         return reply
 
