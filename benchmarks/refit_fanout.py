@@ -126,6 +126,13 @@ def run_rounds(
             )
             sources = [sorted(x["stats"]["bytes_by_source"]) for x in refits]
             log.info(
+                "round %d %-8s version %d: per receiver, ms after FinishTrainStep returned: %s",
+                r,
+                mode,
+                step["version"],
+                [_timeline(x, step["finished_wall"]) for x in refits],
+            )
+            log.info(
                 "round %d %-8s version %d%s: %.2f ms to the last install (peer copy %.2f ms); "
                 "per receiver: latency %s, asking the sidecar %s, reading %s ms (reads in "
                 "flight %s, waiting on a parent %s ms; requests prepared %s); sources %s",
@@ -148,6 +155,26 @@ def run_rounds(
             )
             index += 1
     return records
+
+
+_MARKS = (
+    ("readable", "sidecar_readable_at"),
+    ("answered", "sidecar_answered_at"),
+    ("leased", "leased_at"),
+    ("first read", "pull_started"),
+    ("pulled", "pull_finished"),
+)
+
+
+def _timeline(refit: dict[str, Any], finished_wall: float) -> str:
+    """One receiver's refit as times after the step's return: the version readable and the
+    answer built (the sidecar's clock), the answer in hand, the first and last read, the
+    install (the receiver's clock; one host, so one clock)."""
+    stats = refit["stats"]
+    marks = [
+        f"{name} {1e3 * (stats[key] - finished_wall):.1f}" for name, key in _MARKS if stats[key]
+    ]
+    return ", ".join([*marks, f"installed {1e3 * refit['latency_s']:.1f}"])
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

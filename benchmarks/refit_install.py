@@ -515,7 +515,8 @@ def receiver_process(
 
 
 def train_step(client: TrainerClient, step_id: str, batches: list[Any]) -> dict[str, Any]:
-    """One step; ``finished_at`` is time.monotonic() right after FinishTrainStep returned. It
+    """One step; ``finished_at`` is time.monotonic() right after FinishTrainStep returned
+    (``finished_wall`` the wall clock then, the clock of each refit's stats' times). It
     asks FinishTrainStep to answer once the update is applied (``wait_for_update``), so the
     refit is timed from the moment the new weights exist, not from when the update was
     queued (the trainer's default answer, which would count the update's own time too)."""
@@ -525,10 +526,11 @@ def train_step(client: TrainerClient, step_id: str, batches: list[Any]) -> dict[
         client.train_microbatch(step_id, f"{step_id}-mb{j}", batch)
     sent = time.monotonic()
     result = client.finish_step(step_id, wait_for_update=True)
-    finished_at = time.monotonic()
+    finished_at, finished_wall = time.monotonic(), time.time()
     return dict(
         version=result.weights_version,
         finished_at=finished_at,
+        finished_wall=finished_wall,
         step_s=finished_at - start,
         finish_s=finished_at - sent,
         loss=result.metrics.loss,

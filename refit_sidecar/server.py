@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -53,6 +53,24 @@ _grpc_errors = status_codes(
 )
 
 
+@dataclass(eq=False)
+class _Parked:
+    """A GetSources call waiting for its version, and what it was given once readable."""
+
+    request: pb.GetSourcesRequest
+    together: bool = False
+    """Answered with the calls parked beside it (`_answer_parked`) once the version is
+    readable: the call waits for `ready`."""
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: bool = False
+    """The call was cancelled (its receiver releases whatever it was assigned)."""
+    lease: Any = None
+    """Its lease, when taken for it with the calls beside it."""
+    answer: pb.GetSourcesResponse | Exception | None = None
+    """Its reply or error, when answered with the calls beside it; None: it goes on alone
+    (its sources must wait)."""
+
+
 class _Changes:
     """Wakes every waiter at once when the registry changes: a waiter woken needs no lock
     back (a Condition would hand its lock to each in turn, a loop iteration apiece)."""
@@ -82,8 +100,10 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     ) -> None:
         self.registry = registry
         self._changes = _Changes()
-        self._parked: collections.Counter[int] = collections.Counter()
-        """GetSources calls waiting for each version to be readable."""
+        self._parked: dict[int, list[_Parked]] = {}
+        """GetSources calls waiting for each version to be readable, in arrival order."""
+        self._answering: set[asyncio.Task[None]] = set()
+        """`_answer_parked` tasks running (kept referenced until done)."""
         self._layout = common_pb2.ParallelLayout()
         self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
         self._sums: dict[int, list[pb.ShardChecksums]] = {}
@@ -165,8 +185,15 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             for old in [v for v in self._readable_at if v not in readable]:
                 del self._readable_at[old]
             log.debug("version %d readable at %.6f", request.version, readable_at)
+            together = [
+                p for p in self._parked.get(request.version, ()) if p.request.lease_ttl_seconds
+            ]
+            for parked in together:
+                parked.together = True
             self._notify()
-            if not self._parked.get(request.version):
+            if together:
+                self._answering.add(asyncio.create_task(self._answer_parked(together)))
+            if request.version not in self._parked:
                 # Right after this reply: the version's source tree, ready before receivers
                 # ask. Receivers that asked ahead are answered first instead: they open the
                 # tree as they need it, and would otherwise wait for all of it.
@@ -314,32 +341,112 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     async def GetSources(self, request: pb.GetSourcesRequest, context: Any) -> Any:
         ttl = self._seconds(request.lease_ttl_seconds, "lease_ttl_seconds")
         woke = 0.0
+        parked = None
         if request.wait_seconds:
-            self._parked[request.version] += 1
+            parked = _Parked(request)
+            self._parked.setdefault(request.version, []).append(parked)
             try:
                 await self._wait_requested(request.version, request.wait_seconds)
+                woke = time.time()
+                if parked.together:
+                    await parked.ready.wait()
+            except asyncio.CancelledError:
+                parked.gone = True
+                if parked.lease is not None:  # taken for it beside others, never delivered
+                    self._end(parked.lease)
+                    parked.lease = None
+                raise
             finally:
-                self._parked[request.version] -= 1
-                if not self._parked[request.version]:
+                waiting = self._parked[request.version]
+                waiting.remove(parked)
+                if not waiting:
                     del self._parked[request.version]
-            woke = time.time()
             if not ttl:
                 # The leases woken by the same publication answer first: a receiver that
                 # asked for its lease apart replays its plan with it while its sources are
                 # being assigned. (One asking for both in this call waits for nobody.)
                 await asyncio.sleep(0)
-        if not ttl:
+        if parked is not None and parked.answer is not None:
+            reply = parked.answer
+        elif not ttl:
             return await self.tree.get_sources(request)
-        # The lease first (the version must be readable, its slot held), then the sources; a
-        # lease whose sources cannot be given ends again, so a refused call holds nothing.
-        lease = self.registry.acquire_lease(request.version, request.receiver_id, ttl)
+        else:
+            reply = await self._sources_with_lease(request, ttl, parked)
+        self._debug_answer(request, woke)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def _answer_parked(self, together: list[_Parked]) -> None:
+        """Answers the calls parked for a version that just became readable and asking for
+        their leases too: their leases, then their sources (`TreeService.answer_together`:
+        a chain in one pass, parents first), each call let go with its reply before the
+        next is assigned. A call whose sources must wait keeps its lease and goes on alone."""
+        try:
+            leased = []
+            for parked in together:
+                request = parked.request
+                if parked.gone:
+                    continue
+                try:
+                    parked.lease = self.registry.acquire_lease(
+                        request.version, request.receiver_id, request.lease_ttl_seconds
+                    )
+                    leased.append(parked)
+                except Exception as exc:  # the call's own error
+                    parked.answer = exc
+                    parked.ready.set()
+            order = []
+            for i, answer in self.tree.answer_together([p.request for p in leased]):
+                parked = leased[i]
+                order.append(parked.request.receiver_id)
+                if parked.lease is None:
+                    continue  # cancelled meanwhile: its lease ended
+                if isinstance(answer, pb.GetSourcesResponse):
+                    with_sums = parked.request.lease_with_checksums
+                    answer.lease.CopyFrom(self._granted(parked.lease, with_sums))
+                else:
+                    self._end(parked.lease)
+                    parked.lease = None
+                parked.answer = answer
+                parked.ready.set()
+                await asyncio.sleep(0)  # its call returns before the next is assigned
+            log.debug(
+                "version %d: parked calls answered together, in order: %s; going on alone: %s",
+                together[0].request.version,
+                order,
+                [p.request.receiver_id for p in leased if p.answer is None],
+            )
+        except Exception:
+            log.exception("answering the calls parked for a version failed; each goes on alone")
+        finally:
+            for parked in together:
+                parked.ready.set()
+            self._answering.discard(asyncio.current_task())
+
+    async def _sources_with_lease(
+        self, request: pb.GetSourcesRequest, ttl: float, parked: _Parked | None
+    ) -> pb.GetSourcesResponse:
+        """The lease first (the version must be readable, its slot held; a parked call may
+        hold it already), then the sources; a lease whose sources cannot be given ends
+        again, so a refused call holds nothing."""
+        lease = parked.lease if parked is not None else None
+        if lease is None:
+            lease = self.registry.acquire_lease(request.version, request.receiver_id, ttl)
         try:
             reply = await self.tree.get_sources(request)
         except BaseException:
-            self.registry.release_lease(lease.lease_id, receiver_id=lease.receiver_id)
-            self._notify()
+            self._end(lease)
             raise
         reply.lease.CopyFrom(self._granted(lease, request.lease_with_checksums))
+        return reply
+
+    def _end(self, lease: Any) -> None:
+        self.registry.release_lease(lease.lease_id, receiver_id=lease.receiver_id)
+        self._notify()
+
+    @staticmethod
+    def _debug_answer(request: pb.GetSourcesRequest, woke: float) -> None:
         if log.isEnabledFor(logging.DEBUG):
             now = time.time()
             log.debug(
@@ -349,7 +456,6 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 now,
                 1e3 * (now - woke) if woke else 0.0,
             )
-        return reply
 
     @_grpc_errors
     async def ReleaseSources(self, request: pb.ReleaseSourcesRequest, context: Any) -> Any:

@@ -90,7 +90,8 @@ class Sources:
     routes: tuple[Route, ...]
     """Per want, in order, pieces that tile it exactly once."""
     copies: Mapping[str, SourceCopy]
-    """By source id: every source a route names, as primary or fallback."""
+    """By source id: every route's primary (fallbacks are named, their copies not sent: a
+    receiver whose primary fails asks again). Where bytes lie, without checksums."""
     offer_expires_in_s: float
     """Seconds until an offered copy's registration ends (0 without an offer)."""
     key: bytes = b""

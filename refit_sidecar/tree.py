@@ -89,6 +89,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CUTS_KEPT = 4096
+_LAYOUTS_KEPT = 4
+_Layout = tuple[
+    dict[str, tuple[int, ...]], tuple[tuple[str, dict[str, tuple[Box, ...]], bytes], ...]
+]
+"""A manifest's shapes by tensor, and per agent (sorted) its boxes by tensor and their key."""
 
 
 @dataclass(eq=False)
@@ -131,6 +136,8 @@ class Tree:
         """`_cut` by (holdings key, wants key)."""
         self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
         """`_holdings` by wants key."""
+        self._layouts: list[tuple[Manifest, _Layout]] = []
+        """`_layout` of the manifests opened last (kept by identity, newest first)."""
         self._parents: dict[str, tuple[int, tuple[str, ...], float]] = {}
         """Each receiver's version, primaries and time of its latest assignment: held for it
         while a later version is young (`TreeConfig.hold_parents_s`), as long as the receiver
@@ -145,25 +152,36 @@ class Tree:
         holding its shards' boxes; `domains` maps agent names to topology domains."""
         if version in self._versions:
             raise InvalidRequest(f"version {version} is open already", field="version")
-        v = _Version(version, {p.name: p.shape for p in manifest.parameters}, Ranking(self._caps))
+        shapes, holds = self._layout(manifest)
+        v = _Version(version, shapes, Ranking(self._caps))
         v.opened_at = self._clock()
+        for agent, held, key in holds:
+            domain = (domains or {}).get(agent, "")
+            root = Source(agent, NodeKind.TRAINER, domain, held, next(v.seq), holds_key=key)
+            v.sources[agent] = root
+            v.roots.append(agent)
+            v.ranking.place(root)
+        self._versions[version] = v
+
+    def _layout(self, manifest: Manifest) -> _Layout:
+        """The shapes and each agent's boxes of `manifest`; the versions of one trainer slot
+        share their manifest's layout (the sidecar parses it once), so this is computed once
+        per manifest."""
+        for known, layout in self._layouts:
+            if known is manifest:
+                return layout
         holds: dict[str, dict[str, list[Box]]] = {}
         for p in manifest.parameters:
             for shard in p.shards:
                 boxes = holds.setdefault(shard.location.agent, {}).setdefault(p.name, [])
                 boxes.extend(piece.box for piece in shard.pieces)
+        roots = []
         for agent, held in sorted(holds.items()):
-            root = Source(
-                agent,
-                NodeKind.TRAINER,
-                (domains or {}).get(agent, ""),
-                {name: tuple(boxes) for name, boxes in held.items()},
-                next(v.seq),
-            )
-            v.sources[agent] = root
-            v.roots.append(agent)
-            v.ranking.place(root)
-        self._versions[version] = v
+            root = {name: tuple(boxes) for name, boxes in held.items()}
+            roots.append((agent, root, holdings_key(root)))
+        layout = ({p.name: p.shape for p in manifest.parameters}, tuple(roots))
+        self._layouts = [(manifest, layout), *self._layouts[: _LAYOUTS_KEPT - 1]]
+        return layout
 
     def retire(self, version: int) -> bool:
         """Forgets `version` (the registry retired it), and the parents of the receivers that

@@ -7,8 +7,12 @@ leaves it once the registry no longer has it readable, and a new trainer generat
 numbers start again) starts from an empty tree.
 
 What a reply names comes from the sidecar, never from a peer's claims: a trainer rank's copy is
-the merged manifest restricted to its agent, a peer's is its offer (one shard per want), and a
-peer's shard carries a CRC-32 only where the trainer's manifest gives one for exactly that box.
+the merged manifest restricted to its agent, a peer's is its offer (one shard per want). A reply
+says where bytes lie, not what they must be: copies carry no checksums (a receiver checks what
+it pulled against the trainer's checksums its lease brought), so a copy is the same for every
+version laid out alike and is built once, and a steady tree's replies are cached whole. A
+reply carries the copies of its routes' primaries; fallbacks are named only (a receiver whose
+primary fails asks again, naming it lost).
 A receiver offering a new version first waits, bounded by `drain_timeout_s`, until nobody
 reads the copy of an older version it offered, then stops serving that copy (its memory is
 about to be overwritten).
@@ -23,11 +27,11 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from refit_sidecar.manifest import Box, Manifest, c_strides
-from refit_sidecar.plan import Checksums, Want
+from refit_sidecar.manifest import Manifest, c_strides
+from refit_sidecar.plan import Want
 from refit_sidecar.registry import Registry, UnknownVersion
 from refit_sidecar.tree import (
     CopyState,
@@ -44,12 +48,10 @@ from refit_sidecar.tree import (
 from refit_sidecar.wire import (
     box_from_proto,
     box_to_proto,
-    checksums_from_proto,
     dtype_to_proto,
     location_from_proto,
     manifest_from_proto,
     manifest_key,
-    set_checksums,
 )
 from trainer_refit.errors import InvalidRequest, quoted
 from trainer_refit.v1 import refit_pb2 as pb
@@ -60,7 +62,7 @@ PROGRESS_BYTES = 24
 """A peer's progress word: three little-endian uint64 (version, filled up to, state)."""
 DRAIN_POLL_S = 0.005
 """How often a drain wait looks at the old copy's readers."""
-_ROUTE_REPLIES_KEPT = 64
+_REPLIES_KEPT = 64
 _NAMED_KEPT = 64
 
 _KINDS = {
@@ -82,14 +84,12 @@ class _Copy:
 @dataclass(frozen=True)
 class _Open:
     """A version open in the tree: its merged manifest, as proto and as domain record (shapes,
-    boxes and agents; its version and checksums may be another version's), and the checksums
-    of each box a trainer shard holds whole and alone (`_derivable_crc_slots`)."""
+    boxes and agents; its version and checksums may be another version's), and its layout key
+    (`wire.manifest_key`: the same for every version laid out alike)."""
 
     proto: pb.Manifest
     manifest: Manifest
-    crcs: dict[tuple[str, Box], Checksums]
-    trainer_copies: dict[tuple[str, tuple[str, ...]], _Copy] = field(default_factory=dict)
-    """A trainer rank's shards of the wanted tensors, by (agent, names): built once."""
+    layout_key: bytes
 
 
 @dataclass(eq=False)
@@ -102,10 +102,8 @@ class _Checked:
     """Digest of the wants alone."""
     wants: tuple[Want, ...]
     offer: pb.PeerOffer | None
-    template: tuple[pb.Manifest, list[tuple[int, int, tuple[str, Box]]], bytes] | None = None
-    """The offered copy as a manifest of version 0 without checksums, where each derivable
-    checksum goes (parameter index, shard index, (name, box)), and its layout key; built
-    once per offer (`_peer_template`)."""
+    copy: _Copy | None = None
+    """The offered copy as replies name it, built once per offer (`_peer_copy`)."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +111,6 @@ class _Offer:
     """An offer as stored: the checked request that made it."""
 
     checked: _Checked
-    copies: list[_Copy] = field(default_factory=list)
-    """The copy of this version, once built (`_peer_copy`)."""
 
     @property
     def offer(self) -> pb.PeerOffer:
@@ -147,17 +143,20 @@ class TreeService:
         self._tree = Tree(config, clock)
         self._open: dict[int, _Open] = {}
         self._offers: dict[tuple[int, str], _Offer] = {}
-        self._layouts: dict[bytes, tuple[Manifest, list[tuple[int, int, tuple[str, Box]]]]] = {}
+        self._layouts: dict[bytes, Manifest] = {}
         """By layout key: the domain manifest of the first version laid out so (its version
-        and checksums are not used) and `_derivable_crc_slots`."""
+        and checksums are not used)."""
         self._last_checked: dict[str, _Checked] = {}
         """Per receiver: its last request, checked."""
         self._named: OrderedDict[tuple[str, tuple[str, ...]], None] = OrderedDict()
         """The trainer ranks' copies (agent, tensors) replies named lately: built ahead for
-        each new version."""
-        self._route_replies: OrderedDict[tuple[Route, ...], tuple[pb.GetSourcesResponse, bytes]]
-        self._route_replies = OrderedDict()
-        """Replies holding only these routes, and their digest: a steady tree repeats them."""
+        each new layout."""
+        self._trainer_copies: OrderedDict[tuple[bytes, str, tuple[str, ...]], _Copy]
+        self._trainer_copies = OrderedDict()
+        """A trainer rank's shards of the wanted tensors, by (layout key, agent, names)."""
+        self._replies: OrderedDict[tuple[object, ...], pb.GetSourcesResponse] = OrderedDict()
+        """Replies by their routes and their primaries' copies, without version and expiry:
+        a steady tree repeats them."""
         self._changed = asyncio.Event()
         """Set (and replaced) whenever a receiver is assigned or releases: what a request
         waiting for a held parent waits on."""
@@ -169,27 +168,13 @@ class TreeService:
     # -- the RPCs -----------------------------------------------------------------------------
 
     async def get_sources(self, request: pb.GetSourcesRequest) -> pb.GetSourcesResponse:
-        rid = request.receiver_id
-        if not rid:
-            raise InvalidRequest("GetSources needs a receiver_id", field="receiver_id")
-        version = request.version
-        opened = self._opened(version)
-        checked = self._checked(request, opened.manifest)
-        offer = checked.offer
-        self._lost(version, rid, request.lost, opened.manifest)
-        if offer is not None:
+        version, rid, checked = self._asked(request)
+        if checked.offer is not None:
             await self._drain(version, rid)
-            opened = self._opened(version)  # the registry may have moved on while we waited
         waited: HeldForParent | None = None
         while True:
             try:
-                assignment = self._tree.assign(
-                    version,
-                    Receiver(rid, request.domain),
-                    checked.wants,
-                    serve=offer is not None,
-                    wants_key=checked.wants_key,
-                )
+                reply = self._answer(request, checked)
                 break
             except HeldForParent as held:
                 # The tree holds its previous shape for a moment: answer as soon as another
@@ -199,11 +184,64 @@ class TreeService:
                 changed = self._changed
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), max(held.until - self._clock(), 0.0))
-                opened = self._opened(version)  # the registry may have moved on meanwhile
         if waited is not None and self._clock() >= waited.until:
             # Not the steady state (a parent that skipped this version, or a tree that changed
             # shape): say why a receiver waited the whole hold.
             log.info("version %d: %r waited out the tree's hold: %s", version, rid, waited)
+        return reply
+
+    def answer_together(
+        self, requests: Sequence[pb.GetSourcesRequest]
+    ) -> Iterator[tuple[int, pb.GetSourcesResponse | Exception]]:
+        """GetSources for several receivers at once (the calls parked for a version that just
+        became readable), without waiting: yields (index, its reply or its error) as each is
+        answered. A receiver held for a parent among them is answered after it, so a chain is
+        assigned in one pass, not one loop turn a level; one that has to wait (readers of its
+        older copy to drain, or a held parent that is not among them) is not yielded, and
+        `get_sources` then waits for it."""
+        todo = list(range(len(requests)))
+        while todo:
+            held = []
+            for i in todo:
+                try:
+                    version, rid, checked = self._asked(requests[i])
+                    if checked.offer is not None and self._older_copy_read(version, rid):
+                        continue
+                    answer: pb.GetSourcesResponse | Exception = self._answer(requests[i], checked)
+                except HeldForParent:
+                    held.append(i)
+                    continue
+                except Exception as exc:  # the call's own error, as get_sources raises it
+                    answer = exc
+                yield i, answer
+            if len(held) == len(todo):
+                return  # their parents are elsewhere: they wait for them
+            todo = held
+
+    def _asked(self, request: pb.GetSourcesRequest) -> tuple[int, str, _Checked]:
+        """The request checked against its (open) version, and the peers it lost dropped."""
+        rid = request.receiver_id
+        if not rid:
+            raise InvalidRequest("GetSources needs a receiver_id", field="receiver_id")
+        opened = self._opened(request.version)
+        checked = self._checked(request, opened.manifest)
+        self._lost(request.version, rid, request.lost, opened.manifest)
+        return request.version, rid, checked
+
+    def _answer(self, request: pb.GetSourcesRequest, checked: _Checked) -> pb.GetSourcesResponse:
+        """Assigns the receiver's sources and builds its reply; HeldForParent while the tree
+        holds a parent of its previous pull for it. Its older copies, unread, are withdrawn."""
+        version, rid, offer = request.version, request.receiver_id, checked.offer
+        opened = self._opened(version)  # the registry may have moved on while a call waited
+        if offer is not None:
+            self._withdraw_older(version, rid)
+        assignment = self._tree.assign(
+            version,
+            Receiver(rid, request.domain),
+            checked.wants,
+            serve=offer is not None,
+            wants_key=checked.wants_key,
+        )
         self._notify()
         if offer is not None:
             self._offers[(version, rid)] = _Offer(checked)
@@ -221,24 +259,12 @@ class TreeService:
         checked: _Checked,
         routes: tuple[Route, ...],
     ) -> pb.GetSourcesResponse:
-        template, routes_key = self._routes(routes)
-        reply = pb.GetSourcesResponse()
-        reply.CopyFrom(template)
-        reply.version = version
-        named: dict[str, bool] = {}
-        for route in routes:
-            named[route.primary] = True
-            for fallback in route.fallbacks:
-                named.setdefault(fallback, False)
         names = list(dict.fromkeys(w.name for w in checked.wants))
-        copies = {s: self._copy(version, opened, s, names) for s in named}
-        reply.sources.extend(c.message for c in copies.values())
-        # The key leaves the fallbacks out: a receiver plans its reads from the primaries, and
-        # asks again when one fails.
-        reply.routing_key = hashlib.blake2b(
-            routes_key + b"".join(c.key for s, c in copies.items() if named[s]),
-            digest_size=16,
-        ).digest()
+        primaries = dict.fromkeys(r.primary for r in routes)
+        copies = [self._copy(version, opened, s, names) for s in primaries]
+        reply = pb.GetSourcesResponse()
+        reply.CopyFrom(self._cached_reply(routes, copies))
+        reply.version = version
         expires_at = self._tree.peer_expiry(version, rid)
         if expires_at is not None:
             reply.offer_expires_in_seconds = max(expires_at - self._clock(), 0.0)
@@ -246,27 +272,34 @@ class TreeService:
             self._debug(self._tree.tree(version))
         return reply
 
-    def _routes(self, routes: tuple[Route, ...]) -> tuple[pb.GetSourcesResponse, bytes]:
-        """A reply holding only `routes`, and a digest of the routes without their fallbacks:
-        built once per distinct routes."""
-        cached = self._route_replies.get(routes)
+    def _cached_reply(
+        self, routes: tuple[Route, ...], copies: list[_Copy]
+    ) -> pb.GetSourcesResponse:
+        """The reply holding `routes` and the primaries' `copies`, with its routing key: a
+        digest of the routes without their fallbacks and of where each primary's copy lies.
+        Built once per distinct pair."""
+        key = (routes, *(c.key for c in copies))
+        cached = self._replies.get(key)
         if cached is not None:
-            self._route_replies.move_to_end(routes)
+            self._replies.move_to_end(key)
             return cached
+        primaries = repr([(r.name, r.box.ranges, r.primary) for r in routes]).encode()
         message = pb.GetSourcesResponse(
             routes=[
                 pb.SourceRoute(
                     name=r.name, box=box_to_proto(r.box), primary=r.primary, fallbacks=r.fallbacks
                 )
                 for r in routes
-            ]
+            ],
+            sources=[c.message for c in copies],
+            routing_key=hashlib.blake2b(
+                b"".join([primaries, *(c.key for c in copies)]), digest_size=16
+            ).digest(),
         )
-        primaries = repr([(r.name, r.box.ranges, r.primary) for r in routes])
-        digest = hashlib.blake2b(primaries.encode(), digest_size=16).digest()
-        self._route_replies[routes] = (message, digest)
-        while len(self._route_replies) > _ROUTE_REPLIES_KEPT:
-            self._route_replies.popitem(last=False)
-        return message, digest
+        self._replies[key] = message
+        while len(self._replies) > _REPLIES_KEPT:
+            self._replies.popitem(last=False)
+        return message
 
     def release_sources(self, request: pb.ReleaseSourcesRequest) -> None:
         if not request.receiver_id:
@@ -305,6 +338,8 @@ class TreeService:
             self._last_checked.clear()
             self._layouts.clear()
             self._named.clear()
+            self._trainer_copies.clear()
+            self._replies.clear()
         readable = set(self.registry.readable())
         for version in self._tree.versions:
             if version not in readable:
@@ -317,8 +352,8 @@ class TreeService:
     def prepare(self, version: int) -> None:
         """Open a version that just became readable, with the trainer ranks' copies the last
         version's receivers asked for, so the first GetSources finds them built (they cost
-        milliseconds per hundred tensors). Never raises: a version gone by then is simply not
-        opened."""
+        milliseconds per hundred tensors when the version is laid out anew). Never raises: a
+        version gone by then is simply not opened."""
         try:
             opened = self._opened(version)
             # The trainer ranks' copies earlier replies named: receivers ask the same.
@@ -342,18 +377,11 @@ class TreeService:
         proto, layout_key = self._manifest_of(version)
         # Versions in the same trainer slot differ only in their version and checksums: the
         # domain record (shapes, boxes, agents) and which checksums derive are parsed once.
-        layout = self._layouts.get(layout_key)
-        if layout is None:
-            manifest = manifest_from_proto(proto)
-            layout = self._layouts[layout_key] = (manifest, _derivable_crc_slots(manifest))
-        manifest, slots = layout
+        manifest = self._layouts.get(layout_key)
+        if manifest is None:
+            manifest = self._layouts[layout_key] = manifest_from_proto(proto)
         self._tree.open_version(version, manifest)
-        crcs = {
-            box: sums
-            for parameter, at, box in slots
-            if (sums := checksums_from_proto(proto.parameters[parameter].shards[at])) != Checksums()
-        }
-        opened = self._open[version] = _Open(proto, manifest, crcs)
+        opened = self._open[version] = _Open(proto, manifest, layout_key)
         return opened
 
     # -- requests -------------------------------------------------------------------------------
@@ -489,12 +517,11 @@ class TreeService:
             )
 
     async def _drain(self, version: int, rid: str) -> None:
-        """The receiver offers `version`: each older copy it offered stops being handed out
-        once nobody reads it, or after `drain_timeout_s` (one bound for all of them)."""
+        """The receiver offers `version`: waits until nobody reads a copy of an older version
+        it offered, or `drain_timeout_s` (one bound for all of them); `_withdraw_older` then
+        stops handing those copies out."""
         deadline = self._clock() + self.drain_timeout_s
-        for old in self._tree.versions:
-            if old >= version or not self._serves(old, rid):
-                continue
+        for old in self._older_copies(version, rid):
             readers = self._tree.readers(old, rid)
             while readers and self._clock() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
@@ -511,9 +538,21 @@ class TreeService:
                     self.drain_timeout_s,
                     list(readers),
                 )
+
+    def _older_copies(self, version: int, rid: str) -> list[int]:
+        """The open versions before `version` whose copy `rid` serves."""
+        return [old for old in self._tree.versions if old < version and self._serves(old, rid)]
+
+    def _older_copy_read(self, version: int, rid: str) -> bool:
+        """Somebody reads a copy `rid` offered of a version before `version`."""
+        return any(self._tree.readers(old, rid) for old in self._older_copies(version, rid))
+
+    def _withdraw_older(self, version: int, rid: str) -> None:
+        """`rid`'s copies of versions before `version` stop being handed out: their memory is
+        about to be overwritten."""
+        for old in self._older_copies(version, rid):
             self._offers.pop((old, rid), None)
-            if old in self._tree.versions and self._serves(old, rid):
-                self._tree.unregister(old, rid)
+            self._tree.unregister(old, rid)
 
     def _serves(self, version: int, rid: str) -> bool:
         """`rid` is a peer (serving its copy) of the open `version`."""
@@ -527,9 +566,10 @@ class TreeService:
         stored = self._offers.get((version, source_id))
         if stored is None:
             raise RuntimeError(f"version {version}: peer {source_id!r} has no offer on record")
-        if not stored.copies:
-            stored.copies.append(_peer_copy(opened, source_id, stored))
-        return stored.copies[0]
+        checked = stored.checked
+        if checked.copy is None:
+            checked.copy = _peer_copy(opened, source_id, checked)
+        return checked.copy
 
     def _trainer_copy(self, opened: _Open, agent: str, names: list[str]) -> _Copy:
         key = (agent, tuple(names))
@@ -537,13 +577,18 @@ class TreeService:
         self._named.move_to_end(key)
         while len(self._named) > _NAMED_KEPT:
             self._named.popitem(last=False)
-        copy = opened.trainer_copies.get(key)
-        if copy is None:
-            shards = _trainer_shards(opened.proto, agent, names)
-            copy = opened.trainer_copies[key] = _Copy(
-                pb.SourceCopy(source_id=agent, kind=pb.SOURCE_KIND_TRAINER, shards=shards),
-                manifest_key(shards),
-            )
+        laid_out = (opened.layout_key, *key)
+        copy = self._trainer_copies.get(laid_out)
+        if copy is not None:
+            self._trainer_copies.move_to_end(laid_out)
+            return copy
+        shards = _trainer_shards(opened.proto, agent, names)
+        copy = self._trainer_copies[laid_out] = _Copy(
+            pb.SourceCopy(source_id=agent, kind=pb.SOURCE_KIND_TRAINER, shards=shards),
+            manifest_key(shards),
+        )
+        while len(self._trainer_copies) > _NAMED_KEPT:
+            self._trainer_copies.popitem(last=False)
         return copy
 
     @staticmethod
@@ -592,38 +637,22 @@ def _own_location(location: pb.ShardLocation, rid: str, where: str) -> pb.ShardL
     return filled
 
 
-def _derivable_crc_slots(manifest: Manifest) -> list[tuple[int, int, tuple[str, Box]]]:
-    """(parameter index, shard index, (parameter, box)) for every trainer shard whose buffer is
-    exactly one box: one piece at local zero, a C-contiguous location of the box's shape and
-    size. A peer's copy of that box is the same bytes, so the shard's checksums, where it has
-    them, verify it too."""
-    slots: list[tuple[int, int, tuple[str, Box]]] = []
-    for i, p in enumerate(manifest.parameters):
-        for j, shard in enumerate(p.shards):
-            if len(shard.pieces) != 1:
-                continue
-            (piece,) = shard.pieces
-            loc = shard.location
-            if (
-                any(piece.local_start)
-                or loc.shape != piece.box.shape
-                or loc.strides != c_strides(loc.shape)
-                or loc.nbytes != piece.box.numel * p.dtype.itemsize
-            ):
-                continue
-            slots.append((i, j, (p.name, piece.box)))
-    return slots
-
-
 def _trainer_shards(merged: pb.Manifest, agent: str, names: list[str]) -> pb.Manifest:
-    """The merged manifest restricted to one trainer rank's agent and the wanted tensors."""
-    out = pb.Manifest(version=merged.version, layout=merged.layout)
+    """The merged manifest restricted to one trainer rank's agent and the wanted tensors, as
+    version 0 without checksums."""
+    out = pb.Manifest(layout=merged.layout)
     out.agents.extend(a for a in merged.agents if a.name == agent)
     wanted = set(names)
     for parameter in merged.parameters:
         if parameter.name not in wanted:
             continue
-        shards = [s for s in parameter.shards if s.location.agent == agent]
+        shards = []
+        for shard in parameter.shards:
+            if shard.location.agent == agent:
+                shards.append(bare := pb.ShardRecord())
+                bare.CopyFrom(shard)  # the merged manifest keeps its checksums
+                bare.ClearField("crc32")
+                bare.ClearField("wsum64")
         if shards:
             out.parameters.append(
                 pb.ParameterRecord(
@@ -636,61 +665,36 @@ def _trainer_shards(merged: pb.Manifest, agent: str, names: list[str]) -> pb.Man
     return out
 
 
-def _peer_template(
-    opened: _Open, checked: _Checked
-) -> tuple[pb.Manifest, list[tuple[int, int, tuple[str, Box]]], bytes]:
-    """A peer's copy as a manifest of version 0 without checksums: one shard per want of the
-    peer, the want's box at local zero in the offered location. All of them, not only the
-    tensors the caller wants: the caller finds where the copy starts (what its progress word
-    counts from) in them. With where each want's derivable checksum goes, and the layout key
-    (the progress word's location included)."""
+def _peer_copy(opened: _Open, source_id: str, checked: _Checked) -> _Copy:
+    """A peer's copy as a manifest of version 0: one shard per want of the peer, the want's
+    box at local zero in the offered location. All of them, not only the tensors the caller
+    wants: the caller finds where the copy starts (what its progress word counts from) in
+    them. Its key covers the progress word's location too."""
     assert checked.offer is not None
     out = pb.Manifest(layout=opened.proto.layout)
     out.agents.append(checked.offer.agent)
-    records: dict[str, tuple[int, pb.ParameterRecord]] = {}
-    slots: list[tuple[int, int, tuple[str, Box]]] = []
+    records: dict[str, pb.ParameterRecord] = {}
     for want, location in zip(checked.wants, checked.offer.locations, strict=True):
-        at, record = records.get(want.name, (len(records), None))
+        record = records.get(want.name)
         if record is None:
             merged = opened.manifest.get(want.name)
             assert merged is not None  # the wants were checked against it
-            record = pb.ParameterRecord(
+            record = records[want.name] = pb.ParameterRecord(
                 name=want.name, shape=merged.shape, dtype=dtype_to_proto(merged.dtype)
             )
-            records[want.name] = (at, record)
-        slots.append((at, len(record.shards), (want.name, want.box)))
         record.shards.append(
             pb.ShardRecord(
                 location=location,
                 pieces=[pb.ShardPiece(box=box_to_proto(want.box), local_start=[0] * want.box.ndim)],
             )
         )
-    out.parameters.extend(record for _, record in records.values())
+    out.parameters.extend(records.values())
     key = hashlib.blake2b(
         out.SerializeToString(deterministic=True)
         + checked.offer.progress.SerializeToString(deterministic=True),
         digest_size=16,
     ).digest()
-    return out, slots, key
-
-
-def _peer_copy(opened: _Open, source_id: str, stored: _Offer) -> _Copy:
-    """A peer's copy of this version: its template with the version's derivable checksums."""
-    checked = stored.checked
-    if checked.template is None:
-        checked.template = _peer_template(opened, checked)
-    template, slots, key = checked.template
-    shards = pb.Manifest()
-    shards.CopyFrom(template)
-    shards.version = opened.proto.version
-    for parameter, shard, box in slots:
-        sums = opened.crcs.get(box)
-        if sums is not None:
-            set_checksums(shards.parameters[parameter].shards[shard], sums)
     message = pb.SourceCopy(
-        source_id=source_id,
-        kind=pb.SOURCE_KIND_PEER,
-        shards=shards,
-        progress=stored.offer.progress,
+        source_id=source_id, kind=pb.SOURCE_KIND_PEER, shards=out, progress=checked.offer.progress
     )
     return _Copy(message, key)

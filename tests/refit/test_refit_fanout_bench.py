@@ -36,6 +36,9 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
             # One host, one clock: readable, answered, in the receiver's hand, first read.
             assert 0 < s["sidecar_readable_at"] <= s["sidecar_answered_at"] <= s["leased_at"], s
             assert s["leased_at"] <= s["pull_started"] <= s["pull_finished"], s
+            # The step's wall-clock return, against which each round's timeline is printed.
+            assert s["leased_at"] - 5 < record["step"]["finished_wall"] < s["pull_finished"], s
+        assert f"version {record['step']['version']}: per receiver, ms after" in done.stderr
     log = (logs / "sidecar.log").read_text()
     last = trees[-1]["step"]["version"]
     assert f"version {last} readable at" in log

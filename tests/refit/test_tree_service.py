@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -27,8 +27,16 @@ from refit_sidecar.manifest import (
     ShardPiece,
     ShardRecord,
 )
+from refit_sidecar.pending import Pending
 from refit_sidecar.plan import Want
-from refit_sidecar.sources import NoLiveSource, NoSourceFree, Offer, Sources, get_sources_request
+from refit_sidecar.sources import (
+    Answer,
+    NoLiveSource,
+    NoSourceFree,
+    Offer,
+    Sources,
+    get_sources_request,
+)
 from refit_sidecar.tree_types import CopyState, NodeInfo, NodeKind, TreeConfig
 from refit_sidecar.wire import box_to_proto, location_to_proto
 from tests.support.sidecar import Sidecar, running_sidecar
@@ -195,9 +203,14 @@ def test_a_first_receiver_reads_from_the_trainer_ranks_each_copy_its_own_shards(
         assert copy.shards.agents[agent].metadata == b"meta"
         # Only the wanted tensors (not bias, gap, extra), only this agent's shards.
         assert set(copy.shards.names) == ({"w", "fc1", "norm"} if rank == 0 else {"w", "fc1"})
+        # Where the bytes lie, without checksums (the lease brings the trainer's): the same
+        # copy for every version laid out alike.
         expected = _rank_part(1, rank)
         for parameter in copy.shards.parameters:
-            assert parameter == expected.get(parameter.name)
+            bare = tuple(replace(s, crc32=None, sum64=None) for s in parameter.shards)
+            assert parameter == replace(expected.get(parameter.name), shards=bare)
+        assert expected.get("w").shards[0].crc32 == W_CRC[rank]  # the rank published it
+    assert copy.shards.version == 0
     listing = f.client.list_tree(1)
     assert {(e.parent, e.child, e.active) for e in listing.edges} == {
         ("rank-0", "r1", True),
@@ -206,7 +219,7 @@ def test_a_first_receiver_reads_from_the_trainer_ranks_each_copy_its_own_shards(
     assert f.nodes()["r1"].kind is NodeKind.RECEIVER and listing.depth == 1
 
 
-def test_a_later_receiver_reads_from_a_peer_whose_copy_carries_only_derived_crcs(fleet):
+def test_a_later_receiver_reads_from_a_peer_whose_copy_says_only_where_its_bytes_lie(fleet):
     f = fleet("--max-root-children", "1")
     first = f.client.get_sources(1, "p1", HALF, domain="n0", offer=offer("p1", HALF))
     assert _primaries(first) == {"rank-0"}
@@ -216,15 +229,16 @@ def test_a_later_receiver_reads_from_a_peer_whose_copy_carries_only_derived_crcs
     assert _primaries(second) == {"p1"}
     for route in second.routes:  # the grandparent, then the trainer ranks holding it
         assert route.fallbacks[0] == "rank-0"
+    # Only the primaries' copies come: a receiver whose primary fails asks again.
+    assert set(second.copies) == {"p1"}
     peer = second.copies["p1"]
     assert peer.kind is NodeKind.PEER
     assert peer.progress == offer("p1", HALF).progress
     assert list(peer.shards.agents) == ["p1"]
     assert peer.shards.agents["p1"].metadata == b"peer-meta"
     # One shard per want of the peer (norm too, which r2 does not want: the copy's first byte
-    # is where its progress counts from), at its offered location. Only w's box is a trainer
-    # buffer whole and alone: fc1's is one of two pieces, bias's buffer is padded (its CRC
-    # covers more bytes than the box), norm's has no CRC.
+    # is where its progress counts from), at its offered location, without checksums (r2
+    # checks what it pulls against the trainer's).
     offered = dict(zip(map(str, HALF), offer("p1", HALF).locations, strict=True))
     shards = [
         (p.name, s.pieces[0].box, s.crc32, s.location)
@@ -232,7 +246,7 @@ def test_a_later_receiver_reads_from_a_peer_whose_copy_carries_only_derived_crcs
         for s in p.shards
     ]
     assert [(n, b, c) for n, b, c, _ in shards] == [
-        ("w", HALF[0].box, W_CRC[0]),
+        ("w", HALF[0].box, None),
         ("fc1", HALF[1].box, None),
         ("fc1", HALF[2].box, None),
         ("norm", HALF[3].box, None),
@@ -241,7 +255,7 @@ def test_a_later_receiver_reads_from_a_peer_whose_copy_carries_only_derived_crcs
     for name, box, _, location in shards:
         assert location == offered[str(Want(name, box))]
     assert peer.shards.get("w").dtype is F32 and peer.shards.get("w").shape == (8, 4)
-    assert second.copies["rank-0"].kind is NodeKind.TRAINER
+    assert all(s.sum64 is None for p in peer.shards.parameters for s in p.shards)
 
     nodes = f.nodes()
     assert nodes["p1"].kind is NodeKind.PEER and nodes["p1"].state is CopyState.FILLING
@@ -395,6 +409,59 @@ def test_sources_asked_for_a_version_not_yet_readable_come_once_it_is(fleet):
     with pytest.raises(UnknownVersion):
         f.client.get_sources(3, "p2", HALF, wait_s=0.2)
     assert "p2" not in f.nodes(2)
+
+
+def test_calls_parked_for_a_version_are_answered_together_parents_first(fleet):
+    """Receivers that asked (with their leases) before the version was readable are answered
+    in one pass once it is: a chain parked children first is assigned parents first. A call
+    held for a parent that is not parked goes on alone and is answered when the parent asks."""
+    f = fleet(
+        *("--max-root-children", "1", "--max-children", "1", "--hold-parents-seconds", "20"),
+        *("--log-level", "DEBUG"),
+    )
+    chain = ("p1", "p2", "p3")
+    for rid in chain:
+        f.client.get_sources(1, rid, HALF, offer=offer(rid, HALF))
+    for rid in chain:
+        f.client.release_sources(1, rid, complete=True)
+
+    def park(rid: str, version: int) -> Pending[Answer]:
+        request = get_sources_request(version, rid, HALF, offer=offer(rid, HALF), wait_s=30)
+        request.lease_ttl_seconds, request.lease_with_checksums = 30.0, True
+        return f.client.ask_later(request)
+
+    asked = {rid: park(rid, 2) for rid in reversed(chain)}
+    time.sleep(0.3)
+    assert not any(a.done() for a in asked.values()), "answered before version 2 was readable"
+    published = time.monotonic()
+    f.publish(2)
+    answers = {rid: a.result(timeout=10) for rid, a in asked.items()}
+    assert time.monotonic() - published < 5  # not after the 20 s hold
+    parents = {rid: _primaries(a.sources()) for rid, a in answers.items()}
+    assert parents == {"p1": {"rank-0"}, "p2": {"p1"}, "p3": {"p2"}}
+    for rid, answer in answers.items():
+        lease = lease_from_proto(answer.reply.lease)
+        assert (lease.version, lease.receiver_id) == (2, rid) and lease.checksums
+        f.client.release_lease(lease)
+    assert "version 2: parked calls answered together, in order: ['p1', 'p2', 'p3']" in f.log()
+    for rid in chain:
+        f.client.release_sources(2, rid, complete=True)
+
+    # p1 does not park for version 3: p2, held for it, and p3, held for p2, go on alone and
+    # are answered once p1 asks.
+    asked = {rid: park(rid, 3) for rid in ("p3", "p2")}
+    f.publish(3)
+    time.sleep(0.3)
+    assert not any(a.done() for a in asked.values()), "answered before the held parent asked"
+    first = f.client.get_sources(3, "p1", HALF, offer=offer("p1", HALF))
+    answers = {rid: a.result(timeout=10) for rid, a in asked.items()}
+    assert _primaries(first) == {"rank-0"}
+    assert {rid: _primaries(a.sources()) for rid, a in answers.items()} == {
+        "p2": {"p1"},
+        "p3": {"p2"},
+    }
+    alone = "version 3: parked calls answered together, in order: []; going on alone: ['p3', 'p2']"
+    assert alone in f.log()
 
 
 def test_sources_and_a_lease_come_in_one_call_and_a_refused_call_holds_no_lease(fleet):
