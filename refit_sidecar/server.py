@@ -235,17 +235,18 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         if cached is not None:
             return cached
         manifest = pb.Manifest(version=version, layout=self._layout)
-        merged: dict[str, pb.ParameterRecord] = {}
+        parts: dict[str, list[pb.ParameterRecord]] = {}
         for rank in sorted(by_rank):
             published: pb.PublishShardsRequest = by_rank[rank]
             manifest.agents.append(published.agent)
             for parameter in published.parameters:
-                if parameter.name not in merged:
-                    merged[parameter.name] = pb.ParameterRecord(
-                        name=parameter.name, shape=parameter.shape, dtype=parameter.dtype
-                    )
-                merged[parameter.name].shards.extend(parameter.shards)
-        manifest.parameters.extend(merged[name] for name in sorted(merged))
+                parts.setdefault(parameter.name, []).append(parameter)
+        for name in sorted(parts):
+            first, *others = parts[name]
+            merged = manifest.parameters.add()
+            merged.CopyFrom(first)  # a tensor one rank holds is copied whole, in C
+            for other in others:
+                merged.shards.extend(other.shards)
         readable = set(self.registry.readable())
         for stale in [v for v in self._manifests if v not in readable]:
             del self._manifests[stale]

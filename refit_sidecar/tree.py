@@ -32,6 +32,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -90,6 +91,7 @@ log = logging.getLogger(__name__)
 
 _CUTS_KEPT = 4096
 _LAYOUTS_KEPT = 4
+_ROUTES_KEPT = 256
 _Layout = tuple[
     dict[str, tuple[int, ...]], tuple[tuple[str, dict[str, tuple[Box, ...]], bytes], ...]
 ]
@@ -136,6 +138,12 @@ class Tree:
         """`_cut` by (holdings key, wants key)."""
         self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
         """`_holdings` by wants key."""
+        self._routes: OrderedDict[
+            tuple[object, ...], tuple[list[tuple[int, Box]], tuple[Route, ...]]
+        ]
+        self._routes = OrderedDict()
+        """Routes of single-source assignments, by (wants key, the source's holdings key, the
+        source, its fallbacks): the pieces they were cut into, and the routes."""
         self._layouts: list[tuple[Manifest, _Layout]] = []
         """`_layout` of the manifests opened last (kept by identity, newest first)."""
         self._parents: dict[str, tuple[int, tuple[str, ...], float]] = {}
@@ -336,26 +344,47 @@ class Tree:
             )
             for p in primaries
         }
-        routes = tuple(
-            Route(
-                wants[i].name,
-                box,
-                p,
-                self._fallbacks(
-                    v,
+        memo_key = None
+        if len(primaries) == 1 and wants_key and same[primaries[0]] is not None:
+            # The usual case: one source holds everything, with one fallback list. A
+            # receiver gets the same routes (the same object) while these repeat, so what is
+            # built from them (a reply) is found by identity.
+            p = primaries[0]
+            memo_key = (wants_key, v.sources[p].holds_key, p, same[p])
+            memo = self._routes.get(memo_key)
+            if memo is not None and [(i, b) for i, b, _ in pieces] == memo[0]:
+                self._routes.move_to_end(memo_key)
+                routes = memo[1]
+                memo_key = None
+            else:
+                routes = None
+        else:
+            routes = None
+        if routes is None:
+            routes = tuple(
+                Route(
                     wants[i].name,
                     box,
-                    primary=p,
-                    excluded=avoid[p],
-                    order=order,
-                    roots=roots,
-                    whole=lambda s: share(s) is True,
+                    p,
+                    self._fallbacks(
+                        v,
+                        wants[i].name,
+                        box,
+                        primary=p,
+                        excluded=avoid[p],
+                        order=order,
+                        roots=roots,
+                        whole=lambda s: share(s) is True,
+                    )
+                    if (fallbacks := same[p]) is None
+                    else fallbacks,
                 )
-                if (fallbacks := same[p]) is None
-                else fallbacks,
+                for i, box, p in pieces
             )
-            for i, box, p in pieces
-        )
+        if memo_key is not None:
+            self._routes[memo_key] = ([(i, b) for i, b, _ in pieces], routes)
+            while len(self._routes) > _ROUTES_KEPT:
+                self._routes.popitem(last=False)
         assignment = Assignment(version, rid, routes)
         v.pulls[rid] = _Pull(receiver.domain, primaries, assignment)
         if own is None and serve:

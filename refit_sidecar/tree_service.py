@@ -154,9 +154,11 @@ class TreeService:
         self._trainer_copies: OrderedDict[tuple[bytes, str, tuple[str, ...]], _Copy]
         self._trainer_copies = OrderedDict()
         """A trainer rank's shards of the wanted tensors, by (layout key, agent, names)."""
-        self._replies: OrderedDict[tuple[object, ...], pb.GetSourcesResponse] = OrderedDict()
-        """Replies by their routes and their primaries' copies, without version and expiry:
-        a steady tree repeats them."""
+        self._replies: OrderedDict[
+            tuple[object, ...], tuple[tuple[Route, ...], pb.GetSourcesResponse]
+        ] = OrderedDict()
+        """Replies (without version and expiry) by their routes (identity, kept alive here)
+        and their primaries' copies: a steady tree repeats them."""
         self._changed = asyncio.Event()
         """Set (and replaced) whenever a receiver is assigned or releases: what a request
         waiting for a held parent waits on."""
@@ -278,11 +280,13 @@ class TreeService:
         """The reply holding `routes` and the primaries' `copies`, with its routing key: a
         digest of the routes without their fallbacks and of where each primary's copy lies.
         Built once per distinct pair."""
-        key = (routes, *(c.key for c in copies))
+        # By the routes' identity: the tree hands a receiver the same routes object while
+        # its assignment repeats (hashing a hundred routes would cost more than the rest).
+        key = (id(routes), *(c.key for c in copies))
         cached = self._replies.get(key)
-        if cached is not None:
+        if cached is not None and cached[0] is routes:
             self._replies.move_to_end(key)
-            return cached
+            return cached[1]
         primaries = repr([(r.name, r.box.ranges, r.primary) for r in routes]).encode()
         message = pb.GetSourcesResponse(
             routes=[
@@ -296,7 +300,7 @@ class TreeService:
                 b"".join([primaries, *(c.key for c in copies)]), digest_size=16
             ).digest(),
         )
-        self._replies[key] = message
+        self._replies[key] = (routes, message)
         while len(self._replies) > _REPLIES_KEPT:
             self._replies.popitem(last=False)
         return message
@@ -392,9 +396,10 @@ class TreeService:
         request are reused when the bytes match (they were checked against the same trainer
         generation's parameters)."""
         rid = request.receiver_id
-        digest = hashlib.blake2b(digest_size=16)
-        for wanted in request.wants:
-            digest.update(wanted.SerializeToString(deterministic=True))
+        # One serialization each of the wants and the offer (copied into bare requests in C),
+        # not one per want.
+        wants = pb.GetSourcesRequest(wants=request.wants).SerializeToString(deterministic=True)
+        digest = hashlib.blake2b(wants, digest_size=16)
         wants_key = digest.digest()
         digest.update(b"|")
         if request.HasField("offer"):
