@@ -96,12 +96,12 @@ class _Open:
 class _Checked:
     """A receiver's last request, checked: reused while its bytes repeat."""
 
-    key: bytes
-    """Digest of the request's wants and offer."""
     wants_key: bytes
     """Digest of the wants alone."""
     wants: tuple[Want, ...]
     offer: pb.PeerOffer | None
+    asked: pb.GetSourcesRequest
+    """The request's wants and offer as received (what a later request is compared with)."""
     copy: _Copy | None = None
     """The offered copy as replies name it, built once per offer (`_peer_copy`)."""
 
@@ -393,24 +393,23 @@ class TreeService:
     def _checked(self, request: pb.GetSourcesRequest, manifest: Manifest) -> _Checked:
         """The request's wants and offer, checked. A receiver asks with the same wants and
         offer for every version (same layout, same staging): the checked values of its last
-        request are reused when the bytes match (they were checked against the same trainer
+        request are reused when they are equal (they were checked against the same trainer
         generation's parameters)."""
         rid = request.receiver_id
-        # One serialization each of the wants and the offer (copied into bare requests in C),
-        # not one per want.
-        wants = pb.GetSourcesRequest(wants=request.wants).SerializeToString(deterministic=True)
-        digest = hashlib.blake2b(wants, digest_size=16)
-        wants_key = digest.digest()
-        digest.update(b"|")
-        if request.HasField("offer"):
-            digest.update(request.offer.SerializeToString(deterministic=True))
-        key = digest.digest()
         known = self._last_checked.get(rid)
-        if known is not None and known.key == key:
+        asked = pb.GetSourcesRequest(wants=request.wants)
+        if request.HasField("offer"):
+            asked.offer.CopyFrom(request.offer)
+        if known is not None and known.asked == asked:  # compared in C, field by field
             return known
+        wants_key = hashlib.blake2b(
+            pb.GetSourcesRequest(wants=request.wants).SerializeToString(deterministic=True),
+            digest_size=16,
+        ).digest()
         wants = self._wants(request, manifest)
         offer = self._offer(request, wants, manifest) if request.HasField("offer") else None
-        checked = self._last_checked[rid] = _Checked(key, wants_key, tuple(wants), offer)
+        checked = _Checked(wants_key, tuple(wants), offer, asked)
+        self._last_checked[rid] = checked
         return checked
 
     @staticmethod
