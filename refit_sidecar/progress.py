@@ -25,6 +25,7 @@ the word says COMPLETE (the parent verified its copy).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +84,11 @@ class Words(Protocol):
         """Store `data` (bytes) at `offset`; visible to later reads once it returns."""
         ...
 
+    def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+        """Store each (byte offset, little-endian uint64) in turn: no reader sees one before
+        those listed ahead of it. All visible once it returns (one wait for all of them)."""
+        ...
+
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         """`nbytes` bytes at `offset`, as host memory."""
         ...
@@ -102,6 +108,10 @@ class HostWords:
     def write(self, offset: int, data: np.ndarray) -> None:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         self.array[offset : offset + raw.size] = raw
+
+    def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+        for offset, value in words:
+            self.array[offset : offset + 8].view("<u8")[0] = value
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         return self.array[offset : offset + nbytes]
@@ -127,10 +137,12 @@ class OwnProgress:
         self.region = memory.region
         self.version = 0
 
-    def _set(self, index: int, value: int) -> None:
-        self._words[index] = value
+    def _set(self, *values: tuple[int, int]) -> None:
+        """Stores (word index, value) pairs in turn."""
+        for index, value in values:
+            self._words[index] = value
         if not self._in_place:
-            self._memory.write(8 * index, np.asarray(self._words)[index : index + 1])
+            self._memory.write_words([(8 * index, value) for index, value in values])
 
     @property
     def location(self) -> ShardLocation:
@@ -151,18 +163,16 @@ class OwnProgress:
         if version >= 1 << 63:
             raise ValueError(f"version {version} does not fit a progress word")
         tag = (version & _TAG_MASK) << _FILLED_BITS
-        self._set(1, tag)
-        self._set(2, tag | CopyProgress.FILLING)
-        self._set(0, version)
+        self._set((1, tag), (2, tag | CopyProgress.FILLING), (0, version))
         self.version = version
 
     def filled(self, nbytes: int) -> None:
         if not 0 <= nbytes <= _FILLED_MASK:
             raise ValueError(f"{nbytes} bytes do not fit a progress word")
-        self._set(1, ((self.version & _TAG_MASK) << _FILLED_BITS) | nbytes)
+        self._set((1, ((self.version & _TAG_MASK) << _FILLED_BITS) | nbytes))
 
     def finish(self, state: CopyProgress) -> None:
-        self._set(2, ((self.version & _TAG_MASK) << _FILLED_BITS) | state)
+        self._set((2, ((self.version & _TAG_MASK) << _FILLED_BITS) | state))
 
     def read(self) -> ProgressWord:
         return ProgressWord.decode(self._memory.read(0, PROGRESS_BYTES))

@@ -96,21 +96,30 @@ class TorchWords:
         return self._region
 
     def write(self, offset: int, data: np.ndarray) -> None:
-        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        end = offset + raw.size
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        end = offset + raw.numel()
         if self._stream is None:
-            self.tensor[offset:end].copy_(torch.from_numpy(raw))
+            self.tensor[offset:end].copy_(raw)
             return
+        self._host[offset:end].copy_(raw)
         with torch.cuda.stream(self._stream):
-            if offset % 8 == 0 and raw.size % 8 == 0:
-                # Whole 64-bit words (a progress word's): each stored by a fill kernel, which
-                # runs on the SMs, not behind the data copies queued on the copy engines.
-                words = self.tensor[offset:end].view(torch.int64)
-                for i, value in enumerate(raw.view("<i8").tolist()):
-                    words[i].fill_(value)
-            else:
-                self._host[offset:end].copy_(torch.from_numpy(raw))
-                self.tensor[offset:end].copy_(self._host[offset:end], non_blocking=True)
+            self.tensor[offset:end].copy_(self._host[offset:end], non_blocking=True)
+        self._stream.synchronize()
+
+    def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+        if self._stream is None:
+            for offset, value in words:
+                self.write(offset, np.array([value], dtype="<u8"))
+            return
+        # Copies on one stream run in order: each word lands after those before it, and one
+        # wait covers them all.
+        staged = self._host.numpy()
+        with torch.cuda.stream(self._stream):
+            for offset, value in words:
+                staged[offset : offset + 8].view("<u8")[0] = value
+                self.tensor[offset : offset + 8].copy_(
+                    self._host[offset : offset + 8], non_blocking=True
+                )
         self._stream.synchronize()
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:

@@ -9,7 +9,7 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -40,6 +40,7 @@ from refit_sidecar.pipelined_pull import (
 )
 from refit_sidecar.plan import PullPlan, Want, plan_pull
 from refit_sidecar.progress import (
+    PROGRESS_BYTES,
     CopyProgress,
     HostWords,
     OwnProgress,
@@ -139,6 +140,24 @@ def test_starting_a_version_changes_the_version_word_last() -> None:
     own._words = Recorder(own._words)  # type: ignore[assignment]
     own.start(2)
     assert writes == [1, 2, 0]
+
+
+def test_a_word_in_device_memory_is_started_in_one_ordered_write() -> None:
+    """Words stored through a copy (device memory) are handed over in one `write_words` call,
+    version word last, which stores them in order with one wait for all."""
+    calls: list[list[tuple[int, int]]] = []
+
+    class Recording(TorchWords):
+        def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+            calls.append(list(words))
+            super().write_words(words)
+
+    own = OwnProgress("p", Recording(PROGRESS_BYTES, device=torch.device("cpu")))
+    own.start(3)
+    own.filled(512)
+    assert [[offset for offset, _ in call] for call in calls] == [[8, 16, 0], [8]]
+    assert calls[0][2] == (0, 3)
+    assert own.read() == ProgressWord(3, 512, CopyProgress.FILLING)
 
 
 # -- route manifests ------------------------------------------------------------------------------
