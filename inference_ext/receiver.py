@@ -213,6 +213,9 @@ class RefitStats:
     asked_ahead: bool = False
     """Fan-out: the lease and the sources came in one call (every fetch after the first), so
     `plan_s` holds the wait for both and `ask_s` is about nothing."""
+    routes_left_out: bool = False
+    """Fan-out: the sidecar's answer named only its routing key, that of the plan this
+    receiver held: it replayed that plan and parsed nothing."""
     expected: bool = False
     """The lease (and, through the tree, the sources) had been asked for before the fetch,
     by `Receiver.expect`."""
@@ -296,6 +299,7 @@ class _Pulled:
     gated_s: float = 0.0
     prepared: int = 0
     asked_ahead: bool = False
+    routes_left_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -585,6 +589,7 @@ class Receiver:
                 tree.gated_s,
                 tree.prepared,
                 tree.asked_ahead,
+                tree.routes_left_out,
             )
         started = time.time()
         stats = self.transport.pull(plan, region, verify=self._verifies)
@@ -697,6 +702,7 @@ class Receiver:
             gated_s=pulled.gated_s,
             prepared=pulled.prepared,
             asked_ahead=pulled.asked_ahead,
+            routes_left_out=pulled.routes_left_out,
             expected=fetched.expected,
         )
 

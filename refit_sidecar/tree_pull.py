@@ -94,6 +94,9 @@ class TreePullStats:
     asked_ahead: bool = False
     """The lease and the sources came from `TreePull.ask_ahead` (`ask_s` is then the wait
     for that answer, about nothing once the lease is in)."""
+    routes_left_out: bool = False
+    """The answer that completed the pull left its routes out: this receiver named the key of
+    the plan it held, and replayed it."""
 
 
 @dataclass
@@ -138,7 +141,9 @@ class TreePull:
         transport.register(self._own.region)
         self._control = ControlSlots(transport, words)
         self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
-        """Routed plans by `Sources.key`."""
+        self._primaries: dict[bytes, tuple[str, ...]] = {}
+        """Each routed plan's primaries, by key (an answer that leaves its routes out)."""
+        """Routed plans by `Sources.key`: GetSources names their keys (`known_routing_keys`)."""
         self._last_offer: tuple[object, Offer] | None = None
         self._last_wants: tuple[object, list[Want]] | None = None
         self._request: tuple[object, pb.GetSourcesRequest] | None = None
@@ -173,6 +178,7 @@ class TreePull:
         request.wait_seconds = wait_s
         request.lease_ttl_seconds = lease_ttl_s
         request.lease_with_checksums = checksums
+        self._name_known_keys(request)
         self._settle()  # the sidecar sees this receiver's calls in order
         sent = time.monotonic()
         self._ahead = _Ahead(version, key, self._client.ask_later(request), sent)
@@ -277,13 +283,14 @@ class TreePull:
         gone: set[str] = set()
         ahead = self._take_ahead(version, (tuple(wants), offer))
         asked_ahead = ahead is not None
+        left_out = False
         ask_s = time.perf_counter() - begin  # waiting for the answer asked ahead, if any
         for _ in range(_MAX_ATTEMPTS):
             asked = time.perf_counter()
             sources = ahead or self._sources(version, wants, offer, lost, deadline)
             ask_s += time.perf_counter() - asked
             ahead = None
-            again = sorted(gone.intersection(sources.primaries))
+            again = sorted(gone.intersection(self._primaries_of(sources)))
             if again:
                 # The sidecar knows no other source for those bytes (a trainer rank stays a
                 # source while its version is readable, even when a receiver lost it).
@@ -296,6 +303,7 @@ class TreePull:
                 self._offered = version
                 started_copy = True
             routed, gates = self._routed(sources, plan, wants)
+            left_out = sources.reply.routes_left_out
             try:
                 stats = runner.run(routed, staging, filled, peers=gates, deadline=deadline)
             except SourceFailed as e:
@@ -347,6 +355,7 @@ class TreePull:
             gated_s=completing.gated_s,
             prepared=completing.prepared,
             asked_ahead=asked_ahead and fallbacks == 0,
+            routes_left_out=left_out,
         )
 
     def _wants(self, plan: PullPlan) -> list[Want]:
@@ -358,21 +367,32 @@ class TreePull:
             self._last_wants = last
         return last[1]
 
+    def _name_known_keys(self, request: pb.GetSourcesRequest) -> None:
+        request.known_routing_keys.extend(self._plans)
+
+    def _primaries_of(self, answer: Answer) -> tuple[str, ...]:
+        if not answer.reply.routes_left_out:
+            return answer.primaries
+        primaries = self._primaries.get(answer.key)
+        if primaries is None or answer.key not in self._plans:
+            raise TreePullError("the sidecar left out routes of a plan this receiver dropped")
+        return primaries
+
     def _routed(
         self, answer: Answer, plan: PullPlan, wants: list[Want]
     ) -> tuple[PullPlan, dict[str, PeerGate]]:
         """The plan reading what the tree chose, and the gates of the peers it reads; an
         answer met before (same routes, same memory: a steady tree over the trainer's slots)
-        replays its plan and parses nothing."""
+        replays its plan and parses nothing (the sidecar then leaves its routes out)."""
         cached = self._plans.get(answer.key)
         if cached is not None:
             self._plans.move_to_end(answer.key)
             return replace(cached[0], version=answer.version), cached[1]
+        if answer.reply.routes_left_out:
+            raise TreePullError("the sidecar left out routes of a plan this receiver dropped")
         fast = _one_source(answer, plan)
         if fast is not None:
-            self._plans[answer.key] = fast
-            while len(self._plans) > _KNOWN_ANSWERS:
-                self._plans.popitem(last=False)
+            self._keep(answer, fast)
             return fast
         sources = answer.sources(copies_of=answer.primaries)
         routed = plan_pull(route_manifest(sources), wants)
@@ -386,10 +406,15 @@ class TreePull:
             if progress is None:
                 raise TreePullError(f"peer {source!r} was sent without its progress word")
             gates[source] = PeerGate(progress, base)
-        self._plans[answer.key] = (routed, gates)
-        while len(self._plans) > _KNOWN_ANSWERS:
-            self._plans.popitem(last=False)
+        self._keep(answer, (routed, gates))
         return routed, gates
+
+    def _keep(self, answer: Answer, routed: tuple[PullPlan, dict[str, PeerGate]]) -> None:
+        self._plans[answer.key] = routed
+        self._primaries[answer.key] = answer.primaries
+        while len(self._plans) > _KNOWN_ANSWERS:
+            dropped, _ = self._plans.popitem(last=False)
+            self._primaries.pop(dropped, None)
 
     def _offer(self, plan: PullPlan, staging: Region) -> Offer:
         """This receiver's copy as it offers it: the same for every version that lands in
@@ -426,6 +451,7 @@ class TreePull:
         request.CopyFrom(self._request[1])
         request.version = version
         request.lost.extend(s for s in lost if s)
+        self._name_known_keys(request)
         self._settle()
         # Waits for a held parent happen on the sidecar; NoSourceFree here means a full tree:
         # free again as soon as some pull ends.

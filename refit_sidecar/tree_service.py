@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from refit_sidecar.manifest import Manifest, c_strides
@@ -247,7 +247,9 @@ class TreeService:
         self._notify()
         if offer is not None:
             self._offers[(version, rid)] = _Offer(checked)
-        return self._reply(version, opened, rid, checked, assignment.routes)
+        return self._reply(
+            version, opened, rid, checked, assignment.routes, known=request.known_routing_keys
+        )
 
     def _notify(self) -> None:
         self._changed.set()
@@ -260,12 +262,19 @@ class TreeService:
         rid: str,
         checked: _Checked,
         routes: tuple[Route, ...],
+        *,
+        known: Collection[bytes] = (),
     ) -> pb.GetSourcesResponse:
+        """The reply; only its key when that is `known` (the caller holds its plan)."""
         names = list(dict.fromkeys(w.name for w in checked.wants))
         primaries = dict.fromkeys(r.primary for r in routes)
         copies = [self._copy(version, opened, s, names) for s in primaries]
-        reply = pb.GetSourcesResponse()
-        reply.CopyFrom(self._cached_reply(routes, copies))
+        cached = self._cached_reply(routes, copies)
+        if cached.routing_key in known:
+            reply = pb.GetSourcesResponse(routing_key=cached.routing_key, routes_left_out=True)
+        else:
+            reply = pb.GetSourcesResponse()
+            reply.CopyFrom(cached)
         reply.version = version
         expires_at = self._tree.peer_expiry(version, rid)
         if expires_at is not None:

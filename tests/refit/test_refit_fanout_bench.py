@@ -39,6 +39,11 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
             # The step's wall-clock return, against which each round's timeline is printed.
             assert s["leased_at"] - 5 < record["step"]["finished_wall"] < s["pull_finished"], s
         assert f"version {record['step']['version']}: per receiver, ms after" in done.stderr
+    # A tree that keeps its shape repeats each receiver's answer: the sidecar names only its
+    # key, and the receiver replays the plan it holds.
+    assert all(x["stats"]["routes_left_out"] for x in trees[-1]["refits"]), trees[-1]["refits"]
+    # (The first tree round's child met its parent's copy for the first time: a whole answer.)
+    assert not all(x["stats"]["routes_left_out"] for x in trees[0]["refits"])
     log = (logs / "sidecar.log").read_text()
     last = trees[-1]["step"]["version"]
     assert f"version {last} readable at" in log

@@ -353,6 +353,20 @@ def test_routing_keys_repeat_where_the_reads_do(fleet):
     assert asked[(2, "p3")].routes[0].fallbacks and all(
         isinstance(a.key, bytes) and len(a.key) == 16 for a in asked.values()
     )
+    # A receiver naming the key of the plan it holds gets the key alone when it repeats, the
+    # whole answer when it does not.
+    f.publish(4)
+    for rid, known in (("p1", keys[(3, "p1")]), ("p2", keys[(3, "p2")]), ("p3", b"stale")):
+        request = get_sources_request(4, rid, HALF, offer=offer(rid, HALF))
+        request.known_routing_keys.extend([b"another", known])
+        answer = f.client.ask(request)
+        if rid == "p3":
+            assert not answer.reply.routes_left_out and answer.reply.routes
+            assert answer.key == keys[(3, "p3")] and _primaries(answer.sources()) == {"p2"}
+        else:
+            assert answer.reply.routes_left_out and answer.key == known
+            assert not answer.reply.routes and not answer.reply.sources
+            assert answer.version == 4 and answer.reply.offer_expires_in_seconds > 0
 
 
 def _chain_of_two(fleet: Callable[..., Fleet], hold_s: float) -> Fleet:

@@ -265,7 +265,7 @@ class PeerOffer(_message.Message):
     def __init__(self, agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., locations: _Optional[_Iterable[_Union[ShardLocation, _Mapping]]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
 
 class GetSourcesRequest(_message.Message):
-    __slots__ = ("version", "receiver_id", "domain", "wants", "offer", "lost", "wait_seconds", "lease_ttl_seconds", "lease_with_checksums")
+    __slots__ = ("version", "receiver_id", "domain", "wants", "offer", "lost", "wait_seconds", "lease_ttl_seconds", "lease_with_checksums", "known_routing_keys")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,7 @@ class GetSourcesRequest(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_WITH_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_ROUTING_KEYS_FIELD_NUMBER: _ClassVar[int]
     version: int
     receiver_id: str
     domain: str
@@ -284,7 +285,8 @@ class GetSourcesRequest(_message.Message):
     wait_seconds: float
     lease_ttl_seconds: float
     lease_with_checksums: bool
-    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., domain: _Optional[str] = ..., wants: _Optional[_Iterable[_Union[WantedBox, _Mapping]]] = ..., offer: _Optional[_Union[PeerOffer, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_with_checksums: _Optional[bool] = ...) -> None: ...
+    known_routing_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., domain: _Optional[str] = ..., wants: _Optional[_Iterable[_Union[WantedBox, _Mapping]]] = ..., offer: _Optional[_Union[PeerOffer, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., lease_with_checksums: _Optional[bool] = ..., known_routing_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SourceRoute(_message.Message):
     __slots__ = ("name", "box", "primary", "fallbacks")
@@ -311,20 +313,22 @@ class SourceCopy(_message.Message):
     def __init__(self, source_id: _Optional[str] = ..., kind: _Optional[_Union[SourceKind, str]] = ..., shards: _Optional[_Union[Manifest, _Mapping]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
 
 class GetSourcesResponse(_message.Message):
-    __slots__ = ("version", "routes", "sources", "offer_expires_in_seconds", "routing_key", "lease")
+    __slots__ = ("version", "routes", "sources", "offer_expires_in_seconds", "routing_key", "lease", "routes_left_out")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     OFFER_EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     version: int
     routes: _containers.RepeatedCompositeFieldContainer[SourceRoute]
     sources: _containers.RepeatedCompositeFieldContainer[SourceCopy]
     offer_expires_in_seconds: float
     routing_key: bytes
     lease: Lease
-    def __init__(self, version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[SourceRoute, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceCopy, _Mapping]]] = ..., offer_expires_in_seconds: _Optional[float] = ..., routing_key: _Optional[bytes] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    routes_left_out: bool
+    def __init__(self, version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[SourceRoute, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceCopy, _Mapping]]] = ..., offer_expires_in_seconds: _Optional[float] = ..., routing_key: _Optional[bytes] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., routes_left_out: _Optional[bool] = ...) -> None: ...
 
 class ReleaseSourcesRequest(_message.Message):
     __slots__ = ("version", "receiver_id", "complete")
