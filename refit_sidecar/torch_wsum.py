@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -96,7 +98,7 @@ class _Recent:
         return value
 
 
-_device_tables = _Recent()
+_device_tables = _Recent(64)
 
 
 def _tables(plan: wsum.SumPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -117,6 +119,15 @@ def _tables(plan: wsum.SumPlan, device: torch.device) -> tuple[torch.Tensor, tor
 def group_sums(buffer: torch.Tensor, plan: wsum.SumPlan, *, use_triton: bool = True) -> np.ndarray:
     """The plan's WSUM-64s over `buffer` (a contiguous 1-d uint8 tensor), uint64 per group, on
     the buffer's device and its current stream."""
+    sums = device_group_sums(buffer, plan, use_triton=use_triton)
+    return sums.cpu().numpy().view(np.uint64)
+
+
+def device_group_sums(
+    buffer: torch.Tensor, plan: wsum.SumPlan, *, use_triton: bool = True
+) -> torch.Tensor:
+    """`group_sums` as int64 on the buffer's device, queued on its current stream and not
+    waited for."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
         raise ValueError("WSUM-64 sums a contiguous 1-d uint8 tensor")
     if buffer.data_ptr() % wsum.UNIT or buffer.numel() % wsum.UNIT:
@@ -126,7 +137,7 @@ def group_sums(buffer: torch.Tensor, plan: wsum.SumPlan, *, use_triton: bool = T
         if plan.blocks[:, 0].min() < 0 or last.max() * wsum.UNIT > buffer.numel():
             raise ValueError("the sum plan reads outside the buffer")
     if not len(plan.blocks):
-        return np.zeros(plan.count, np.uint64)
+        return torch.zeros(plan.count, dtype=torch.int64, device=buffer.device)
     units = buffer.view(torch.int16)
     kernel = _kernel() if use_triton and buffer.is_cuda else None
     if kernel is not None:
@@ -153,7 +164,7 @@ def group_sums(buffer: torch.Tensor, plan: wsum.SumPlan, *, use_triton: bool = T
         groups = torch.from_numpy(plan.groups).to(buffer.device)
     sums = torch.zeros(plan.count, dtype=torch.int64, device=buffer.device)
     sums.index_add_(0, groups, partial)
-    return sums.cpu().numpy().view(np.uint64)
+    return sums
 
 
 def _torch_blocks(units: torch.Tensor, plan: wsum.SumPlan) -> torch.Tensor:
@@ -203,7 +214,7 @@ def region_tensor(region: Region) -> torch.Tensor:
     return owner[start : start + region.nbytes]
 
 
-_sum_plans = _Recent()
+_sum_plans = _Recent(64)
 
 
 def _plan_sums(plan: PullPlan) -> tuple[wsum.SumPlan, tuple[int, ...]]:
@@ -229,6 +240,33 @@ def _plan_sums(plan: PullPlan) -> tuple[wsum.SumPlan, tuple[int, ...]]:
 
     result: tuple[wsum.SumPlan, tuple[int, ...]] = _sum_plans.get(digest.digest(), make)
     return result
+
+
+def start_sums(
+    plan: PullPlan, dest: Region, reads: Sequence[int]
+) -> tuple[torch.Tensor, list[int]]:
+    """The WSUM-64s of `plan.reads[i]` for i in `reads` (those read whole carrying one) over
+    `dest`, queued on the current stream and not waited for; with the index of the read each
+    belongs to."""
+    part = replace(plan, reads=tuple(plan.reads[i] for i in reads))
+    sums, indices = _plan_sums(part)
+    return device_group_sums(region_tensor(dest), sums), [reads[i] for i in indices]
+
+
+def check_sums(plan: PullPlan, started: Sequence[tuple[torch.Tensor, list[int]]]) -> int:
+    """Waits for sums `start_sums` queued (on the current stream) and compares each with its
+    read's published WSUM-64; returns how many were checked. ChecksumMismatch names the
+    first that differs, in the plan's order."""
+    indices = [i for _, part in started for i in part]
+    if not indices:
+        return 0
+    got = torch.cat([sums for sums, _ in started]).cpu().numpy().view(np.uint64).tolist()
+    for value, i in sorted(zip(got, indices, strict=True), key=lambda pair: pair[1]):
+        published = plan.reads[i].sum64
+        assert published is not None  # a sum plan holds only reads that carry one
+        if value != published:
+            raise ChecksumMismatch.of(plan.reads[i], "wsum64", value, published)
+    return len(indices)
 
 
 def verify_device(plan: PullPlan, dest: Region) -> int:

@@ -38,8 +38,9 @@ from refit_sidecar.pipelined_pull import (
 from refit_sidecar.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
 from refit_sidecar.routing import peer_bases, route_manifest
+from refit_sidecar.running_check import RunningCheck
 from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
-from refit_sidecar.transport import Region, SourceLost, verifies_every_read, verify_pulled
+from refit_sidecar.transport import Region, SourceLost, verifies_every_read
 from refit_sidecar.wire import agent_from_proto, location_from_proto, mem_type_from_proto
 from trainer_refit.v1 import refit_pb2 as pb
 
@@ -268,12 +269,13 @@ class TreePull:
         wants = self._wants(plan)
         offer = self._offer(plan, staging) if self.config.serve else None
         filled = Filled(plan)
+        check = RunningCheck(plan, staging) if self.config.verify else None
         runner = PipelinedPull(
             self._transport,
             self._control,
             self.config.chunks,
             own=self._own if offer is not None else None,
-            on_progress=on_progress,
+            on_progress=_checking(check, on_progress),
             verified_here=self.config.verify and verifies_every_read(plan, staging),
         )
         begin = time.perf_counter()
@@ -307,6 +309,8 @@ class TreePull:
             try:
                 stats = runner.run(routed, staging, filled, peers=gates, deadline=deadline)
             except SourceFailed as e:
+                if check is not None:
+                    check.restart()
                 if e.exposed:
                     raise TreePullError(
                         f"{e}; this copy had forwarded some of its bytes, so it fails too"
@@ -316,6 +320,8 @@ class TreePull:
                 log.warning("version %d: %s; asking for another source", version, e)
                 continue
             except SourceLost as e:
+                if check is not None:
+                    check.restart()
                 if time.monotonic() > deadline:
                     raise TreePullError(str(e)) from e
                 lost, fallbacks = [e.agent or ""], fallbacks + 1
@@ -329,9 +335,9 @@ class TreePull:
         else:
             raise TreePullError(f"version {version}: {_MAX_ATTEMPTS} sources failed in turn")
         verified = 0
-        if self.config.verify:
+        if check is not None:
             try:
-                verified = verify_pulled(plan, staging)
+                verified = check.finish()
             except ChecksumMismatch as e:
                 read_from = sorted(filled.bytes_by_source())
                 raise TreePullError(f"{e} (this copy was read from {read_from})") from e
@@ -500,6 +506,21 @@ class TreePull:
         self._releases.shutdown(wait=True)
         self._control.release()
         self._transport.deregister(self._own.region)
+
+
+def _checking(
+    check: RunningCheck | None, on_progress: Callable[[int, int], None] | None
+) -> Callable[[int, int], None] | None:
+    """The pull's progress callback: starts the check of what landed, then tells the caller."""
+    if check is None:
+        return on_progress
+
+    def progress(prefix: int, total: int) -> None:
+        check.advance(prefix)
+        if on_progress is not None:
+            on_progress(prefix, total)
+
+    return progress
 
 
 def _one_source(answer: Answer, plan: PullPlan) -> tuple[PullPlan, dict[str, PeerGate]] | None:

@@ -7,6 +7,8 @@
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   control     sidecar_control: the control plane alone (tree and direct)
 #   tests       the GPU-marked tests
+# $OUT then holds env.txt, results.tgz (each run's JSON and printed log) and logs.tgz (the
+# services' logs).
 set -o pipefail
 export OUT=${OUT:-runs}
 mkdir -p "$OUT"
@@ -64,4 +66,6 @@ for group in "$@"; do
     esac
 done
 tar czf "$OUT/logs.tgz" -C /tmp refit-suite-logs 2>/dev/null
+# A few files come back from a lent machine: the results and their logs travel as one archive.
+(cd "$OUT" && tar czf results.tgz --remove-files -- *.json *.log 2>/dev/null)
 exit $status

@@ -1,0 +1,130 @@
+"""Checking a pull against the trainer's checksums while it runs (docs/fanout.md, step 6).
+
+A pull into device memory checks the WSUM-64 of every trainer shard it read whole. Done after
+the last byte lands, the check is a tail every refit waits for (about 2 ms for 2 GB on a GPU
+that three receivers share), and in a tree every level waits for its own. `RunningCheck`
+starts the sums of a part of the shards as soon as the destination holds every byte of them
+(the pull fills it in order: `advance(prefix)` with the bytes filled from its start), on a
+stream of its own, so they run while later chunks are in flight; `finish` starts what is left,
+waits for all of them and compares. When bytes may be read again (a source failed and another
+one delivers them), `restart` drops what was started, and `finish` checks everything.
+
+Host memory is checked in `finish`, as `transport.verify_pulled` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from refit_sidecar.manifest import MemType
+from refit_sidecar.plan import PullPlan
+from refit_sidecar.transport import Region, verify_pulled
+
+DEFAULT_PARTS = 4
+"""Parts a pull's shards are checked in: each started costs a few kernel launches on the
+pulling thread; the last one is the tail left after the pull."""
+
+
+@dataclass(frozen=True)
+class _Part:
+    end: int
+    """Where the last byte of its shards lies in the destination, plus one."""
+    reads: list[int]
+    """Indices into the plan's reads."""
+
+
+class RunningCheck:
+    """One pull's check against the trainer's checksums, started as the destination fills."""
+
+    def __init__(self, plan: PullPlan, dest: Region, *, parts: int = DEFAULT_PARTS) -> None:
+        if parts < 1:
+            raise ValueError(f"a check needs at least one part, got {parts}")
+        self._plan = plan
+        self._dest = dest
+        self._device = dest.mem_type is not MemType.DRAM
+        self._parts = _parts(plan, parts) if self._device else []
+        self._next = 0
+        self._started: list[tuple[Any, list[int]]] = []
+        self._stream: Any = None
+        self._whole = False
+
+    @property
+    def started(self) -> int:
+        """Parts started so far."""
+        return self._next
+
+    def advance(self, prefix: int) -> None:
+        """The destination holds every byte before `prefix`: start the parts that lie there."""
+        while self._next < len(self._parts) and self._parts[self._next].end <= prefix:
+            self._start(self._parts[self._next])
+            self._next += 1
+
+    def restart(self) -> None:
+        """Bytes counted as landed may be read again: what was started no longer counts, and
+        `finish` checks every shard."""
+        self._started.clear()
+        self._next = len(self._parts)
+        self._whole = True
+
+    def finish(self) -> int:
+        """Checks what is left and waits for every part; returns how many shards were checked.
+        ChecksumMismatch names the first that differs."""
+        if not self._device or self._whole:
+            return verify_pulled(self._plan, self._dest)
+        for part in self._parts[self._next :]:
+            self._start(part)
+        self._next = len(self._parts)
+        from refit_sidecar.torch_wsum import check_sums  # device memory: torch is there
+
+        with self._on_stream():
+            return check_sums(self._plan, self._started)
+
+    def _start(self, part: _Part) -> None:
+        from refit_sidecar.torch_wsum import start_sums
+
+        with self._on_stream():
+            self._started.append(start_sums(self._plan, self._dest, part.reads))
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """On a GPU, a stream of the check's own: its sums wait for nothing else queued (the
+        legacy default stream would wait for the copies in flight)."""
+        import torch
+
+        from refit_sidecar.torch_wsum import region_tensor
+
+        device = region_tensor(self._dest).device
+        if device.type != "cuda":
+            yield
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(self._stream):
+            yield
+
+
+def _parts(plan: PullPlan, count: int) -> list[_Part]:
+    """The reads a device check covers (read whole, carrying a WSUM-64), in order of where they
+    end in the destination, cut into about `count` parts of equal bytes."""
+    ends = []
+    for i, shard in enumerate(plan.reads):
+        if shard.complete and shard.sum64 is not None and len(shard.lengths):
+            end = int((shard.dest_offsets + shard.lengths).max())
+            ends.append((end, int(shard.lengths.sum()), i))
+    ends.sort()
+    total = sum(n for _, n, _ in ends)
+    parts: list[_Part] = []
+    taken: list[int] = []
+    done = 0
+    for end, nbytes, i in ends:
+        taken.append(i)
+        done += nbytes
+        if done * count >= total * (len(parts) + 1):
+            parts.append(_Part(end, taken))
+            taken = []
+    if taken:
+        parts.append(_Part(ends[-1][0], taken))
+    return parts

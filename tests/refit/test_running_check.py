@@ -1,0 +1,117 @@
+"""`running_check.RunningCheck`: a pull's shards checked as the destination fills in order, the
+device path run here on a CPU tensor (tests/gpu runs it on a GPU through the fan-out)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from refit_sidecar import wsum
+from refit_sidecar.checksum import ChecksumMismatch
+from refit_sidecar.layout import ShardSpec
+from refit_sidecar.manifest import Box, DType, MemType, ShardPiece
+from refit_sidecar.plan import PullPlan, plan_pull, whole
+from refit_sidecar.running_check import RunningCheck
+from refit_sidecar.transport import InMemoryTransport, Region
+from tests.refit.shards import in_memory_manifest
+
+SHAPES = [(64, 32), (16,), (128, 32), (8, 32), (96, 32), (40,)]
+
+
+def _pulled(
+    mem_type: MemType, device: str = "cpu"
+) -> tuple[PullPlan, torch.Tensor, Region, list[np.ndarray]]:
+    """Six whole tensors of one trainer rank, each shard with its WSUM-64, pulled into a tensor
+    on `device` described as `mem_type` memory."""
+    rng = np.random.default_rng(7)
+    placed = []
+    for i, shape in enumerate(SHAPES):
+        buffer = np.frombuffer(rng.bytes(int(np.prod(shape)) * 2), np.uint8).copy()
+        spec = ShardSpec(
+            f"t{i}", shape, DType.BFLOAT16, shape, (ShardPiece(Box.full(shape), (0,) * len(shape)),)
+        )
+        placed.append(("rank-0", spec, buffer))
+    manifest = in_memory_manifest(1, placed)
+    manifest = replace(
+        manifest,
+        parameters=tuple(
+            replace(p, shards=(replace(p.shards[0], crc32=None, sum64=wsum.wsum64(b)),))
+            for p, (_, _, b) in zip(manifest.parameters, placed, strict=True)
+        ),
+    )
+    plan = plan_pull(manifest, whole(manifest))
+    pulled = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    host = Region(pulled.data_ptr(), pulled.numel(), owner=pulled)
+    InMemoryTransport({"rank-0": [b for _, _, b in placed]}).pull(plan, host)
+    staging = pulled.to(device)
+    region = Region(staging.data_ptr(), staging.numel(), mem_type, 0, owner=staging)
+    return plan, staging, region, [b for _, _, b in placed]
+
+
+def _end(plan: PullPlan, i: int) -> int:
+    reads = plan.reads[i]
+    return int((reads.dest_offsets + reads.lengths).max())
+
+
+def test_parts_start_as_the_destination_fills_and_finish_checks_every_shard() -> None:
+    plan, _, region, _ = _pulled(MemType.VRAM)
+    check = RunningCheck(plan, region, parts=3)
+    ends = sorted(_end(plan, i) for i in range(len(plan.reads)))
+    check.advance(ends[0] - 1)
+    assert check.started == 0  # no shard lies whole before the prefix yet
+    check.advance(ends[2])
+    started = check.started
+    assert 1 <= started < 3
+    check.advance(ends[2])  # the same prefix again starts nothing more
+    assert check.started == started
+    assert check.finish() == len(SHAPES) and check.started == 3
+
+
+def test_a_flipped_byte_fails_the_check_naming_its_shard(device: str = "cpu") -> None:
+    plan, staging, region, _ = _pulled(MemType.VRAM, device)
+    victim = max(range(len(plan.reads)), key=lambda i: _end(plan, i))  # in the last part
+    staging[int(plan.reads[victim].dest_offsets[0]) + 5] ^= 0x40
+    check = RunningCheck(plan, region, parts=2)
+    check.advance(plan.nbytes)
+    name = plan.reads[victim].parameter
+    with pytest.raises(ChecksumMismatch, match=f"{name} shard 0 .*wsum64"):
+        check.finish()
+
+
+def test_bytes_read_again_after_their_part_started_are_checked_after_a_restart(
+    device: str = "cpu",
+) -> None:
+    """A part's sums are taken when it lands: bytes changed after that (a source failed and
+    another delivered them again) go unseen unless the pull restarts the check."""
+    plan, staging, region, _ = _pulled(MemType.VRAM, device)
+    first = min(range(len(plan.reads)), key=lambda i: _end(plan, i))
+    at = int(plan.reads[first].dest_offsets[0]) + 3
+
+    check = RunningCheck(plan, region, parts=4)
+    check.advance(plan.nbytes)
+    staging[at] ^= 0x01
+    assert check.finish() == len(SHAPES)  # summed before the change
+
+    staging[at] ^= 0x01
+    check = RunningCheck(plan, region, parts=4)
+    check.advance(plan.nbytes)
+    staging[at] ^= 0x01
+    check.restart()
+    with pytest.raises(ChecksumMismatch, match=f"{plan.reads[first].parameter} shard 0"):
+        check.finish()
+
+
+def test_host_memory_is_checked_at_the_end_as_verify_pulled_does() -> None:
+    plan, staging, region, _ = _pulled(MemType.DRAM)
+    check = RunningCheck(plan, region)
+    check.advance(plan.nbytes)
+    assert check.started == 0
+    assert check.finish() == len(SHAPES)
+    staging[10] ^= 0x08
+    with pytest.raises(ChecksumMismatch):
+        RunningCheck(plan, region).finish()
+    with pytest.raises(ValueError, match="at least one part"):
+        RunningCheck(plan, region, parts=0)
