@@ -142,9 +142,9 @@ class TreePull:
         transport.register(self._own.region)
         self._control = ControlSlots(transport, words)
         self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
+        """Routed plans by `Sources.key`: GetSources names their keys (`known_routing_keys`)."""
         self._primaries: dict[bytes, tuple[str, ...]] = {}
         """Each routed plan's primaries, by key (an answer that leaves its routes out)."""
-        """Routed plans by `Sources.key`: GetSources names their keys (`known_routing_keys`)."""
         self._last_offer: tuple[object, Offer] | None = None
         self._last_wants: tuple[object, list[Want]] | None = None
         self._request: tuple[object, pb.GetSourcesRequest] | None = None

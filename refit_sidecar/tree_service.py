@@ -389,7 +389,7 @@ class TreeService:
             )
         proto, layout_key = self._manifest_of(version)
         # Versions in the same trainer slot differ only in their version and checksums: the
-        # domain record (shapes, boxes, agents) and which checksums derive are parsed once.
+        # domain record (shapes, boxes, agents) is parsed once.
         manifest = self._layouts.get(layout_key)
         if manifest is None:
             manifest = self._layouts[layout_key] = manifest_from_proto(proto)
