@@ -317,6 +317,8 @@ class AutoRefit:
         paused = time.perf_counter()
         # keep: the requests in flight stay; their KV cache is recomputed below instead.
         await self.engine.pause_generation(mode=mode.value, clear_cache=mode is not PauseMode.KEEP)
+        installed = expected = False
+        stall_s = 0.0
         try:
             results = await self.engine.collective_rpc("refit_to", args=(version,))
             errors = [r for r in results if not r.get("ok")]
@@ -325,7 +327,7 @@ class AutoRefit:
                 return
             expected = all(r.get("expected") for r in results)
             await self.engine.update_weight_version(str(version))
-            self.installed = version
+            installed = True
             self.last_error = None
             self._failed.pop(version, None)
             # keep: cached prefixes and the requests in flight hold keys and values computed
@@ -336,9 +338,16 @@ class AutoRefit:
             ):
                 log.warning("auto-refit: vLLM could not reset its prefix cache")
         finally:
-            await self.engine.resume_generation()
-        stall_s = time.perf_counter() - paused
-        self.switches.append(Switch(version, prefetch_s, stall_s, time.time(), expected))
+            try:
+                await self.engine.resume_generation()
+            finally:
+                if installed:
+                    # The status shows the version and its switch together, never one alone.
+                    stall_s = time.perf_counter() - paused
+                    self.installed = version
+                    self.switches.append(
+                        Switch(version, prefetch_s, stall_s, time.time(), expected)
+                    )
         if self.newest == version:
             await self._expect(version + 1)
         log.info(

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
@@ -33,7 +34,8 @@ from refit_sidecar.chunking import cut_long, groups
 from refit_sidecar.manifest import AgentRecord, MemType
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.plan import PullPlan
-from refit_sidecar.transport import PullStats, Region, SourceLost, verify_pulled
+from refit_sidecar.running_check import RunningCheck
+from refit_sidecar.transport import PullStats, Region, SourceLost
 
 _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     v for k, v in vars(_bindings).items() if k.startswith("nixl") and k.endswith("Error")
@@ -148,9 +150,12 @@ class NixlTransport:
             self._agent.deregister_memory(registration)
 
     def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
-        stats = self.start(plan, dest).wait()
-        if verify:
-            stats = replace(stats, verified_shards=verify_pulled(plan, dest))
+        """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
+        in device memory while the requests land (`running_check.RunningCheck`)."""
+        check = RunningCheck(plan, dest) if verify else None
+        stats = self.start(plan, dest).wait(on_landed=None if check is None else check.advance)
+        if check is not None:
+            stats = replace(stats, verified_shards=check.finish())
         return stats
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:
@@ -166,6 +171,9 @@ class NixlTransport:
         for (agent, mem_type), (remote, local) in _requests(plan, dest, self._config.request_bytes):
             try:
                 xfer, cached = self._xfer(plan.agents[agent], mem_type, remote, local, dest)
+                pending.spans.append(
+                    (local[:, 0].astype(np.int64) - dest.address, len(pending.xfers))
+                )
                 pending.xfers.append(xfer)
                 pending.reposted += cached
                 xfer.done = self._agent.transfer(xfer.handle) == "DONE"
@@ -339,15 +347,20 @@ class PendingPull:
     xfers: list[_Xfer] = field(default_factory=list)
     reposted: int = 0
     """Requests taken from the cache (prepared by an earlier pull)."""
+    spans: list[tuple[np.ndarray, int]] = field(default_factory=list)
+    """Per request: where its reads start in the destination, and its index in `xfers`."""
 
     @property
     def in_flight(self) -> bool:
         return not all(x.done for x in self.xfers)
 
-    def wait(self) -> PullStats:
-        """Poll every request until all are done; SourceLost on an error or the deadline."""
+    def wait(self, on_landed: Callable[[int], None] | None = None) -> PullStats:
+        """Poll every request until all are done; SourceLost on an error or the deadline.
+        `on_landed(n)`: every byte the pull writes before offset `n` of the destination has
+        landed (called as `n` grows, last with the destination's size)."""
         agent = self.transport._agent
         waiting = [x for x in self.xfers if not x.done]
+        landed = _Landed(self) if on_landed is not None else None
         pause = 0.0
         while waiting:
             for xfer in list(waiting):
@@ -360,12 +373,16 @@ class PendingPull:
                 if state == "DONE":
                     xfer.done = True
                     waiting.remove(xfer)
+            if on_landed is not None and landed is not None and landed.grew():
+                on_landed(landed.prefix)
             if waiting:
                 if time.perf_counter() > self.deadline:
                     late = waiting[0].agent
                     self.fail(late, SourceLost(f"{late}: pull not done by its deadline"))
                 time.sleep(pause)
                 pause = min(2 * pause or 1e-5, 1e-3)
+        if on_landed is not None and landed is not None and landed.grew():
+            on_landed(landed.prefix)
         self._end()
         seconds, xfers = time.perf_counter() - self.begin, self.xfers
         nbytes, reads = sum(x.nbytes for x in xfers), sum(x.reads for x in xfers)
@@ -390,6 +407,34 @@ class PendingPull:
     def _end(self) -> None:
         if self.temporary:
             self.transport.deregister(self.dest)
+
+
+class _Landed:
+    """How far from its start a pull's destination holds every byte the pull writes: up to
+    the first read whose request is not done (bytes no read covers count as landed)."""
+
+    def __init__(self, pending: PendingPull) -> None:
+        starts = [s for s, _ in pending.spans]
+        owners = [np.full(len(s), i) for s, i in pending.spans]
+        order = np.argsort(np.concatenate(starts), kind="stable") if starts else np.zeros(0, int)
+        self._starts: list[int] = np.concatenate(starts)[order].tolist() if starts else []
+        self._owners: list[int] = np.concatenate(owners)[order].tolist() if owners else []
+        self._xfers = pending.xfers
+        self._end = pending.dest.nbytes
+        self._next = 0
+        self.prefix = 0
+
+    def grew(self) -> bool:
+        """Whether `prefix` moved since the last call."""
+        k = self._next
+        while k < len(self._starts) and self._xfers[self._owners[k]].done:
+            k += 1
+        self._next = k
+        prefix = self._starts[k] if k < len(self._starts) else self._end
+        if prefix <= self.prefix:
+            return False
+        self.prefix = prefix
+        return True
 
 
 def _requests(

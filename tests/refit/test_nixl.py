@@ -210,6 +210,33 @@ def test_a_pull_is_posted_as_requests_of_bounded_size(source: Source) -> None:
         transport.close()
 
 
+def test_a_pull_says_how_far_its_destination_has_landed(source: Source) -> None:
+    """`PendingPull.wait(on_landed=...)`: each call's offset has every byte before it in place
+    (what a running check starts on), it only grows, and the last is the whole destination."""
+    transport = NixlTransport.create(
+        NixlConfig(name="landed-puller", pull_timeout_s=60, request_bytes=1000)
+    )
+    try:
+        plan = plan_pull(source.manifest, whole(source.manifest))
+        array = np.zeros(plan.nbytes, np.uint8)
+        dest = Region.of_array(array)
+        transport.pull(plan, dest)
+        expected = array.copy()
+        array[:] = 0
+        seen: list[int] = []
+
+        def landed(n: int) -> None:
+            assert np.array_equal(array[:n], expected[:n]), n
+            seen.append(n)
+
+        transport.start(plan, dest).wait(on_landed=landed)
+        assert seen and seen[-1] == plan.nbytes == dest.nbytes
+        assert seen == sorted(set(seen))
+        assert np.array_equal(array, expected)
+    finally:
+        transport.close()
+
+
 def test_metadata_fetched_from_the_source_listener(source: Source) -> None:
     agents = {
         n: AgentRecord(n, host=a.host, port=a.port) for n, a in source.manifest.agents.items()

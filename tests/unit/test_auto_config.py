@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Any
 
 import pytest
 
@@ -154,6 +155,36 @@ def test_a_switch_pauses_installs_labels_and_resumes(mode: PauseMode) -> None:
     assert ("weight_version", ("7",)) in engine.calls
     assert follower.installed == 7 and follower.last_error is None
     assert [s.version for s in follower.switches] == [7]
+
+
+_ENGINE_CALLS = (
+    "collective_rpc",
+    "pause_generation",
+    "resume_generation",
+    "update_weight_version",
+    "reset_prefix_cache",
+)
+
+
+def test_the_status_never_shows_an_installed_version_without_its_switch() -> None:
+    """Whatever the engine is asked, a status read meanwhile (the server answers between any
+    two awaits) names an installed version only together with its switch."""
+    seen: list[tuple[int | None, list[int]]] = []
+
+    class Watching(RecordingEngine):
+        def __getattribute__(self, name: str) -> Any:
+            if name in _ENGINE_CALLS:
+                seen.append((follower.installed, [s.version for s in follower.switches]))
+            return super().__getattribute__(name)
+
+    engine = Watching(["ready", "ready"])
+    follower = _follower(engine, PauseMode.KEEP)
+    asyncio.run(follower._refit(7))
+    asyncio.run(follower._refit(8))
+    seen.append((follower.installed, [s.version for s in follower.switches]))
+    assert seen[-1] == (8, [7, 8])
+    for installed, switches in seen:
+        assert installed == (switches[-1] if switches else None), seen
 
 
 @pytest.mark.parametrize("newest", [7, 9])
