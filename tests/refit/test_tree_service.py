@@ -477,6 +477,20 @@ def test_calls_parked_for_a_version_are_answered_together_parents_first(fleet):
     alone = "version 3: parked calls answered together, in order: []; going on alone: ['p3', 'p2']"
     assert alone in f.log()
 
+    # A parked call refused once the version is readable gets its own error, and the calls
+    # beside it their answers: a want of no parameter, and one held only by a full source.
+    for rid in ("p2", "p3"):
+        f.client.release_sources(3, rid, complete=True)
+    f.client.release_sources(3, "p1", complete=True)
+    bad = get_sources_request(4, "bad", [Want("nope", Box.full((4,)))], wait_s=30)
+    bad.lease_ttl_seconds = 30.0
+    asked = {"bad": f.client.ask_later(bad), "p1": park("p1", 4)}
+    f.publish(4)
+    with pytest.raises(InvalidRequest, match="is not a parameter"):
+        asked["bad"].result(timeout=10)
+    assert _primaries(asked["p1"].result(timeout=10).sources()) == {"rank-0"}
+    assert "bad" not in f.nodes(4)
+
 
 def test_sources_and_a_lease_come_in_one_call_and_a_refused_call_holds_no_lease(fleet):
     f = fleet("--when-all-slots-leased", "fail")
