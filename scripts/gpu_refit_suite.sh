@@ -6,6 +6,8 @@
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   control     sidecar_control: the control plane alone (tree and direct)
+#   pull        refit_pull: the NIXL pull against a peer copy, and what publication holds the
+#               next training step up (against a device-local copy of the rank's shards)
 #   tests       the GPU-marked tests
 # $OUT then holds env.txt, results.tgz (each run's JSON and printed log) and logs.tgz (the
 # services' logs).
@@ -55,6 +57,10 @@ for group in "$@"; do
             --max-children 1 --out "$OUT/sidecar_control_tree.json"
         run control-direct python3 -m benchmarks.sidecar_control --layers 16 --receivers 3 \
             --direct --out "$OUT/sidecar_control_direct.json"
+        ;;
+    pull)
+        run refit-pull python3 -m benchmarks.refit_pull --out "$OUT/refit_pull.json" \
+            --log-dir $logs/refit-pull
         ;;
     tests)
         run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q
