@@ -600,3 +600,20 @@ def test_the_sidecar_flag_sets_the_holding_time():
     assert parse_config(["--insecure"])[0].tree.hold_parents_s == TreeConfig().hold_parents_s
     with pytest.raises(SystemExit):
         parse_config(["--insecure", "--hold-parents-seconds", "-1"])
+
+
+def test_a_repeated_single_source_assignment_returns_the_same_routes() -> None:
+    """A receiver asking with the same wants key is given the same routes object while its
+    source, cut and fallbacks repeat (the sidecar finds its cached reply by that identity),
+    and new routes when the source changes."""
+    tree = make(max_root_children=4)
+    key = hashlib.blake2b(repr(WHOLE).encode(), digest_size=16).digest()
+    first = pull(tree, "r1", wants_key=key)
+    tree.release(1, "r1", PullOutcome.COMPLETE)
+    tree.open_version(2, trainer(2))
+    again = tree.assign(2, Receiver("r1", ""), WHOLE, wants_key=key)
+    assert again.routes is first.routes and parent(again) == "t0.0"
+    tree.release(2, "r1", PullOutcome.COMPLETE)
+    other = tree.assign(2, Receiver("r2", ""), WHOLE, wants_key=key)
+    assert parent(other) == "r1" and other.routes is not first.routes
+    assert [(r.name, r.box) for r in other.routes] == [(r.name, r.box) for r in first.routes]
