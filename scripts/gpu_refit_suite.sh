@@ -45,8 +45,10 @@ for group in "$@"; do
             --log-dir $logs/install-3b
         ;;
     fanout)
+        # Six timed rounds of each mode at k = 1 (the first two of a mode warm its slots up):
+        # two runs of one commit differed by 0.26 x one receiver with three.
         run fanout-k1 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
-            --max-children 1 --rounds 5 --out "$OUT/refit_fanout_1b_k1.json" \
+            --max-children 1 --rounds 8 --out "$OUT/refit_fanout_1b_k1.json" \
             --log-dir $logs/fanout-k1
         run fanout-k2 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
             --max-children 2 --rounds 4 --no-verify --out "$OUT/refit_fanout_1b_k2.json" \
