@@ -74,6 +74,6 @@ for group in "$@"; do
     esac
 done
 tar czf "$OUT/logs.tgz" -C /tmp refit-suite-logs 2>/dev/null
-# A few files come back from a lent machine: the results and their logs travel as one archive.
+# The results and their logs travel as one archive (a host may hand back only a few files).
 (cd "$OUT" && tar czf results.tgz --remove-files -- *.json *.log 2>/dev/null)
 exit $status
