@@ -80,10 +80,6 @@ class Words(Protocol):
     @property
     def region(self) -> Region: ...
 
-    def write(self, offset: int, data: np.ndarray) -> None:
-        """Store `data` (bytes) at `offset`; visible to later reads once it returns."""
-        ...
-
     def write_words(self, words: Sequence[tuple[int, int]]) -> None:
         """Store each (byte offset, little-endian uint64) in turn: no reader sees one before
         those listed ahead of it. All visible once it returns (one wait for all of them)."""
@@ -104,10 +100,6 @@ class HostWords:
     @property
     def region(self) -> Region:
         return self._region
-
-    def write(self, offset: int, data: np.ndarray) -> None:
-        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        self.array[offset : offset + raw.size] = raw
 
     def write_words(self, words: Sequence[tuple[int, int]]) -> None:
         for offset, value in words:

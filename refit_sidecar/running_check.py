@@ -7,7 +7,10 @@ starts the sums of a part of the shards as soon as the destination holds every b
 (the pull fills it in order: `advance(prefix)` with the bytes filled from its start), on a
 stream of its own, so they run while later chunks are in flight; `finish` starts what is left,
 waits for all of them and compares. When bytes may be read again (a source failed and another
-one delivers them), `restart` drops what was started, and `finish` checks everything.
+one delivers them), `restart` drops what was started, and `finish` checks everything; so does
+a part that could not be started (its error is logged, never raised into the pull's loop, which
+has reads in flight). The parts are cut at the first `advance`, while the pull's first reads
+are in flight, not before it.
 
 Host memory is checked in `finish`, as `transport.verify_pulled` does.
 """
@@ -15,6 +18,7 @@ Host memory is checked in `finish`, as `transport.verify_pulled` does.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +26,8 @@ from typing import Any
 from refit_sidecar.manifest import MemType
 from refit_sidecar.plan import PullPlan
 from refit_sidecar.transport import Region, verify_pulled
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PARTS = 4
 """Parts a pull's shards are checked in: each started costs a few kernel launches on the
@@ -44,8 +50,8 @@ class RunningCheck:
             raise ValueError(f"a check needs at least one part, got {parts}")
         self._plan = plan
         self._dest = dest
-        self._device = dest.mem_type is not MemType.DRAM
-        self._parts = _parts(plan, parts) if self._device else []
+        self._count = parts
+        self._parts: list[_Part] | None = None if dest.mem_type is not MemType.DRAM else []
         self._next = 0
         self._started: list[tuple[Any, list[int]]] = []
         self._stream: Any = None
@@ -58,29 +64,43 @@ class RunningCheck:
 
     def advance(self, prefix: int) -> None:
         """The destination holds every byte before `prefix`: start the parts that lie there."""
-        while self._next < len(self._parts) and self._parts[self._next].end <= prefix:
-            self._start(self._parts[self._next])
-            self._next += 1
+        if self._whole:
+            return
+        try:
+            parts = self._cut()
+            while self._next < len(parts) and parts[self._next].end <= prefix:
+                self._start(parts[self._next])
+                self._next += 1
+        except Exception:
+            log.warning(
+                "a running check could not start; the pull is checked at its end", exc_info=True
+            )
+            self.restart()
 
     def restart(self) -> None:
         """Bytes counted as landed may be read again: what was started no longer counts, and
         `finish` checks every shard."""
         self._started.clear()
-        self._next = len(self._parts)
         self._whole = True
 
     def finish(self) -> int:
         """Checks what is left and waits for every part; returns how many shards were checked.
         ChecksumMismatch names the first that differs."""
-        if not self._device or self._whole:
+        parts = self._cut()
+        if not parts or self._whole:
             return verify_pulled(self._plan, self._dest)
-        for part in self._parts[self._next :]:
+        for part in parts[self._next :]:
             self._start(part)
-        self._next = len(self._parts)
+        self._next = len(parts)
         from refit_sidecar.torch_wsum import check_sums  # device memory: torch is there
 
         with self._on_stream():
             return check_sums(self._plan, self._started)
+
+    def _cut(self) -> list[_Part]:
+        if self._parts is None:
+            self._parts = _parts(self._plan, self._count)
+        return self._parts
 
     def _start(self, part: _Part) -> None:
         from refit_sidecar.torch_wsum import start_sums

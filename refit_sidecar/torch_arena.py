@@ -95,25 +95,14 @@ class TorchWords:
     def region(self) -> Region:
         return self._region
 
-    def write(self, offset: int, data: np.ndarray) -> None:
-        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-        end = offset + raw.numel()
-        if self._stream is None:
-            self.tensor[offset:end].copy_(raw)
-            return
-        self._host[offset:end].copy_(raw)
-        with torch.cuda.stream(self._stream):
-            self.tensor[offset:end].copy_(self._host[offset:end], non_blocking=True)
-        self._stream.synchronize()
-
     def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+        staged = self._host.numpy()  # on a CPU, the words themselves
         if self._stream is None:
             for offset, value in words:
-                self.write(offset, np.array([value], dtype="<u8"))
+                staged[offset : offset + 8].view("<u8")[0] = value
             return
         # Copies on one stream run in order: each word lands after those before it, and one
         # wait covers them all.
-        staged = self._host.numpy()
         with torch.cuda.stream(self._stream):
             for offset, value in words:
                 staged[offset : offset + 8].view("<u8")[0] = value

@@ -273,14 +273,4 @@ def verify_device(plan: PullPlan, dest: Region) -> int:
     """Check the WSUM-64 of every shard of `plan` read whole into `dest` (device memory, or a
     CPU tensor) that carries one; returns how many were checked. ChecksumMismatch names the
     first shard that differs."""
-    sums, indices = _plan_sums(plan)
-    if not indices:
-        return 0
-    got = group_sums(region_tensor(dest), sums)
-    for value, i in zip(got.tolist(), indices, strict=True):
-        reads = plan.reads[i]
-        published = reads.sum64
-        assert published is not None  # the sum plan holds only reads that carry one
-        if value != published:
-            raise ChecksumMismatch.of(reads, "wsum64", value, published)
-    return len(indices)
+    return check_sums(plan, [start_sums(plan, dest, range(len(plan.reads)))])

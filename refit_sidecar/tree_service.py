@@ -406,11 +406,16 @@ class TreeService:
         generation's parameters)."""
         rid = request.receiver_id
         known = self._last_checked.get(rid)
+        if (
+            known is not None  # compared in C, field by field
+            and known.asked.wants == request.wants
+            and known.asked.HasField("offer") == request.HasField("offer")
+            and known.asked.offer == request.offer
+        ):
+            return known
         asked = pb.GetSourcesRequest(wants=request.wants)
         if request.HasField("offer"):
             asked.offer.CopyFrom(request.offer)
-        if known is not None and known.asked == asked:  # compared in C, field by field
-            return known
         wants_key = hashlib.blake2b(
             pb.GetSourcesRequest(wants=request.wants).SerializeToString(deterministic=True),
             digest_size=16,

@@ -115,3 +115,14 @@ def test_host_memory_is_checked_at_the_end_as_verify_pulled_does() -> None:
         RunningCheck(plan, region).finish()
     with pytest.raises(ValueError, match="at least one part"):
         RunningCheck(plan, region, parts=0)
+
+
+def test_a_part_that_cannot_start_is_never_raised_into_the_pull() -> None:
+    """`advance` runs inside the pull's loop, with reads in flight: a part that cannot be
+    summed there leaves the whole check to `finish`, where the error surfaces."""
+    plan, staging, _, _ = _pulled(MemType.VRAM)
+    orphan = Region(staging.data_ptr(), staging.numel(), MemType.VRAM, 0, owner=None)
+    check = RunningCheck(plan, orphan)
+    check.advance(plan.nbytes)  # does not raise
+    with pytest.raises(ValueError, match="tensor that owns it"):
+        check.finish()
