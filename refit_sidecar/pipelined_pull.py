@@ -25,6 +25,7 @@ stays in `Filled`, so the caller asks for other sources and runs again for the r
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -48,7 +49,10 @@ from refit_sidecar.progress import (
     TornRead,
     Words,
 )
+from refit_sidecar.progress_publisher import ProgressPublisher
 from refit_sidecar.transport import Region, SourceLost
+
+log = logging.getLogger(__name__)
 
 _SLOT = 64
 """Bytes per progress-word slot in the control buffer (aligned)."""
@@ -284,7 +288,37 @@ class PipelinedPull:
         deadline: float,
     ) -> ChunkedStats:
         """Read every byte of `plan` not valid in `filled` yet; SourceLost (with `agent`) when
-        a source fails, `filled` then holding what did land."""
+        a source fails, `filled` then holding what did land. What lands is published (this
+        receiver's word, `on_progress`) from a thread of its own, all of it before this
+        returns or raises."""
+        publisher = ProgressPublisher(
+            None if self._own is None else self._own.filled,
+            self._on_progress,
+            name="pull-progress",
+        )
+        try:
+            stats = self._run(
+                plan, dest, filled, peers=peers, deadline=deadline, publisher=publisher
+            )
+        except BaseException:
+            try:
+                publisher.close()
+            except Exception:  # the pull's own error is the one to raise
+                log.warning("publishing a failed pull's progress failed", exc_info=True)
+            raise
+        publisher.close()
+        return stats
+
+    def _run(
+        self,
+        plan: PullPlan,
+        dest: Region,
+        filled: Filled,
+        *,
+        peers: Mapping[str, PeerGate],
+        deadline: float,
+        publisher: ProgressPublisher,
+    ) -> ChunkedStats:
         chunks = self._chunks(plan, dest, filled, peers)
         queues: dict[str, deque[_Chunk]] = {}
         for chunk in chunks:
@@ -304,7 +338,7 @@ class PipelinedPull:
         reading_s = gated_s = 0.0
         prepared = 0
         mark = time.perf_counter()
-        self._publish(filled)
+        self._publish(filled, publisher)
         while True:
             progressed = False
             # Post chunks whose bytes their source holds, round robin over sources.
@@ -382,7 +416,7 @@ class PipelinedPull:
                 if lost is not None:
                     failure = failure or self._lose(lost, agent, state, filled)
                     inflight = [i for i in inflight if i[0].agent != agent]
-            self._publish(filled)
+            self._publish(filled, publisher)
             if failure is not None:
                 if not inflight and all(p.poll is None for p in state.values()):
                     raise failure
@@ -627,12 +661,12 @@ class PipelinedPull:
         error.agent = error.agent or agent
         return error
 
-    def _publish(self, filled: Filled) -> None:
+    @staticmethod
+    def _publish(filled: Filled, publisher: ProgressPublisher) -> None:
+        """Hands a grown prefix to the publisher (counted as published from here: a source
+        failing later treats readers of this copy as possibly holding it)."""
         prefix = filled.prefix()
         if prefix <= filled.published:
             return
         filled.published = prefix
-        if self._own is not None:
-            self._own.filled(prefix)
-        if self._on_progress is not None:
-            self._on_progress(prefix, filled.nbytes)
+        publisher.offer(prefix, filled.nbytes)

@@ -214,6 +214,7 @@ class TreePull:
         if ahead.answer.exception() is not None:
             return  # nothing was assigned
         if self.config.serve:
+            self._settle()
             self._own.start(ahead.version)
             self._offered = ahead.version
         self._fail(ahead.version)
@@ -300,7 +301,9 @@ class TreePull:
                     f"version {version}: no source other than {again}, which failed this pull"
                 )
             if offer is not None and not started_copy:
-                # The sidecar drained the readers of the previous copy: overwrite from here.
+                # The sidecar drained the readers of the previous copy: overwrite from here
+                # (after the last copy's word writes, which run in the background).
+                self._settle()
                 self._own.start(version)
                 self._offered = version
                 started_copy = True
@@ -341,9 +344,11 @@ class TreePull:
             except ChecksumMismatch as e:
                 read_from = sorted(filled.bytes_by_source())
                 raise TreePullError(f"{e} (this copy was read from {read_from})") from e
-        if offer is not None:
-            self._own.finish(CopyProgress.COMPLETE)
-        self._release(version, complete=True)
+        # The word says COMPLETE, then the sidecar hears of the release: both in the
+        # background, in that order. The write waits for the GPU's copy queue (up to 1 ms
+        # while children copy from this GPU), and a child checking its reads itself never
+        # waits for this word.
+        self._released = self._releases.submit(self._complete, version, offer is not None)
         # What stayed valid, per source: bytes read from a source that failed later count.
         by_source = filled.bytes_by_source()
         return TreePullStats(
@@ -472,6 +477,7 @@ class TreePull:
                 pause = min(2 * pause, 0.2)
 
     def _fail(self, version: int) -> None:
+        self._settle()  # a COMPLETE queued before must not land after this FAILED
         if self._offered == version:
             self._own.finish(CopyProgress.FAILED)
         self._release(version, complete=False)
@@ -482,10 +488,23 @@ class TreePull:
         self._released = self._releases.submit(self._send_release, version, complete)
 
     def _settle(self) -> None:
-        """Wait for the release in flight, so the sidecar sees this receiver's calls in order."""
+        """Wait for the release in flight (and the word write queued before it), so the sidecar
+        sees this receiver's calls in order and the word its writes in order."""
         if self._released is not None:
             self._released.result()
             self._released = None
+
+    def _complete(self, version: int, serving: bool) -> None:
+        """On the release thread: the copy's word says COMPLETE, then the release goes out
+        (as failed when the word could not be written)."""
+        complete = True
+        if serving:
+            try:
+                self._own.finish(CopyProgress.COMPLETE)
+            except Exception:
+                log.exception("version %d: marking this copy complete failed", version)
+                complete = False
+        self._send_release(version, complete)
 
     def _send_release(self, version: int, complete: bool) -> None:
         try:
@@ -498,6 +517,7 @@ class TreePull:
     def close(self) -> None:
         """Stop serving: readers of this copy see it withdrawn."""
         self.abandon()
+        self._settle()
         if self._offered is not None:
             self._own.finish(CopyProgress.FAILED)
             self._release(self._offered, complete=False)

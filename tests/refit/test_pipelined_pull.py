@@ -353,17 +353,23 @@ def _run(
     words: Callable[[int], Words] = HostWords,
     *,
     verified_here: bool = False,
+    listener_s: float = 0.0,
 ) -> tuple[threading.Thread, dict[str, object], np.ndarray, list[int]]:
     plan = plan_pull(peer.manifest, WANTS)
     dest = np.zeros(plan.nbytes, np.uint8)
     region = Region.of_array(dest)
     child.register(region)
     seen: list[int] = []
+
+    def listener(filled: int, total: int) -> None:
+        seen.append(filled)
+        time.sleep(listener_s)
+
     runner = PipelinedPull(
         child,
         ControlSlots(child, words),
         ChunkConfig(chunk_bytes=4096, window=2, stall_timeout_s=stall_s),
-        on_progress=lambda filled, total: seen.append(filled),
+        on_progress=listener,
         verified_here=verified_here,
     )
     gate = PeerGate(peer.own.location, peer.staging.ctypes.data)
@@ -444,6 +450,32 @@ def test_a_child_that_checks_every_byte_itself_ends_before_its_parent_is_complet
     assert not thread.is_alive()
     error = out.get("error")
     assert isinstance(error, SourceLost) and error.agent == "hand-peer"
+
+
+def test_a_slow_listener_holds_no_read_back_and_hears_every_prefix_before_the_run_ends(
+    agents: tuple[NixlTransport, NixlTransport],
+) -> None:
+    """Progress is published from a thread of its own (`progress_publisher.py`): a listener
+    that takes 20 ms a call (on a GPU, a running check's kernel launches, a word write behind
+    the copy queue) no longer holds the next chunks back, and the run returns once it heard
+    the last prefix."""
+    peer_t, child = agents
+    peer = _peer(peer_t, version=9)
+    peer.fill(peer.plan.nbytes)
+    thread, out, dest, seen = _run(child, peer, verified_here=True, listener_s=0.02)
+    thread.join(20)
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    returned = time.time()
+    stats = out["stats"]
+    assert dest.tobytes() == peer.truth.tobytes()
+    assert seen == sorted(seen) and seen[-1] == peer.plan.nbytes
+    # More than a few prefixes, each heard for 20 ms: the reads ended long before them.
+    assert len(seen) >= 4, seen
+    assert stats.finished < returned - 0.02 * (len(seen) - 2), (  # type: ignore[attr-defined]
+        stats.finished,  # type: ignore[attr-defined]
+        returned,
+        len(seen),
+    )
 
 
 def test_a_layout_pulled_again_reuses_its_chunks_and_a_fresh_fill(
