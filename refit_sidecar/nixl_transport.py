@@ -34,6 +34,7 @@ from refit_sidecar.chunking import cut_long, groups
 from refit_sidecar.manifest import AgentRecord, MemType
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.plan import PullPlan
+from refit_sidecar.progress_publisher import ProgressPublisher
 from refit_sidecar.running_check import RunningCheck
 from refit_sidecar.transport import PullStats, Region, SourceLost
 
@@ -151,12 +152,20 @@ class NixlTransport:
 
     def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
         """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
-        in device memory while the requests land (`running_check.RunningCheck`)."""
-        check = RunningCheck(plan, dest) if verify else None
-        stats = self.start(plan, dest).wait(on_landed=None if check is None else check.advance)
-        if check is not None:
-            stats = replace(stats, verified_shards=check.finish())
-        return stats
+        in device memory while the requests land (`running_check.RunningCheck`, its parts
+        started from a thread of their own so that polling the requests never waits on them).
+        """
+        if not verify:
+            return self.start(plan, dest).wait()
+        check = RunningCheck(plan, dest)
+        publisher = ProgressPublisher(None, lambda prefix, _: check.advance(prefix))
+        try:
+            stats = self.start(plan, dest).wait(
+                on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
+            )
+        finally:
+            publisher.close()
+        return replace(stats, verified_shards=check.finish())
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:
         """Post the plan's reads (requests of about `NixlConfig.request_bytes` per source
