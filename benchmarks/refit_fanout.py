@@ -220,6 +220,7 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
             ri.receiver_settings(config, sidecar, tokens.file(Role.RECEIVER), model_dir),
             tree=True,
             chunk_bytes=args.chunk_bytes,
+            chunk_taper=args.chunk_taper,
         )
         receivers = []
         for i in range(args.receivers):
@@ -292,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument("--receivers", type=int, default=3)
     fan.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
     fan.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    fan.add_argument(
+        "--chunk-taper",
+        type=int,
+        default=0,
+        help="halvings of the chunk size towards each end of a source's reads",
+    )
     fan.add_argument("--rounds", type=int, default=4, help="rounds of the four modes")
     fan.add_argument(
         "--hold-parents-seconds",
@@ -323,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
             "receivers",
             "max_children",
             "chunk_bytes",
+            "chunk_taper",
             "rounds",
             "hold_parents_seconds",
             "sidecar_log_level",

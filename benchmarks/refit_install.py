@@ -176,6 +176,8 @@ class ReceiverSettings:
     "tree"), beside the one reading from the trainer's ranks (mode "direct")."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """The tree receiver's chunk size."""
+    chunk_taper: int = 0
+    """The tree receiver's halvings of its chunk size towards each end (`ChunkConfig.taper`)."""
     checksums: bool = True
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
 
@@ -291,6 +293,7 @@ class InstallEndpoint:
                 receiver_id=f"{settings.receiver_id}-tree",
                 fanout=True,
                 chunk_bytes=settings.chunk_bytes,
+                chunk_taper=settings.chunk_taper,
             )
             self.receivers["tree"] = Receiver(
                 settings.sidecar,

@@ -105,6 +105,9 @@ class RefitOptions:
     """Fan-out: bytes per chunk; a child reads a parent's chunk once the parent has it."""
     chunks_in_flight: int = 4
     """Fan-out: chunks read at once."""
+    chunk_taper: int = 0
+    """Fan-out: halvings of the chunk size towards each end of a source's reads (smaller first
+    and last chunks: a child starts and ends closer behind its parent)."""
     stall_timeout_s: float = 5.0
     """Fan-out: a peer whose copy stops advancing for this long is replaced."""
 
@@ -130,6 +133,13 @@ class RefitOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        taper = self.chunk_taper
+        if not isinstance(taper, int) or isinstance(taper, bool) or not 0 <= taper <= 8:
+            raise ValueError(f"chunk_taper must be an integer from 0 to 8, got {taper!r}")
+        if self.chunk_bytes >> taper < 4096:
+            raise ValueError(
+                f"chunk_bytes {self.chunk_bytes} halved {taper} times is under 4096 bytes"
+            )
         if not isinstance(self.domain, str):
             raise ValueError(f"domain must be a string, got {self.domain!r}")
         for name in ("verify_checksums", "insecure", "fanout"):
@@ -431,6 +441,7 @@ class Receiver:
             chunks = ChunkConfig(
                 chunk_bytes=options.chunk_bytes,
                 window=options.chunks_in_flight,
+                taper=options.chunk_taper,
                 stall_timeout_s=options.stall_timeout_s,
             )
             self._tree = TreePull(

@@ -43,3 +43,50 @@ def groups(length: np.ndarray, size: int) -> list[np.ndarray]:
     bounds = np.searchsorted(ends, np.arange(size, int(ends[-1]), size), side="left") + 1
     cuts = np.unique(bounds[bounds < len(length)])
     return [idx for idx in np.split(np.arange(len(length)), cuts) if len(idx)]
+
+
+def chunk_bounds(total: int, size: int, taper: int = 0) -> np.ndarray:
+    """Where a source's `total` bytes of reads are cut into chunks (int64, increasing, each
+    inside (0, total)): every `size` bytes; with `taper`, the first and the last `size` bytes
+    are cut into chunks halving `taper` times towards the ends (size/2, size/4, ...,
+    size/2**taper, size/2**taper), so a child waits for a small first chunk of its parent's
+    before it starts and reads only a small last one after its parent ends."""
+    if size < 1 or taper < 0 or size >> taper < 1:
+        raise ValueError(f"bad chunk size {size} or taper {taper}")
+    bounds = set(range(size, total, size))
+    if taper:
+        head = np.cumsum([size >> taper] + [size >> k for k in range(taper, 0, -1)])
+        bounds.update(int(p) for p in head if 0 < p < total)
+        bounds.update(int(total - p) for p in head if 0 < total - p < total)
+        # The middle keeps whole chunks: no cut of the plain grid closer to an end than size.
+        bounds = {b for b in bounds if b in head or total - b in head or size <= b <= total - size}
+    return np.array(sorted(bounds), dtype=np.int64)
+
+
+def cut_at(
+    remote: np.ndarray, length: np.ndarray, dst: np.ndarray, bounds: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive reads (in the order they are to be read) cut where their running total of
+    bytes crosses one of `bounds`; with each piece's chunk (how many bounds lie at or before
+    its first byte)."""
+    length = length.astype(np.int64)
+    dst = dst.astype(np.int64)
+    ends = np.cumsum(length)
+    starts = ends - length
+    if not len(bounds) or not len(length):
+        return remote, length, dst, np.searchsorted(bounds, starts, side="right")
+    lo = np.searchsorted(bounds, starts, side="right")  # first bound after a read's start
+    inside = np.searchsorted(bounds, ends, side="left") - lo  # bounds strictly inside it
+    pieces = inside + 1
+    owner = np.repeat(np.arange(len(length)), pieces)
+    k = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    last = len(bounds) - 1
+    first = np.where(k == 0, starts[owner], bounds[np.minimum(lo[owner] + k - 1, last)])
+    end = np.where(k == inside[owner], ends[owner], bounds[np.minimum(lo[owner] + k, last)])
+    offset = first - starts[owner]
+    return (
+        remote[owner] + offset.astype(np.uint64),
+        end - first,
+        dst[owner] + offset,
+        np.searchsorted(bounds, first, side="right"),
+    )

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from refit_sidecar.chunking import cut_long, groups
+from refit_sidecar.chunking import chunk_bounds, cut_at
 from refit_sidecar.intervals import Intervals
 from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport, Posted
@@ -80,12 +80,22 @@ class ChunkConfig:
     """Bytes per chunk: a child reads a parent's chunk once the parent has all of it."""
     window: int = 4
     """Chunks in flight at once, over all sources."""
+    taper: int = 0
+    """Halvings of the chunk size towards each end of a source's reads (`chunking.chunk_bounds`):
+    a child starts after a smaller first chunk of its parent's and ends a smaller last chunk
+    after it."""
     stall_timeout_s: float = 5.0
     """A peer whose copy does not advance for this long, while this pull waits on it, is
     treated as lost."""
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 4096 or self.window < 1 or not self.stall_timeout_s > 0:
+        if (
+            self.chunk_bytes < 4096
+            or self.window < 1
+            or not self.stall_timeout_s > 0
+            or not 0 <= self.taper <= 8
+            or self.chunk_bytes >> self.taper < 4096
+        ):
             raise ValueError(f"bad chunk config {self}")
 
 
@@ -163,13 +173,13 @@ _CUTS: OrderedDict[bytes, tuple[tuple[Any, ...], ...]] = OrderedDict()
 
 
 def _cut_key(
-    plan: PullPlan, dest: Region, peers: Mapping[str, PeerGate], chunk_bytes: int
+    plan: PullPlan, dest: Region, peers: Mapping[str, PeerGate], chunks: ChunkConfig
 ) -> bytes:
     """A digest of everything `PipelinedPull._cut` reads: where each read comes from and goes,
     the destination, the peers' bases and the chunk size (a new version of one layout differs
     only in its checksums, which chunks do not carry)."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr((dest.address, dest.device_id, chunk_bytes)).encode())
+    digest.update(repr((dest.address, dest.device_id, chunks.chunk_bytes, chunks.taper)).encode())
     digest.update(repr(sorted((agent, gate.base) for agent, gate in peers.items())).encode())
     for reads in plan.reads:
         loc = reads.location
@@ -483,7 +493,7 @@ class PipelinedPull:
         tree) takes them from `_CUTS` instead of cutting the reads again."""
         if filled.by_source:  # a run after a source failed: only what did not land
             return self._cut(plan, dest, filled, peers)
-        key = _cut_key(plan, dest, peers, self._config.chunk_bytes)
+        key = _cut_key(plan, dest, peers, self._config)
         with _CUTS_LOCK:  # the ranks of a receiver process pull at once, from threads
             cut = _CUTS.get(key)
             if cut is not None:
@@ -515,7 +525,13 @@ class PipelinedPull:
             length = np.concatenate([p[1] for p in parts]).astype(np.int64)
             dst = np.concatenate([p[2] for p in parts]).astype(np.int64)
             device = next(r.location.device_id for r in plan.reads if r.location.agent == agent)
-            remote, length, dst = cut_long(remote, length, dst, size)
+            gate = peers.get(agent)
+            # A peer's copy is read in the order of its own buffer, a trainer rank's in the
+            # destination's; chunks are cut along that order.
+            order = np.argsort(remote if gate is not None else dst, kind="stable")
+            remote, length, dst = remote[order], length[order], dst[order]
+            bounds = chunk_bounds(int(length.sum()), size, self._config.taper)
+            remote, length, dst, chunk = cut_at(remote, length, dst, bounds)
             if filled.by_source:  # a run after a source failed: skip what did land
                 keep = np.array(
                     [
@@ -524,13 +540,10 @@ class PipelinedPull:
                     ],
                     dtype=bool,
                 )
-                remote, dst, length = remote[keep], dst[keep], length[keep]
+                remote, dst, length, chunk = remote[keep], dst[keep], length[keep], chunk[keep]
             if not len(length):
                 continue
-            gate = peers.get(agent)
-            order = np.argsort(remote if gate is not None else dst, kind="stable")
-            remote, dst, length = remote[order], dst[order], length[order]
-            for idx in groups(length, size):
+            for idx in np.split(np.arange(len(chunk)), np.flatnonzero(np.diff(chunk)) + 1):
                 r, n, d = remote[idx], length[idx], dst[idx]
                 dev = np.full(len(idx), device, np.uint64)
                 local = np.stack(

@@ -47,6 +47,10 @@ def test_refit_options_reject_bad_timeouts(field: str, value: object) -> None:
         ({"receiver_id": ""}, "^receiver_id must be a non-empty string"),
         ({"receiver_id": 3}, "^receiver_id must be a non-empty string"),
         ({"verify_checksums": "no"}, "^verify_checksums must be true or false, got 'no'"),
+        ({"chunk_bytes": 1024}, "^chunk_bytes must be at least 4096"),
+        ({"chunk_taper": -1}, "^chunk_taper must be an integer from 0 to 8, got -1"),
+        ({"chunk_taper": "2"}, "^chunk_taper must be an integer from 0 to 8, got '2'"),
+        ({"chunk_bytes": 8192, "chunk_taper": 2}, "^chunk_bytes 8192 halved 2 times is under"),
     ],
 )
 def test_refit_options_reject_bad_values(values: dict[str, object], message: str) -> None:

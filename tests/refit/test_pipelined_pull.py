@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from refit_sidecar.chunking import chunk_bounds
 from refit_sidecar.intervals import Intervals
 from refit_sidecar.manifest import (
     AgentRecord,
@@ -354,6 +355,7 @@ def _run(
     *,
     verified_here: bool = False,
     listener_s: float = 0.0,
+    chunks: ChunkConfig | None = None,
 ) -> tuple[threading.Thread, dict[str, object], np.ndarray, list[int]]:
     plan = plan_pull(peer.manifest, WANTS)
     dest = np.zeros(plan.nbytes, np.uint8)
@@ -368,7 +370,7 @@ def _run(
     runner = PipelinedPull(
         child,
         ControlSlots(child, words),
-        ChunkConfig(chunk_bytes=4096, window=2, stall_timeout_s=stall_s),
+        chunks or ChunkConfig(chunk_bytes=4096, window=2, stall_timeout_s=stall_s),
         on_progress=listener,
         verified_here=verified_here,
     )
@@ -476,6 +478,31 @@ def test_a_slow_listener_holds_no_read_back_and_hears_every_prefix_before_the_ru
         returned,
         len(seen),
     )
+
+
+def test_a_tapered_cut_reads_small_chunks_at_both_ends_and_every_byte_once(
+    agents: tuple[NixlTransport, NixlTransport],
+) -> None:
+    peer_t, child = agents
+    peer = _peer(peer_t, version=10)
+    config = ChunkConfig(chunk_bytes=16384, window=2, taper=2)
+    thread, out, dest, seen = _run(child, peer, verified_here=True, chunks=config)
+    # The child's first read waits for a quarter chunk of its parent's, not a whole one.
+    peer.fill(4096)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen and seen[0] == 4096, seen
+    peer.fill(peer.plan.nbytes)
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    assert dest.tobytes() == peer.truth.tobytes()
+    total = peer.plan.nbytes
+    stats = out["stats"]
+    assert stats.chunks == len(chunk_bounds(total, 16384, 2)) + 1  # type: ignore[attr-defined]
+    assert stats.bytes_by_source == {"hand-peer": total}  # type: ignore[attr-defined]
+    with pytest.raises(ValueError):
+        ChunkConfig(chunk_bytes=8192, taper=2)  # chunks under 4096 bytes
 
 
 def test_a_layout_pulled_again_reuses_its_chunks_and_a_fresh_fill(

@@ -1,0 +1,50 @@
+"""Cutting a source's reads into chunks (`refit_sidecar/chunking.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from refit_sidecar.chunking import chunk_bounds, cut_at
+
+
+def test_plain_chunks_are_every_size_bytes_and_a_taper_halves_them_towards_both_ends() -> None:
+    assert chunk_bounds(1000, 256).tolist() == [256, 512, 768]
+    assert chunk_bounds(256, 256).tolist() == []
+    # Taper 2: 64, 64, 128 at the head and 128, 64, 64 at the tail; whole chunks between.
+    bounds = chunk_bounds(1000, 256, 2)
+    sizes = np.diff(np.concatenate([[0], bounds, [1000]])).tolist()
+    assert sizes == [64, 64, 128, 256, 232, 128, 64, 64]
+    # Shorter than both ends together: the tapers overlap, every chunk still within size.
+    for total in (1, 63, 300, 511, 513):
+        cuts = np.concatenate([[0], chunk_bounds(total, 256, 3), [total]])
+        assert (np.diff(cuts) > 0).all() and (np.diff(cuts) <= 256).all(), total
+    with pytest.raises(ValueError):
+        chunk_bounds(1000, 4, 3)
+
+
+@pytest.mark.parametrize("taper", [0, 1, 3])
+def test_reads_cut_at_the_bounds_cover_the_same_bytes_one_chunk_each(taper: int) -> None:
+    rng = np.random.default_rng(taper)
+    length = rng.integers(1, 700, 40)
+    remote = rng.integers(0, 1 << 40, 40).astype(np.uint64)
+    dst = rng.permutation(40).astype(np.int64) * 1024
+    bounds = chunk_bounds(int(length.sum()), 256, taper)
+    r, n, d, chunk = cut_at(remote, length, dst, bounds)
+    assert n.sum() == length.sum() and (n > 0).all()
+    # Every piece continues its read in the source and the destination alike.
+    owner = np.repeat(
+        np.arange(40),
+        np.bincount(
+            np.searchsorted(np.cumsum(length), np.cumsum(n) - 1, side="right"), minlength=40
+        ),
+    )
+    offset = (r - remote[owner]).astype(np.int64)
+    assert (offset == d - dst[owner]).all() and (offset >= 0).all()
+    assert (offset + n <= length[owner]).all()
+    # Each piece lies inside its chunk, and chunks come in order.
+    edges = np.concatenate([[0], bounds, [length.sum()]])
+    ends = np.cumsum(n)
+    starts = ends - n
+    assert (edges[chunk] <= starts).all() and (ends <= edges[chunk + 1]).all()
+    assert (np.diff(chunk) >= 0).all() and len(set(chunk.tolist())) == len(bounds) + 1
