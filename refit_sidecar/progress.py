@@ -80,9 +80,10 @@ class Words(Protocol):
     @property
     def region(self) -> Region: ...
 
-    def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+    def write_words(self, words: Sequence[tuple[int, int]], *, wait: bool = True) -> None:
         """Store each (byte offset, little-endian uint64) in turn: no reader sees one before
-        those listed ahead of it. All visible once it returns (one wait for all of them)."""
+        those listed ahead of it, nor before any word an earlier call stored. With `wait`, all
+        visible once it returns (one wait for all of them); without, visible soon."""
         ...
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
@@ -101,7 +102,7 @@ class HostWords:
     def region(self) -> Region:
         return self._region
 
-    def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+    def write_words(self, words: Sequence[tuple[int, int]], *, wait: bool = True) -> None:
         for offset, value in words:
             self.array[offset : offset + 8].view("<u8")[0] = value
 
@@ -129,12 +130,12 @@ class OwnProgress:
         self.region = memory.region
         self.version = 0
 
-    def _set(self, *values: tuple[int, int]) -> None:
-        """Stores (word index, value) pairs in turn."""
+    def _set(self, *values: tuple[int, int], wait: bool = True) -> None:
+        """Stores (word index, value) pairs in turn, after every word stored before."""
         for index, value in values:
             self._words[index] = value
         if not self._in_place:
-            self._memory.write_words([(8 * index, value) for index, value in values])
+            self._memory.write_words([(8 * index, value) for index, value in values], wait=wait)
 
     @property
     def location(self) -> ShardLocation:
@@ -159,9 +160,11 @@ class OwnProgress:
         self.version = version
 
     def filled(self, nbytes: int) -> None:
+        """The copy holds `nbytes` from its first byte. Not waited for: readers see it soon,
+        and never after a later store (`start`, `finish`), which waits for it."""
         if not 0 <= nbytes <= _FILLED_MASK:
             raise ValueError(f"{nbytes} bytes do not fit a progress word")
-        self._set((1, ((self.version & _TAG_MASK) << _FILLED_BITS) | nbytes))
+        self._set((1, ((self.version & _TAG_MASK) << _FILLED_BITS) | nbytes), wait=False)
 
     def finish(self, state: CopyProgress) -> None:
         self._set((2, ((self.version & _TAG_MASK) << _FILLED_BITS) | state))

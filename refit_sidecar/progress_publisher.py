@@ -12,8 +12,9 @@ loop, they held the next chunks back while the link sat idle.
 returns at once. The thread takes the prefixes in order: for each it writes the word (unless a
 larger prefix waits behind it, whose write covers it) and then tells the listener, so the
 listener hears every prefix and the word is never ahead of what the listener was told.
-`close()` waits until every prefix offered is published, then stops the thread: nothing is
-written after it returns, so the caller may then finish or restart the copy's word. An error in
+`close()` waits until every prefix offered is published, then stops the thread: the caller may
+then finish or restart the copy's word (a fill still queued on a GPU stream lands before any
+later store, `progress.Words`). An error in
 publishing stops the publications after it and is raised by the next `offer` or by `close`.
 """
 

@@ -74,10 +74,15 @@ class TorchArena:
 class TorchWords:
     """`progress.Words` in a small tensor on `device`: a receiver staging on a GPU keeps its
     progress word and the slots it reads its parents' words into in device memory, next to
-    its copy. Writes and reads are synchronous copies of a few bytes; on a GPU they go through
-    pinned host memory on a stream of their own, so that they wait for nothing else this
-    process has queued (the legacy default stream would wait for every blocking stream of the
-    process, the data copies in flight and an engine's kernels included)."""
+    its copy. On a GPU each word goes through pinned host memory, copied on a stream of its
+    own, so that it waits for nothing else this process has queued (the legacy default stream
+    would wait for every blocking stream of the process, the data copies in flight and an
+    engine's kernels included). Copies on that one stream land in the order written, so a
+    write that need not wait (`wait=False`: a copy's fill as it grows) is only queued; each
+    queued word keeps a pinned slot of its own until its copy ran. Reads are synchronous."""
+
+    _RING = 32
+    """Pinned 8-byte slots for words in flight."""
 
     def __init__(self, nbytes: int, *, device: torch.device) -> None:
         self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -90,26 +95,37 @@ class TorchWords:
         if self.tensor.is_cuda:
             self._stream = torch.cuda.Stream(device=self.tensor.device)
             self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._ring = torch.zeros(8 * self._RING, dtype=torch.uint8, pin_memory=True)
+            self._ring_words = self._ring.numpy().view("<u8")
+            self._landed: list[torch.cuda.Event | None] = [None] * self._RING
+            self._next = 0
 
     @property
     def region(self) -> Region:
         return self._region
 
-    def write_words(self, words: Sequence[tuple[int, int]]) -> None:
-        staged = self._host.numpy()  # on a CPU, the words themselves
-        if self._stream is None:
+    def write_words(self, words: Sequence[tuple[int, int]], *, wait: bool = True) -> None:
+        if self._stream is None:  # on a CPU, the words themselves
+            staged = self._host.numpy()
             for offset, value in words:
                 staged[offset : offset + 8].view("<u8")[0] = value
             return
-        # Copies on one stream run in order: each word lands after those before it, and one
-        # wait covers them all.
         with torch.cuda.stream(self._stream):
             for offset, value in words:
-                staged[offset : offset + 8].view("<u8")[0] = value
+                slot = self._next
+                self._next = (slot + 1) % self._RING
+                landed = self._landed[slot]
+                if landed is not None:
+                    landed.synchronize()  # its last word's copy ran (long ago, as a rule)
+                self._ring_words[slot] = value
                 self.tensor[offset : offset + 8].copy_(
-                    self._host[offset : offset + 8], non_blocking=True
+                    self._ring[8 * slot : 8 * slot + 8], non_blocking=True
                 )
-        self._stream.synchronize()
+                if landed is None:
+                    landed = self._landed[slot] = torch.cuda.Event()
+                landed.record(self._stream)
+        if wait:
+            self._stream.synchronize()
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         end = offset + nbytes

@@ -53,3 +53,23 @@ def test_a_word_is_written_and_read_without_waiting_for_queued_gpu_work() -> Non
     device_bytes = words.tensor[:PROGRESS_BYTES].cpu().numpy()
     assert ProgressWord.decode(device_bytes) == word
     assert np.array_equal(words.read(0, PROGRESS_BYTES), device_bytes)
+
+
+def test_fills_are_queued_without_waiting_and_land_in_order_behind_every_store() -> None:
+    """`OwnProgress.filled` queues its word (the copy's fill grows many times a pull): more
+    fills than the pinned ring holds reuse each slot only after its copy ran, and a later
+    store that waits (`start`, `finish`) lands after every fill queued before it."""
+    words = TorchWords(64, device=torch.device("cuda"))
+    own = OwnProgress("receiver", words)
+    own.start(3)
+    for step in range(1, 3 * TorchWords._RING + 1):
+        own.filled(step * 4096)
+    own.finish(CopyProgress.COMPLETE)
+    assert ProgressWord.decode(words.read(0, PROGRESS_BYTES)) == ProgressWord(
+        3, 3 * TorchWords._RING * 4096, CopyProgress.COMPLETE
+    )
+    own.start(4)  # a new version: its fill starts at 0, whatever was queued before
+    own.filled(512)
+    assert ProgressWord.decode(words.read(0, PROGRESS_BYTES)) == ProgressWord(
+        4, 512, CopyProgress.FILLING
+    )

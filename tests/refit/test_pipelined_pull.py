@@ -149,9 +149,9 @@ def test_a_word_in_device_memory_is_started_in_one_ordered_write() -> None:
     calls: list[list[tuple[int, int]]] = []
 
     class Recording(TorchWords):
-        def write_words(self, words: Sequence[tuple[int, int]]) -> None:
+        def write_words(self, words: Sequence[tuple[int, int]], *, wait: bool = True) -> None:
             calls.append(list(words))
-            super().write_words(words)
+            super().write_words(words, wait=wait)
 
     own = OwnProgress("p", Recording(PROGRESS_BYTES, device=torch.device("cpu")))
     own.start(3)
