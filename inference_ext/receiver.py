@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ from refit_sidecar.plan import (
     rebase,
     with_checksums,
 )
+from refit_sidecar.progress_file import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
 from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import PullStats, Region
 from refit_sidecar.tree_pull import TreePull, TreePullConfig
@@ -110,6 +112,9 @@ class RefitOptions:
     and last chunks: a child starts and ends closer behind its parent)."""
     stall_timeout_s: float = 5.0
     """Fan-out: a peer whose copy stops advancing for this long is replaced."""
+    progress_dir: str = DEFAULT_PROGRESS_DIR
+    """Fan-out: a directory of shared memory where this receiver mirrors its progress word
+    for receivers on its host (refit_sidecar/progress_file.py); "" for none."""
 
     def __post_init__(self) -> None:
         # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
@@ -142,6 +147,12 @@ class RefitOptions:
             )
         if not isinstance(self.domain, str):
             raise ValueError(f"domain must be a string, got {self.domain!r}")
+        if not isinstance(self.progress_dir, str) or (
+            self.progress_dir and not os.path.isabs(self.progress_dir)
+        ):
+            raise ValueError(
+                f"progress_dir must be an absolute path or empty, got {self.progress_dir!r}"
+            )
         for name in ("verify_checksums", "insecure", "fanout"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -448,7 +459,12 @@ class Receiver:
                 self.client,
                 self.transport,
                 agent,
-                TreePullConfig(chunks=chunks, domain=options.domain, verify=self._verifies),
+                TreePullConfig(
+                    chunks=chunks,
+                    domain=options.domain,
+                    verify=self._verifies,
+                    progress_dir=options.progress_dir,
+                ),
                 # Progress words next to the copy: children read them the way they read it.
                 words=functools.partial(TorchWords, device=device),
             )

@@ -49,6 +49,7 @@ from refit_sidecar.progress import (
     TornRead,
     Words,
 )
+from refit_sidecar.progress_file import ProgressFileReader, ProgressFileRef
 from refit_sidecar.progress_publisher import ProgressPublisher
 from refit_sidecar.transport import Region, SourceLost
 
@@ -56,15 +57,24 @@ log = logging.getLogger(__name__)
 
 _SLOT = 64
 """Bytes per progress-word slot in the control buffer (aligned)."""
+_READERS_KEPT = 16
+"""Peers' progress files kept open."""
 
 
 @dataclass(frozen=True)
 class PeerGate:
     """How to follow a peer's copy: its progress word, and the address of its copy's first
-    byte (the fill in its word counts from there)."""
+    byte (the fill in its word counts from there); its mirror of the word in a file, when it
+    offered one (read instead of the word where the file is on this host)."""
 
     progress: ShardLocation
     base: int
+    file: ProgressFileRef | None = None
+
+
+HEARTBEAT_S = 0.005
+"""A peer followed through its progress file has its word read one-sidedly this often too:
+the read fails at once when the peer died, while its file only stops changing."""
 
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -213,6 +223,9 @@ class _Peer:
     word: ProgressWord | None = None
     poll: Posted | None = None
     poll_seq: int = 0
+    polled: float = 0.0
+    """time.monotonic() of the last one-sided read of its word posted."""
+    file: ProgressFileReader | None = None
     advanced: float = field(default_factory=time.monotonic)
     unvalidated: list[_Chunk] = field(default_factory=list)
     used: bool = False
@@ -246,11 +259,12 @@ class ControlSlots:
         self._make = words
         self._memory: Words | None = None
         self.region: Region | None = None
+        self._readers: OrderedDict[ProgressFileRef, ProgressFileReader | None] = OrderedDict()
 
     def ensure(self, slots: int) -> Region:
         if self.region is not None and self.region.nbytes >= slots * _SLOT:
             return self.region
-        self.release()
+        self._release_region()
         self._memory = self._make(max(slots, 8) * _SLOT)
         self.region = self._memory.region
         self._transport.register(self.region)
@@ -260,7 +274,30 @@ class ControlSlots:
         assert self._memory is not None
         return self._memory.read(slot * _SLOT, PROGRESS_BYTES)
 
+    def reader(self, ref: ProgressFileRef | None) -> ProgressFileReader | None:
+        """A peer's progress file, opened once (the last few kept); None where there is none
+        or it is not on this host."""
+        if ref is None:
+            return None
+        if ref in self._readers:
+            self._readers.move_to_end(ref)
+            return self._readers[ref]
+        opened = ProgressFileReader.open(ref)
+        self._readers[ref] = opened
+        while len(self._readers) > _READERS_KEPT:
+            _, dropped = self._readers.popitem(last=False)
+            if dropped is not None:
+                dropped.close()
+        return opened
+
     def release(self) -> None:
+        for opened in self._readers.values():
+            if opened is not None:
+                opened.close()
+        self._readers.clear()
+        self._release_region()
+
+    def _release_region(self) -> None:
         if self.region is not None:
             self._transport.deregister(self.region)
             self.region = None
@@ -333,7 +370,10 @@ class PipelinedPull:
         queues: dict[str, deque[_Chunk]] = {}
         for chunk in chunks:
             queues.setdefault(chunk.agent, deque()).append(chunk)
-        state = {agent: _Peer(gate) for agent, gate in peers.items()}
+        state = {
+            agent: _Peer(gate, file=self._control.reader(gate.file))
+            for agent, gate in peers.items()
+        }
         for agent in queues:
             if agent in state:
                 state[agent].used = True
@@ -373,10 +413,28 @@ class PipelinedPull:
                 reads += len(ready.ranges)
                 progressed = True
             reading = bool(inflight)  # this turn of the loop had reads in flight
-            # Ask peers how far they are when something waits on them.
+            # Ask peers how far they are when something waits on them: a peer's file on
+            # this host at every turn, its word one-sidedly (for a file, as a heartbeat).
+            following = False
             if failure is None:
+                now = time.monotonic()
                 for agent, peer in state.items():
-                    if peer.poll is None and self._waits_on(agent, peer, queues):
+                    if not self._waits_on(agent, peer, queues):
+                        continue
+                    if peer.file is not None:
+                        following = True
+                        before = peer.advanced
+                        lost = self._observe(
+                            agent, peer, plan.version, filled, raw=peer.file.read(), seq=seq
+                        )
+                        progressed = progressed or lost is not None or peer.advanced != before
+                        if lost is not None:
+                            failure = self._lose(lost, agent, state, filled)
+                            inflight = [i for i in inflight if i[0].agent != agent]
+                            break
+                        if now - peer.polled < HEARTBEAT_S:
+                            continue
+                    if peer.poll is None:
                         try:
                             peer.poll = self._post_poll(
                                 plan.agents[agent], peer, control, slots[agent]
@@ -385,6 +443,7 @@ class PipelinedPull:
                             failure = self._lose(e, agent, state, filled)
                             break
                         peer.poll_seq = seq
+                        peer.polled = now
             # Collect what landed.
             for item in list(inflight):
                 chunk, posted = item
@@ -421,7 +480,14 @@ class PipelinedPull:
                 # A word that did not move is no progress: the loop backs off before asking
                 # again, rather than keeping the GPU's copy queue full of 24-byte reads.
                 before = peer.advanced
-                lost = self._observe(agent, peer, plan.version, filled, slots[agent])
+                lost = self._observe(
+                    agent,
+                    peer,
+                    plan.version,
+                    filled,
+                    raw=self._control.word(slots[agent]),
+                    seq=peer.poll_seq,
+                )
                 progressed = progressed or lost is not None or peer.advanced != before
                 if lost is not None:
                     failure = failure or self._lose(lost, agent, state, filled)
@@ -465,7 +531,8 @@ class PipelinedPull:
                 time.sleep(pause)
                 # Reads in flight land within tens of microseconds on a GPU link: poll them
                 # closely; a pull waiting only on a parent's progress backs off further.
-                pause = min(2 * pause or 1e-5, 5e-5 if inflight else 5e-4)
+                # A peer followed through its file costs nothing to look at: closely too.
+                pause = min(2 * pause or 1e-5, 5e-5 if inflight or following else 5e-4)
             now_pc = time.perf_counter()
             if reading:
                 reading_s += now_pc - mark
@@ -607,10 +674,12 @@ class PipelinedPull:
         return self._transport.post(record, loc.mem_type, remote, local, control)
 
     def _observe(
-        self, agent: str, peer: _Peer, version: int, filled: Filled, slot: int
+        self, agent: str, peer: _Peer, version: int, filled: Filled, *, raw: np.ndarray, seq: int
     ) -> SourceLost | None:
+        """The peer's word as read (`raw`) when `seq` chunks had landed: a copy that failed or
+        moved on is lost; chunks that landed before the read count."""
         try:
-            word = ProgressWord.decode(self._control.word(slot))
+            word = ProgressWord.decode(raw)
         except TornRead:
             return None  # read again next round
         if word.version > version or (
@@ -624,13 +693,18 @@ class PipelinedPull:
         if word.version < version:
             return None  # it has not started this version yet
         old = peer.word
+        if old is not None and old.version == version:
+            # The file and the word in registered memory may lag each other: keep the most
+            # either has said (more filled; COMPLETE stays unless a word says FAILED).
+            state = old.state if old.state is CopyProgress.COMPLETE else word.state
+            word = ProgressWord(version, max(word.filled, old.filled), state)
         if old is None or word.filled > old.filled or word.state is not old.state:
             peer.advanced = time.monotonic()
         peer.word = word
         # Chunks that landed before this read was posted are valid: the copy was still this
         # version's, unfailed, after they were read.
-        valid = [c for c in peer.unvalidated if c.done_seq < peer.poll_seq]
-        peer.unvalidated = [c for c in peer.unvalidated if c.done_seq >= peer.poll_seq]
+        valid = [c for c in peer.unvalidated if c.done_seq < seq]
+        peer.unvalidated = [c for c in peer.unvalidated if c.done_seq >= seq]
         for chunk in valid:
             filled.add(agent, chunk.ranges)
         return None

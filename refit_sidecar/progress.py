@@ -32,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from refit_sidecar.manifest import ShardLocation, c_strides
+from refit_sidecar.progress_file import ProgressFile
 from refit_sidecar.transport import Region
 
 PROGRESS_BYTES = 24
@@ -114,8 +115,13 @@ class OwnProgress:
     """This receiver's progress word, in `words` (host memory by default) that it registers
     with its NIXL agent. Each word is stored on its own, in the order the module docs give."""
 
-    def __init__(self, agent: str, words: Words | None = None) -> None:
+    def __init__(
+        self, agent: str, words: Words | None = None, *, mirror: ProgressFile | None = None
+    ) -> None:
+        """`mirror`: a file the words are stored into too, for children on this host
+        (`progress_file.py`); it is closed (removed) with `close`."""
         memory = words if words is not None else HostWords(PROGRESS_BYTES)
+        self.mirror = mirror
         if memory.region.nbytes < PROGRESS_BYTES:
             raise ValueError(f"a progress word needs {PROGRESS_BYTES} bytes")
         self._memory = memory
@@ -134,6 +140,8 @@ class OwnProgress:
         """Stores (word index, value) pairs in turn, after every word stored before."""
         for index, value in values:
             self._words[index] = value
+            if self.mirror is not None:
+                self.mirror.store(index, value)
         if not self._in_place:
             self._memory.write_words([(8 * index, value) for index, value in values], wait=wait)
 
@@ -171,3 +179,8 @@ class OwnProgress:
 
     def read(self) -> ProgressWord:
         return ProgressWord.decode(self._memory.read(0, PROGRESS_BYTES))
+
+    def close(self) -> None:
+        """Remove the mirror, if any (the words in registered memory stay the caller's)."""
+        if self.mirror is not None:
+            self.mirror.close()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from refit_sidecar.manifest import AgentRecord, Manifest, ShardLocation
 from refit_sidecar.plan import Want
+from refit_sidecar.progress_file import ProgressFileRef
 from refit_sidecar.tree_types import (
     CopyState,
     Edge,
@@ -36,6 +37,8 @@ from refit_sidecar.wire import (
     location_from_proto,
     location_to_proto,
     manifest_from_proto,
+    progress_file_from_proto,
+    progress_file_to_proto,
 )
 from trainer_refit.v1 import refit_pb2 as pb
 
@@ -65,6 +68,8 @@ class Offer:
     progress: ShardLocation
     """24 bytes of registered memory: version, filled-up-to address, state (docs in the
     proto)."""
+    progress_file: ProgressFileRef | None = None
+    """The same word mirrored in a file on this receiver's host (`progress_file.py`)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class SourceCopy:
     trainer's manifest."""
     progress: ShardLocation | None
     """A peer's progress word; None for a trainer rank."""
+    progress_file: ProgressFileRef | None = None
+    """A peer's mirror of its word, when it offered one."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,7 @@ def get_sources_request(
                 agent=agent_to_proto(offer.agent),
                 locations=[location_to_proto(loc) for loc in offer.locations],
                 progress=location_to_proto(offer.progress),
+                progress_file=progress_file_to_proto(offer.progress_file),
             )
         )
     return request
@@ -170,7 +178,11 @@ def sources_from_proto(
             raise ValueError(f"source {copy.source_id!r} has no kind (trainer or peer)")
         progress = location_from_proto(copy.progress) if copy.HasField("progress") else None
         copies[copy.source_id] = SourceCopy(
-            copy.source_id, kind, manifest_from_proto(copy.shards), progress
+            copy.source_id,
+            kind,
+            manifest_from_proto(copy.shards),
+            progress,
+            progress_file_from_proto(copy),
         )
     return Sources(
         reply.version,

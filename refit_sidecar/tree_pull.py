@@ -37,11 +37,17 @@ from refit_sidecar.pipelined_pull import (
 )
 from refit_sidecar.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
+from refit_sidecar.progress_file import DEFAULT_DIR, ProgressFile
 from refit_sidecar.routing import peer_bases, route_manifest
 from refit_sidecar.running_check import RunningCheck
 from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
 from refit_sidecar.transport import Region, SourceLost, verifies_every_read
-from refit_sidecar.wire import agent_from_proto, location_from_proto, mem_type_from_proto
+from refit_sidecar.wire import (
+    agent_from_proto,
+    location_from_proto,
+    mem_type_from_proto,
+    progress_file_from_proto,
+)
 from trainer_refit.v1 import refit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,9 @@ class TreePullConfig:
     verify: bool = True
     """Check the trainer's checksums of every trainer shard staged whole (on the staging's
     device)."""
+    progress_dir: str = DEFAULT_DIR
+    """Where this receiver mirrors its progress word in a file, for children on its host
+    (`progress_file.py`); "" for no file (children read the word one-sidedly)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,10 @@ class TreePull:
         self._transport = transport
         self._agent = agent
         self.config = config
-        self._own = OwnProgress(agent, words(PROGRESS_BYTES))
+        mirror = None
+        if config.serve and config.progress_dir:
+            mirror = ProgressFile.create(config.progress_dir)
+        self._own = OwnProgress(agent, words(PROGRESS_BYTES), mirror=mirror)
         transport.register(self._own.region)
         self._control = ControlSlots(transport, words)
         self._plans: OrderedDict[bytes, tuple[PullPlan, dict[str, PeerGate]]] = OrderedDict()
@@ -413,10 +425,10 @@ class TreePull:
             raise TreePullError("the routed plan lays staging out differently: a bug")
         gates = {}
         for source, base in peer_bases(sources, routed.agents).items():
-            progress = sources.copies[source].progress
-            if progress is None:
+            copy = sources.copies[source]
+            if copy.progress is None:
                 raise TreePullError(f"peer {source!r} was sent without its progress word")
-            gates[source] = PeerGate(progress, base)
+            gates[source] = PeerGate(copy.progress, base, copy.progress_file)
         self._keep(answer, (routed, gates))
         return routed, gates
 
@@ -445,7 +457,8 @@ class TreePull:
             for t in plan.targets
         )
         record = AgentRecord(self._agent, metadata=self._transport.metadata())
-        offer = Offer(record, locations, self._own.location)
+        mirror = self._own.mirror
+        offer = Offer(record, locations, self._own.location, None if mirror is None else mirror.ref)
         self._last_offer = (key, offer)
         return offer
 
@@ -526,6 +539,7 @@ class TreePull:
         self._releases.shutdown(wait=True)
         self._control.release()
         self._transport.deregister(self._own.region)
+        self._own.close()
 
 
 def _checking(
@@ -609,4 +623,5 @@ def _one_source(answer: Answer, plan: PullPlan) -> tuple[PullPlan, dict[str, Pee
         reads=(reads,),
         agents={primary: agent_from_proto(copy.shards.agents[0])},
     )
-    return routed, {primary: PeerGate(location_from_proto(copy.progress), base)}
+    gate = PeerGate(location_from_proto(copy.progress), base, progress_file_from_proto(copy))
+    return routed, {primary: gate}

@@ -52,6 +52,7 @@ from refit_sidecar.wire import (
     location_from_proto,
     manifest_from_proto,
     manifest_key,
+    progress_file_from_proto,
 )
 from trainer_refit.errors import InvalidRequest, quoted
 from trainer_refit.v1 import refit_pb2 as pb
@@ -506,6 +507,12 @@ class TreeService:
                 field="offer.progress",
             )
         checked.progress.CopyFrom(progress)
+        mirror = progress_file_from_proto(offer)
+        if mirror is not None:
+            problem = mirror.check()
+            if problem is not None:
+                raise InvalidRequest(f"offer.progress_file: {problem}", field="offer.progress_file")
+            checked.progress_file.CopyFrom(offer.progress_file)
         return checked
 
     def _lost(self, version: int, rid: str, lost: Sequence[str], manifest: Manifest) -> None:
@@ -709,10 +716,13 @@ def _peer_copy(opened: _Open, source_id: str, checked: _Checked) -> _Copy:
     out.parameters.extend(records.values())
     key = hashlib.blake2b(
         out.SerializeToString(deterministic=True)
-        + checked.offer.progress.SerializeToString(deterministic=True),
+        + checked.offer.progress.SerializeToString(deterministic=True)
+        + checked.offer.progress_file.SerializeToString(deterministic=True),
         digest_size=16,
     ).digest()
     message = pb.SourceCopy(
         source_id=source_id, kind=pb.SOURCE_KIND_PEER, shards=out, progress=checked.offer.progress
     )
+    if checked.offer.HasField("progress_file"):
+        message.progress_file.CopyFrom(checked.offer.progress_file)
     return _Copy(message, key)

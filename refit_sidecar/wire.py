@@ -32,6 +32,7 @@ from refit_sidecar.manifest import (
     ShardRecord,
 )
 from refit_sidecar.plan import Checksums
+from refit_sidecar.progress_file import ProgressFileRef
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 
@@ -275,3 +276,13 @@ def partial_from_request(request: pb.PublishShardsRequest) -> tuple[int, int, Ma
         {agent.name: agent},
     )
     return request.version, request.rank, partial
+
+
+def progress_file_to_proto(ref: ProgressFileRef | None) -> pb.ProgressFile | None:
+    return None if ref is None else pb.ProgressFile(host=ref.host, path=ref.path)
+
+
+def progress_file_from_proto(message: pb.SourceCopy | pb.PeerOffer) -> ProgressFileRef | None:
+    if not message.HasField("progress_file"):
+        return None
+    return ProgressFileRef(message.progress_file.host, message.progress_file.path)

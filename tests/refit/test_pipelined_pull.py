@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,12 +33,14 @@ from refit_sidecar.manifest import (
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.peer import staged_manifest
 from refit_sidecar.pipelined_pull import (
+    HEARTBEAT_S,
     ChunkConfig,
     ControlSlots,
     Filled,
     PeerGate,
     PipelinedPull,
     SourceFailed,
+    _Peer,
 )
 from refit_sidecar.plan import PullPlan, Want, plan_pull
 from refit_sidecar.progress import (
@@ -49,6 +52,7 @@ from refit_sidecar.progress import (
     TornRead,
     Words,
 )
+from refit_sidecar.progress_file import ProgressFile, host_id
 from refit_sidecar.routing import clip, peer_bases, route_manifest
 from refit_sidecar.sources import Answer, SourceCopy, Sources
 from refit_sidecar.torch_arena import TorchWords
@@ -310,7 +314,10 @@ def agents() -> Iterator[tuple[NixlTransport, NixlTransport]]:
 
 
 def _peer(
-    transport: NixlTransport, version: int, words: Callable[[int], Words] = HostWords
+    transport: NixlTransport,
+    version: int,
+    words: Callable[[int], Words] = HostWords,
+    mirror: ProgressFile | None = None,
 ) -> Peer:
     records = tuple(ParameterRecord(w.name, (ROWS, COLS), DType.FLOAT32, ()) for w in WANTS)
     # The planner needs a source for the layout only: the peer's staging is laid out as its plan.
@@ -337,7 +344,7 @@ def _peer(
     plan = plan_pull(layout, WANTS)
     staging = np.zeros(plan.nbytes, np.uint8)
     transport.register(Region.of_array(staging))
-    own = OwnProgress(transport._config.name, words(24))
+    own = OwnProgress(transport._config.name, words(24), mirror=mirror)
     transport.register(own.region)
     own.start(version)
     agent = AgentRecord(transport._config.name, metadata=transport.metadata())
@@ -356,6 +363,7 @@ def _run(
     verified_here: bool = False,
     listener_s: float = 0.0,
     chunks: ChunkConfig | None = None,
+    follow_file: bool = False,
 ) -> tuple[threading.Thread, dict[str, object], np.ndarray, list[int]]:
     plan = plan_pull(peer.manifest, WANTS)
     dest = np.zeros(plan.nbytes, np.uint8)
@@ -374,7 +382,12 @@ def _run(
         on_progress=listener,
         verified_here=verified_here,
     )
-    gate = PeerGate(peer.own.location, peer.staging.ctypes.data)
+    mirror = peer.own.mirror
+    gate = PeerGate(
+        peer.own.location,
+        peer.staging.ctypes.data,
+        mirror.ref if follow_file and mirror is not None else None,
+    )
     out: dict[str, object] = {}
     filled = Filled(plan)
     out["filled"] = filled
@@ -503,6 +516,75 @@ def test_a_tapered_cut_reads_small_chunks_at_both_ends_and_every_byte_once(
     assert stats.bytes_by_source == {"hand-peer": total}  # type: ignore[attr-defined]
     with pytest.raises(ValueError):
         ChunkConfig(chunk_bytes=8192, taper=2)  # chunks under 4096 bytes
+
+
+@pytest.mark.skipif(not host_id(), reason="this host has no boot id")
+def test_a_child_follows_a_peer_on_its_host_through_its_file_and_reads_its_word_as_a_heartbeat(
+    agents: tuple[NixlTransport, NixlTransport], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's progress file (`progress_file.py`) is read at every turn of the loop; its word
+    in registered memory only every `HEARTBEAT_S` (a dead peer's read fails at once), instead
+    of after every change."""
+    peer_t, child = agents
+    mirror = ProgressFile.create(str(tmp_path))
+    assert mirror is not None
+    peer = _peer(peer_t, version=11, mirror=mirror)
+    looks: list[float] = []
+    post = child.post
+
+    def counting(*args: object) -> object:
+        local = args[3]
+        assert isinstance(local, np.ndarray)
+        if int(local[:, 1].sum()) == PROGRESS_BYTES:
+            looks.append(time.monotonic())
+        return post(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(child, "post", counting)
+    thread, out, dest, seen = _run(child, peer, follow_file=True)
+    began = time.monotonic()
+    for step in range(1, 9):
+        peer.fill(step * peer.plan.nbytes // 8)
+        time.sleep(0.05)
+        assert max(seen, default=0) <= step * peer.plan.nbytes // 8
+    assert thread.is_alive(), out
+    peer.own.finish(CopyProgress.COMPLETE)
+    thread.join(10)
+    took = time.monotonic() - began
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    assert dest.tobytes() == peer.truth.tobytes()
+    assert seen[-1] == peer.plan.nbytes
+    # Heartbeats kept going while it waited, about one per HEARTBEAT_S (a child reading the
+    # word after each change, backing off to 0.5 ms, reads it some 800 times in 0.4 s).
+    assert 2 <= len(looks) <= took / HEARTBEAT_S + 10, (len(looks), took)
+    peer.own.close()
+
+
+def test_a_peer_word_read_two_ways_keeps_the_most_either_said(
+    agents: tuple[NixlTransport, NixlTransport],
+) -> None:
+    """The file and the word in registered memory may lag each other: a lagging fill or a
+    FILLING after COMPLETE is no step back; FAILED is taken from either."""
+    _, child = agents
+    runner = PipelinedPull(child, ControlSlots(child), ChunkConfig())
+    gate = PeerGate(OwnProgress("p").location, 0)
+    peer = _Peer(gate)
+    filled = Filled(plan_pull(_peer(agents[0], version=12).manifest, WANTS))
+
+    def look(fill: int, state: CopyProgress) -> SourceLost | None:
+        own = OwnProgress("p")
+        own.start(12)
+        own.filled(fill)
+        own.finish(state)
+        raw = np.frombuffer(own._words.tobytes(), np.uint8)
+        return runner._observe("p", peer, 12, filled, raw=raw, seq=0)
+
+    assert look(100, CopyProgress.FILLING) is None and peer.word is not None
+    assert look(50, CopyProgress.FILLING) is None
+    assert (peer.word.filled, peer.word.state) == (100, CopyProgress.FILLING)
+    assert look(200, CopyProgress.COMPLETE) is None
+    assert look(150, CopyProgress.FILLING) is None
+    assert (peer.word.filled, peer.word.state) == (200, CopyProgress.COMPLETE)
+    assert isinstance(look(10, CopyProgress.FAILED), SourceFailed)
 
 
 def test_a_layout_pulled_again_reuses_its_chunks_and_a_fresh_fill(

@@ -29,6 +29,7 @@ from refit_sidecar.manifest import (
 )
 from refit_sidecar.pending import Pending
 from refit_sidecar.plan import Want
+from refit_sidecar.progress_file import ProgressFileRef
 from refit_sidecar.sources import (
     Answer,
     NoLiveSource,
@@ -221,7 +222,9 @@ def test_a_first_receiver_reads_from_the_trainer_ranks_each_copy_its_own_shards(
 
 def test_a_later_receiver_reads_from_a_peer_whose_copy_says_only_where_its_bytes_lie(fleet):
     f = fleet("--max-root-children", "1")
-    first = f.client.get_sources(1, "p1", HALF, domain="n0", offer=offer("p1", HALF))
+    mirror = ProgressFileRef("host-a", "/dev/shm/trainer-refit-progress.7.0123456789abcdef")
+    offered = replace(offer("p1", HALF), progress_file=mirror)
+    first = f.client.get_sources(1, "p1", HALF, domain="n0", offer=offered)
     assert _primaries(first) == {"rank-0"}
     assert 0 < first.offer_expires_in_s <= TreeConfig().peer_ttl_s
 
@@ -234,6 +237,7 @@ def test_a_later_receiver_reads_from_a_peer_whose_copy_says_only_where_its_bytes
     peer = second.copies["p1"]
     assert peer.kind is NodeKind.PEER
     assert peer.progress == offer("p1", HALF).progress
+    assert peer.progress_file == mirror  # its mirror of the word too, for readers on its host
     assert list(peer.shards.agents) == ["p1"]
     assert peer.shards.agents["p1"].metadata == b"peer-meta"
     # One shard per want of the peer (norm too, which r2 does not want: the copy's first byte
@@ -606,6 +610,16 @@ def test_errors_map_to_status_codes_and_client_exceptions(fleet):
     no_meta = request()
     no_meta.offer.agent.metadata = b""
     assert _code(stub.GetSources, no_meta) == invalid
+    # A progress file must be named as one, at an absolute path, with its host.
+    for host, path in (
+        ("h", "/etc/passwd"),
+        ("h", "relative/trainer-refit-progress.1.0123456789abcdef"),
+        ("", "/dev/shm/trainer-refit-progress.1.0123456789abcdef"),
+    ):
+        mirrored = request()
+        mirrored.offer.progress_file.host = host
+        mirrored.offer.progress_file.path = path
+        assert _code(stub.GetSources, mirrored) == invalid, path
     assert _code(stub.GetSources, pb.GetSourcesRequest(version=1, receiver_id="r")) == invalid
     for wait in (-1.0, float("nan"), 1e9):
         assert _code(stub.GetSources, request(), wait_seconds=wait) == invalid

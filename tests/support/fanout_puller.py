@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -66,11 +66,11 @@ class Fetch:
 
     version: int
     throttle_s: float = 0.0
-    """Sleep this long in every progress callback, so the pull lasts long enough for children
-    to read behind it."""
+    """Sleep this long as each chunk lands (in the pull's loop), so the pull lasts long enough
+    for children to read behind it."""
     gate: str | None = None
-    """A file path: the first progress callback waits until it exists (the copy has started
-    and is offered, but advances no further until the test says so)."""
+    """A file path: once the first progress is out, the pull waits until it exists (the copy
+    has started and is offered, but advances no further until the test says so)."""
     kill_at: float | None = None
     """Victims only: SIGKILL the process once filled / total reaches this fraction."""
     corrupt: bool = False
@@ -224,9 +224,39 @@ class _Ranks:
             receiver.close()
 
 
+@contextlib.contextmanager
+def _paced(receiver: Any, command: Fetch, started: threading.Event) -> Iterator[None]:
+    """The pull's loop slowed down as `command` says: it sleeps `throttle_s` as each chunk
+    lands, and once the first progress is out (`started`) it waits for the gate. (Progress is
+    published from a thread of its own: sleeping there would slow the copy's word, not the
+    pull.)"""
+    from refit_sidecar.progress import PROGRESS_BYTES
+
+    transport = receiver.transport
+    check = transport.check
+    gate = Path(command.gate) if command.gate is not None else None
+
+    def paced(posted: Any) -> bool:
+        nonlocal gate
+        done: bool = check(posted)
+        if gate is not None and started.is_set():
+            _wait_for(gate)
+            gate = None
+        if done and posted.xfer.nbytes > PROGRESS_BYTES and command.throttle_s:
+            time.sleep(command.throttle_s)
+        return done
+
+    transport.check = paced
+    try:
+        yield
+    finally:
+        del transport.check  # the class's method again
+
+
 def _fetch_one(receiver: Any, command: Fetch, send: Callable[[object], None]) -> RankResult:
     agent = receiver.agent
     calls = 0
+    started = threading.Event()
 
     def on_progress(filled: int, total: int) -> None:
         nonlocal calls
@@ -240,17 +270,15 @@ def _fetch_one(receiver: Any, command: Fetch, send: Callable[[object], None]) ->
         calls += 1
         if calls == 1:
             send(Started(agent, filled, total))
-            if command.gate is not None:
-                _wait_for(Path(command.gate))
+            started.set()
         if command.kill_at is not None and filled < total and filled >= command.kill_at * total:
             send(Killing(agent, filled, total, time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        if command.throttle_s:
-            time.sleep(command.throttle_s)
 
-    receiver.fetch(
-        command.version, on_progress=on_progress, visible_timeout_s=command.visible_timeout_s
-    )
+    with _paced(receiver, command, started):
+        receiver.fetch(
+            command.version, on_progress=on_progress, visible_timeout_s=command.visible_timeout_s
+        )
     stats = receiver.install(lambda tensors: [None for _ in tensors])
     slices: Slices = {
         name: (box.ranges, tensor.numpy()) for name, (box, tensor) in receiver.slices().items()

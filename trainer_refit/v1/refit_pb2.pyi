@@ -255,14 +255,24 @@ class WantedBox(_message.Message):
     def __init__(self, name: _Optional[str] = ..., box: _Optional[_Union[Box, _Mapping]] = ...) -> None: ...
 
 class PeerOffer(_message.Message):
-    __slots__ = ("agent", "locations", "progress")
+    __slots__ = ("agent", "locations", "progress", "progress_file")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FILE_FIELD_NUMBER: _ClassVar[int]
     agent: SourceAgent
     locations: _containers.RepeatedCompositeFieldContainer[ShardLocation]
     progress: ShardLocation
-    def __init__(self, agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., locations: _Optional[_Iterable[_Union[ShardLocation, _Mapping]]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
+    progress_file: ProgressFile
+    def __init__(self, agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., locations: _Optional[_Iterable[_Union[ShardLocation, _Mapping]]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ..., progress_file: _Optional[_Union[ProgressFile, _Mapping]] = ...) -> None: ...
+
+class ProgressFile(_message.Message):
+    __slots__ = ("host", "path")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    path: str
+    def __init__(self, host: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class GetSourcesRequest(_message.Message):
     __slots__ = ("version", "receiver_id", "domain", "wants", "offer", "lost", "wait_seconds", "lease_ttl_seconds", "lease_with_checksums", "known_routing_keys")
@@ -301,16 +311,18 @@ class SourceRoute(_message.Message):
     def __init__(self, name: _Optional[str] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., primary: _Optional[str] = ..., fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SourceCopy(_message.Message):
-    __slots__ = ("source_id", "kind", "shards", "progress")
+    __slots__ = ("source_id", "kind", "shards", "progress", "progress_file")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FILE_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     kind: SourceKind
     shards: Manifest
     progress: ShardLocation
-    def __init__(self, source_id: _Optional[str] = ..., kind: _Optional[_Union[SourceKind, str]] = ..., shards: _Optional[_Union[Manifest, _Mapping]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
+    progress_file: ProgressFile
+    def __init__(self, source_id: _Optional[str] = ..., kind: _Optional[_Union[SourceKind, str]] = ..., shards: _Optional[_Union[Manifest, _Mapping]] = ..., progress: _Optional[_Union[ShardLocation, _Mapping]] = ..., progress_file: _Optional[_Union[ProgressFile, _Mapping]] = ...) -> None: ...
 
 class GetSourcesResponse(_message.Message):
     __slots__ = ("version", "routes", "sources", "offer_expires_in_seconds", "routing_key", "lease", "routes_left_out")

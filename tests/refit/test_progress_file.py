@@ -1,0 +1,97 @@
+"""A progress word mirrored in a file of shared memory (`refit_sidecar/progress_file.py`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, OwnProgress, ProgressWord
+from refit_sidecar.progress_file import (
+    FILE_BYTES,
+    ProgressFile,
+    ProgressFileReader,
+    ProgressFileRef,
+    host_id,
+)
+
+pytestmark = pytest.mark.skipif(not host_id(), reason="this host has no boot id")
+
+
+def test_a_reader_on_the_host_sees_every_store_in_order_and_the_file_goes_with_close(
+    tmp_path: Path,
+) -> None:
+    mirror = ProgressFile.create(str(tmp_path))
+    assert mirror is not None
+    assert mirror.ref.host == host_id() and mirror.ref.check() is None
+    assert os.stat(mirror.ref.path).st_size == FILE_BYTES
+    own = OwnProgress("parent", mirror=mirror)
+    reader = ProgressFileReader.open(mirror.ref)
+    assert reader is not None
+    own.start(5)
+    assert ProgressWord.decode(reader.read()) == ProgressWord(5, 0, CopyProgress.FILLING)
+    own.filled(4096)
+    own.finish(CopyProgress.COMPLETE)
+    # The file says what the word in registered memory says.
+    assert (
+        ProgressWord.decode(reader.read())
+        == own.read()
+        == ProgressWord(5, 4096, CopyProgress.COMPLETE)
+    )
+    own.close()
+    assert not os.path.exists(mirror.ref.path)
+    # A reader that held it open keeps the last word; a new one finds nothing.
+    assert ProgressWord.decode(reader.read()).state is CopyProgress.COMPLETE
+    reader.close()
+    assert ProgressFileReader.open(mirror.ref) is None
+
+
+def test_a_reader_opens_only_a_progress_file_of_its_own_host(tmp_path: Path) -> None:
+    mirror = ProgressFile.create(str(tmp_path))
+    assert mirror is not None
+    path = mirror.ref.path
+    # Another host's file, however named, is not this host's.
+    assert ProgressFileReader.open(ProgressFileRef("another-host", path)) is None
+    # A path a peer offers must name a progress file; a link or a file of another size is
+    # refused even when it is named as one.
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * FILE_BYTES)
+    assert ProgressFileRef(host_id(), str(secret)).check() is not None
+    assert ProgressFileReader.open(ProgressFileRef(host_id(), str(secret))) is None
+    link = tmp_path / f"trainer-refit-progress.{os.getpid()}.{'0' * 16}"
+    link.symlink_to(path)
+    assert ProgressFileRef(host_id(), str(link)).check() is None
+    assert ProgressFileReader.open(ProgressFileRef(host_id(), str(link))) is None
+    short = tmp_path / f"trainer-refit-progress.{os.getpid()}.{'1' * 16}"
+    short.write_bytes(b"\0" * PROGRESS_BYTES)
+    assert ProgressFileReader.open(ProgressFileRef(host_id(), str(short))) is None
+    assert ProgressFileRef(host_id(), "relative/" + os.path.basename(path)).check() is not None
+    assert ProgressFileRef("", path).check() is not None
+    mirror.close()
+
+
+def test_files_of_processes_gone_are_removed_when_a_new_one_is_made(tmp_path: Path) -> None:
+    code = (
+        "import sys; from refit_sidecar.progress_file import ProgressFile; "
+        "print(ProgressFile.create(sys.argv[1]).ref.path)"
+    )
+    # A process that ends without closing its file (as one killed would).
+    gone = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert os.path.exists(gone)
+    mine = ProgressFile.create(str(tmp_path))
+    assert mine is not None
+    assert not os.path.exists(gone)
+    assert os.path.exists(mine.ref.path)
+    other = ProgressFile.create(str(tmp_path))  # a live process's file (this one's) stays
+    assert other is not None and os.path.exists(mine.ref.path)
+    mine.close()
+    other.close()
+
+
+def test_no_directory_means_no_file_and_the_word_alone() -> None:
+    assert ProgressFile.create("/nonexistent-directory-for-progress") is None
