@@ -90,3 +90,29 @@ def cut_at(
         dst[owner] + offset,
         np.searchsorted(bounds, first, side="right"),
     )
+
+
+def merge_continuing(
+    remote: np.ndarray, length: np.ndarray, dst: np.ndarray, chunk: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive reads of one chunk that continue each other in the source and in the
+    destination alike, as one read: a request's cost grows with its descriptors (a trainer's
+    arena and a receiver's staging often lay tensors out in the same order, a peer's copy
+    always does). Only reads with no byte between them merge, so no other read's bytes are
+    ever covered."""
+    if len(length) < 2:
+        return remote, length, dst, chunk
+    length = length.astype(np.int64)
+    joins = (
+        (remote[1:] == remote[:-1] + length[:-1].astype(np.uint64))
+        & (dst[1:] == dst[:-1] + length[:-1])
+        & (chunk[1:] == chunk[:-1])
+    )
+    first = np.concatenate([[True], ~joins])
+    starts = np.flatnonzero(first)
+    return (
+        remote[starts],
+        np.add.reduceat(length, starts),
+        dst[starts],
+        chunk[starts],
+    )

@@ -30,7 +30,7 @@ import numpy as np
 from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from refit_sidecar.chunking import cut_long, groups
+from refit_sidecar.chunking import cut_long, groups, merge_continuing
 from refit_sidecar.manifest import AgentRecord, MemType
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.plan import PullPlan
@@ -465,7 +465,11 @@ def _requests(
         dst = np.concatenate([p[2] for p in group])
         order = np.argsort(dst, kind="stable")
         remote, length, dst = cut_long(remote[order], length[order], dst[order], size)
-        for idx in groups(length, size):
+        request = np.zeros(len(length), np.int64)
+        for i, idx in enumerate(groups(length, size)):
+            request[idx] = i
+        remote, length, dst, request = merge_continuing(remote, length, dst, request)
+        for idx in np.split(np.arange(len(request)), np.flatnonzero(np.diff(request)) + 1):
             n = length[idx].astype(np.uint64)
             same = len(idx)
             r = np.stack([remote[idx], n, np.full(same, device, np.uint64)]).T

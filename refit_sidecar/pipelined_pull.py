@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from refit_sidecar.chunking import chunk_bounds, cut_at
+from refit_sidecar.chunking import chunk_bounds, cut_at, merge_continuing
 from refit_sidecar.intervals import Intervals
 from refit_sidecar.manifest import AgentRecord, MemType, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport, Posted
@@ -610,6 +610,7 @@ class PipelinedPull:
                 remote, dst, length, chunk = remote[keep], dst[keep], length[keep], chunk[keep]
             if not len(length):
                 continue
+            remote, length, dst, chunk = merge_continuing(remote, length, dst, chunk)
             for idx in np.split(np.arange(len(chunk)), np.flatnonzero(np.diff(chunk)) + 1):
                 r, n, d = remote[idx], length[idx], dst[idx]
                 dev = np.full(len(idx), device, np.uint64)

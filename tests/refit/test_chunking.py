@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refit_sidecar.chunking import chunk_bounds, cut_at
+from refit_sidecar.chunking import chunk_bounds, cut_at, merge_continuing
 
 
 def test_plain_chunks_are_every_size_bytes_and_a_taper_halves_them_towards_both_ends() -> None:
@@ -48,3 +48,22 @@ def test_reads_cut_at_the_bounds_cover_the_same_bytes_one_chunk_each(taper: int)
     starts = ends - n
     assert (edges[chunk] <= starts).all() and (ends <= edges[chunk + 1]).all()
     assert (np.diff(chunk) >= 0).all() and len(set(chunk.tolist())) == len(bounds) + 1
+
+
+def test_reads_that_continue_each_other_in_both_memories_become_one_within_a_chunk() -> None:
+    remote = np.array([100, 110, 130, 140, 145, 500], np.uint64)
+    length = np.array([10, 20, 10, 5, 5, 8])
+    dst = np.array([0, 10, 30, 40, 45, 60])
+    chunk = np.array([0, 0, 0, 1, 1, 1])
+    r, n, d, c = merge_continuing(remote, length, dst, chunk)
+    # 100..140 continues in both (one chunk); 140 starts another chunk; 500 jumps in the
+    # source, so it stays apart even though the destination had continued.
+    assert r.tolist() == [100, 140, 500]
+    assert n.tolist() == [40, 10, 8]
+    assert d.tolist() == [0, 40, 60]
+    assert c.tolist() == [0, 1, 1]
+    # A gap on either side keeps reads apart: the bytes between belong to nobody we know.
+    gap = merge_continuing(
+        np.array([0, 12], np.uint64), np.array([10, 4]), np.array([0, 10]), np.zeros(2, int)
+    )
+    assert gap[1].tolist() == [10, 4]
