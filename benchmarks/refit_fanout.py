@@ -153,6 +153,9 @@ def run_rounds(
                 [x["stats"]["prepared"] for x in refits],
                 sources,
             )
+            chain = _chain(refits, step["finished_wall"])
+            if chain:
+                log.info("round %d %-8s version %d: traced, %s", r, mode, step["version"], chain)
             index += 1
     return records
 
@@ -175,6 +178,46 @@ def _timeline(refit: dict[str, Any], finished_wall: float) -> str:
         f"{name} {1e3 * (stats[key] - finished_wall):.1f}" for name, key in _MARKS if stats[key]
     ]
     return ", ".join([*marks, f"installed {1e3 * refit['latency_s']:.1f}"])
+
+
+def _chain(refits: list[dict[str, Any]], finished_wall: float) -> str:
+    """From the receivers' pull traces (`--trace`), ms after FinishTrainStep returned: each
+    one's first post, last landing, last fill stored for its children (the store begun) and
+    check's end, and, for one reading a peer, when it saw the peer's last fill, and how long
+    after the peer began storing it (what each level of a chain adds). "" without traces."""
+
+    def ms(at: float) -> str:
+        return f"{1e3 * (at - finished_wall):.1f}"
+
+    traced = [x for x in refits if x["stats"].get("trace")]
+    stored: dict[str, float] = {}
+    for x in traced:
+        fills = [(value, at) for at, name, _, value in x["stats"]["trace"] if name == "filled"]
+        if fills:
+            stored[x["agent"]] = max(fills)[1]
+    items = []
+    for x in traced:
+        events = x["stats"]["trace"]
+        times = {
+            name: [at for at, kind, _, _ in events if kind == name]
+            for name in ("posted", "landed", "verified")
+        }
+        parts = [x["agent"]]
+        if times["posted"]:
+            parts.append(f"first post {ms(times['posted'][0])}")
+        if times["landed"]:
+            parts.append(f"last landed {ms(times['landed'][-1])}")
+        if x["agent"] in stored:
+            parts.append(f"last fill stored {ms(stored[x['agent']])}")
+        if times["verified"]:
+            parts.append(f"verified {ms(times['verified'][-1])}")
+        saw = [(value, at, peer) for at, kind, peer, value in events if kind == "saw"]
+        if saw:
+            _, at, peer = max(saw, key=lambda s: (s[0], -s[1]))
+            lag = f", {1e3 * (at - stored[peer]):+.1f} after" if peer in stored else ""
+            parts.append(f"saw {peer}'s last fill {ms(at)}{lag}")
+        items.append(": ".join([parts[0], ", ".join(parts[1:])]))
+    return "; ".join(items)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,6 +264,7 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
             tree=True,
             chunk_bytes=args.chunk_bytes,
             chunk_taper=args.chunk_taper,
+            trace=args.trace,
         )
         receivers = []
         for i in range(args.receivers):
@@ -294,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
     fan.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     fan.add_argument(
+        "--trace",
+        action="store_true",
+        help="receivers record each pull's timeline: per tree round, when each level saw its "
+        "parent's last fill after the parent stored it",
+    )
+    fan.add_argument(
         "--chunk-taper",
         type=int,
         default=0,
@@ -331,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
             "max_children",
             "chunk_bytes",
             "chunk_taper",
+            "trace",
             "rounds",
             "hold_parents_seconds",
             "sidecar_log_level",

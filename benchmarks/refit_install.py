@@ -178,6 +178,8 @@ class ReceiverSettings:
     """The tree receiver's chunk size."""
     chunk_taper: int = 0
     """The tree receiver's halvings of its chunk size towards each end (`ChunkConfig.taper`)."""
+    trace: bool = False
+    """The tree receiver records each pull's timeline (`RefitOptions.trace_pull`)."""
     checksums: bool = True
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
 
@@ -294,6 +296,7 @@ class InstallEndpoint:
                 fanout=True,
                 chunk_bytes=settings.chunk_bytes,
                 chunk_taper=settings.chunk_taper,
+                trace_pull=settings.trace,
             )
             self.receivers["tree"] = Receiver(
                 settings.sidecar,
@@ -344,6 +347,7 @@ class InstallEndpoint:
         installed = time.monotonic()
         return dict(
             version=version,
+            agent=receiver.agent,
             latency_s=installed - finished_at,
             notify_s=received - finished_at,
             fetch_s=fetched - received,

@@ -44,6 +44,7 @@ from refit_sidecar.plan import (
     with_checksums,
 )
 from refit_sidecar.progress_file import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
+from refit_sidecar.pull_trace import Event
 from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import PullStats, Region
 from refit_sidecar.tree_pull import TreePull, TreePullConfig
@@ -112,6 +113,8 @@ class RefitOptions:
     and last chunks: a child starts and ends closer behind its parent)."""
     stall_timeout_s: float = 5.0
     """Fan-out: a peer whose copy stops advancing for this long is replaced."""
+    trace_pull: bool = False
+    """Fan-out: record each pull's timeline into its stats (`RefitStats.trace`; diagnosis)."""
     progress_dir: str = DEFAULT_PROGRESS_DIR
     """Fan-out: a directory of shared memory where this receiver mirrors its progress word
     for receivers on its host (refit_sidecar/progress_file.py); "" for none."""
@@ -153,7 +156,7 @@ class RefitOptions:
             raise ValueError(
                 f"progress_dir must be an absolute path or empty, got {self.progress_dir!r}"
             )
-        for name in ("verify_checksums", "insecure", "fanout"):
+        for name in ("verify_checksums", "insecure", "fanout", "trace_pull"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
@@ -240,6 +243,8 @@ class RefitStats:
     expected: bool = False
     """The lease (and, through the tree, the sources) had been asked for before the fetch,
     by `Receiver.expect`."""
+    trace: tuple[Event, ...] = ()
+    """Fan-out with `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -321,6 +326,7 @@ class _Pulled:
     prepared: int = 0
     asked_ahead: bool = False
     routes_left_out: bool = False
+    trace: tuple[Event, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -453,6 +459,7 @@ class Receiver:
                 chunk_bytes=options.chunk_bytes,
                 window=options.chunks_in_flight,
                 taper=options.chunk_taper,
+                trace=options.trace_pull,
                 stall_timeout_s=options.stall_timeout_s,
             )
             self._tree = TreePull(
@@ -617,6 +624,7 @@ class Receiver:
                 tree.prepared,
                 tree.asked_ahead,
                 tree.routes_left_out,
+                tree.trace,
             )
         started = time.time()
         stats = self.transport.pull(plan, region, verify=self._verifies)
@@ -731,6 +739,7 @@ class Receiver:
             asked_ahead=pulled.asked_ahead,
             routes_left_out=pulled.routes_left_out,
             expected=fetched.expected,
+            trace=pulled.trace,
         )
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:

@@ -51,6 +51,7 @@ from refit_sidecar.progress import (
 )
 from refit_sidecar.progress_file import ProgressFileReader, ProgressFileRef
 from refit_sidecar.progress_publisher import ProgressPublisher
+from refit_sidecar.pull_trace import PullTrace, TraceEvent
 from refit_sidecar.transport import Region, SourceLost
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class ChunkConfig:
     """Bytes per chunk: a child reads a parent's chunk once the parent has all of it."""
     window: int = 4
     """Chunks in flight at once, over all sources."""
+    trace: bool = False
+    """Record each pull's timeline (`pull_trace.py`) into its stats."""
     taper: int = 0
     """Halvings of the chunk size towards each end of a source's reads (`chunking.chunk_bounds`):
     a child starts after a smaller first chunk of its parent's and ends a smaller last chunk
@@ -314,6 +317,7 @@ class PipelinedPull:
         own: OwnProgress | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         verified_here: bool = False,
+        trace: PullTrace | None = None,
     ) -> None:
         """`verified_here`: the caller checks every byte of the plan against the trainer's
         checksums after the run (`transport.verifies_every_read`), so a peer's chunk counts as
@@ -324,6 +328,7 @@ class PipelinedPull:
         self._own = own
         self._on_progress = on_progress
         self._verified_here = verified_here
+        self._trace = trace
 
     def run(
         self,
@@ -339,7 +344,7 @@ class PipelinedPull:
         receiver's word, `on_progress`) from a thread of its own, all of it before this
         returns or raises."""
         publisher = ProgressPublisher(
-            None if self._own is None else self._own.filled,
+            None if self._own is None else self._fill,
             self._on_progress,
             name="pull-progress",
         )
@@ -409,6 +414,8 @@ class PipelinedPull:
                     if filled.started is None:
                         filled.started = started
                 inflight.append((ready, posted))
+                if self._trace is not None:
+                    self._trace.add(TraceEvent.POSTED, ready.agent, ready.nbytes)
                 prepared += posted.prepared
                 reads += len(ready.ranges)
                 progressed = True
@@ -458,6 +465,8 @@ class PipelinedPull:
                     continue
                 inflight.remove(item)
                 progressed = True
+                if self._trace is not None:
+                    self._trace.add(TraceEvent.LANDED, chunk.agent, chunk.nbytes)
                 bytes_by[chunk.agent] = bytes_by.get(chunk.agent, 0) + chunk.nbytes
                 if chunk.agent in state and not self._verified_here:
                     chunk.done_seq = seq
@@ -701,6 +710,8 @@ class PipelinedPull:
             word = ProgressWord(version, max(word.filled, old.filled), state)
         if old is None or word.filled > old.filled or word.state is not old.state:
             peer.advanced = time.monotonic()
+            if self._trace is not None and (old is None or word.filled > old.filled):
+                self._trace.add(TraceEvent.SAW, agent, word.filled)
         peer.word = word
         # Chunks that landed before this read was posted are valid: the copy was still this
         # version's, unfailed, after they were read.
@@ -748,6 +759,13 @@ class PipelinedPull:
             error.exposed = filled.drop(agent) and self._own is not None
         error.agent = error.agent or agent
         return error
+
+    def _fill(self, prefix: int) -> None:
+        """On the publisher's thread: this receiver's fill, for its children."""
+        assert self._own is not None
+        if self._trace is not None:
+            self._trace.add(TraceEvent.FILLED, value=prefix)
+        self._own.filled(prefix)
 
     @staticmethod
     def _publish(filled: Filled, publisher: ProgressPublisher) -> None:

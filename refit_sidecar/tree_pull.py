@@ -38,6 +38,7 @@ from refit_sidecar.pipelined_pull import (
 from refit_sidecar.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
 from refit_sidecar.progress_file import DEFAULT_DIR, ProgressFile
+from refit_sidecar.pull_trace import Event, PullTrace, TraceEvent
 from refit_sidecar.routing import peer_bases, route_manifest
 from refit_sidecar.running_check import RunningCheck
 from refit_sidecar.sources import Answer, NoSourceFree, Offer, get_sources_request
@@ -107,6 +108,8 @@ class TreePullStats:
     routes_left_out: bool = False
     """The answer that completed the pull left its routes out: this receiver named the key of
     the plan it held, and replayed it."""
+    trace: tuple[Event, ...] = ()
+    """The pull's timeline, when `ChunkConfig.trace` is on (`pull_trace.py`)."""
 
 
 @dataclass
@@ -283,13 +286,15 @@ class TreePull:
         offer = self._offer(plan, staging) if self.config.serve else None
         filled = Filled(plan)
         check = RunningCheck(plan, staging) if self.config.verify else None
+        trace = PullTrace() if self.config.chunks.trace else None
         runner = PipelinedPull(
             self._transport,
             self._control,
             self.config.chunks,
             own=self._own if offer is not None else None,
-            on_progress=_checking(check, on_progress),
+            on_progress=_checking(check, on_progress, trace),
             verified_here=self.config.verify and verifies_every_read(plan, staging),
+            trace=trace,
         )
         begin = time.perf_counter()
         lost: list[str] = []
@@ -356,6 +361,8 @@ class TreePull:
             except ChecksumMismatch as e:
                 read_from = sorted(filled.bytes_by_source())
                 raise TreePullError(f"{e} (this copy was read from {read_from})") from e
+            if trace is not None:
+                trace.add(TraceEvent.VERIFIED, value=verified)
         # The word says COMPLETE, then the sidecar hears of the release: both in the
         # background, in that order. The write waits for the GPU's copy queue (up to 1 ms
         # while children copy from this GPU), and a child checking its reads itself never
@@ -379,6 +386,7 @@ class TreePull:
             prepared=completing.prepared,
             asked_ahead=asked_ahead and fallbacks == 0,
             routes_left_out=left_out,
+            trace=() if trace is None else tuple(trace.events),
         )
 
     def _wants(self, plan: PullPlan) -> list[Want]:
@@ -543,7 +551,9 @@ class TreePull:
 
 
 def _checking(
-    check: RunningCheck | None, on_progress: Callable[[int, int], None] | None
+    check: RunningCheck | None,
+    on_progress: Callable[[int, int], None] | None,
+    trace: PullTrace | None = None,
 ) -> Callable[[int, int], None] | None:
     """The pull's progress callback: starts the check of what landed, then tells the caller."""
     if check is None:
@@ -551,6 +561,8 @@ def _checking(
 
     def progress(prefix: int, total: int) -> None:
         check.advance(prefix)
+        if trace is not None:
+            trace.add(TraceEvent.CHECK_STARTED, value=prefix)
         if on_progress is not None:
             on_progress(prefix, total)
 

@@ -5,6 +5,8 @@
 #   install     refit_install, 1b, checksums on and off
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
+#   fanout-trace  refit_fanout, 1b, one child per source, each pull's timeline recorded and
+#               each tree round's levels printed (when each saw its parent's last fill)
 #   control     sidecar_control: the control plane alone (tree and direct)
 #   pull        refit_pull: the NIXL pull against a peer copy, and what publication holds the
 #               next training step up (against a device-local copy of the rank's shards)
@@ -53,6 +55,12 @@ for group in "$@"; do
         run fanout-k2 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
             --max-children 2 --rounds 4 --no-verify --out "$OUT/refit_fanout_1b_k2.json" \
             --log-dir $logs/fanout-k2
+        ;;
+    fanout-trace)
+        run fanout-trace python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
+            --max-children 1 --rounds 5 --no-verify --trace \
+            --out "$OUT/refit_fanout_1b_k1_trace.json" --log-dir $logs/fanout-trace
+        grep "traced, " "$OUT/fanout-trace.log" | grep " tree " | tail -3
         ;;
     control)
         run control-tree python3 -m benchmarks.sidecar_control --layers 16 --receivers 3 \

@@ -1,6 +1,7 @@
 """`benchmarks.refit_fanout` end to end on the CPU (tiny model, two receivers, one child per
 source): every mode is timed, the tree is a chain, and each refit reports the sidecar's times
-beside its own, which the sidecar's DEBUG log repeats."""
+beside its own, which the sidecar's DEBUG log repeats, and with `--trace` its pull's timeline
+(what each level of the chain adds)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +20,7 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
     out, logs = tmp_path / "fanout.json", tmp_path / "logs"
     command = [sys.executable, "-m", "benchmarks.refit_fanout", "--preset", "tiny"]
     command += ["--device", "cpu", "--receivers", "2", "--max-children", "1", "--rounds", "3"]
-    command += ["--no-verify", "--sidecar-log-level", "DEBUG"]
+    command += ["--no-verify", "--sidecar-log-level", "DEBUG", "--trace"]
     command += ["--out", str(out), "--log-dir", str(logs), "--work-dir", str(tmp_path / "work")]
     done = subprocess.run(
         command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False
@@ -39,6 +41,21 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
             # The step's wall-clock return, against which each round's timeline is printed.
             assert s["leased_at"] - 5 < record["step"]["finished_wall"] < s["pull_finished"], s
         assert f"version {record['step']['version']}: per receiver, ms after" in done.stderr
+        # The pulls' timelines: the child saw its parent's fills grow to the last one, no
+        # sooner than the parent began storing it.
+        child, parent = sorted(record["refits"], key=_reads_a_peer, reverse=True)
+        events = {name for _, name, _, _ in child["stats"]["trace"]}
+        assert {"posted", "landed", "saw", "filled"} <= events, events
+        stored = max(
+            (value, at) for at, name, _, value in parent["stats"]["trace"] if name == "filled"
+        )
+        seen = [(at, value) for at, name, peer, value in child["stats"]["trace"] if name == "saw"]
+        assert all(
+            peer == parent["agent"] for _, name, peer, _ in child["stats"]["trace"] if name == "saw"
+        )
+        assert max(seen, key=lambda s: s[1])[1] == stored[0]
+        assert min(at for at, value in seen if value == stored[0]) >= stored[1]
+        assert f"version {record['step']['version']}: traced, " in done.stderr
     # A tree that keeps its shape repeats each receiver's answer: the sidecar names only its
     # key, and the receiver replays the plan it holds.
     assert all(x["stats"]["routes_left_out"] for x in trees[-1]["refits"]), trees[-1]["refits"]
@@ -48,3 +65,7 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
     last = trees[-1]["step"]["version"]
     assert f"version {last} readable at" in log
     assert log.count(f"version {last}: sources for ") == 2
+
+
+def _reads_a_peer(refit: dict[str, Any]) -> bool:
+    return any(s.startswith("fanout-") for s in refit["stats"]["bytes_by_source"])

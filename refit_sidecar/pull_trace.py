@@ -1,0 +1,43 @@
+"""A pull's timeline, recorded when asked for (`ChunkConfig.trace`, `RefitOptions.trace_pull`).
+
+What a chain of receivers does between its first and last read decides how much each level
+adds (docs/fanout.md): when each chunk was posted and landed, when each look at a parent
+showed more of its copy, when this receiver's own fill was stored for its children, when its
+check's parts started and when the check ended. `PullTrace` keeps those events with their
+wall-clock times (one clock per host, so the receivers of one host line up); the pull's stats
+carry them, and `benchmarks/refit_fanout.py --trace` prints each level's lag from them.
+Recording costs a tuple append per event; off, nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+
+class TraceEvent(enum.Enum):
+    POSTED = "posted"
+    """A chunk request was posted (source, bytes)."""
+    LANDED = "landed"
+    """A chunk request landed (source, bytes)."""
+    SAW = "saw"
+    """A look at a peer's progress showed more of its copy (peer, bytes filled)."""
+    FILLED = "filled"
+    """This receiver began storing its own fill for its children ("", bytes filled)."""
+    CHECK_STARTED = "check_started"
+    """The running check was told how far the destination holds ("", bytes)."""
+    VERIFIED = "verified"
+    """The check of the whole pull ended ("", shards checked)."""
+
+
+Event = tuple[float, str, str, int]
+"""(time.time(), event, source or peer, bytes or count)."""
+
+
+class PullTrace:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def add(self, event: TraceEvent, source: str = "", value: int = 0) -> None:
+        """Safe from any thread (one list append)."""
+        self.events.append((time.time(), event.value, source, value))
