@@ -73,6 +73,10 @@ class PeerGate:
     file: ProgressFileRef | None = None
 
 
+_FOLLOW_CLOSELY_S = 0.005
+"""A peer followed through its file whose copy advanced this recently is looked at every
+50 µs at most; one that did not, every 0.5 ms (a stalled parent costs no busy loop)."""
+
 HEARTBEAT_S = 0.005
 """A peer followed through its progress file has its word read one-sidedly this often too:
 the read fails at once when the peer died, while its file only stops changing."""
@@ -429,7 +433,8 @@ class PipelinedPull:
                     if not self._waits_on(agent, peer, queues):
                         continue
                     if peer.file is not None:
-                        following = True
+                        # Closely while its copy moves; a stalled one only as often as a word.
+                        following = following or now - peer.advanced < _FOLLOW_CLOSELY_S
                         before = peer.advanced
                         lost = self._observe(
                             agent, peer, plan.version, filled, raw=peer.file.read(), seq=seq
@@ -540,7 +545,8 @@ class PipelinedPull:
                 time.sleep(pause)
                 # Reads in flight land within tens of microseconds on a GPU link: poll them
                 # closely; a pull waiting only on a parent's progress backs off further.
-                # A peer followed through its file costs nothing to look at: closely too.
+                # A peer followed through its file costs nothing to look at: closely too,
+                # while it advances.
                 pause = min(2 * pause or 1e-5, 5e-5 if inflight or following else 5e-4)
             now_pc = time.perf_counter()
             if reading:
