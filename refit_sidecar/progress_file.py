@@ -13,8 +13,9 @@ reader keeps reading it now and then, because a read from a dead process fails a
 its file just stops changing.
 
 Files live in a directory of shared memory (`/dev/shm`), named
-`trainer-refit-progress.<pid>.<token>`; creating one removes those of processes gone from this
-host (a receiver killed before it closed), so they do not pile up. A reader opens only a file
+`trainer-refit-progress.<pid namespace>.<pid>.<token>`; creating one removes those of processes
+of its PID namespace that are gone (a receiver killed before it closed), so they do not pile
+up; a file of another namespace is never taken for a dead process's. A reader opens only a file
 of that name (no symbolic link, a regular file of `FILE_BYTES`) on its own host: the host's
 identity is its kernel's boot id, which containers on one host share. A file it cannot open
 (another mount namespace) means reading the word one-sidedly, as before.
@@ -41,7 +42,7 @@ DEFAULT_DIR = "/dev/shm"
 FILE_BYTES = 64
 """The file's size: the 24-byte word at offset 0, the rest zero."""
 _PREFIX = "trainer-refit-progress."
-NAME = re.compile(r"trainer-refit-progress\.(\d{1,10})\.[0-9a-f]{16}")
+NAME = re.compile(r"trainer-refit-progress\.(\d{1,20})\.(\d{1,10})\.[0-9a-f]{16}")
 """The only file names a reader opens."""
 MAX_PATH = 1024
 
@@ -53,6 +54,15 @@ def host_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+@functools.cache
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode); 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,7 @@ class ProgressFileRef:
         if len(self.path) > MAX_PATH or not os.path.isabs(self.path):
             return f"path must be absolute and at most {MAX_PATH} characters"
         if not NAME.fullmatch(os.path.basename(self.path)):
-            return f"file name must be {_PREFIX}<pid>.<16 hex digits>"
+            return f"file name must be {_PREFIX}<pid namespace>.<pid>.<16 hex digits>"
         return None
 
 
@@ -88,7 +98,8 @@ class ProgressFile:
         if not host_id():
             return None
         _sweep(directory)
-        path = os.path.join(directory, f"{_PREFIX}{os.getpid()}.{secrets.token_hex(8)}")
+        name = f"{_PREFIX}{_pid_namespace()}.{os.getpid()}.{secrets.token_hex(8)}"
+        path = os.path.join(directory, name)
         try:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(path, flags, 0o644)
@@ -163,16 +174,19 @@ class ProgressFileReader:
 
 
 def _sweep(directory: str) -> None:
-    """Remove the progress files of processes no longer running on this host."""
+    """Remove the progress files of processes of this PID namespace no longer running."""
+    namespace = _pid_namespace()
+    if not namespace:
+        return
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
         match = NAME.fullmatch(name)
-        if match is None:
+        if match is None or int(match.group(1)) != namespace:
             continue
-        pid = int(match.group(1))
+        pid = int(match.group(2))
         if pid == os.getpid() or _alive(pid):
             continue
         with contextlib.suppress(OSError):

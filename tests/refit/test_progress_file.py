@@ -61,11 +61,11 @@ def test_a_reader_opens_only_a_progress_file_of_its_own_host(tmp_path: Path) -> 
     secret.write_bytes(b"x" * FILE_BYTES)
     assert ProgressFileRef(host_id(), str(secret)).check() is not None
     assert ProgressFileReader.open(ProgressFileRef(host_id(), str(secret))) is None
-    link = tmp_path / f"trainer-refit-progress.{os.getpid()}.{'0' * 16}"
+    link = tmp_path / f"trainer-refit-progress.1.{os.getpid()}.{'0' * 16}"
     link.symlink_to(path)
     assert ProgressFileRef(host_id(), str(link)).check() is None
     assert ProgressFileReader.open(ProgressFileRef(host_id(), str(link))) is None
-    short = tmp_path / f"trainer-refit-progress.{os.getpid()}.{'1' * 16}"
+    short = tmp_path / f"trainer-refit-progress.1.{os.getpid()}.{'1' * 16}"
     short.write_bytes(b"\0" * PROGRESS_BYTES)
     assert ProgressFileReader.open(ProgressFileRef(host_id(), str(short))) is None
     assert ProgressFileRef(host_id(), "relative/" + os.path.basename(path)).check() is not None
@@ -89,6 +89,11 @@ def test_files_of_processes_gone_are_removed_when_a_new_one_is_made(tmp_path: Pa
     assert os.path.exists(mine.ref.path)
     other = ProgressFile.create(str(tmp_path))  # a live process's file (this one's) stays
     assert other is not None and os.path.exists(mine.ref.path)
+    # A file of another PID namespace: its pid means nothing here, so it stays.
+    foreign = tmp_path / f"trainer-refit-progress.1.{2**22 + 17}.{'2' * 16}"
+    foreign.write_bytes(b"\0" * FILE_BYTES)
+    ProgressFile.create(str(tmp_path)).close()  # type: ignore[union-attr]
+    assert foreign.exists()
     mine.close()
     other.close()
 

@@ -222,7 +222,7 @@ def test_a_first_receiver_reads_from_the_trainer_ranks_each_copy_its_own_shards(
 
 def test_a_later_receiver_reads_from_a_peer_whose_copy_says_only_where_its_bytes_lie(fleet):
     f = fleet("--max-root-children", "1")
-    mirror = ProgressFileRef("host-a", "/dev/shm/trainer-refit-progress.7.0123456789abcdef")
+    mirror = ProgressFileRef("host-a", "/dev/shm/trainer-refit-progress.3.7.0123456789abcdef")
     offered = replace(offer("p1", HALF), progress_file=mirror)
     first = f.client.get_sources(1, "p1", HALF, domain="n0", offer=offered)
     assert _primaries(first) == {"rank-0"}
@@ -613,8 +613,8 @@ def test_errors_map_to_status_codes_and_client_exceptions(fleet):
     # A progress file must be named as one, at an absolute path, with its host.
     for host, path in (
         ("h", "/etc/passwd"),
-        ("h", "relative/trainer-refit-progress.1.0123456789abcdef"),
-        ("", "/dev/shm/trainer-refit-progress.1.0123456789abcdef"),
+        ("h", "relative/trainer-refit-progress.1.1.0123456789abcdef"),
+        ("", "/dev/shm/trainer-refit-progress.1.1.0123456789abcdef"),
     ):
         mirrored = request()
         mirrored.offer.progress_file.host = host
