@@ -158,13 +158,13 @@ class NixlTransport:
         if not verify:
             return self.start(plan, dest).wait()
         check = RunningCheck(plan, dest)
-        publisher = ProgressPublisher(None, lambda prefix, _: check.advance(prefix))
-        try:
-            stats = self.start(plan, dest).wait(
-                on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
-            )
-        finally:
-            publisher.close()
+        if not check.runs_ahead:  # host memory: checked whole at the end
+            stats = self.start(plan, dest).wait()
+        else:
+            with ProgressPublisher(None, lambda prefix, _: check.advance(prefix)) as publisher:
+                stats = self.start(plan, dest).wait(
+                    on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
+                )
         return replace(stats, verified_shards=check.finish())
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:
@@ -369,7 +369,7 @@ class PendingPull:
         landed (called as `n` grows, last with the destination's size)."""
         agent = self.transport._agent
         waiting = [x for x in self.xfers if not x.done]
-        landed = _Landed(self) if on_landed is not None else None
+        landed = _Landed(self, on_landed) if on_landed is not None else None
         pause = 0.0
         while waiting:
             for xfer in list(waiting):
@@ -382,16 +382,16 @@ class PendingPull:
                 if state == "DONE":
                     xfer.done = True
                     waiting.remove(xfer)
-            if on_landed is not None and landed is not None and landed.grew():
-                on_landed(landed.prefix)
+            if landed is not None:
+                landed.report()
             if waiting:
                 if time.perf_counter() > self.deadline:
                     late = waiting[0].agent
                     self.fail(late, SourceLost(f"{late}: pull not done by its deadline"))
                 time.sleep(pause)
                 pause = min(2 * pause or 1e-5, 1e-3)
-        if on_landed is not None and landed is not None and landed.grew():
-            on_landed(landed.prefix)
+        if landed is not None:
+            landed.report()
         self._end()
         seconds, xfers = time.perf_counter() - self.begin, self.xfers
         nbytes, reads = sum(x.nbytes for x in xfers), sum(x.reads for x in xfers)
@@ -422,7 +422,8 @@ class _Landed:
     """How far from its start a pull's destination holds every byte the pull writes: up to
     the first read whose request is not done (bytes no read covers count as landed)."""
 
-    def __init__(self, pending: PendingPull) -> None:
+    def __init__(self, pending: PendingPull, on_landed: Callable[[int], None]) -> None:
+        self._on_landed = on_landed
         starts = [s for s, _ in pending.spans]
         owners = [np.full(len(s), i) for s, i in pending.spans]
         order = np.argsort(np.concatenate(starts), kind="stable") if starts else np.zeros(0, int)
@@ -433,17 +434,16 @@ class _Landed:
         self._next = 0
         self.prefix = 0
 
-    def grew(self) -> bool:
-        """Whether `prefix` moved since the last call."""
+    def report(self) -> None:
+        """Tells `on_landed` the prefix, when it moved since the last call."""
         k = self._next
         while k < len(self._starts) and self._xfers[self._owners[k]].done:
             k += 1
         self._next = k
         prefix = self._starts[k] if k < len(self._starts) else self._end
-        if prefix <= self.prefix:
-            return False
-        self.prefix = prefix
-        return True
+        if prefix > self.prefix:
+            self.prefix = prefix
+            self._on_landed(prefix)
 
 
 def _requests(

@@ -25,7 +25,6 @@ stays in `Filled`, so the caller asks for other sources and runs again for the r
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -53,8 +52,6 @@ from refit_sidecar.progress_file import ProgressFileReader, ProgressFileRef
 from refit_sidecar.progress_publisher import ProgressPublisher
 from refit_sidecar.pull_trace import PullTrace, TraceEvent
 from refit_sidecar.transport import Region, SourceLost
-
-log = logging.getLogger(__name__)
 
 _SLOT = 64
 """Bytes per progress-word slot in the control buffer (aligned)."""
@@ -347,23 +344,11 @@ class PipelinedPull:
         a source fails, `filled` then holding what did land. What lands is published (this
         receiver's word, `on_progress`) from a thread of its own, all of it before this
         returns or raises."""
-        publisher = ProgressPublisher(
-            None if self._own is None else self._fill,
-            self._on_progress,
-            name="pull-progress",
-        )
-        try:
-            stats = self._run(
+        word = None if self._own is None else self._fill
+        with ProgressPublisher(word, self._on_progress, name="pull-progress") as publisher:
+            return self._run(
                 plan, dest, filled, peers=peers, deadline=deadline, publisher=publisher
             )
-        except BaseException:
-            try:
-                publisher.close()
-            except Exception:  # the pull's own error is the one to raise
-                log.warning("publishing a failed pull's progress failed", exc_info=True)
-            raise
-        publisher.close()
-        return stats
 
     def _run(
         self,

@@ -12,7 +12,9 @@ loop, they held the next chunks back while the link sat idle.
 returns at once. The thread takes the prefixes in order: for each it writes the word (unless a
 larger prefix waits behind it, whose write covers it) and then tells the listener, so the
 listener hears every prefix and the word is never ahead of what the listener was told.
-`close()` waits until every prefix offered is published, then stops the thread: the caller may
+`close()` (or leaving a `with` block, where an error of the publications is only logged when
+the block itself raised) waits until every prefix offered is published, then stops the
+thread: the caller may
 then finish or restart the copy's word (a fill still queued on a GPU stream lands before any
 later store, `progress.Words`). An error in
 publishing stops the publications after it and is raised by the next `offer` or by `close`.
@@ -20,9 +22,13 @@ publishing stops the publications after it and is raised by the next `offer` or 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from types import TracebackType
+
+log = logging.getLogger(__name__)
 
 
 class ProgressPublisher:
@@ -71,6 +77,23 @@ class ProgressPublisher:
             error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def __enter__(self) -> ProgressPublisher:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if error is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # the block's own error is the one to raise
+            log.warning("publishing the progress of a failed pull failed", exc_info=True)
 
     def _run(self) -> None:
         while True:

@@ -58,6 +58,12 @@ class RunningCheck:
         self._whole = False
 
     @property
+    def runs_ahead(self) -> bool:
+        """Whether `advance` starts anything (device memory); host memory is checked in
+        `finish` only."""
+        return self._dest.mem_type is not MemType.DRAM
+
+    @property
     def started(self) -> int:
         """Parts started so far."""
         return self._next

@@ -81,3 +81,24 @@ def test_an_error_stops_the_publications_and_reaches_the_pull() -> None:
         publisher.close()
     # A publisher never offered anything closes at once, with no thread.
     ProgressPublisher(None, None).close()
+
+
+def test_a_with_block_raises_its_own_error_over_a_publications(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def listener(prefix: int, total: int) -> None:
+        raise OSError("the word's memory is gone")
+
+    with (
+        pytest.raises(ValueError, match="the pull's own"),
+        ProgressPublisher(None, listener) as publisher,
+    ):
+        publisher.offer(1, 2)
+        raise ValueError("the pull's own error")
+    assert "the word's memory is gone" in caplog.text
+    # Without an error of its own, the block raises the publication's.
+    with (
+        pytest.raises(OSError, match="memory is gone"),
+        ProgressPublisher(None, listener) as publisher,
+    ):
+        publisher.offer(1, 2)
