@@ -24,8 +24,11 @@ class TraceEvent(enum.Enum):
     """A look at a peer's progress showed more of its copy (peer, bytes filled)."""
     FILLED = "filled"
     """This receiver began storing its own fill for its children ("", bytes filled)."""
+    CHECK_TOLD = "check_told"
+    """The running check is told how far the destination holds ("", bytes), on the listener's
+    thread; what it starts there follows."""
     CHECK_STARTED = "check_started"
-    """The running check was told how far the destination holds ("", bytes)."""
+    """The running check started the sums of what lies there ("", bytes)."""
     VERIFIED = "verified"
     """The check of the whole pull ended ("", shards checked)."""
 

@@ -560,6 +560,8 @@ def _checking(
         return on_progress
 
     def progress(prefix: int, total: int) -> None:
+        if trace is not None:
+            trace.add(TraceEvent.CHECK_TOLD, value=prefix)
         check.advance(prefix)
         if trace is not None:
             trace.add(TraceEvent.CHECK_STARTED, value=prefix)
