@@ -53,6 +53,7 @@ from benchmarks import refit_install as ri
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
+from refit_sidecar.running_check import DEFAULT_MIN_PART_BYTES
 from refit_sidecar.tree_types import TreeConfig
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
@@ -264,6 +265,7 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
             tree=True,
             chunk_bytes=args.chunk_bytes,
             chunk_taper=args.chunk_taper,
+            check_part_bytes=args.check_part_bytes,
             trace=args.trace,
         )
         receivers = []
@@ -349,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="halvings of the chunk size towards each end of a source's reads",
     )
+    fan.add_argument(
+        "--check-part-bytes",
+        type=int,
+        default=DEFAULT_MIN_PART_BYTES,
+        help="a tree receiver's running check starts its sums once this many bytes landed",
+    )
     fan.add_argument("--rounds", type=int, default=4, help="rounds of the four modes")
     fan.add_argument(
         "--hold-parents-seconds",
@@ -381,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
             "max_children",
             "chunk_bytes",
             "chunk_taper",
+            "check_part_bytes",
             "trace",
             "rounds",
             "hold_parents_seconds",

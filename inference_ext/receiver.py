@@ -45,6 +45,7 @@ from refit_sidecar.plan import (
 )
 from refit_sidecar.progress_file import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
 from refit_sidecar.pull_trace import Event
+from refit_sidecar.running_check import DEFAULT_MIN_PART_BYTES
 from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import PullStats, Region
 from refit_sidecar.tree_pull import TreePull, TreePullConfig
@@ -113,6 +114,9 @@ class RefitOptions:
     and last chunks: a child starts and ends closer behind its parent)."""
     stall_timeout_s: float = 5.0
     """Fan-out: a peer whose copy stops advancing for this long is replaced."""
+    check_part_bytes: int = DEFAULT_MIN_PART_BYTES
+    """Fan-out: the running check starts the sums of the shards that landed once they hold
+    this many bytes (the last at once); each start costs kernel launches."""
     trace_pull: bool = False
     """Fan-out: record each pull's timeline into its stats (`RefitStats.trace`; diagnosis)."""
     progress_dir: str = DEFAULT_PROGRESS_DIR
@@ -135,6 +139,9 @@ class RefitOptions:
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not number or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        part = self.check_part_bytes
+        if not isinstance(part, int) or isinstance(part, bool) or part < 0:
+            raise ValueError(f"check_part_bytes must be a non-negative integer, got {part!r}")
         for name in ("chunk_bytes", "chunks_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -459,6 +466,7 @@ class Receiver:
                 chunk_bytes=options.chunk_bytes,
                 window=options.chunks_in_flight,
                 taper=options.chunk_taper,
+                check_part_bytes=options.check_part_bytes,
                 trace=options.trace_pull,
                 stall_timeout_s=options.stall_timeout_s,
             )

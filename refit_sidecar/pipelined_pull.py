@@ -51,6 +51,7 @@ from refit_sidecar.progress import (
 from refit_sidecar.progress_file import ProgressFileReader, ProgressFileRef
 from refit_sidecar.progress_publisher import ProgressPublisher
 from refit_sidecar.pull_trace import PullTrace, TraceEvent
+from refit_sidecar.running_check import DEFAULT_MIN_PART_BYTES
 from refit_sidecar.transport import Region, SourceLost
 
 _SLOT = 64
@@ -73,6 +74,10 @@ class PeerGate:
 _FOLLOW_CLOSELY_S = 0.005
 """A peer followed through its file whose copy advanced this recently is looked at every
 50 µs at most; one that did not, every 0.5 ms (a stalled parent costs no busy loop)."""
+
+_YIELD_S = 2e-5
+"""A turn of the loop that made progress sleeps this long while the progress publisher has
+work (`ProgressPublisher.busy`), so its lanes get the interpreter between the loop's turns."""
 
 HEARTBEAT_S = 0.005
 """A peer followed through its progress file has its word read one-sidedly this often too:
@@ -101,10 +106,14 @@ class ChunkConfig:
     stall_timeout_s: float = 5.0
     """A peer whose copy does not advance for this long, while this pull waits on it, is
     treated as lost."""
+    check_part_bytes: int = DEFAULT_MIN_PART_BYTES
+    """The running check's least bytes per part (`running_check.RunningCheck`): its sums
+    start wherever the pull's prefix grows past that many unchecked bytes."""
 
     def __post_init__(self) -> None:
         if (
-            self.chunk_bytes < 4096
+            self.check_part_bytes < 0
+            or self.chunk_bytes < 4096
             or self.window < 1
             or not self.stall_timeout_s > 0
             or not 0 <= self.taper <= 8
@@ -526,6 +535,8 @@ class PipelinedPull:
             gated = not reading and failure is None and any(queues.values())
             if progressed:
                 pause = 0.0
+                if publisher.busy:
+                    time.sleep(_YIELD_S)  # the publisher's lanes take the interpreter now
             else:
                 time.sleep(pause)
                 # Reads in flight land within tens of microseconds on a GPU link: poll them

@@ -285,7 +285,11 @@ class TreePull:
         wants = self._wants(plan)
         offer = self._offer(plan, staging) if self.config.serve else None
         filled = Filled(plan)
-        check = RunningCheck(plan, staging) if self.config.verify else None
+        check = (
+            RunningCheck(plan, staging, min_part_bytes=self.config.chunks.check_part_bytes)
+            if self.config.verify
+            else None
+        )
         trace = PullTrace() if self.config.chunks.trace else None
         runner = PipelinedPull(
             self._transport,

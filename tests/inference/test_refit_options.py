@@ -52,6 +52,8 @@ def test_refit_options_reject_bad_timeouts(field: str, value: object) -> None:
         ({"chunk_taper": "2"}, "^chunk_taper must be an integer from 0 to 8, got '2'"),
         ({"chunk_bytes": 8192, "chunk_taper": 2}, "^chunk_bytes 8192 halved 2 times is under"),
         ({"trace_pull": 1}, "^trace_pull must be true or false, got 1"),
+        ({"check_part_bytes": -1}, "^check_part_bytes must be a non-negative integer, got -1"),
+        ({"check_part_bytes": 1.5}, "^check_part_bytes must be a non-negative integer, got 1.5"),
         ({"progress_dir": "shm"}, "^progress_dir must be an absolute path or empty, got 'shm'"),
         ({"progress_dir": None}, "^progress_dir must be an absolute path or empty, got None"),
     ],

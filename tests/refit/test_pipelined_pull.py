@@ -516,6 +516,8 @@ def test_a_tapered_cut_reads_small_chunks_at_both_ends_and_every_byte_once(
     assert stats.bytes_by_source == {"hand-peer": total}  # type: ignore[attr-defined]
     with pytest.raises(ValueError):
         ChunkConfig(chunk_bytes=8192, taper=2)  # chunks under 4096 bytes
+    with pytest.raises(ValueError):
+        ChunkConfig(check_part_bytes=-1)
 
 
 @pytest.mark.skipif(not host_id(), reason="this host has no boot id")

@@ -43,6 +43,24 @@ def test_every_prefix_is_heard_in_order_and_a_slow_listener_holds_no_word_back()
     assert words[0] == 10 and words[-1] == 40
 
 
+def test_the_publisher_is_busy_while_a_publication_is_queued_or_running() -> None:
+    called, release = threading.Event(), threading.Event()
+
+    def listener(prefix: int, total: int) -> None:
+        called.set()
+        release.wait(5)
+
+    publisher = ProgressPublisher(None, listener)
+    assert not publisher.busy
+    publisher.offer(1, 2)
+    assert publisher.busy  # queued, or running
+    assert called.wait(5)
+    assert publisher.busy  # running
+    release.set()
+    publisher.close()
+    assert not publisher.busy
+
+
 def test_a_slow_word_holds_no_listener_back() -> None:
     heard = threading.Event()
     release = threading.Event()
