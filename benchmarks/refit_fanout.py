@@ -53,7 +53,7 @@ from benchmarks import refit_install as ri
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
-from refit_sidecar.running_check import DEFAULT_MIN_PART_BYTES
+from refit_sidecar.running_check import DEFAULT_PART_BYTES
 from refit_sidecar.tree_types import TreeConfig
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
@@ -354,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument(
         "--check-part-bytes",
         type=int,
-        default=DEFAULT_MIN_PART_BYTES,
-        help="a tree receiver's running check starts its sums once this many bytes landed",
+        default=DEFAULT_PART_BYTES,
+        help="bytes per part of a tree receiver's running check (the last part is summed "
+        "after the pull)",
     )
     fan.add_argument("--rounds", type=int, default=4, help="rounds of the four modes")
     fan.add_argument(

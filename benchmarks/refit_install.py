@@ -85,7 +85,7 @@ from benchmarks.trainer_step import (
 )
 from benchmarks.trainer_step import write_model as _write_model
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
-from refit_sidecar.running_check import DEFAULT_MIN_PART_BYTES
+from refit_sidecar.running_check import DEFAULT_PART_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, SequenceBatch
@@ -179,8 +179,8 @@ class ReceiverSettings:
     """The tree receiver's chunk size."""
     chunk_taper: int = 0
     """The tree receiver's halvings of its chunk size towards each end (`ChunkConfig.taper`)."""
-    check_part_bytes: int = DEFAULT_MIN_PART_BYTES
-    """The tree receiver's least bytes per part of its running check."""
+    check_part_bytes: int = DEFAULT_PART_BYTES
+    """The tree receiver's bytes per part of its running check."""
     trace: bool = False
     """The tree receiver records each pull's timeline (`RefitOptions.trace_pull`)."""
     checksums: bool = True

@@ -45,7 +45,7 @@ from refit_sidecar.plan import (
 )
 from refit_sidecar.progress_file import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
 from refit_sidecar.pull_trace import Event
-from refit_sidecar.running_check import DEFAULT_MIN_PART_BYTES
+from refit_sidecar.running_check import DEFAULT_PART_BYTES
 from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import PullStats, Region
 from refit_sidecar.tree_pull import TreePull, TreePullConfig
@@ -114,9 +114,9 @@ class RefitOptions:
     and last chunks: a child starts and ends closer behind its parent)."""
     stall_timeout_s: float = 5.0
     """Fan-out: a peer whose copy stops advancing for this long is replaced."""
-    check_part_bytes: int = DEFAULT_MIN_PART_BYTES
-    """Fan-out: the running check starts the sums of the shards that landed once they hold
-    this many bytes (the last at once); each start costs kernel launches."""
+    check_part_bytes: int = DEFAULT_PART_BYTES
+    """Fan-out: bytes per part of the running check; a part's sums start once all of it
+    landed, the last after the pull (each part costs kernel launches)."""
     trace_pull: bool = False
     """Fan-out: record each pull's timeline into its stats (`RefitStats.trace`; diagnosis)."""
     progress_dir: str = DEFAULT_PROGRESS_DIR
@@ -140,8 +140,8 @@ class RefitOptions:
             if not number or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         part = self.check_part_bytes
-        if not isinstance(part, int) or isinstance(part, bool) or part < 0:
-            raise ValueError(f"check_part_bytes must be a non-negative integer, got {part!r}")
+        if not isinstance(part, int) or isinstance(part, bool) or part < 1:
+            raise ValueError(f"check_part_bytes must be a positive integer, got {part!r}")
         for name in ("chunk_bytes", "chunks_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

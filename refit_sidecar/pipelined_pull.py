@@ -51,7 +51,7 @@ from refit_sidecar.progress import (
 from refit_sidecar.progress_file import ProgressFileReader, ProgressFileRef
 from refit_sidecar.progress_publisher import ProgressPublisher
 from refit_sidecar.pull_trace import PullTrace, TraceEvent
-from refit_sidecar.running_check import DEFAULT_MIN_PART_BYTES
+from refit_sidecar.running_check import DEFAULT_PART_BYTES
 from refit_sidecar.transport import Region, SourceLost
 
 _SLOT = 64
@@ -106,13 +106,13 @@ class ChunkConfig:
     stall_timeout_s: float = 5.0
     """A peer whose copy does not advance for this long, while this pull waits on it, is
     treated as lost."""
-    check_part_bytes: int = DEFAULT_MIN_PART_BYTES
-    """The running check's least bytes per part (`running_check.RunningCheck`): its sums
-    start wherever the pull's prefix grows past that many unchecked bytes."""
+    check_part_bytes: int = DEFAULT_PART_BYTES
+    """Bytes per part of the running check (`running_check.RunningCheck`): a part's sums
+    start once the pull's prefix holds all of it; the last part is summed after the pull."""
 
     def __post_init__(self) -> None:
         if (
-            self.check_part_bytes < 0
+            self.check_part_bytes < 1
             or self.chunk_bytes < 4096
             or self.window < 1
             or not self.stall_timeout_s > 0

@@ -286,7 +286,7 @@ class TreePull:
         offer = self._offer(plan, staging) if self.config.serve else None
         filled = Filled(plan)
         check = (
-            RunningCheck(plan, staging, min_part_bytes=self.config.chunks.check_part_bytes)
+            RunningCheck(plan, staging, part_bytes=self.config.chunks.check_part_bytes)
             if self.config.verify
             else None
         )

@@ -517,7 +517,7 @@ def test_a_tapered_cut_reads_small_chunks_at_both_ends_and_every_byte_once(
     with pytest.raises(ValueError):
         ChunkConfig(chunk_bytes=8192, taper=2)  # chunks under 4096 bytes
     with pytest.raises(ValueError):
-        ChunkConfig(check_part_bytes=-1)
+        ChunkConfig(check_part_bytes=0)
 
 
 @pytest.mark.skipif(not host_id(), reason="this host has no boot id")

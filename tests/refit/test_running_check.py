@@ -56,44 +56,52 @@ def _end(plan: PullPlan, i: int) -> int:
     return int((reads.dest_offsets + reads.lengths).max())
 
 
+def _sizes(plan: PullPlan) -> list[tuple[int, int]]:
+    """(end, bytes) of each read, in the order they end."""
+    return sorted((_end(plan, i), int(plan.reads[i].lengths.sum())) for i in range(len(plan.reads)))
+
+
 def test_parts_start_as_the_destination_fills_and_finish_checks_every_shard() -> None:
     plan, _, region, _ = _pulled(MemType.VRAM)
-    check = RunningCheck(plan, region, min_part_bytes=0)
-    ends = sorted(_end(plan, i) for i in range(len(plan.reads)))
+    check = RunningCheck(plan, region, part_bytes=1)  # a part per shard
+    ends = [end for end, _ in _sizes(plan)]
     check.advance(ends[0] - 1)
     assert check.started == 0  # no shard lies whole before the prefix yet
-    check.advance(ends[2])  # three shards newly whole: one part
-    assert check.started == 1
+    check.advance(ends[2])
+    assert check.started == 3
     check.advance(ends[2])  # the same prefix again starts nothing more
-    assert check.started == 1
-    check.advance(ends[3])
-    assert check.started == 2
-    assert check.finish() == len(SHAPES) and check.started == 3  # the last two together
+    assert check.started == 3
+    assert check.finish() == len(SHAPES) and check.started == len(SHAPES)
 
 
-def test_a_part_waits_until_it_holds_its_least_bytes_but_the_last_does_not() -> None:
+def test_parts_hold_their_bytes_and_are_cut_from_the_layout_alone() -> None:
+    """Consecutive shards until a part holds `part_bytes`; the same for every pull of the
+    layout, however the prefix grew (so each part's tables are reused)."""
     plan, _, region, _ = _pulled(MemType.VRAM)
-    ends = sorted((_end(plan, i), int(plan.reads[i].lengths.sum())) for i in range(len(plan.reads)))
-    least = ends[0][1] + ends[1][1] + 1  # more than the first two shards hold
-    assert ends[0][1] + ends[1][1] + ends[2][1] >= least > ends[3][1]
-    check = RunningCheck(plan, region, min_part_bytes=least)
-    check.advance(ends[0][0])
-    check.advance(ends[1][0])
-    assert check.started == 0  # two shards are less than a part's least bytes
-    check.advance(ends[2][0])
-    assert check.started == 1  # three are enough
-    check.advance(ends[3][0])
-    assert check.started == 1  # the fourth alone is not, unless it is the last
-    check.advance(plan.nbytes)
-    assert check.started == 2  # the rest, the last part, whatever its size
-    assert check.finish() == len(SHAPES) and check.started == 2
+    sizes = _sizes(plan)
+    part = sizes[0][1] + sizes[1][1]  # the first two shards' bytes
+    assert sizes[2][1] >= part > sizes[3][1] and sizes[3][1] + sizes[4][1] >= part
+    # Two shards, one, two, and the last one, which holds less.
+    expected_ends = [sizes[1][0], sizes[2][0], sizes[4][0], sizes[5][0]]
+    for prefixes in ([plan.nbytes], [sizes[0][0], sizes[3][0], plan.nbytes]):
+        check = RunningCheck(plan, region, part_bytes=part)
+        for prefix in prefixes:
+            check.advance(prefix)
+        assert [p.end for p in check._cut()] == expected_ends
+        assert check.started == 4
+        assert check.finish() == len(SHAPES)
+    check = RunningCheck(plan, region, part_bytes=part)
+    check.advance(sizes[1][0] - 1)
+    assert check.started == 0  # the first part's second shard is not whole yet
+    check.advance(sizes[1][0])
+    assert check.started == 1
 
 
 def test_a_flipped_byte_fails_the_check_naming_its_shard(device: str = "cpu") -> None:
     plan, staging, region, _ = _pulled(MemType.VRAM, device)
     victim = max(range(len(plan.reads)), key=lambda i: _end(plan, i))  # in the last part
     staging[int(plan.reads[victim].dest_offsets[0]) + 5] ^= 0x40
-    check = RunningCheck(plan, region, min_part_bytes=0)
+    check = RunningCheck(plan, region, part_bytes=1)
     check.advance(plan.nbytes)
     name = plan.reads[victim].parameter
     with pytest.raises(ChecksumMismatch, match=f"{name} shard 0 .*wsum64"):
@@ -109,13 +117,13 @@ def test_bytes_read_again_after_their_part_started_are_checked_after_a_restart(
     first = min(range(len(plan.reads)), key=lambda i: _end(plan, i))
     at = int(plan.reads[first].dest_offsets[0]) + 3
 
-    check = RunningCheck(plan, region, min_part_bytes=0)
+    check = RunningCheck(plan, region, part_bytes=1)
     check.advance(plan.nbytes)
     staging[at] ^= 0x01
     assert check.finish() == len(SHAPES)  # summed before the change
 
     staging[at] ^= 0x01
-    check = RunningCheck(plan, region, min_part_bytes=0)
+    check = RunningCheck(plan, region, part_bytes=1)
     check.advance(plan.nbytes)
     staging[at] ^= 0x01
     check.restart()
@@ -132,8 +140,8 @@ def test_host_memory_is_checked_at_the_end_as_verify_pulled_does() -> None:
     staging[10] ^= 0x08
     with pytest.raises(ChecksumMismatch):
         RunningCheck(plan, region).finish()
-    with pytest.raises(ValueError, match="cannot be negative"):
-        RunningCheck(plan, region, min_part_bytes=-1)
+    with pytest.raises(ValueError, match="at least one byte"):
+        RunningCheck(plan, region, part_bytes=0)
 
 
 def test_a_part_that_cannot_start_is_never_raised_into_the_pull() -> None:
