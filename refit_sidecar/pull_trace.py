@@ -16,6 +16,12 @@ import time
 
 
 class TraceEvent(enum.Enum):
+    BEGAN = "began"
+    """The pull began, its plan in hand ("", 0)."""
+    ANSWERED = "answered"
+    """The sidecar's answer (sources) was in hand ("", 0)."""
+    RESET = "reset"
+    """This receiver's own copy was reset for the version, before its first read ("", 0)."""
     POSTED = "posted"
     """A chunk request was posted (source, bytes)."""
     LANDED = "landed"

@@ -291,6 +291,8 @@ class TreePull:
             else None
         )
         trace = PullTrace() if self.config.chunks.trace else None
+        if trace is not None:
+            trace.add(TraceEvent.BEGAN)
         runner = PipelinedPull(
             self._transport,
             self._control,
@@ -314,6 +316,8 @@ class TreePull:
             sources = ahead or self._sources(version, wants, offer, lost, deadline)
             ask_s += time.perf_counter() - asked
             ahead = None
+            if trace is not None:
+                trace.add(TraceEvent.ANSWERED)
             again = sorted(gone.intersection(self._primaries_of(sources)))
             if again:
                 # The sidecar knows no other source for those bytes (a trainer rank stays a
@@ -328,6 +332,8 @@ class TreePull:
                 self._own.start(version)
                 self._offered = version
                 started_copy = True
+                if trace is not None:
+                    trace.add(TraceEvent.RESET)
             routed, gates = self._routed(sources, plan, wants)
             left_out = sources.reply.routes_left_out
             try:
