@@ -35,7 +35,7 @@ from refit_sidecar.transport import Region, verify_pulled
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PART_BYTES = 512 << 20
+DEFAULT_PART_BYTES = 256 << 20
 """Bytes per part (the last may hold fewer): each part started costs a few kernel launches,
 and the last is summed after the pull's last byte."""
 
@@ -62,8 +62,10 @@ class RunningCheck:
         self._parts: list[_Part] | None = None if dest.mem_type is not MemType.DRAM else []
         self._next = 0
         """Parts started so far."""
-        self._started: list[tuple[Any, list[int]]] = []
+        self._sums: Any = None
+        """The parts' sums (`torch_wsum.PartedSums`), from the first part started."""
         self._stream: Any = None
+        self._device: Any = None
         self._whole = False
 
     @property
@@ -94,7 +96,7 @@ class RunningCheck:
     def restart(self) -> None:
         """Bytes counted as landed may be read again: what was started no longer counts, and
         `finish` checks every shard."""
-        self._started.clear()
+        self._sums = None
         self._whole = True
 
     def finish(self) -> int:
@@ -105,10 +107,9 @@ class RunningCheck:
             return verify_pulled(self._plan, self._dest)
         while self._next < len(parts):
             self._start(parts[self._next])
-        from refit_sidecar.torch_wsum import check_sums  # device memory: torch is there
-
         with self._on_stream():
-            return check_sums(self._plan, self._started)
+            count: int = self._sums.check()
+        return count
 
     def _cut(self) -> list[_Part]:
         if self._parts is None:
@@ -116,10 +117,13 @@ class RunningCheck:
         return self._parts
 
     def _start(self, part: _Part) -> None:
-        from refit_sidecar.torch_wsum import start_sums
+        from refit_sidecar.torch_wsum import PartedSums  # device memory: torch is there
 
         with self._on_stream():
-            self._started.append(start_sums(self._plan, self._dest, part.reads))
+            if self._sums is None:
+                parts = self._cut()
+                self._sums = PartedSums(self._plan, self._dest, [p.reads for p in parts])
+            self._sums.start(self._next)
         self._next += 1
 
     @contextlib.contextmanager
@@ -132,7 +136,9 @@ class RunningCheck:
 
         from refit_sidecar.torch_wsum import region_tensor
 
-        device = region_tensor(self._dest).device
+        if self._device is None:
+            self._device = region_tensor(self._dest).device
+        device = self._device
         if device.type != "cuda":
             yield
             return

@@ -15,6 +15,7 @@ from refit_sidecar.layout import ShardSpec
 from refit_sidecar.manifest import Box, DType, MemType, ShardPiece
 from refit_sidecar.plan import PullPlan, plan_pull, whole
 from refit_sidecar.running_check import RunningCheck
+from refit_sidecar.torch_wsum import PartedSums
 from refit_sidecar.transport import InMemoryTransport, Region
 from tests.refit.shards import in_memory_manifest
 
@@ -153,3 +154,24 @@ def test_a_part_that_cannot_start_is_never_raised_into_the_pull() -> None:
     check.advance(plan.nbytes)  # does not raise
     with pytest.raises(ValueError, match="tensor that owns it"):
         check.finish()
+
+
+def test_parted_sums_are_laid_out_once_per_layout_and_compare_only_when_all_started() -> None:
+    plan, staging, region, _ = _pulled(MemType.VRAM)
+    parts = [[0, 1], [2], [3, 4, 5]]
+    first, again = PartedSums(plan, region, parts), PartedSums(plan, region, parts)
+    assert first._layout is again._layout  # the next pull of the layout builds nothing
+    first.start(2)  # in any order
+    first.start(0)
+    with pytest.raises(RuntimeError, match="never started"):
+        first.check()
+    first.start(1)
+    assert first.check() == len(SHAPES)
+    staging[int(plan.reads[2].dest_offsets[0])] ^= 0x10
+    for part in range(3):
+        again.start(part)
+    with pytest.raises(ChecksumMismatch, match=f"{plan.reads[2].parameter} shard 0"):
+        again.check()
+    small = staging[:16]
+    with pytest.raises(ValueError, match="outside the buffer"):
+        PartedSums(plan, Region(small.data_ptr(), 16, MemType.VRAM, 0, owner=small), parts)
