@@ -3,6 +3,7 @@ device path run here on a CPU tensor (tests/gpu runs it on a GPU through the fan
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -23,13 +24,16 @@ SHAPES = [(64, 32), (16,), (128, 32), (8, 32), (96, 32), (40,)]
 
 
 def _pulled(
-    mem_type: MemType, device: str = "cpu"
+    mem_type: MemType,
+    device: str = "cpu",
+    shapes: Sequence[tuple[int, ...]] = SHAPES,
+    checksum: Callable[[np.ndarray], int] = wsum.wsum64,
 ) -> tuple[PullPlan, torch.Tensor, Region, list[np.ndarray]]:
-    """Six whole tensors of one trainer rank, each shard with its WSUM-64, pulled into a tensor
-    on `device` described as `mem_type` memory."""
+    """Whole tensors of `shapes` (six small ones) of one trainer rank, each shard with its
+    WSUM-64 (`checksum`), pulled into a tensor on `device` described as `mem_type` memory."""
     rng = np.random.default_rng(7)
     placed = []
-    for i, shape in enumerate(SHAPES):
+    for i, shape in enumerate(shapes):
         buffer = np.frombuffer(rng.bytes(int(np.prod(shape)) * 2), np.uint8).copy()
         spec = ShardSpec(
             f"t{i}", shape, DType.BFLOAT16, shape, (ShardPiece(Box.full(shape), (0,) * len(shape)),)
@@ -39,7 +43,7 @@ def _pulled(
     manifest = replace(
         manifest,
         parameters=tuple(
-            replace(p, shards=(replace(p.shards[0], crc32=None, sum64=wsum.wsum64(b)),))
+            replace(p, shards=(replace(p.shards[0], crc32=None, sum64=checksum(b)),))
             for p, (_, _, b) in zip(manifest.parameters, placed, strict=True)
         ),
     )
