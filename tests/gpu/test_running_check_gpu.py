@@ -42,7 +42,7 @@ def _layout_1b() -> list[tuple[int, ...]]:
     hidden, ffn, layers, vocab = 2048, 5632, 18, 32000
     shapes: list[tuple[int, ...]] = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(hidden,), (3072, hidden), (hidden, hidden), (hidden,), (2 * ffn, hidden)]
+        shapes += [(hidden,), (4096, hidden), (hidden, hidden), (hidden,), (2 * ffn, hidden)]
         shapes += [(hidden, ffn)]
     return [*shapes, (hidden,), (vocab, hidden)]
 
