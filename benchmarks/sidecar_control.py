@@ -8,7 +8,9 @@ receiver's answer, with no bytes moved.
   output projection, FC1, FC2) plus embedding, final norm and output layer, one shard each, with
   checksums, as the trainer's ranks report them.
 * ``--receivers`` receivers, each a process of its own, want every tensor whole and offer their
-  staging (as `Receiver` through the tree does after a first pull). Before each version they
+  staging (as `Receiver` through the tree does after a first pull), and name the routing key
+  of the last answer that carried its routes (a receiver that kept that plan does: the
+  sidecar then leaves the routes out of a steady tree's answers). Before each version they
   send their GetSources with a lease, parked on the sidecar until the version is readable
   (``Receiver.expect``); each then releases its lease and its sources, as after a pull. With
   ``--direct`` they send AcquireLease instead (no tree).
@@ -161,6 +163,10 @@ def _receiver_main(
         template.lease_ttl_seconds = _LEASE_S
         template.lease_with_checksums = True
         conn.send("ready")
+        known: bytes | None = None
+        primaries: list[str] = []
+        """The routing key of the last answer: named in the next request, as a receiver that
+        kept that answer's plan does (the sidecar then leaves the routes out)."""
         while (version := conn.recv()) is not None:
             if config.direct:
                 pending: Any = client.lease_later(
@@ -170,6 +176,8 @@ def _receiver_main(
                 request = type(template)()
                 request.CopyFrom(template)
                 request.version = version
+                if known is not None:
+                    request.known_routing_keys.append(known)
                 pending = client.ask_later(request)
             conn.send("parked")
             answer = pending.result()
@@ -177,9 +185,11 @@ def _receiver_main(
             if config.direct:
                 client.release_lease(answer)
             else:
+                if not answer.reply.routes_left_out:
+                    known, primaries = answer.key, list(answer.primaries)
                 client.release_sources(version, name, complete=True)
                 client.release_lease(lease_from_proto(answer.reply.lease))
-            conn.send((arrived, None if config.direct else list(answer.primaries)))
+            conn.send((arrived, None if config.direct else primaries))
 
 
 @contextlib.contextmanager
@@ -352,9 +362,10 @@ def run(config: Config, work: Path) -> dict[str, Any]:
             for conn in conns:
                 assert conn.recv() == "parked"
             time.sleep(0.05)  # the calls reach the sidecar and wait there
-            part = trainer_part(config, version, agent)
+            # Built ahead, as a trainer rank does (`publication.py`): the call alone is timed.
+            report = publish_request(version, 0, trainer_part(config, version, agent))
             start = time.monotonic()
-            assert trainer.publish(version, 0, part)
+            assert trainer.send_publication(report)
             published = time.monotonic()
             answers = [conn.recv() for conn in conns]
             latencies = sorted(arrived - start for arrived, _ in answers)
