@@ -130,6 +130,7 @@ class ProgressPublisher:
                 lane.running = False
             except BaseException as e:  # raised to the pull by its next offer or close
                 with cond:
+                    lane.running = False
                     if self._error is None:
                         self._error = e
                     for other in self._lanes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -82,20 +83,23 @@ _ALIGNED_UNITS = 8
 
 
 class _Recent:
-    """The last few values computed by key (a refit reuses its plan's tables every version)."""
+    """The last few values computed by key (a refit reuses its plan's tables every version).
+    Shared by the pulls of a process (a receiver's ranks pull at once, from threads)."""
 
     def __init__(self, capacity: int = 8) -> None:
         self._values: OrderedDict[Any, Any] = OrderedDict()
         self._capacity = capacity
+        self._lock = threading.Lock()
 
     def get(self, key: Any, make: Any) -> Any:
-        value = self._values.get(key)
-        if value is None:
-            value = self._values[key] = make()
-            while len(self._values) > self._capacity:
-                self._values.popitem(last=False)
-        self._values.move_to_end(key)
-        return value
+        with self._lock:
+            value = self._values.get(key)
+            if value is None:
+                value = self._values[key] = make()
+                while len(self._values) > self._capacity:
+                    self._values.popitem(last=False)
+            self._values.move_to_end(key)
+            return value
 
 
 _device_tables = _Recent(64)

@@ -105,6 +105,7 @@ def test_an_error_stops_the_publications_and_reaches_the_pull() -> None:
     with pytest.raises(OSError, match="memory is gone"):
         publisher.close()
     assert heard == [1]
+    assert not publisher.busy  # a publication that raised is no longer running
     # Raised by the next offer when the pull is still running.
     publisher = ProgressPublisher(None, listener)
     publisher.offer(2, 9)
