@@ -416,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         fanout=fan,
         versions=ri._versions(),
+        gpus=ri.gpus(),
     )
     config.out.write_text(json.dumps(dict(meta=meta, summary=summary, **result), indent=1) + "\n")
     print_summary(summary, result["checks"], fan["receivers"])

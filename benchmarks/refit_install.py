@@ -800,6 +800,22 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def gpus() -> list[str]:
+    """The machine's GPUs by name (`nvidia-smi`; none where it is missing): the cards a
+    result was measured on, without starting CUDA in the driver."""
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listed.splitlines() if line.strip()]
+
+
 def write_model(path: Path, config: RunConfig) -> Path:
     return _write_model(path, argparse.Namespace(**asdict(config), hf_weights=False))
 
@@ -875,6 +891,7 @@ def _meta(config: RunConfig, argv: list[str] | None) -> dict[str, Any]:
         ),
         config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         versions=_versions(),
+        gpus=gpus(),
         ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
     )
 

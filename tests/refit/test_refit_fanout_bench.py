@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import refit_install as ri
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,6 +30,7 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert set(result["summary"]["median_ms"]) == {"one", "one-tree", "star", "tree"}
+    assert result["meta"]["gpus"] == ri.gpus()  # the cards measured on (none here)
     trees = [r for r in result["records"] if r["mode"] == "tree"]
     assert trees
     for record in trees:
