@@ -117,6 +117,7 @@ def run_rounds(
             records.append(
                 dict(
                     index=index,
+                    round=r,
                     mode=mode,
                     warmup=warmup,
                     step=step,
@@ -235,6 +236,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(
         median_ms={m: 1e3 * v for m, v in median.items()},
         over_one={m: v / median["one"] for m, v in median.items()},
+        paired_over_one=_paired(timed),
         peer_copy_ms=1e3 * peer,
         refit_bytes=timed[-1]["refits"][0]["stats"]["bytes_pulled"],
         timed_rounds={m: sum(r["mode"] == m for r in timed) for m in MODES},
@@ -243,6 +245,20 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         else [x["stats"]["bytes_by_source"] for x in last_tree["refits"]],
         tree_fallbacks=sum(x["stats"]["fallbacks"] for r in timed for x in r["refits"]),
     )
+
+
+def _paired(timed: list[dict[str, Any]]) -> dict[str, float]:
+    """Per mode, the median over rounds of its latency over the direct receiver's in the same
+    round (the GPU host's speed drifts between rounds as well as between runs)."""
+    rounds: dict[int, dict[str, float]] = {}
+    for record in timed:
+        rounds.setdefault(record["round"], {})[record["mode"]] = record["latency_s"]
+    ratios: dict[str, list[float]] = {}
+    for modes in rounds.values():
+        if "one" in modes:
+            for mode, latency in modes.items():
+                ratios.setdefault(mode, []).append(latency / modes["one"])
+    return {mode: statistics.median(values) for mode, values in ratios.items()}
 
 
 def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -320,8 +336,12 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
 def print_summary(summary: dict[str, Any], checks: list[dict[str, Any]], n: int) -> None:
     print(f"\nbytes per receiver: {summary['refit_bytes']:,}; {n} receivers")
     print("FinishTrainStep returned -> last receiver installed, medians:")
+    paired = summary["paired_over_one"]
     for mode, ms in summary["median_ms"].items():
-        print(f"  {mode:9s} {ms:9.3f} ms  x one: {summary['over_one'][mode]:.3f}")
+        print(
+            f"  {mode:9s} {ms:9.3f} ms  x one: {summary['over_one'][mode]:.3f}"
+            + (f"  (per round: {paired[mode]:.3f})" if mode in paired else "")
+        )
     print(f"  peer copy {summary['peer_copy_ms']:.3f} ms; fallbacks {summary['tree_fallbacks']}")
     print(f"tree sources (last timed round): {summary['tree_sources']}")
     for i, check in enumerate(checks):

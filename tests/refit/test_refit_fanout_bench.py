@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import refit_install as ri
+from benchmarks.refit_fanout import _paired
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +32,7 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
     result = json.loads(out.read_text())
     assert set(result["summary"]["median_ms"]) == {"one", "one-tree", "star", "tree"}
     assert result["meta"]["gpus"] == ri.gpus()  # the cards measured on (none here)
+    assert set(result["summary"]["paired_over_one"]) == {"one", "one-tree", "star", "tree"}
     trees = [r for r in result["records"] if r["mode"] == "tree"]
     assert trees
     for record in trees:
@@ -72,3 +74,16 @@ def test_the_fanout_benchmark_reports_when_the_sidecar_answered_each_receiver(
 
 def _reads_a_peer(refit: dict[str, Any]) -> bool:
     return any(s.startswith("fanout-") for s in refit["stats"]["bytes_by_source"])
+
+
+def test_each_mode_is_also_compared_with_the_direct_receiver_of_its_own_round() -> None:
+    timed = [
+        {"round": 0, "mode": "one", "latency_s": 2.0},
+        {"round": 0, "mode": "tree", "latency_s": 3.0},
+        {"round": 1, "mode": "tree", "latency_s": 6.0},
+        {"round": 1, "mode": "one", "latency_s": 4.0},
+        {"round": 2, "mode": "tree", "latency_s": 8.0},  # its round's "one" was a warm-up
+        {"round": 3, "mode": "one", "latency_s": 1.0},
+        {"round": 3, "mode": "tree", "latency_s": 1.25},
+    ]
+    assert _paired(timed) == {"one": 1.0, "tree": 1.5}
