@@ -245,6 +245,8 @@ class PartedSums:
         WSUM-64); in the order they are to be started."""
         self._plan = plan
         buffer = region_tensor(dest)
+        if buffer.data_ptr() % wsum.UNIT or buffer.numel() % wsum.UNIT:
+            raise ValueError("WSUM-64 needs a buffer of whole, aligned 16-bit units")
         self._units = buffer.view(torch.int16)
         self._layout = _parted_layouts.get(
             (_layout_digest(plan, parts), buffer.device),

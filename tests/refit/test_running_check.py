@@ -179,3 +179,6 @@ def test_parted_sums_are_laid_out_once_per_layout_and_compare_only_when_all_star
     small = staging[:16]
     with pytest.raises(ValueError, match="outside the buffer"):
         PartedSums(plan, Region(small.data_ptr(), 16, MemType.VRAM, 0, owner=small), parts)
+    odd = staging[1:17]
+    with pytest.raises(ValueError, match="whole, aligned 16-bit units"):
+        PartedSums(plan, Region(odd.data_ptr(), 16, MemType.VRAM, 0, owner=odd), parts)
