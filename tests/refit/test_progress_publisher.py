@@ -38,9 +38,10 @@ def test_every_prefix_is_heard_in_order_and_a_slow_listener_holds_no_word_back()
     release.set()
     publisher.close()
     assert heard == [10, 20, 30, 40]
-    # Words go out in order; one a larger prefix waiting behind it covers is skipped.
-    assert words == sorted(words)
-    assert words[0] == 10 and words[-1] == 40
+    # Words go out in order, each an offered prefix; one a larger prefix already waiting
+    # behind it covers is skipped (which ones depends on when the word's thread ran).
+    assert words == sorted(set(words)) and set(words) <= {10, 20, 30, 40}
+    assert words[-1] == 40
 
 
 def test_the_publisher_is_busy_while_a_publication_is_queued_or_running() -> None:
