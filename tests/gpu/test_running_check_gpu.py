@@ -1,8 +1,8 @@
 """`running_check.RunningCheck` on a GPU: the parts' sums run on a stream of their own and are
 waited for in `finish`; a flipped byte fails the check, and bytes changed after their part was
-summed are caught after a restart. Over the 1B preset's layout it prints what a part's start
-and the check's end cost on the calling thread, alone and beside a thread that polls as a
-pull's loop does. Run on a GPU machine:
+summed are caught after a restart. Over a layout shaped like the 1B preset's it prints what a
+part's start and the check's end cost on the calling thread, alone and beside a thread that
+polls as a pull's loop does. Run on a GPU machine:
 
     python -m pytest -m gpu tests/gpu -s
 """
@@ -38,11 +38,12 @@ def test_a_check_in_device_memory_sums_its_parts_and_finds_a_flipped_byte() -> N
 
 
 def _layout_1b() -> list[tuple[int, ...]]:
-    """The shapes of the refit benchmarks' 1B preset (TP=1), in Megatron's order."""
+    """111 tensors shaped like the refit benchmarks' 1B preset (TP=1), in Megatron's order,
+    but for q/k/v of 3,072 rows (1.89 GB): the layout BENCHMARKS.md's figures were taken on."""
     hidden, ffn, layers, vocab = 2048, 5632, 18, 32000
     shapes: list[tuple[int, ...]] = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(hidden,), (4096, hidden), (hidden, hidden), (hidden,), (2 * ffn, hidden)]
+        shapes += [(hidden,), (3072, hidden), (hidden, hidden), (hidden,), (2 * ffn, hidden)]
         shapes += [(hidden, ffn)]
     return [*shapes, (hidden,), (vocab, hidden)]
 
