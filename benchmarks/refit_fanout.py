@@ -4,7 +4,9 @@ has installed.
 
 The harness is `benchmarks.refit_install`'s: the real sidecar and trainer (``--tp 1`` on GPU 0,
 bf16, the config-only Llama of the preset) as subprocesses with authentication on, and
-``--receivers`` receiver processes on GPU ``--dest-gpu``, each a transformers model and two
+``--receivers`` receiver processes on GPU ``--dest-gpu`` (or one GPU each,
+``--receiver-gpus``: a receiver may sit on the trainer's GPU beside it, except receiver 0, the
+one-receiver baseline), each a transformers model and two
 `Receiver`s: "direct" (reads the trainer's ranks) and "tree" (``RefitOptions(fanout=True)``:
 asks the sidecar where to read, reads its parent's chunks as they land, serves its own copy).
 The sidecar runs with ``--max-children`` and ``--max-root-children`` set to ``--max-children``,
@@ -285,8 +287,10 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
             trace=args.trace,
         )
         receivers = []
-        for i in range(args.receivers):
+        for i, gpu in enumerate(placement(config, args)):
             settings = replace(base, receiver_id=f"fanout-{i}")
+            if gpu is not None:
+                settings = replace(settings, dest=f"cuda:{gpu}")
             run_dir = work / f"receiver-{i}"
             run_dir.mkdir(parents=True, exist_ok=True)
             receivers.append(
@@ -333,6 +337,21 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
     )
 
 
+def placement(config: ri.RunConfig, args: argparse.Namespace) -> list[int | None]:
+    """Each receiver's GPU (None: the CPU): `--receiver-gpus` where given, else `--dest-gpu`
+    for all. Receiver 0 is the one-receiver baseline: it stays off the trainer's GPU."""
+    if not config.cuda:
+        return [None] * args.receivers
+    if args.receiver_gpus is None:
+        return [config.dest_gpu] * args.receivers
+    gpus = [int(g) for g in args.receiver_gpus.split(",")]
+    if len(gpus) != args.receivers or any(g < 0 for g in gpus):
+        raise SystemExit(f"--receiver-gpus needs {args.receivers} GPU indices, got {gpus}")
+    if gpus[0] == 0:
+        raise SystemExit("--receiver-gpus: receiver 0 (the baseline) must not share GPU 0")
+    return list(gpus)
+
+
 def print_summary(summary: dict[str, Any], checks: list[dict[str, Any]], n: int) -> None:
     print(f"\nbytes per receiver: {summary['refit_bytes']:,}; {n} receivers")
     print("FinishTrainStep returned -> last receiver installed, medians:")
@@ -359,6 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     fan.add_argument("--receivers", type=int, default=3)
     fan.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
     fan.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    fan.add_argument(
+        "--receiver-gpus",
+        default=None,
+        help="comma-separated GPU per receiver (default: all on --dest-gpu); the trainer is "
+        "on GPU 0, where a receiver may sit beside it; receiver 0, the one-receiver "
+        "baseline, may not",
+    )
     fan.add_argument(
         "--trace",
         action="store_true",
@@ -409,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
             "receivers",
             "max_children",
             "chunk_bytes",
+            "receiver_gpus",
             "chunk_taper",
             "check_part_bytes",
             "trace",
@@ -425,6 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     config.log_dir.mkdir(parents=True, exist_ok=True)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     options = argparse.Namespace(**fan)
+    placement(config, options)  # checked before anything starts
     with tempfile.TemporaryDirectory(prefix="refit-fanout-bench-") as scratch:
         work = (config.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)

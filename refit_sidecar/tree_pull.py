@@ -171,6 +171,9 @@ class TreePull:
         GetSources asked ahead waits for the release before it (`_settle`)."""
         self._released: Future[None] | None = None
         self._ahead: _Ahead | None = None
+        self._started: int | None = None
+        """The version this receiver's copy was started for ahead of its pull
+        (`ahead_lease`), if any; the pull then settles that start instead of starting."""
 
     def ask_ahead(
         self, version: int, *, wait_s: float, lease_ttl_s: float, checksums: bool
@@ -211,6 +214,13 @@ class TreePull:
             return None, None
         lease = ahead.lease()
         ahead.lease_taken = lease is not None
+        if lease is not None and self.config.serve:
+            # The sidecar drained the readers of this receiver's previous copy before it
+            # answered: the copy's word starts the new version now, on the release thread
+            # (a GPU's word is a copy to wait for), while the caller plans; the pull settles it.
+            self._settle()
+            self._released = self._releases.submit(self._own.start, ahead.version)
+            self._offered = self._started = ahead.version
         return lease, ahead.answer.exception()
 
     def abandon(self) -> None:
@@ -221,6 +231,7 @@ class TreePull:
         never to be filled) is marked FAILED, so readers drop it at once, and its assignment
         and lease are released."""
         ahead, self._ahead = self._ahead, None
+        self._started = None
         if ahead is None:
             return
         if ahead.answer.cancel():
@@ -329,8 +340,9 @@ class TreePull:
                 # The sidecar drained the readers of the previous copy: overwrite from here
                 # (after the last copy's word writes, which run in the background).
                 self._settle()
-                self._own.start(version)
-                self._offered = version
+                if self._started != version:
+                    self._own.start(version)
+                self._offered, self._started = version, None
                 started_copy = True
                 if trace is not None:
                     trace.add(TraceEvent.RESET)

@@ -139,3 +139,18 @@ def test_a_with_block_raises_its_own_error_over_a_publications(
         ProgressPublisher(None, listener) as publisher,
     ):
         publisher.offer(1, 2)
+
+
+def test_a_pulls_lanes_reuse_the_threads_of_earlier_pulls() -> None:
+    """No thread starts per pull: the next publisher's lanes run on the threads the last one
+    handed back, named after the lane while they serve it."""
+    seen: list[tuple[int, str]] = []
+
+    def listener(prefix: int, total: int) -> None:
+        seen.append((threading.get_ident(), threading.current_thread().name))
+
+    for _ in range(5):
+        with ProgressPublisher(None, listener, name="pull") as publisher:
+            publisher.offer(1, 1)
+    assert {name for _, name in seen} == {"pull-listener"}
+    assert len({ident for ident, _ in seen}) == 1, seen

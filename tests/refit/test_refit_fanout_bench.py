@@ -5,14 +5,17 @@ beside its own, which the sidecar's DEBUG log repeats, and with `--trace` its pu
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from benchmarks import refit_install as ri
-from benchmarks.refit_fanout import _paired
+from benchmarks.refit_fanout import _paired, placement
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,3 +90,18 @@ def test_each_mode_is_also_compared_with_the_direct_receiver_of_its_own_round() 
         {"round": 3, "mode": "tree", "latency_s": 1.25},
     ]
     assert _paired(timed) == {"one": 1.0, "tree": 1.5}
+
+
+def _placed(receivers: int, gpus: str | None, *, device: str = "cuda") -> list[int | None]:
+    config = argparse.Namespace(cuda=device == "cuda", dest_gpu=1)
+    return placement(config, argparse.Namespace(receivers=receivers, receiver_gpus=gpus))  # type: ignore[arg-type]
+
+
+def test_receivers_are_placed_on_the_dest_gpu_or_one_gpu_each() -> None:
+    assert _placed(3, None) == [1, 1, 1]
+    assert _placed(3, "1,0,1") == [1, 0, 1]  # one beside the trainer
+    assert _placed(2, "1,0", device="cpu") == [None, None]
+    with pytest.raises(SystemExit, match="needs 3 GPU indices"):
+        _placed(3, "1,0")
+    with pytest.raises(SystemExit, match="receiver 0"):
+        _placed(2, "0,1")  # the baseline would read the trainer's GPU locally
