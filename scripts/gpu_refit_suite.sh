@@ -5,8 +5,8 @@
 #   install     refit_install, 1b, checksums on and off
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
-#   fanout-spread  refit_fanout, 1b, k = 1, the middle receiver on the trainer's GPU (two
-#               GPUs share the chain's copies, checks and installs)
+#   fanout-spread  refit_fanout, 1b, k = 1 and 2, the last receiver on the trainer's GPU
+#               (two GPUs share the tree's copies, checks and installs; $SPREAD: the GPUs)
 #   fanout-trace  refit_fanout, 1b, one child per source, each pull's timeline recorded and
 #               each tree round's levels printed (when each saw its parent's last fill)
 #   control     sidecar_control: the control plane alone (tree and direct)
@@ -59,9 +59,14 @@ for group in "$@"; do
             --log-dir $logs/fanout-k2
         ;;
     fanout-spread)
-        run fanout-spread python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
-            --max-children 1 --rounds 8 --receiver-gpus 1,0,1 \
-            --out "$OUT/refit_fanout_1b_k1_spread.json" --log-dir $logs/fanout-spread
+        # The leaf on the trainer's GPU: it reads the middle receiver over the link's other
+        # direction, and its check and install run on the other GPU. $SPREAD overrides.
+        run fanout-spread-k1 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
+            --max-children 1 --rounds 8 --receiver-gpus "${SPREAD:-1,1,0}" \
+            --out "$OUT/refit_fanout_1b_k1_spread.json" --log-dir $logs/fanout-spread-k1
+        run fanout-spread-k2 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
+            --max-children 2 --rounds 8 --no-verify --receiver-gpus "${SPREAD:-1,1,0}" \
+            --out "$OUT/refit_fanout_1b_k2_spread.json" --log-dir $logs/fanout-spread-k2
         ;;
     fanout-trace)
         run fanout-trace python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
