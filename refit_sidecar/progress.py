@@ -158,14 +158,21 @@ class OwnProgress:
             device_id=self.region.device_id,
         )
 
-    def start(self, version: int) -> None:
+    def start(self, version: int, *, wait: bool = True) -> None:
         """Begin filling `version`: nothing filled; readers of the previous version see their
-        copy gone (the version word changes last, after the fill is reset)."""
+        copy gone (the version word changes last, after the fill is reset). With `wait` off
+        the words are only queued (before any later store): `flush` waits for them to land,
+        as the copy must before its memory is overwritten."""
         if version >= 1 << 63:
             raise ValueError(f"version {version} does not fit a progress word")
         tag = (version & _TAG_MASK) << _FILLED_BITS
-        self._set((1, tag), (2, tag | CopyProgress.FILLING), (0, version))
+        self._set((1, tag), (2, tag | CopyProgress.FILLING), (0, version), wait=wait)
         self.version = version
+
+    def flush(self) -> None:
+        """Waits until every word stored so far has landed."""
+        if not self._in_place:
+            self._memory.write_words([], wait=True)
 
     def filled(self, nbytes: int) -> None:
         """The copy holds `nbytes` from its first byte. Not waited for: readers see it soon,

@@ -10,7 +10,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -163,6 +163,24 @@ def test_a_word_in_device_memory_is_started_in_one_ordered_write() -> None:
     assert [[offset for offset, _ in call] for call in calls] == [[8, 16, 0], [8]]
     assert calls[0][2] == (0, 3)
     assert own.read() == ProgressWord(3, 512, CopyProgress.FILLING)
+
+
+def test_a_start_queued_ahead_of_the_pull_lands_when_the_pull_flushes_it() -> None:
+    """A tree receiver starts its copy's word as soon as its lease is in, without waiting
+    for the copy (`TreePull.ahead_lease`); the pull waits for it before its first read."""
+    calls: list[tuple[list[tuple[int, int]], bool]] = []
+
+    class Recording(TorchWords):
+        def write_words(self, words: Sequence[tuple[int, int]], *, wait: bool = True) -> None:
+            calls.append((list(words), wait))
+            super().write_words(words, wait=wait)
+
+    own = OwnProgress("p", Recording(PROGRESS_BYTES, device=torch.device("cpu")))
+    own.start(4, wait=False)
+    assert calls == [([(8, 4 << 40), (16, (4 << 40) | CopyProgress.FILLING), (0, 4)], False)]
+    own.flush()
+    assert calls[1] == ([], True)  # nothing stored: waits for what was queued
+    assert own.read() == ProgressWord(4, 0, CopyProgress.FILLING)
 
 
 # -- route manifests ------------------------------------------------------------------------------
@@ -611,6 +629,17 @@ def test_a_layout_pulled_again_reuses_its_chunks_and_a_fresh_fill(
     moved = {"hand-peer": PeerGate(peer.own.location, peer.staging.ctypes.data + 4096)}
     assert [c.need for c in runner._chunks(plan, dest, Filled(plan), moved)] != [
         c.need for c in first
+    ]
+    # The same reads in another tuple (a plan built anew) are digested and found again; the
+    # same reads into another destination are cut anew.
+    rebuilt = replace(plan, reads=tuple(plan.reads))
+    assert all(
+        a.remote is b.remote
+        for a, b in zip(first, runner._chunks(rebuilt, dest, Filled(plan), gate), strict=True)
+    )
+    elsewhere = Region(dest.address + 4096, dest.nbytes, owner=dest.owner)
+    assert [c.local[0][0] for c in runner._chunks(plan, elsewhere, Filled(plan), gate)] != [
+        c.local[0][0] for c in first
     ]
     one, two = Filled(plan), Filled(plan)
     one.add("hand-peer", np.array([[0, plan.nbytes]]))
