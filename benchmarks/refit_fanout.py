@@ -273,7 +273,7 @@ def run(config: ri.RunConfig, args: argparse.Namespace, work: Path) -> dict[str,
     tree_flags = ["--max-children", str(args.max_children)]
     tree_flags += ["--max-root-children", str(args.max_children)]
     tree_flags += ["--hold-parents-seconds", str(args.hold_parents_seconds)]
-    tree_flags += ["--log-level", args.sidecar_log_level, *config.sidecar_flags]
+    tree_flags += ["--log-level", args.sidecar_log_level]
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(
             sidecar_server(work, logs / "sidecar.log", config.timeout, tokens, tree_flags)

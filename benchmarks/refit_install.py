@@ -129,8 +129,6 @@ class RunConfig:
     checksums: bool
     expect: bool
     """Receivers ask for each next version before its step (`Receiver.expect`)."""
-    sidecar_busy_poll: bool = False
-    """The sidecar runs with `--busy-poll`."""
     lr: float
     seed: int
     timeout: float
@@ -143,11 +141,6 @@ class RunConfig:
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
-
-    @property
-    def sidecar_flags(self) -> list[str]:
-        """The sidecar's flags this run adds."""
-        return ["--busy-poll"] if self.sidecar_busy_poll else []
 
     @property
     def refits(self) -> int:
@@ -736,12 +729,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="receivers ask for a version once told of it, not before its step "
         "(Receiver.expect, as a follower does)",
     )
-    run.add_argument(
-        "--sidecar-busy-poll",
-        action="store_true",
-        help="the sidecar keeps its event loop turning while receivers wait for a version "
-        "(its --busy-poll)",
-    )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument(
@@ -858,7 +845,7 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
     root = trainer_root(work)  # the trainer's path root: `verify` exports there
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(
-            sidecar_server(work, logs / "sidecar.log", config.timeout, tokens, config.sidecar_flags)
+            sidecar_server(work, logs / "sidecar.log", config.timeout, tokens)
         )
         settings = receiver_settings(config, sidecar, tokens.file(Role.RECEIVER), model_dir)
         # Started first: its setup (imports, model build) overlaps the trainer's start.

@@ -94,8 +94,6 @@ class Config:
     versions: int
     timeout: float
     out: Path | None
-    busy_poll: bool = False
-    """The sidecar runs with `--busy-poll`."""
 
 
 def _shapes(hidden: int) -> dict[str, tuple[int, ...]]:
@@ -343,7 +341,6 @@ def run(config: Config, work: Path) -> dict[str, Any]:
     tokens = tokens_for(work)
     flags = ["--max-children", str(config.max_children)]
     flags += ["--max-root-children", str(config.max_children)]
-    flags += ["--busy-poll"] if config.busy_poll else []
     records = []
     with (
         sidecar_server(work, work / "sidecar.log", config.timeout, tokens, flags) as sidecar,
@@ -422,11 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--versions", type=int, default=30)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--out", type=Path)
-    p.add_argument(
-        "--busy-poll",
-        action="store_true",
-        help="the sidecar keeps its event loop turning while calls wait (its --busy-poll)",
-    )
     return p
 
 

@@ -29,10 +29,6 @@ class SidecarConfig:
     """Tree fan-out: children per source, peer registrations' TTL (docs/fanout.md)."""
     drain_timeout_s: float = 5.0
     """How long a receiver offering a new version waits for the readers of its older copy."""
-    busy_poll: bool = False
-    """Keep the event loop turning while a call waits for a version (one core busy), so the
-    report that makes it readable and the answers are handled without the loop waking up
-    (docs/refit.md, "Busy polling")."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -105,15 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--busy-poll",
-        action="store_true",
-        help=(
-            "while a receiver's call waits for a version, keep the sidecar's event loop "
-            "turning instead of sleeping: one core stays busy, and the trainer's report and "
-            "the answers it releases skip the loop's wake-up (off by default)"
-        ),
-    )
-    parser.add_argument(
         "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO"
     )
     return parser
@@ -141,7 +128,6 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, str]
                 hold_parents_s=args.hold_parents_seconds,
             ),
             drain_timeout_s=args.drain_timeout_seconds,
-            busy_poll=args.busy_poll,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -7,8 +7,6 @@
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   fanout-spread  refit_fanout, 1b, k = 1 and 2, the last receiver on the trainer's GPU
 #               (two GPUs share the tree's copies, checks and installs; $SPREAD: the GPUs)
-#   busy-poll   refit_fanout, 1b, k = 1, $SPREAD placement, the sidecar without and with
-#               --busy-poll (six rounds each, --no-verify)
 #   fanout-trace  refit_fanout, 1b, one child per source, each pull's timeline recorded and
 #               each tree round's levels printed (when each saw its parent's last fill)
 #   control     sidecar_control: the control plane alone (tree and direct)
@@ -69,15 +67,6 @@ for group in "$@"; do
         run fanout-spread-k2 python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
             --max-children 2 --rounds 8 --no-verify --receiver-gpus "${SPREAD:-1,1,0}" \
             --out "$OUT/refit_fanout_1b_k2_spread.json" --log-dir $logs/fanout-spread-k2
-        ;;
-    busy-poll)
-        for poll in "" --sidecar-busy-poll; do
-            run "fanout-poll${poll:+-on}" python3 -m benchmarks.refit_fanout --preset 1b \
-                --receivers 3 --max-children 1 --rounds 6 --no-verify \
-                --receiver-gpus "${SPREAD:-1,1,0}" $poll \
-                --out "$OUT/refit_fanout_1b_k1_spread_poll${poll:+_on}.json" \
-                --log-dir "$logs/fanout-poll${poll:+-on}"
-        done
         ;;
     fanout-trace)
         run fanout-trace python3 -m benchmarks.refit_fanout --preset 1b --receivers 3 \
