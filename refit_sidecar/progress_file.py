@@ -27,6 +27,7 @@ import contextlib
 import functools
 import logging
 import mmap
+import multiprocessing.util
 import os
 import re
 import secrets
@@ -90,6 +91,11 @@ class ProgressFile:
         self.ref = ProgressFileRef(host_id(), path)
         self._mapped = mapped
         self._words: np.ndarray | None = np.frombuffer(mapped, dtype="<u8", count=3)
+        # Removed by `close`, or when this process exits without closing it: an engine's
+        # worker shut down by its engine (SIGTERM, then the process's normal exit) never
+        # closes its receiver. Only the creating process removes it (a forked child does
+        # not), and a process killed outright leaves it to the next sweep.
+        self._remove = multiprocessing.util.Finalize(self, _unlink, args=(path,), exitpriority=0)
 
     @classmethod
     def create(cls, directory: str = DEFAULT_DIR) -> ProgressFile | None:
@@ -129,8 +135,12 @@ class ProgressFile:
             return
         self._words = None
         self._mapped.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.ref.path)
+        self._remove()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 class ProgressFileReader:

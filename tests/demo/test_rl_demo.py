@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from refit_sidecar import progress_file
 from tests.support.trainer import TEST_ENV
 
 SHORT_RUN = ["--iterations", "24"]
@@ -94,11 +95,14 @@ class DemoRun:
     """The terminal: stdout and stderr together."""
     workdir: Path
     leftovers: list[str]
+    progress_files: list[str]
+    """Receivers' progress files made during the run and still there after it."""
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     workdir = tmp_path_factory.mktemp("demo") / "run"
+    before = _progress_files()
     process, log_path = _start(workdir, *SHORT_RUN, *TIED)
     try:
         returncode = process.wait(timeout=1500)
@@ -106,7 +110,16 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     leftovers = _wait_gone(process, workdir)  # the run's last messages are written by then
-    yield DemoRun(returncode, log_path.read_text(), workdir, leftovers)
+    left = sorted(_progress_files() - before)
+    yield DemoRun(returncode, log_path.read_text(), workdir, leftovers, left)
+
+
+def _progress_files() -> set[str]:
+    """The serving receivers' progress files on this host (`refit_sidecar.progress_file`)."""
+    directory = Path(progress_file.DEFAULT_DIR)
+    if not directory.is_dir():
+        return set()
+    return {p.name for p in directory.iterdir() if progress_file.NAME.fullmatch(p.name)}
 
 
 def test_short_demo_learns_keeps_fidelity_and_cleans_up(short_run: DemoRun) -> None:
@@ -127,6 +140,7 @@ def test_short_demo_learns_keeps_fidelity_and_cleans_up(short_run: DemoRun) -> N
     assert float(summary[2]) >= float(summary[1]) + 0.05
     assert float(summary[3]) <= 1e-4
     assert short_run.leftovers == []
+    assert short_run.progress_files == []  # each engine's receivers removed theirs
 
 
 def test_short_demo_terminal_shows_only_progress_versions_and_summary(short_run: DemoRun) -> None:

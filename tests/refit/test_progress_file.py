@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,10 +77,10 @@ def test_a_reader_opens_only_a_progress_file_of_its_own_host(tmp_path: Path) -> 
 
 def test_files_of_processes_gone_are_removed_when_a_new_one_is_made(tmp_path: Path) -> None:
     code = (
-        "import sys; from refit_sidecar.progress_file import ProgressFile; "
-        "print(ProgressFile.create(sys.argv[1]).ref.path)"
+        "import os, sys; from refit_sidecar.progress_file import ProgressFile; "
+        "f = ProgressFile.create(sys.argv[1]); print(f.ref.path, flush=True); os._exit(0)"
     )
-    # A process that ends without closing its file (as one killed would).
+    # A process that ends without running its exit handlers (as one killed would).
     gone = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -96,6 +98,39 @@ def test_files_of_processes_gone_are_removed_when_a_new_one_is_made(tmp_path: Pa
     assert foreign.exists()
     mine.close()
     other.close()
+
+
+def test_a_process_that_exits_without_closing_its_file_removes_it(tmp_path: Path) -> None:
+    """An engine's worker is shut down by its engine and exits without closing its receiver:
+    its file goes with the process, whether it exits as a program or as a multiprocessing
+    child; a forked child never removes its parent's file."""
+    code = (
+        "import sys; from refit_sidecar.progress_file import ProgressFile; "
+        "f = ProgressFile.create(sys.argv[1]); print(f.ref.path, flush=True)"
+    )
+    left = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert left and not os.path.exists(left)
+    parents = ProgressFile.create(str(tmp_path))
+    assert parents is not None
+    context = multiprocessing.get_context("fork")
+    paths = context.Queue()
+    child = context.Process(target=_make_and_exit, args=(str(tmp_path), paths))
+    child.start()
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    childs = paths.get(timeout=5)
+    assert not os.path.exists(childs)
+    assert os.path.exists(parents.ref.path)
+    parents.close()
+    assert not os.path.exists(parents.ref.path)
+
+
+def _make_and_exit(directory: str, paths: Any) -> None:
+    made = ProgressFile.create(directory)
+    assert made is not None
+    paths.put(made.ref.path)
 
 
 def test_no_directory_means_no_file_and_the_word_alone() -> None:

@@ -364,6 +364,7 @@ def _zygote_main(conn: Connection) -> None:
 def _victim_main(config: PullerConfig, fetch: Fetch, conn: Connection) -> None:
     """A forked receiver: while it lives it alone writes to the pipe (the zygote waits)."""
     code = 1
+    ranks = None
     try:
         ranks = _Ranks(config)
         ranks.build()
@@ -374,6 +375,9 @@ def _victim_main(config: PullerConfig, fetch: Fetch, conn: Connection) -> None:
     except BaseException:
         conn.send(Failed(fetch.version, traceback.format_exc()))
     finally:
+        if ranks is not None:  # a victim that lived leaves no progress file behind
+            with contextlib.suppress(Exception):
+                ranks.close()
         os._exit(code)
 
 
