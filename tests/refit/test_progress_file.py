@@ -75,15 +75,21 @@ def test_a_reader_opens_only_a_progress_file_of_its_own_host(tmp_path: Path) -> 
     mirror.close()
 
 
-def test_files_of_processes_gone_are_removed_when_a_new_one_is_made(tmp_path: Path) -> None:
+def _file_of_a_process(directory: Path, *, then: str) -> str:
+    """The path of the file a Python process made in `directory`, holding it until it ran
+    `then` and ended."""
     code = (
-        "import os, sys; from refit_sidecar.progress_file import ProgressFile; "
-        "f = ProgressFile.create(sys.argv[1]); print(f.ref.path, flush=True); os._exit(0)"
+        "import sys; from refit_sidecar.progress_file import ProgressFile; "
+        f"f = ProgressFile.create(sys.argv[1]); print(f.ref.path, flush=True); {then}"
     )
-    # A process that ends without running its exit handlers (as one killed would).
-    gone = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    return subprocess.run(
+        [sys.executable, "-c", code, str(directory)], capture_output=True, text=True, check=True
     ).stdout.strip()
+
+
+def test_files_of_processes_gone_are_removed_when_a_new_one_is_made(tmp_path: Path) -> None:
+    # A process that ends without running its exit handlers (as one killed would).
+    gone = _file_of_a_process(tmp_path, then="import os; os._exit(0)")
     assert os.path.exists(gone)
     mine = ProgressFile.create(str(tmp_path))
     assert mine is not None
@@ -104,13 +110,7 @@ def test_a_process_that_exits_without_closing_its_file_removes_it(tmp_path: Path
     """An engine's worker is shut down by its engine and exits without closing its receiver:
     its file goes with the process, whether it exits as a program or as a multiprocessing
     child; a forked child never removes its parent's file."""
-    code = (
-        "import sys; from refit_sidecar.progress_file import ProgressFile; "
-        "f = ProgressFile.create(sys.argv[1]); print(f.ref.path, flush=True)"
-    )
-    left = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    left = _file_of_a_process(tmp_path, then="")
     assert left and not os.path.exists(left)
     parents = ProgressFile.create(str(tmp_path))
     assert parents is not None
