@@ -13,9 +13,10 @@ reader keeps reading it now and then, because a read from a dead process fails a
 its file just stops changing.
 
 Files live in a directory of shared memory (`/dev/shm`), named
-`trainer-refit-progress.<pid namespace>.<pid>.<token>`; creating one removes those of processes
-of its PID namespace that are gone (a receiver killed before it closed), so they do not pile
-up; a file of another namespace is never taken for a dead process's. A reader opens only a file
+`trainer-refit-progress.<pid namespace>.<pid>.<token>`. A file goes at `close`, or when the
+process that made it exits without closing it; creating one removes those of processes of its
+PID namespace that are gone (a receiver killed before it closed), so they do not pile up; a
+file of another namespace is never taken for a dead process's. A reader opens only a file
 of that name (no symbolic link, a regular file of `FILE_BYTES`) on its own host: the host's
 identity is its kernel's boot id, which containers on one host share. A file it cannot open
 (another mount namespace) means reading the word one-sidedly, as before.
