@@ -129,8 +129,8 @@ class ProgressPublisher:
         return any(lane.queue or lane.running for lane in self._lanes)
 
     def close(self) -> None:
-        """Waits until every prefix offered is published and stops the threads; raises the
-        first error a publication raised. Idempotent."""
+        """Waits until every prefix offered is published and ends the lanes (their threads go
+        idle); raises the first error a publication raised. Idempotent."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
