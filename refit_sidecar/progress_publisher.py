@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 
 class _Worker:
     """A thread serving one lane at a time, waiting among the idle workers between lanes. The
-    lanes' threads are reused from pull to pull: a new thread per lane and pull cost 0.1-0.5 ms
-    to start, on the pull's loop at its first landed chunk, before its children heard of it."""
+    lanes' threads are reused from pull to pull: a thread started per lane and pull was
+    waited for on the pull's loop at its first landed chunk, before its children heard of it."""
 
     _idle: ClassVar[list[_Worker]] = []
     _pid: ClassVar[int] = 0

@@ -270,8 +270,7 @@ class PartedSums:
             raise ValueError("the sum plan reads outside the buffer")
         self._kernel = _kernel() if buffer.is_cuda else None
         # Every row is written by its part's start before `check` reads any (the parts' rows
-        # tile the table): no fill is queued (a profile of a receiver had the fill's launch on
-        # the listener lane for 0.5 ms a pull).
+        # tile the table): no fill needs queueing on the listener lane.
         self._partial = torch.empty(len(layout.blocks), dtype=torch.int64, device=buffer.device)
         self._started = [False] * len(parts)
 
