@@ -24,12 +24,25 @@ class AheadLease:
         self._pending: tuple[int, Pending[Lease]] | None = None
 
     def ask(
-        self, version: int, receiver_id: str, ttl_s: float, *, wait_s: float, checksums: bool
+        self,
+        version: int,
+        receiver_id: str,
+        ttl_s: float,
+        *,
+        wait_s: float,
+        checksums: bool,
+        before_readable: bool = False,
     ) -> None:
-        """Ask for a lease on `version` now (any other asked ahead is dropped)."""
+        """Ask for a lease on `version` now (any other asked ahead is dropped);
+        `before_readable`: granted once its slot is reserved, where the sidecar can."""
         self.drop()
         pending = self._client.lease_later(
-            version, receiver_id, ttl_s, wait_s=wait_s, checksums=checksums
+            version,
+            receiver_id,
+            ttl_s,
+            wait_s=wait_s,
+            checksums=checksums,
+            before_readable=before_readable,
         )
         self._pending = (version, pending)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from inference_ext.ahead import AheadLease
+from inference_ext.before_readable import BeforeReadable, EarlyPull
 from inference_ext.lease_keeper import LeaseKeeper, renewed
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
@@ -85,6 +86,11 @@ class RefitOptions:
     visible_timeout_s: float = 30.0
     """How long a refit to a version the trainer has returned waits for it to be readable:
     trainer ranks report a version to the sidecar just after the step that made it."""
+    read_before_readable: bool = True
+    """Direct path: `expect` asks for the next version's lease as soon as its slot is reserved,
+    and the fetch reads once the trainer ranks' version words name it, before the sidecar
+    declares it readable; its checksums are compared when they come
+    (inference_ext/before_readable.py). False: the lease comes once the version is readable."""
     verify_checksums: bool = True
     """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
     host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device
@@ -163,7 +169,13 @@ class RefitOptions:
             raise ValueError(
                 f"progress_dir must be an absolute path or empty, got {self.progress_dir!r}"
             )
-        for name in ("verify_checksums", "insecure", "fanout", "trace_pull"):
+        for name in (
+            "verify_checksums",
+            "read_before_readable",
+            "insecure",
+            "fanout",
+            "trace_pull",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
@@ -250,6 +262,9 @@ class RefitStats:
     expected: bool = False
     """The lease (and, through the tree, the sources) had been asked for before the fetch,
     by `Receiver.expect`."""
+    before_readable: bool = False
+    """The lease came before the version was readable and the pull started on the sources'
+    version words (`RefitOptions.read_before_readable`); `sidecar_readable_at` is then 0."""
     trace: tuple[Event, ...] = ()
     """Fan-out with `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
 
@@ -347,6 +362,7 @@ class _Fetched:
     leased_at: float
     sidecar_readable_at: float
     sidecar_answered_at: float
+    before_readable: bool
 
 
 _VIEWS_KEPT = 4096
@@ -461,6 +477,10 @@ class Receiver:
         """Renews the lease of the pull in progress."""
         self._ahead = AheadLease(self.client, self._releases)
         """Direct path: the lease asked ahead by `expect`."""
+        self._before = BeforeReadable(
+            self.client, self.transport, functools.partial(TorchWords, device=device)
+        )
+        """Direct path: pulls of versions leased before they were readable."""
         if options.fanout:
             chunks = ChunkConfig(
                 chunk_bytes=options.chunk_bytes,
@@ -514,6 +534,7 @@ class Receiver:
                 options.lease_ttl_s,
                 wait_s=wait,
                 checksums=self._verifies,
+                before_readable=options.read_before_readable,
             )
 
     def fetch(
@@ -565,8 +586,12 @@ class Receiver:
         # The sidecar's times, from its answer (a renewal of a lease asked long before has none).
         sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
         self._keeper.keep(lease)
+        early: EarlyPull | None = None
         try:
-            plan, replanned, by_key = self._plan_for(lease)
+            if lease.pending:
+                plan, replanned, by_key, early = self._plan_early(lease, wait)
+            else:
+                plan, replanned, by_key = self._plan_for(lease)
             plan_s = time.perf_counter() - begin
             log.debug(
                 "version %d: lease %.3f ms, manifest and plan %.3f ms",
@@ -575,7 +600,9 @@ class Receiver:
                 1e3 * (begin + plan_s - leased),
             )
             region = self.staging.ensure(plan.pull.nbytes)
-            pulled = self._pull(plan.pull, region, on_progress)
+            pulled = self._pull(
+                plan.pull, region, on_progress, None if early is None else early.checksums
+            )
         except BaseException as e:
             if self._tree is not None:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
@@ -605,7 +632,15 @@ class Receiver:
                 "sidecar restarted); the bytes may have been overwritten, so nothing installs"
             )
         self._fetched = _Fetched(
-            plan, pulled, plan_s, replanned, by_key, expected, leased_at, *sidecar
+            plan,
+            pulled,
+            plan_s,
+            replanned,
+            by_key,
+            expected,
+            leased_at,
+            *sidecar,
+            early is not None,
         )
 
     def _pull(
@@ -613,6 +648,7 @@ class Receiver:
         plan: PullPlan,
         region: Region,
         on_progress: Callable[[int, int], None] | None,
+        checksums_later: Callable[[], PullPlan] | None = None,
     ) -> _Pulled:
         if self._tree is not None:
             deadline = time.monotonic() + self.options.pull_timeout_s
@@ -635,7 +671,9 @@ class Receiver:
                 tree.trace,
             )
         started = time.time()
-        stats = self.transport.pull(plan, region, verify=self._verifies)
+        stats = self.transport.pull(
+            plan, region, verify=self._verifies, checksums_later=checksums_later
+        )
         by_source: dict[str, int] = {}
         for reads in plan.reads:
             agent = reads.location.agent
@@ -670,6 +708,26 @@ class Receiver:
             while len(self._by_manifest_key) > _KNOWN_MANIFESTS:
                 self._by_manifest_key.popitem(last=False)
         return fresh, replanned, False
+
+    def _plan_early(
+        self, lease: Lease, wait: float
+    ) -> tuple[ReceiverPlan, bool, bool, EarlyPull | None]:
+        """The plan of a version leased before it was readable, as `_plan_for`, and what its
+        pull needs: the plan held for the lease's manifest key, once the sources' version
+        words name the version. A key this receiver has not met (its first version from that
+        slot) is planned from the manifest once the version is readable."""
+        deadline = time.monotonic() + max(wait, 0.0)
+        known = self._by_manifest_key.get(lease.manifest_key)
+        if known is None:
+            self.client.checksums_later(lease.version, wait_s=max(wait, 0.0)).result()
+            plan, replanned, by_key = self._plan_for(replace(lease, pending=False))
+            return plan, replanned, by_key, None
+        self._by_manifest_key.move_to_end(lease.manifest_key)
+        plan, order = known
+        early = self._before.start(
+            lease, plan.pull, order, verify=self._verifies, deadline=deadline
+        )
+        return ReceiverPlan(early.plan, plan.slices), False, True, early
 
     def _fresh(self, lease: Lease) -> Lease | None:
         """A lease asked ahead counts its end from when it was asked: one asked long before
@@ -747,6 +805,7 @@ class Receiver:
             asked_ahead=pulled.asked_ahead,
             routes_left_out=pulled.routes_left_out,
             expected=fetched.expected,
+            before_readable=fetched.before_readable,
             trace=pulled.trace,
         )
 
@@ -795,6 +854,7 @@ class Receiver:
         if self._tree is not None:
             self._tree.close()
         self.staging.release()
+        self._before.release()
         self.transport.close()
         self.client.close()
 

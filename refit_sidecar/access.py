@@ -18,6 +18,7 @@ METHOD_ROLES: MethodRoles = method_roles(
         "GetLatestVersion": [Role.RECEIVER],
         "WatchVersions": [Role.RECEIVER],
         "GetManifest": [Role.RECEIVER],
+        "GetChecksums": [Role.RECEIVER],
         "AcquireLease": [Role.RECEIVER],
         "RenewLease": [Role.RECEIVER],
         "ReleaseLease": [Role.RECEIVER],

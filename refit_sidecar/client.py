@@ -131,6 +131,19 @@ class Lease:
     renewals)."""
     answered_at: float = 0.0
     """When the sidecar built this answer, by its clock."""
+    pending: bool = False
+    """Leased before the version was readable (`before_readable`): its bytes are there once
+    each source's version word names it; its checksums come from `checksums_later`."""
+
+
+@dataclass(frozen=True)
+class VersionChecksums:
+    """A readable version's checksums (GetChecksums)."""
+
+    version: int
+    manifest_key: bytes
+    checksums: tuple[Checksums, ...]
+    """Every shard's, in the manifest's order (parameters, then their shards)."""
 
 
 def lease_from_proto(reply: pb.Lease, sent: float | None = None) -> Lease:
@@ -146,6 +159,7 @@ def lease_from_proto(reply: pb.Lease, sent: float | None = None) -> Lease:
         math.inf if sent is None else sent + reply.expires_in_seconds,
         reply.readable_at,
         reply.answered_at,
+        reply.pending,
     )
 
 
@@ -297,11 +311,16 @@ class SidecarClient:
         *,
         wait_s: float = 0.0,
         checksums: bool = False,
+        before_readable: bool = False,
     ) -> Lease:
         """A lease on `version` for `ttl` seconds. `wait_s`: a version newer than every
         readable one is waited for that long on the sidecar, then leased (UnknownVersion if it
-        is not readable by then); `checksums`: the lease carries the version's checksums."""
-        request = _lease_request(version, receiver_id, ttl, wait_s, checksums)
+        is not readable by then); `checksums`: the lease carries the version's checksums.
+        `before_readable`: leased as soon as its slot is reserved when the sidecar knows the
+        slot's manifest key (then `Lease.pending`)."""
+        request = _lease_request(
+            version, receiver_id, ttl, wait_s, checksums, before_readable=before_readable
+        )
         sent = time.monotonic()
         return lease_from_proto(self._call(self._stub.AcquireLease, request, extra_s=wait_s), sent)
 
@@ -313,12 +332,16 @@ class SidecarClient:
         *,
         wait_s: float,
         checksums: bool = False,
+        before_readable: bool = False,
     ) -> Pending[Lease]:
         """`acquire_lease` left in flight (`pending.Pending`): asked before `version` is
         readable, answered the moment it is (or after `wait_s`, UnknownVersion). Its lease's
         `expires_at` counts from the call's start, so a call parked long leaves little of it:
-        renew before relying on it (`Receiver.fetch` does)."""
-        request = _lease_request(version, receiver_id, ttl, wait_s, checksums)
+        renew before relying on it (`Receiver.fetch` does). `before_readable` as for
+        `acquire_lease`."""
+        request = _lease_request(
+            version, receiver_id, ttl, wait_s, checksums, before_readable=before_readable
+        )
         sent = time.monotonic()
         future = self._stub.AcquireLease.future(
             request, timeout=self._timeout(wait_s), metadata=self._metadata()
@@ -326,6 +349,23 @@ class SidecarClient:
         return Pending(
             future,
             lambda reply: lease_from_proto(reply, sent),
+            lambda error: _domain_error(error, UnknownVersion),
+        )
+
+    def checksums_later(self, version: int, *, wait_s: float) -> Pending[VersionChecksums]:
+        """GetChecksums left in flight: `version`'s checksums and manifest key once it is
+        readable (UnknownVersion when it is not within `wait_s`)."""
+        request = pb.GetChecksumsRequest(version=version, wait_seconds=wait_s)
+        future = self._stub.GetChecksums.future(
+            request, timeout=self._timeout(wait_s), metadata=self._metadata()
+        )
+        return Pending(
+            future,
+            lambda reply: VersionChecksums(
+                reply.version,
+                reply.manifest_key,
+                tuple(checksums_from_proto(s) for s in reply.checksums),
+            ),
             lambda error: _domain_error(error, UnknownVersion),
         )
 
@@ -452,7 +492,13 @@ class SidecarClient:
 
 
 def _lease_request(
-    version: int, receiver_id: str, ttl: float, wait_s: float, checksums: bool
+    version: int,
+    receiver_id: str,
+    ttl: float,
+    wait_s: float,
+    checksums: bool,
+    *,
+    before_readable: bool,
 ) -> pb.AcquireLeaseRequest:
     return pb.AcquireLeaseRequest(
         version=version,
@@ -460,6 +506,7 @@ def _lease_request(
         ttl_seconds=ttl,
         wait_seconds=wait_s,
         with_checksums=checksums,
+        before_readable=before_readable,
     )
 
 

@@ -118,6 +118,10 @@ class ShardPiece:
             raise ValueError(f"local_start {self.local_start} does not fit box {self.box}")
 
 
+VERSION_WORD_BYTES = 8
+"""A source's version word (`AgentRecord.version_word`): one little-endian uint64."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardLocation:
     """A source buffer holding one rank's local tensor, readable over NIXL."""
@@ -219,10 +223,20 @@ class AgentRecord:
     port: int | None = None
     """The source's metadata listener, used when `metadata` is empty."""
     rank: int = 0
+    version_word: ShardLocation | None = None
+    """Where the source's slot holds the number of the version its bytes are (8 bytes,
+    little-endian), written once the bytes have landed: a receiver that leased a version before
+    it was readable reads this until it names that version (`version_word.VersionWords`)."""
 
     def __post_init__(self) -> None:
         if not self.metadata and (not self.host or self.port is None):
             raise ValueError(f"agent {self.name!r} needs metadata or a listener host and port")
+        word = self.version_word
+        if word is not None and (word.agent != self.name or word.nbytes != VERSION_WORD_BYTES):
+            raise ValueError(
+                f"agent {self.name!r}: its version word must be {VERSION_WORD_BYTES} bytes of "
+                f"its own memory, got {word.nbytes} bytes of {word.agent!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -150,11 +150,20 @@ class NixlTransport:
         if registration is not None:
             self._agent.deregister_memory(registration)
 
-    def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
+    def pull(
+        self,
+        plan: PullPlan,
+        dest: Region,
+        *,
+        verify: bool = False,
+        checksums_later: Callable[[], PullPlan] | None = None,
+    ) -> PullStats:
         """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
         in device memory while the requests land (`running_check.RunningCheck`, its parts
         started from a thread of their own so that polling the requests never waits on them).
-        """
+        `checksums_later`: the checksums came after the pull started; called once the bytes
+        have landed, it returns the plan that carries them (`plan`'s own then only say which
+        reads are checked)."""
         if not verify:
             return self.start(plan, dest).wait()
         check = RunningCheck(plan, dest)
@@ -165,7 +174,8 @@ class NixlTransport:
                 stats = self.start(plan, dest).wait(
                     on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
                 )
-        return replace(stats, verified_shards=check.finish())
+        final = None if checksums_later is None else checksums_later()
+        return replace(stats, verified_shards=check.finish(final))
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:
         """Post the plan's reads (requests of about `NixlConfig.request_bytes` per source

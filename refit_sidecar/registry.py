@@ -244,10 +244,26 @@ class Registry:
     def shards(self, version: int) -> Mapping[int, Any]:
         return dict(self.visible(version).shards_by_rank)
 
-    def acquire_lease(self, version: int, receiver_id: str, ttl_seconds: float) -> Lease:
+    def reserved(self, version: int) -> bool:
+        """Whether `version` has a slot and is being published (not readable yet)."""
+        record = self._versions.get(version)
+        return record is not None and record.state is VersionState.PUBLISHING
+
+    def slot_of(self, version: int) -> int | None:
+        """The slot holding (or reserved for) `version`; None for a version unknown."""
+        record = self._versions.get(version)
+        return None if record is None else record.slot
+
+    def acquire_lease(
+        self, version: int, receiver_id: str, ttl_seconds: float, *, before_readable: bool = False
+    ) -> Lease:
+        """A lease on a readable version; with `before_readable`, on a version still being
+        published too (its slot is reserved, and no other version gets it while the lease
+        lasts)."""
         if not receiver_id:
             raise InvalidRequest("a lease needs a receiver id (its holder)", field="receiver_id")
-        self.visible(version)
+        if not (before_readable and self.reserved(version)):
+            self.visible(version)
         lease = Lease(
             lease_id=secrets.token_urlsafe(16),
             version=version,

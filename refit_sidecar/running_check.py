@@ -99,16 +99,21 @@ class RunningCheck:
         self._sums = None
         self._whole = True
 
-    def finish(self) -> int:
+    def finish(self, published: PullPlan | None = None) -> int:
         """Checks what is left and waits for every part; returns how many shards were checked.
-        ChecksumMismatch names the first that differs."""
+        ChecksumMismatch names the first that differs. `published`: the same reads, carrying
+        the checksums to compare with when they came after the check started (the check's own
+        plan then only said which reads are checked)."""
+        expected = self._plan if published is None else published
+        if len(expected.reads) != len(self._plan.reads):
+            raise ValueError("the published checksums are of another plan")
         parts = self._cut()
         if not parts or self._whole:
-            return verify_pulled(self._plan, self._dest)
+            return verify_pulled(expected, self._dest)
         while self._next < len(parts):
             self._start(parts[self._next])
         with self._on_stream():
-            count: int = self._sums.check()
+            count: int = self._sums.check(expected.reads)
         return count
 
     def _cut(self) -> list[_Part]:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._sums: dict[int, list[pb.ShardChecksums]] = {}
         self._readable_at: dict[int, float] = {}
         """When each version became readable (`time.time()`), for the leases' answers."""
+        self._slot_keys: dict[int, bytes] = {}
+        """Per slot, the manifest key of the last version readable there (this generation):
+        the key a version reserved in that slot will have, for leases before it is readable."""
         self.tree = TreeService(
             registry,
             self._manifest,
@@ -139,6 +142,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         )
         self._layout = layout
         self._manifests.clear()
+        self._slot_keys.clear()
         log.info(
             "trainer registered: world size %d, %d slots", layout.world_size, request.num_slots
         )
@@ -156,6 +160,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         while True:
             try:
                 slot, retired = self.registry.reserve_slot(request.version, ahead=request.ahead)
+                self._notify()  # leases asked before the version is readable can be granted
                 return pb.ReserveSlotResponse(slot=slot, retired_version=retired or 0)
             except PublicationPending as pending:
                 if time.monotonic() >= publish_deadline:
@@ -250,8 +255,11 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         readable = set(self.registry.readable())
         for stale in [v for v in self._manifests if v not in readable]:
             del self._manifests[stale]
-        self._manifests[version] = (manifest, manifest_key(manifest))
-        return self._manifests[version]
+        self._manifests[version] = built = (manifest, manifest_key(manifest))
+        slot = self.registry.slot_of(version)
+        if slot is not None:
+            self._slot_keys[slot] = built[1]
+        return built
 
     def _lease(self, lease: Any, key: bytes = b"") -> pb.Lease:
         return pb.Lease(
@@ -264,11 +272,43 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> Any:
-        await self._wait_requested(request.version, request.wait_seconds)
-        lease = self.registry.acquire_lease(
-            request.version, request.receiver_id, request.ttl_seconds
-        )
+        version = request.version
+        if request.before_readable:
+            deadline = time.monotonic() + self._seconds(request.wait_seconds, "wait_seconds")
+            await self._until(lambda: not self._waiting(version, reserved=True), deadline)
+            key = self._reserved_key(version)
+            if key is not None:
+                lease = self.registry.acquire_lease(
+                    version, request.receiver_id, request.ttl_seconds, before_readable=True
+                )
+                reply = self._lease(lease, key)
+                reply.pending = True
+                reply.answered_at = time.time()
+                return reply
+            await self._until(lambda: not self._waiting(version), deadline)
+        else:
+            await self._wait_requested(version, request.wait_seconds)
+        lease = self.registry.acquire_lease(version, request.receiver_id, request.ttl_seconds)
         return self._granted(lease, request.with_checksums)
+
+    def _reserved_key(self, version: int) -> bytes | None:
+        """The manifest key `version` will have, when it is being published into a slot that
+        held a readable version of this trainer before; None otherwise."""
+        if not self.registry.reserved(version):
+            return None
+        slot = self.registry.slot_of(version)
+        return None if slot is None else self._slot_keys.get(slot)
+
+    @_grpc_errors
+    async def GetChecksums(self, request: pb.GetChecksumsRequest, context: Any) -> Any:
+        await self._wait_requested(request.version, request.wait_seconds)
+        self.registry.visible(request.version)  # UnknownVersion: not readable in time
+        manifest_key = self._manifest(request.version)[1]
+        return pb.VersionChecksums(
+            version=request.version,
+            manifest_key=manifest_key,
+            checksums=self._checksums(request.version),
+        )
 
     def _granted(self, lease: Any, with_checksums: bool) -> pb.Lease:
         """A lease just granted on a readable version, with its manifest key, and its
@@ -295,13 +335,19 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     async def _until_readable(self, version: int, timeout: float) -> None:
         """Returns once `version` is readable, or can no longer become so (a newer one is), or
         after `timeout` seconds; the caller then leases it or fails."""
-        deadline = time.monotonic() + timeout
+        await self._until(lambda: not self._waiting(version), time.monotonic() + timeout)
 
-        def waiting() -> bool:
-            latest = self.registry.latest
-            return version not in self.registry.readable() and (latest is None or latest < version)
+    def _waiting(self, version: int, *, reserved: bool = False) -> bool:
+        """Whether `version` may still become readable (with `reserved`: reserved) and is not
+        yet."""
+        if reserved and self.registry.reserved(version):
+            return False
+        latest = self.registry.latest
+        return version not in self.registry.readable() and (latest is None or latest < version)
 
-        while waiting():
+    async def _until(self, done: Callable[[], bool], deadline: float) -> None:
+        """Returns once `done()`, or at `deadline` (time.monotonic())."""
+        while not done():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -24,7 +24,7 @@ import torch
 
 from refit_sidecar import wsum
 from refit_sidecar.checksum import ChecksumMismatch
-from refit_sidecar.plan import PullPlan
+from refit_sidecar.plan import PullPlan, ShardReads
 from refit_sidecar.transport import Region
 
 _TORCH_CHUNK = 1 << 24
@@ -288,10 +288,11 @@ class PartedSums:
                 _launch(self._kernel, self._units, blocks, partial, whole)
         self._started[part] = True
 
-    def check(self) -> int:
+    def check(self, published: Sequence[ShardReads] | None = None) -> int:
         """Waits for the sums (every part started) and compares each with its read's published
-        WSUM-64; returns how many were checked. ChecksumMismatch names the first that differs,
-        in the plan's order."""
+        WSUM-64 (in `published`, the plan's reads with the checksums that came later, else
+        the plan's); returns how many were checked. ChecksumMismatch names the first that
+        differs, in the plan's order, or a read published without one."""
         if not all(self._started):
             raise RuntimeError("a part was never started")
         layout = self._layout
@@ -300,12 +301,15 @@ class PartedSums:
         sums = torch.zeros(len(layout.indices), dtype=torch.int64, device=self._partial.device)
         sums.index_add_(0, layout.groups, self._partial)
         got = sums.cpu().numpy().view(np.uint64).tolist()
-        reads = self._plan.reads
+        reads = self._plan.reads if published is None else published
         for value, i in sorted(zip(got, layout.indices, strict=True), key=lambda pair: pair[1]):
-            published = reads[i].sum64
-            assert published is not None  # its parts hold only reads that carry one
-            if value != published:
-                raise ChecksumMismatch.of(reads[i], "wsum64", value, published)
+            expected = reads[i].sum64
+            if expected is None:
+                raise ChecksumMismatch(
+                    f"{reads[i].parameter} shard {reads[i].shard}: published without a WSUM-64"
+                )
+            if value != expected:
+                raise ChecksumMismatch.of(reads[i], "wsum64", value, expected)
         return len(layout.indices)
 
 

@@ -194,13 +194,19 @@ def agent_to_proto(agent: AgentRecord) -> pb.SourceAgent:
             f"agent {agent.name!r} has no metadata blob; the wire carries agents' metadata only "
             "(no listener host/port), so a published agent must include it"
         )
-    return pb.SourceAgent(name=agent.name, metadata=agent.metadata, rank=agent.rank)
+    message = pb.SourceAgent(name=agent.name, metadata=agent.metadata, rank=agent.rank)
+    if agent.version_word is not None:
+        message.version_word.CopyFrom(location_to_proto(agent.version_word))
+    return message
 
 
 def agent_from_proto(message: pb.SourceAgent) -> AgentRecord:
     if not message.name:
         raise ValueError("a source agent needs a name")
-    return AgentRecord(message.name, metadata=message.metadata, rank=message.rank)
+    word = location_from_proto(message.version_word) if message.HasField("version_word") else None
+    return AgentRecord(
+        message.name, metadata=message.metadata, rank=message.rank, version_word=word
+    )
 
 
 def manifest_to_proto(

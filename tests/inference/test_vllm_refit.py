@@ -22,6 +22,7 @@ from tests.support.fidelity import (
     train_step,
     trainer_logprobs,
 )
+from tests.support.receiver import corrupt_one_byte
 from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import TrainerProcess, kill_tree
 from trainer_svc.builtin_model import write_builtin_model
@@ -111,23 +112,6 @@ def _refit_through_both_slots(trainer: TrainerProcess, engines: dict, seed: int)
         check_installed_slices(engine.call("slices", None), exported, tp)
 
 
-def _corrupt_one_byte(sidecar: Sidecar, version: int, rank: psutil.Process) -> str:
-    """Flips one byte of a TP-split shard that `rank` published for `version`, in the rank's
-    own memory (its DRAM snapshot slot), after the version's CRC-32s were reported."""
-    manifest = sidecar.client().manifest(version)
-    prefix = f"trainer-rank{rank.environ()['RANK']}-"
-    agent = next(a for a in manifest.agents if a.startswith(prefix))
-    record = next(p for p in manifest.parameters if len(p.shards) == 2 and "linear_qkv" in p.name)
-    (shard,) = [s for s in record.shards if s.location.agent == agent]
-    address = shard.location.address + shard.location.nbytes // 3
-    with open(f"/proc/{rank.pid}/mem", "r+b", buffering=0) as memory:
-        memory.seek(address)
-        (byte,) = memory.read(1)
-        memory.seek(address)
-        memory.write(bytes([byte ^ 0x40]))
-    return record.name
-
-
 def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_dir, engines):
     """A TP=2 trainer publishes version 2 and one byte of a shard in rank 0's slot is then
     flipped: every engine worker that reads the shard fails its CRC-32, and neither engine
@@ -148,7 +132,7 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
             served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
             assert train_step(trainer, "s2", seed=5) == 2
             (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
-            corrupted = _corrupt_one_byte(sidecar, 2, rank0)
+            corrupted = corrupt_one_byte(sidecar, 2, rank0)
             for tp, engine in engines.items():
                 # TP=2: worker 0 reads the shard and fails; worker 1 succeeds, and the
                 # engine still installs nothing.

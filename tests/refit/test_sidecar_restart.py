@@ -17,13 +17,14 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_ext.receiver import Receiver, RefitError, RefitOptions, RefitStats
+from inference_ext.receiver import Receiver, RefitError, RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
 from tests.support.batches import make_batch
 from tests.support.fidelity import train_step
 from tests.support.isolation import in_child_process
+from tests.support.receiver import assert_exported, refit_with_stats
 from tests.support.sidecar import start_sidecar
 from tests.support.trainer import TrainerProcess
 from trainer_svc.domain import FailedPrecondition, LossConfig, OptimizerOverrides
@@ -49,25 +50,7 @@ def _wait_publication(trainer: TrainerProcess, status: int, timeout: float = 20.
 
 
 def _refit(receiver: Receiver, version: int) -> dict[str, torch.Tensor]:
-    return _refit_with_stats(receiver, version)[0]
-
-
-def _refit_with_stats(
-    receiver: Receiver, version: int
-) -> tuple[dict[str, torch.Tensor], RefitStats]:
-    receiver.fetch(version)
-    installed: dict[str, torch.Tensor] = {}
-    stats = receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
-    return installed, stats
-
-
-def _assert_exported(
-    trainer: TrainerProcess, installed: dict[str, torch.Tensor], name: str
-) -> None:
-    exported = trainer.export(name)
-    assert set(installed) == set(exported)
-    for key, tensor in installed.items():
-        assert torch.equal(tensor, torch.from_numpy(exported[key])), key
+    return refit_with_stats(receiver, version)[0]
 
 
 def _finish_when_published(trainer: TrainerProcess, step_id: str) -> int:
@@ -100,7 +83,7 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
     try:
         _wait_publication(trainer, SERVING)
         assert train_step(trainer, "s1", seed=1) == 1
-        _assert_exported(trainer, _refit(receiver, 1), "v1")
+        assert_exported(trainer, _refit(receiver, 1), "v1")
 
         receiver.expect(2)  # its call dies with the sidecar: the refit of 2 leases anew
         sidecar.send_signal(signal.SIGKILL)
@@ -116,9 +99,9 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         # The same tokens: the trainer and the receiver keep theirs across the restart.
         sidecar, _ = start_sidecar(tmp_path / "sidecar-again", port=port, tokens=running.tokens)
         assert _finish_when_published(trainer, "s2") == 2
-        installed, stats = _refit_with_stats(receiver, 2)
+        installed, stats = refit_with_stats(receiver, 2)
         assert not stats.expected
-        _assert_exported(trainer, installed, "v2")
+        assert_exported(trainer, installed, "v2")
         _wait_publication(trainer, SERVING)
 
         # Once the receiver has met both slots, a version (asked for as FinishTrainStep
@@ -135,9 +118,9 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         trainer.client.begin_step("s4", loss, OptimizerOverrides(learning_rate=2e-2))
         trainer.client.train_microbatch("s4", "r", make_batch(seed=4, lengths=[5, 9], loss=loss))
         assert trainer.client.finish_step("s4").weights_version == 4
-        installed, stats = _refit_with_stats(receiver, 4)
+        installed, stats = refit_with_stats(receiver, 4)
         assert stats.replayed_by_key and stats.verified_shards > 0
-        _assert_exported(trainer, installed, "v4")
+        assert_exported(trainer, installed, "v4")
 
         # A lease that runs out before the pull ends protects nothing: the refit fails closed.
         brief = RefitOptions(
@@ -168,8 +151,8 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
 
         slow.transport.pull = late_pull  # type: ignore[method-assign]
         try:
-            installed, _ = _refit_with_stats(slow, 4)
-            _assert_exported(trainer, installed, "v4-slow")
+            installed, _ = refit_with_stats(slow, 4)
+            assert_exported(trainer, installed, "v4-slow")
         finally:
             slow.close()
 
@@ -177,9 +160,9 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         # comes the moment the version is published and the fetch takes it.
         receiver.expect(5)
         assert train_step(trainer, "s5", seed=5) == 5
-        installed, stats = _refit_with_stats(receiver, 5)
+        installed, stats = refit_with_stats(receiver, 5)
         assert stats.expected
-        _assert_exported(trainer, installed, "v5")
+        assert_exported(trainer, installed, "v5")
         # An expected version that is not fetched gives its lease back (the next expect drops
         # it): the trainer's two slots stay free for the versions after it.
         receiver.expect(6)
@@ -192,9 +175,9 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         start = time.monotonic()
         assert train_step(trainer, "s8", seed=8) == 8  # into version 6's slot
         assert time.monotonic() - start < 10, "a lease asked ahead and dropped held its slot"
-        installed, stats = _refit_with_stats(receiver, 8)
+        installed, stats = refit_with_stats(receiver, 8)
         assert not stats.expected  # version 7's lease was dropped by this fetch
-        _assert_exported(trainer, installed, "v8")
+        assert_exported(trainer, installed, "v8")
 
         # A lease asked for long before its version came counts its time from the asking: it
         # is renewed before the pull, which would otherwise fail closed.
@@ -213,18 +196,18 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
             follower.expect(9, wait_s=20)
             time.sleep(1.0)
             assert train_step(trainer, "s9", seed=9) == 9
-            installed, stats = _refit_with_stats(follower, 9)
+            installed, stats = refit_with_stats(follower, 9)
             assert stats.expected
-            _assert_exported(trainer, installed, "v9-follower")
+            assert_exported(trainer, installed, "v9-follower")
             # Answered, then fetched only after its lease ran out: leased anew.
             follower.expect(10, wait_s=20)
             assert train_step(trainer, "s10", seed=10) == 10
             with running.client() as client:
                 client.wait_visible(10, timeout=30)
             time.sleep(1.5)
-            installed, stats = _refit_with_stats(follower, 10)
+            installed, stats = refit_with_stats(follower, 10)
             assert not stats.expected
-            _assert_exported(trainer, installed, "v10-follower")
+            assert_exported(trainer, installed, "v10-follower")
         finally:
             follower.close()
     finally:

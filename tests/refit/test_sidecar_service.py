@@ -311,6 +311,84 @@ def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_pat
         assert renewed.manifest_key == b""
 
 
+def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp_path):
+    """`before_readable`: a version whose slot held a readable version (its manifest key known)
+    is leased as soon as it is reserved, pending, with that key and no checksums; the leased
+    slot is never handed on; GetChecksums answers once the version is readable, with the key.
+    A slot never read before gives a lease only once the version is readable."""
+    with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
+        stub = sidecar.stub(Role.TRAINER)
+        _register(stub, world_size=1, slots=2)
+
+        def reserve(version: int) -> int:
+            return stub.ReserveSlot(pb.ReserveSlotRequest(version=version)).slot
+
+        def publish(version: int, slot: int, crc: int) -> None:
+            shard = pb.ShardRecord(
+                location=pb.ShardLocation(
+                    agent="rank-0",
+                    address=4096 * (slot + 1),
+                    nbytes=16,
+                    shape=[4],
+                    strides=[1],
+                    memory=pb.MEMORY_KIND_DRAM,
+                ),
+                pieces=[pb.ShardPiece(box=pb.Box(start=[0], stop=[4]), local_start=[0])],
+                crc32=crc,
+            )
+            request = pb.PublishShardsRequest(
+                version=version,
+                rank=0,
+                agent=pb.SourceAgent(name="rank-0", metadata=b"meta", rank=0),
+                parameters=[
+                    pb.ParameterRecord(
+                        name="w", shape=[4], dtype=common_pb2.DTYPE_FLOAT32, shards=[shard]
+                    )
+                ],
+            )
+            assert stub.PublishShards(request).visible
+
+        def early(version: int):
+            return client.lease_later(
+                version, "r", 30, wait_s=20, checksums=True, before_readable=True
+            )
+
+        # Slot 0 was never readable: the lease waits for the version to be.
+        first = early(1)
+        assert reserve(1) == 0
+        time.sleep(0.3)
+        assert not first.done()
+        publish(1, 0, crc=11)
+        lease = first.result()
+        assert not lease.pending and lease.checksums == ((11, None),)
+        slot_key = lease.manifest_key
+        client.release_lease(lease)
+        publish(2, reserve(2), crc=22)
+        client.release_lease(client.acquire_lease(2, "r", ttl=30))
+
+        # Slot 0 again: leased at its reservation, before any report.
+        third = early(3)
+        time.sleep(0.2)
+        assert not third.done()  # not reserved yet
+        assert reserve(3) == 0
+        lease = third.result(timeout=10)
+        assert lease.pending and lease.checksums is None and lease.readable_at == 0
+        assert lease.manifest_key == slot_key
+        asked = client.checksums_later(3, wait_s=20)
+        time.sleep(0.2)
+        assert not asked.done()
+        publish(3, 0, crc=33)
+        got = asked.result(timeout=10)
+        assert (got.version, got.checksums) == (3, ((33, None),))
+        assert got.manifest_key == lease.manifest_key
+        # Version 3's slot stays with it while the lease lasts, readable or not.
+        publish(4, reserve(4), crc=44)
+        assert reserve(5) == 1  # not slot 0: version 3 is leased
+        client.release_lease(lease)
+        with pytest.raises(UnknownVersion):
+            client.checksums_later(99, wait_s=0.2).result()
+
+
 def test_malformed_requests_are_refused_at_the_edge(tmp_path):
     """A body that does not parse is INVALID_ARGUMENT before any handler, logged once and
     without a traceback; the client raises refusals as InvalidRequest (a ValueError); both

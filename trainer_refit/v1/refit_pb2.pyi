@@ -91,14 +91,16 @@ class ParameterRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shards: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ...) -> None: ...
 
 class SourceAgent(_message.Message):
-    __slots__ = ("name", "metadata", "rank")
+    __slots__ = ("name", "metadata", "rank", "version_word")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_WORD_FIELD_NUMBER: _ClassVar[int]
     name: str
     metadata: bytes
     rank: int
-    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ...) -> None: ...
+    version_word: ShardLocation
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., version_word: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("version", "layout", "parameters", "agents")
@@ -137,18 +139,38 @@ class GetManifestRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("version", "receiver_id", "ttl_seconds", "wait_seconds", "with_checksums")
+    __slots__ = ("version", "receiver_id", "ttl_seconds", "wait_seconds", "with_checksums", "before_readable")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WITH_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_READABLE_FIELD_NUMBER: _ClassVar[int]
     version: int
     receiver_id: str
     ttl_seconds: float
     wait_seconds: float
     with_checksums: bool
-    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., with_checksums: _Optional[bool] = ...) -> None: ...
+    before_readable: bool
+    def __init__(self, version: _Optional[int] = ..., receiver_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., with_checksums: _Optional[bool] = ..., before_readable: _Optional[bool] = ...) -> None: ...
+
+class GetChecksumsRequest(_message.Message):
+    __slots__ = ("version", "wait_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    wait_seconds: float
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class VersionChecksums(_message.Message):
+    __slots__ = ("version", "manifest_key", "checksums")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest_key: bytes
+    checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksums]
+    def __init__(self, version: _Optional[int] = ..., manifest_key: _Optional[bytes] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksums, _Mapping]]] = ...) -> None: ...
 
 class ShardChecksums(_message.Message):
     __slots__ = ("crc32", "wsum64")
@@ -159,7 +181,7 @@ class ShardChecksums(_message.Message):
     def __init__(self, crc32: _Optional[int] = ..., wsum64: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key", "receiver_id", "checksums", "readable_at", "answered_at")
+    __slots__ = ("lease_id", "version", "expires_in_seconds", "manifest_key", "receiver_id", "checksums", "readable_at", "answered_at", "pending")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +190,7 @@ class Lease(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     READABLE_AT_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_AT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     expires_in_seconds: float
@@ -176,7 +199,8 @@ class Lease(_message.Message):
     checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksums]
     readable_at: float
     answered_at: float
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ..., receiver_id: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksums, _Mapping]]] = ..., readable_at: _Optional[float] = ..., answered_at: _Optional[float] = ...) -> None: ...
+    pending: bool
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., manifest_key: _Optional[bytes] = ..., receiver_id: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksums, _Mapping]]] = ..., readable_at: _Optional[float] = ..., answered_at: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_seconds", "receiver_id")

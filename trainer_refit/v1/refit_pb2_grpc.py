@@ -65,6 +65,11 @@ class RefitServiceStub:
                 request_serializer=trainer__refit_dot_v1_dot_refit__pb2.AcquireLeaseRequest.SerializeToString,
                 response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.Lease.FromString,
                 _registered_method=True)
+        self.GetChecksums = channel.unary_unary(
+                '/trainer_refit.v1.RefitService/GetChecksums',
+                request_serializer=trainer__refit_dot_v1_dot_refit__pb2.GetChecksumsRequest.SerializeToString,
+                response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.VersionChecksums.FromString,
+                _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/trainer_refit.v1.RefitService/RenewLease',
                 request_serializer=trainer__refit_dot_v1_dot_refit__pb2.RenewLeaseRequest.SerializeToString,
@@ -148,6 +153,17 @@ class RefitServiceServicer:
     def AcquireLease(self, request, context):
         """NOT_FOUND for a version that is not readable; INVALID_ARGUMENT for an empty receiver_id
         or ttl_seconds outside (0, the sidecar's --max-lease-seconds].
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetChecksums(self, request, context):
+        """A readable version's checksums, in GetManifest's order, with its manifest key: what a
+        receiver that leased the version before it was readable (`before_readable`) checks its
+        pull against. Waits up to `wait_seconds` for the version to become readable. NOT_FOUND
+        for a version that is not readable by then; INVALID_ARGUMENT for wait_seconds outside
+        [0, --max-lease-seconds].
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -256,6 +272,11 @@ def add_RefitServiceServicer_to_server(servicer, server):
                     servicer.AcquireLease,
                     request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.AcquireLeaseRequest.FromString,
                     response_serializer=trainer__refit_dot_v1_dot_refit__pb2.Lease.SerializeToString,
+            ),
+            'GetChecksums': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetChecksums,
+                    request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.GetChecksumsRequest.FromString,
+                    response_serializer=trainer__refit_dot_v1_dot_refit__pb2.VersionChecksums.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
@@ -417,6 +438,33 @@ class RefitService:
             '/trainer_refit.v1.RefitService/AcquireLease',
             trainer__refit_dot_v1_dot_refit__pb2.AcquireLeaseRequest.SerializeToString,
             trainer__refit_dot_v1_dot_refit__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetChecksums(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainer_refit.v1.RefitService/GetChecksums',
+            trainer__refit_dot_v1_dot_refit__pb2.GetChecksumsRequest.SerializeToString,
+            trainer__refit_dot_v1_dot_refit__pb2.VersionChecksums.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -40,11 +41,11 @@ from refit_sidecar.client import (
     TrainerLayout,
 )
 from refit_sidecar.layout import ShardSpec, placement_spec
-from refit_sidecar.manifest import DType, MemType
+from refit_sidecar.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
 from refit_sidecar.snapshot_layout import Placement, SnapshotLayout, snapshot_layout
 from refit_sidecar.source import ShardSource, SourceAgent, SourceConfig
 from refit_sidecar.torch_arena import TorchArena
-from refit_sidecar.wire import publish_request
+from refit_sidecar.wire import location_to_proto, publish_request
 from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_svc.runtime.topology import Topology
@@ -97,6 +98,11 @@ class Slot:
     """(slot bytes, parameter bytes) per region of the snapshot layout."""
     report: pb.PublishShardsRequest
     """This rank's report of the slot, built once: a version sets its number (and checksums)."""
+    word: torch.Tensor
+    word_registration: Any
+    """The slot's version word (one int64 in registered memory, beside the slot's arena): the
+    number of the version whose bytes the slot holds, written after its snapshot copy, so a
+    receiver that leased the version before it is readable knows when to read."""
 
     def request(
         self, version: int, stream: torch.cuda.Stream | None = None
@@ -147,8 +153,9 @@ def create_slot(
     parameters: dict[str, torch.nn.Parameter],
     device: torch.device,
     agent: SourceAgent,
-) -> tuple[ShardSource, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A slot's source, registered with the rank's agent, and its copies."""
+) -> tuple[ShardSource, list[tuple[torch.Tensor, torch.Tensor]], TorchArena, Any]:
+    """A slot's source, registered with the rank's agent, its copies, and its version word
+    (registered too, 0 until a version is copied in) with its registration."""
     layout, holders = parameter_layout(parameters, config.alignment)
     source = ShardSource.create(
         config,
@@ -166,7 +173,22 @@ def create_slot(
         )
         for region in layout.regions
     ]
-    return source, copies
+    word = TorchArena.allocate(VERSION_WORD_BYTES, config.alignment, device=device)
+    word.tensor.zero_()
+    return source, copies, word, agent.register(word)
+
+
+def with_version_word(report: pb.PublishShardsRequest, word: TorchArena) -> None:
+    """Names the slot's version word in its report's agent."""
+    location = ShardLocation.contiguous(
+        agent=report.agent.name,
+        address=word.address,
+        shape=(VERSION_WORD_BYTES,),
+        itemsize=1,
+        mem_type=word.mem_type,
+        device_id=word.device_id,
+    )
+    report.agent.version_word.CopyFrom(location_to_proto(location))
 
 
 @dataclass
@@ -239,11 +261,13 @@ class Publisher:
         # Built after every slot is registered: the agent metadata in them covers all slots.
         reports = [
             publish_request(0, topology.rank, source.manifest(0, checksums=False))
-            for source, _ in built
+            for source, *_ in built
         ]
+        for report, (_, _, word, _) in zip(reports, built, strict=True):
+            with_version_word(report, word)
         filled = [
-            Slot(source, copies, report)
-            for (source, copies), report in zip(built, reports, strict=True)
+            Slot(source, copies, report, word.tensor_view(0, torch.int64, (1,)), registration)
+            for (source, copies, word, registration), report in zip(built, reports, strict=True)
         ]
         client = SidecarClient(sidecar, auth=auth)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -351,31 +375,33 @@ class Publisher:
             return None
 
     @torch.no_grad()
-    def snapshot(self, slot: int) -> torch.cuda.Event | None:
-        """Copies the parameters into the slot: done on return on the CPU; on a GPU, queued on
-        the side stream after the trainer's pending work; returns the event that marks its end
-        (None on the CPU)."""
+    def snapshot(self, slot: int, version: int) -> torch.cuda.Event | None:
+        """Copies the parameters into the slot as `version`, then writes the slot's version
+        word: done on return on the CPU; on a GPU, queued on the side stream after the
+        trainer's pending work; returns the event that marks its end (None on the CPU)."""
         if tuple(p.data_ptr() for p in self.parameters.values()) != self._addresses:
             raise RuntimeError(
                 "a published parameter moved since the snapshot slots were laid out; "
                 "parameters must be updated in place"
             )
-        copies = self.slots[slot].copies
+        target = self.slots[slot]
         stream = self.stream
         if stream is None:
-            for destination, source in copies:
+            for destination, source in target.copies:
                 destination.copy_(source)
+            target.word.fill_(version)  # after the bytes: a reader seeing it reads them
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for destination, source in copies:
+            for destination, source in target.copies:
                 destination.copy_(source, non_blocking=True)
+            target.word.fill_(version)  # queued after the copies: written once they landed
             return stream.record_event()
 
     def publish(self, version: int, slot: int) -> None:
         """Snapshots the parameters as `version` into the reserved `slot` and hands the report
         to the reporter thread (reports leave in order)."""
-        copied = self.snapshot(slot)
+        copied = self.snapshot(slot, version)
         self._copied = copied
         self._reporter.submit(self._send, version, slot, copied)
         if self.topology.is_leader:
@@ -418,6 +444,8 @@ class Publisher:
         self._reporter.shutdown(wait=True)
         for slot in self.slots:
             slot.source.close()
+            if self.agent is not None:
+                self.agent.deregister(slot.word_registration)
         if self.agent is not None:
             self.agent.close()
         self.client.close()

@@ -1,0 +1,121 @@
+"""A direct receiver's pull of a version leased before it was readable (docs/refit.md, "Reading
+before the report").
+
+`Receiver.expect` asks for the next version's lease with `before_readable`: the sidecar grants
+it as soon as the version's slot is reserved, with the manifest key that slot's versions have,
+and says `pending`. When the fetch comes, the receiver replays the plan it holds for that key,
+reads each source's version word until every one names the version (the rank writes it behind
+its snapshot copy), and reads the bytes: the trainer's reports, the sidecar's answer and its
+way back are off the path. The checksums the ranks report are asked for at once
+(GetChecksums, left in flight) and compared when the bytes have landed; a version whose
+checksums never come (a rank died after its copy) is never installed, and one whose manifest
+key is not the one the lease promised fails the refit.
+
+A source without a version word (a trainer that publishes none) is waited for on the sidecar
+instead: the pull starts once GetChecksums answers, that is once the version is readable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from refit_sidecar.client import Lease, SidecarClient, VersionChecksums
+from refit_sidecar.manifest import AgentRecord
+from refit_sidecar.nixl_transport import NixlTransport
+from refit_sidecar.pending import Pending
+from refit_sidecar.plan import PullPlan, checksums_by_parameter, with_checksums
+from refit_sidecar.progress import HostWords, Words
+from refit_sidecar.version_words import VersionWords
+
+
+class ManifestChanged(RuntimeError):
+    """The version's manifest is not the one its early lease promised: nothing installs."""
+
+
+@dataclass(frozen=True)
+class EarlyPull:
+    """What a pull of a version leased before it was readable needs beyond its plan."""
+
+    plan: PullPlan
+    """The replayed plan, for the lease's version (its checksums only say which reads are
+    checked: they are an earlier version's)."""
+    checksums: Callable[[], PullPlan] | None
+    """When verifying: waits for the version's checksums and returns the plan carrying them."""
+    word_rounds: int
+    """Rounds of reads of the sources' version words (0: waited for on the sidecar)."""
+    waited_s: float
+    """Seconds from the call until the bytes could be read."""
+
+
+class BeforeReadable:
+    """Reads versions leased before they were readable, for one receiver."""
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        transport: NixlTransport,
+        words: Callable[[int], Words] = HostWords,
+    ) -> None:
+        self._client = client
+        self._words = VersionWords(transport, words)
+
+    def start(
+        self,
+        lease: Lease,
+        plan: PullPlan,
+        order: Sequence[tuple[str, int]],
+        *,
+        verify: bool,
+        deadline: float,
+    ) -> EarlyPull:
+        """Waits until the lease's version can be read (its sources' words name it, or the
+        sidecar says it is readable), asking for its checksums meanwhile when `verify`.
+        `plan`: the plan held for the lease's manifest key; `order`: that manifest's
+        (parameter, shards) order. WordTimeout or UnknownVersion at `deadline`
+        (time.monotonic())."""
+        begin = time.monotonic()
+        version = lease.version
+        pull = replace(plan, version=version)
+        agents = _agents(pull)
+        by_words = VersionWords.readable_by_words(agents)
+        asked: Pending[VersionChecksums] | None = None
+        if verify or not by_words:
+            asked = self._client.checksums_later(version, wait_s=max(deadline - begin, 0.0))
+        rounds = 0
+        try:
+            if by_words:
+                rounds = self._words.wait(agents, version, deadline)
+            else:
+                assert asked is not None
+                asked.result()  # answered once the version is readable
+        except BaseException:
+            if asked is not None:
+                asked.cancel()
+            raise
+        waited = time.monotonic() - begin
+        if not verify:
+            return EarlyPull(pull, None, rounds, waited)
+        assert asked is not None
+        pending = asked
+
+        def checksums() -> PullPlan:
+            got = pending.result()
+            if got.manifest_key != lease.manifest_key:
+                raise ManifestChanged(
+                    f"version {version}'s manifest is not the one its lease named (the "
+                    "trainer changed its slots' layout); nothing installs"
+                )
+            return with_checksums(pull, version, checksums_by_parameter(order, got.checksums))
+
+        return EarlyPull(pull, checksums, rounds, waited)
+
+    def release(self) -> None:
+        self._words.release()
+
+
+def _agents(plan: PullPlan) -> list[AgentRecord]:
+    """The agents the plan reads from, in the order of its reads."""
+    names = dict.fromkeys(r.location.agent for r in plan.reads)
+    return [plan.agents[name] for name in names]

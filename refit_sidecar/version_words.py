@@ -1,0 +1,134 @@
+"""Reading the trainer ranks' version words: when a version's bytes are in its slot.
+
+A trainer rank writes its slot's version word (`AgentRecord.version_word`, one little-endian
+uint64 in registered memory) after the version's snapshot copy has landed: on a GPU it is
+queued on the copy's stream, behind the copies, so no host thread sits between the last byte
+and the word. A receiver that leased a version before the sidecar declared it readable
+(`AcquireLease` with `before_readable`) reads each of its sources' words with one small
+one-sided read until every one names the version, then reads the bytes: no control-plane
+round trip lies between the trainer's step and the receiver's first read.
+
+The lease keeps the slot from being handed to another version, so a word that names the
+version stays so for the whole pull. A word naming a newer version means the lease did not
+hold (the sidecar restarted and forgot it): the pull fails (`SourceLost`) rather than read
+bytes of the wrong version. Nothing here trusts the bytes: they are checked against the
+checksums the ranks report (GetChecksums) once they arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from refit_sidecar.manifest import VERSION_WORD_BYTES, AgentRecord
+from refit_sidecar.nixl_transport import NixlTransport, Posted
+from refit_sidecar.progress import HostWords, Words
+from refit_sidecar.transport import Region, SourceLost
+
+DEFAULT_POLL_S = 50e-6
+"""Pause between two rounds of reads: the snapshot copy the words wait for takes a
+millisecond or two, a read of a word tens of microseconds."""
+
+
+class WordTimeout(TimeoutError):
+    """A source's word did not name the version in time (its step failed, or the rank is
+    gone): nothing was read."""
+
+
+class VersionWords:
+    """This receiver's registered memory for the sources' words, made once by `words` (host
+    memory by default; a receiver staging on a GPU reads into device memory, over the same
+    path as the data) and grown as sources are added."""
+
+    def __init__(
+        self,
+        transport: NixlTransport,
+        words: Callable[[int], Words] = HostWords,
+        *,
+        poll_s: float = DEFAULT_POLL_S,
+    ) -> None:
+        if poll_s < 0:
+            raise ValueError(f"poll_s must be >= 0, got {poll_s}")
+        self._transport = transport
+        self._make = words
+        self._poll_s = poll_s
+        self._memory: Words | None = None
+        self._region: Region | None = None
+
+    @staticmethod
+    def readable_by_words(agents: Sequence[AgentRecord]) -> bool:
+        """Whether every source publishes a version word (trainers without one are waited for
+        on the sidecar instead)."""
+        return bool(agents) and all(a.version_word is not None for a in agents)
+
+    def wait(self, agents: Sequence[AgentRecord], version: int, deadline: float) -> int:
+        """Returns once every agent's word names `version`, with the rounds of reads it took.
+        WordTimeout at `deadline` (time.monotonic()); SourceLost when a source cannot be read
+        or its word names a newer version (its slot was handed on: the lease did not hold)."""
+        if not self.readable_by_words(agents):
+            raise ValueError("every source needs a version word")
+        region = self._ensure(len(agents))
+        waiting = list(range(len(agents)))
+        rounds = 0
+        while True:
+            rounds += 1
+            posted = [(i, self._post(agents[i], region, i)) for i in waiting]
+            for i, request in posted:
+                while not self._transport.check(request):
+                    if time.monotonic() > deadline:
+                        raise WordTimeout(f"{agents[i].name}: reading its version word timed out")
+            still = []
+            for i in waiting:
+                seen = self._read(i)
+                if seen > version:
+                    raise SourceLost(
+                        f"{agents[i].name}: its slot holds version {seen}, not {version}: the "
+                        "lease on it did not hold",
+                        agent=agents[i].name,
+                    )
+                if seen < version:
+                    still.append(i)
+            if not still:
+                return rounds
+            waiting = still
+            if time.monotonic() > deadline:
+                names = [agents[i].name for i in waiting]
+                raise WordTimeout(
+                    f"the version words of {names} did not name version {version} in time "
+                    "(the trainer's step failed, or a rank is gone)"
+                )
+            time.sleep(self._poll_s)
+
+    def _ensure(self, count: int) -> Region:
+        nbytes = max(count, 8) * VERSION_WORD_BYTES
+        if self._region is not None and self._region.nbytes >= nbytes:
+            return self._region
+        self.release()
+        self._memory = self._make(nbytes)
+        self._region = self._memory.region
+        self._transport.register(self._region)
+        return self._region
+
+    def _post(self, agent: AgentRecord, region: Region, index: int) -> Posted:
+        word = agent.version_word
+        assert word is not None
+        remote = np.array([[word.address, VERSION_WORD_BYTES, word.device_id]], np.uint64)
+        local = np.array(
+            [[region.address + index * VERSION_WORD_BYTES, VERSION_WORD_BYTES, region.device_id]],
+            np.uint64,
+        )
+        return self._transport.post(agent, word.mem_type, remote, local, region)
+
+    def _read(self, index: int) -> int:
+        assert self._memory is not None
+        raw = self._memory.read(index * VERSION_WORD_BYTES, VERSION_WORD_BYTES)
+        return int(np.ascontiguousarray(raw).view("<u8")[0])
+
+    def release(self) -> None:
+        """Deregisters the memory (the transport's `close` does too)."""
+        if self._region is not None:
+            self._transport.deregister(self._region)
+        self._memory = None
+        self._region = None

@@ -1,0 +1,143 @@
+"""A direct receiver reads a version before the sidecar declares it readable: asked for ahead
+(`Receiver.expect`), its lease comes when the trainer reserves the version's slot, the pull
+starts once the ranks' version words name the version, and the checksums the ranks report
+are compared when they come. The installed weights equal ExportHF; a byte flipped in a
+rank's slot, checksums that never come, or a manifest other than the lease named fail the
+refit and keep the installed version. One TP=2 trainer on the CPU serves every case."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from inference_ext.receiver import Receiver, RefitError, RefitOptions
+from inference_ext.slices import ReceiverLayout
+from megatron_hf.convert import hf_names
+from megatron_hf.spec import ModelSpec
+from refit_sidecar.client import UnknownVersion, VersionChecksums
+from refit_sidecar.transport import SourceLost
+from refit_sidecar.version_words import VersionWords, WordTimeout
+from tests.support.fidelity import train_step
+from tests.support.isolation import in_child_process
+from tests.support.receiver import assert_exported, corrupt_one_byte, refit_with_stats
+from tests.support.sidecar import running_sidecar
+from tests.support.trainer import TrainerProcess
+
+
+class _Answered:
+    """A GetChecksums answer already in: `value`, or `error` raised."""
+
+    def __init__(self, value: VersionChecksums | None = None, error: Exception | None = None):
+        self._value, self._error = value, error
+
+    def result(self, timeout: float | None = None) -> VersionChecksums:
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+    def cancel(self) -> bool:
+        return False
+
+
+@in_child_process
+def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> None:
+    with running_sidecar(tmp_path / "sidecar") as sidecar:
+        trainer = TrainerProcess(
+            tmp_path / "trainer", ["--tp", "2", *sidecar.trainer_args(), "--refit-slots", "2"]
+        )
+        spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
+
+        def receiver(name: str, **options: object) -> Receiver:
+            config = RefitOptions(
+                receiver_id=name, pull_timeout_s=60, token_file=sidecar.token_file(), **options
+            )
+            return Receiver(
+                sidecar.address,
+                spec,
+                ReceiverLayout(),
+                hf_names(spec),
+                options=config,
+                device=torch.device("cpu"),
+            )
+
+        early, late = receiver("early"), receiver("late", read_before_readable=False)
+        try:
+            # Versions 1 and 2 fill the two slots: no slot was readable before, so their
+            # leases wait for the versions, and their plans come from the manifests.
+            for version in (1, 2):
+                early.expect(version)
+                assert train_step(trainer, f"s{version}", seed=version) == version
+                installed, stats = refit_with_stats(early, version)
+                assert stats.expected and not stats.before_readable
+            assert_exported(trainer, installed, "v2")
+
+            # Version 3 goes into slot 0 again: leased at its reservation, read on the words.
+            early.expect(3)
+            late.expect(3)
+            assert train_step(trainer, "s3", seed=3) == 3
+            installed, stats = refit_with_stats(early, 3)
+            assert stats.before_readable and stats.expected and stats.replayed_by_key
+            assert stats.sidecar_readable_at == 0.0
+            late_installed, late_stats = refit_with_stats(late, 3)
+            assert late_stats.expected and not late_stats.before_readable
+            assert stats.verified_shards == late_stats.verified_shards > 0
+            assert_exported(trainer, installed, "v3")
+            assert_exported(trainer, late_installed, "v3-late")
+
+            # A byte flipped in rank 0's slot after the rank reported its checksums.
+            early.expect(4)
+            assert train_step(trainer, "s4", seed=4) == 4
+            with sidecar.client() as client:
+                client.wait_visible(4, timeout=30)
+                agents = list(client.manifest(4).agents.values())
+            launcher = psutil.Process(trainer.process.pid)
+            (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
+            corrupted = corrupt_one_byte(sidecar, 4, rank0)
+            with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
+                early.fetch(4)
+            assert early.installed_version == 3
+
+            # The words themselves: version 4's slot names 4, not a later or an earlier one.
+            words = VersionWords(early.transport)
+            try:
+                assert words.wait(agents, 4, time.monotonic() + 10) == 1
+                with pytest.raises(WordTimeout, match="did not name version 6"):
+                    words.wait(agents, 6, time.monotonic() + 0.3)
+                with pytest.raises(SourceLost, match="holds version 4, not 2"):
+                    words.wait(agents, 2, time.monotonic() + 10)
+            finally:
+                words.release()
+
+            # Checksums that never come (a rank died after its copy), and checksums of a
+            # manifest other than the one the lease named: nothing installs.
+            real = early.client.checksums_later
+            never = _Answered(error=UnknownVersion("version 5 is not readable"))
+            early.client.checksums_later = lambda version, wait_s: never  # type: ignore[method-assign]
+            early.expect(5)
+            assert train_step(trainer, "s5", seed=5) == 5
+            with pytest.raises(RefitError, match="version 5 is not readable"):
+                early.fetch(5)
+            assert early.installed_version == 3
+            other = _Answered(VersionChecksums(6, b"another manifest", ()))
+            early.client.checksums_later = lambda version, wait_s: other  # type: ignore[method-assign]
+            early.expect(6)
+            assert train_step(trainer, "s6", seed=6) == 6
+            with pytest.raises(RefitError, match="not the one its lease named"):
+                early.fetch(6)
+            assert early.installed_version == 3
+
+            early.client.checksums_later = real  # type: ignore[method-assign]
+            early.expect(7)
+            assert train_step(trainer, "s7", seed=7) == 7
+            installed, stats = refit_with_stats(early, 7)
+            assert stats.before_readable and stats.verified_shards > 0
+            assert_exported(trainer, installed, "v7")
+        finally:
+            early.close()
+            late.close()
+            assert trainer.stop() == 0

@@ -1,0 +1,46 @@
+"""A direct `Receiver` refitting in a test: the installed tensors, their check against
+ExportHF, and a byte of a published shard flipped in the trainer rank's memory."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from inference_ext.receiver import Receiver, RefitStats
+from tests.support.sidecar import Sidecar
+from tests.support.trainer import TrainerProcess
+
+
+def refit_with_stats(
+    receiver: Receiver, version: int
+) -> tuple[dict[str, torch.Tensor], RefitStats]:
+    """Fetches and installs `version`; the HF tensors installed (copies) and the stats."""
+    receiver.fetch(version)
+    installed: dict[str, torch.Tensor] = {}
+    stats = receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
+    return installed, stats
+
+
+def assert_exported(trainer: TrainerProcess, installed: dict[str, torch.Tensor], name: str) -> None:
+    """`installed` equals the trainer's ExportHF of its current version, bit for bit."""
+    exported = trainer.export(name)
+    assert set(installed) == set(exported)
+    for key, tensor in installed.items():
+        assert torch.equal(tensor, torch.from_numpy(exported[key])), key
+
+
+def corrupt_one_byte(sidecar: Sidecar, version: int, rank: psutil.Process) -> str:
+    """Flips one byte of a TP-split shard that `rank` published for `version`, in the rank's
+    own memory (its DRAM snapshot slot), after the version's CRC-32s were reported."""
+    manifest = sidecar.client().manifest(version)
+    prefix = f"trainer-rank{rank.environ()['RANK']}-"
+    agent = next(a for a in manifest.agents if a.startswith(prefix))
+    record = next(p for p in manifest.parameters if len(p.shards) == 2 and "linear_qkv" in p.name)
+    (shard,) = [s for s in record.shards if s.location.agent == agent]
+    address = shard.location.address + shard.location.nbytes // 3
+    with open(f"/proc/{rank.pid}/mem", "r+b", buffering=0) as memory:
+        memory.seek(address)
+        (byte,) = memory.read(1)
+        memory.seek(address)
+        memory.write(bytes([byte ^ 0x40]))
+    return record.name
