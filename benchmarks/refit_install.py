@@ -129,6 +129,9 @@ class RunConfig:
     checksums: bool
     expect: bool
     """Receivers ask for each next version before its step (`Receiver.expect`)."""
+    before_readable: bool
+    """Asked ahead, the lease comes at the slot's reservation and the pull starts on the
+    trainer's version words (`RefitOptions.read_before_readable`)."""
     lr: float
     seed: int
     timeout: float
@@ -185,6 +188,8 @@ class ReceiverSettings:
     """The tree receiver records each pull's timeline (`RefitOptions.trace_pull`)."""
     checksums: bool = True
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
+    before_readable: bool = True
+    """`RefitOptions.read_before_readable` of the receivers."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -281,6 +286,7 @@ class InstallEndpoint:
             lease_ttl_s=settings.timeout_s,
             pull_timeout_s=settings.timeout_s,
             verify_checksums=settings.checksums,
+            read_before_readable=settings.before_readable,
         )
         self.receivers = {
             "direct": Receiver(
@@ -729,6 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="receivers ask for a version once told of it, not before its step "
         "(Receiver.expect, as a follower does)",
     )
+    run.add_argument(
+        "--not-before-readable",
+        action="store_true",
+        help="a version asked for ahead is leased once readable, not at its slot's "
+        "reservation (RefitOptions.read_before_readable off)",
+    )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument(
@@ -768,6 +780,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values["verify"] = not values.pop("no_verify")
     values["checksums"] = not values.pop("no_checksums")
     values["expect"] = not values.pop("no_expect")
+    values["before_readable"] = not values.pop("not_before_readable")
     config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
     if config.seq_len > config.max_positions:
         raise SystemExit(
@@ -833,6 +846,7 @@ def receiver_settings(
         source="cuda:0" if config.cuda else "cpu",
         timeout_s=config.refit_timeout,
         checksums=config.checksums,
+        before_readable=config.before_readable,
     )
 
 

@@ -2,7 +2,8 @@
 # The refit measurements of BENCHMARKS.md on a two-GPU host, in groups that each fit ten
 # minutes: `scripts/gpu_refit_suite.sh GROUP...` from the repository root, with the wheels of
 # scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
-#   install     refit_install, 1b, checksums on and off
+#   install     refit_install, 1b, checksums on and off, and with the lease asked ahead
+#               granted only once the version is readable (--not-before-readable)
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   fanout-spread  refit_fanout, 1b, k = 1 and 2, the last receiver on the trainer's GPU
@@ -39,6 +40,9 @@ for group in "$@"; do
         run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --no-checksums \
             --out "$OUT/refit_install_1b_no_checksums.json" --log-dir $logs/install-1b-nc
+        run install-1b-after-report python3 -m benchmarks.refit_install --preset 1b \
+            --device cuda --dest-gpu 1 --not-before-readable \
+            --out "$OUT/refit_install_1b_after_report.json" --log-dir $logs/install-1b-ar
         ;;
     install-3b)
         memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
