@@ -18,6 +18,7 @@ instead: the pull starts once GetChecksums answers, that is once the version is 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -25,7 +26,7 @@ from refit_sidecar.client import Lease, SidecarClient, VersionChecksums
 from refit_sidecar.manifest import AgentRecord
 from refit_sidecar.nixl_transport import NixlTransport
 from refit_sidecar.pending import Pending
-from refit_sidecar.plan import PullPlan, checksums_by_parameter, with_checksums
+from refit_sidecar.plan import Checksums, PullPlan
 from refit_sidecar.progress import HostWords, Words
 from refit_sidecar.version_words import VersionWords
 
@@ -41,12 +42,16 @@ class EarlyPull:
     plan: PullPlan
     """The replayed plan, for the lease's version (its checksums only say which reads are
     checked: they are an earlier version's)."""
-    checksums: Callable[[], PullPlan] | None
-    """When verifying: waits for the version's checksums and returns the plan carrying them."""
+    checksums: Callable[[], Sequence[Checksums]] | None
+    """When verifying: waits for the version's checksums and returns each read's."""
     word_rounds: int
     """Rounds of reads of the sources' version words (0: waited for on the sidecar)."""
-    waited_s: float
-    """Seconds from the call until the bytes could be read."""
+    asked: Pending[VersionChecksums] | None = None
+    """The version's GetChecksums in flight (to cancel when the pull fails)."""
+
+
+_POSITIONS_KEPT = 16
+"""Plans whose reads' places in the manifest's checksums are kept (a few slots' worth)."""
 
 
 class BeforeReadable:
@@ -60,6 +65,9 @@ class BeforeReadable:
     ) -> None:
         self._client = client
         self._words = VersionWords(transport, words)
+        self._positions: OrderedDict[int, tuple[PullPlan, list[int]]] = OrderedDict()
+        """Per plan (by identity; the plan is kept so its id is not reused): where each read's
+        checksums lie in the manifest's flat list."""
 
     def start(
         self,
@@ -69,20 +77,23 @@ class BeforeReadable:
         *,
         verify: bool,
         deadline: float,
+        asked: Pending[VersionChecksums] | None = None,
     ) -> EarlyPull:
         """Waits until the lease's version can be read (its sources' words name it, or the
-        sidecar says it is readable), asking for its checksums meanwhile when `verify`.
-        `plan`: the plan held for the lease's manifest key; `order`: that manifest's
-        (parameter, shards) order. WordTimeout or UnknownVersion at `deadline`
-        (time.monotonic())."""
-        begin = time.monotonic()
+        sidecar says it is readable). `plan`: the plan held for the lease's manifest key;
+        `order`: that manifest's (parameter, shards) order; `asked`: the version's
+        GetChecksums in flight, if asked already (this call owns it). WordTimeout or
+        UnknownVersion at `deadline` (time.monotonic())."""
         version = lease.version
         pull = replace(plan, version=version)
         agents = _agents(pull)
         by_words = VersionWords.readable_by_words(agents)
-        asked: Pending[VersionChecksums] | None = None
-        if verify or not by_words:
-            asked = self._client.checksums_later(version, wait_s=max(deadline - begin, 0.0))
+        if asked is not None and not verify and by_words:
+            asked.cancel()
+            asked = None
+        if asked is None and (verify or not by_words):
+            wait = max(deadline - time.monotonic(), 0.0)
+            asked = self._client.checksums_later(version, wait_s=wait)
         rounds = 0
         try:
             if by_words:
@@ -94,22 +105,41 @@ class BeforeReadable:
             if asked is not None:
                 asked.cancel()
             raise
-        waited = time.monotonic() - begin
         if not verify:
-            return EarlyPull(pull, None, rounds, waited)
+            return EarlyPull(pull, None, rounds, asked)
         assert asked is not None
         pending = asked
+        positions = self._positions_of(plan, order)
 
-        def checksums() -> PullPlan:
+        def checksums() -> list[Checksums]:
             got = pending.result()
             if got.manifest_key != lease.manifest_key:
                 raise ManifestChanged(
                     f"version {version}'s manifest is not the one its lease named (the "
                     "trainer changed its slots' layout); nothing installs"
                 )
-            return with_checksums(pull, version, checksums_by_parameter(order, got.checksums))
+            if len(got.checksums) != sum(n for _, n in order):
+                raise ManifestChanged(f"version {version} has another number of shards")
+            flat = got.checksums
+            return [flat[i] for i in positions]
 
-        return EarlyPull(pull, checksums, rounds, waited)
+        return EarlyPull(pull, checksums, rounds, asked)
+
+    def _positions_of(self, plan: PullPlan, order: Sequence[tuple[str, int]]) -> list[int]:
+        kept = self._positions.get(id(plan))
+        if kept is not None and kept[0] is plan:
+            self._positions.move_to_end(id(plan))
+            return kept[1]
+        first: dict[str, int] = {}
+        at = 0
+        for name, count in order:
+            first[name] = at
+            at += count
+        positions = [first[r.parameter] + r.shard for r in plan.reads]
+        self._positions[id(plan)] = (plan, positions)
+        while len(self._positions) > _POSITIONS_KEPT:
+            self._positions.popitem(last=False)
+        return positions
 
     def release(self) -> None:
         self._words.release()

@@ -30,11 +30,13 @@ from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import Lease, SidecarClient, UnknownVersion
+from refit_sidecar.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pending import Pending
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES, ChunkConfig
 from refit_sidecar.plan import (
+    Checksums,
     PullPlan,
     UnsupportedRequest,
     Want,
@@ -554,6 +556,7 @@ class Receiver:
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
         lease: Lease | None = None
         expected = False
+        asked_sums: Pending[VersionChecksums] | None = None
         try:
             if self._tree is not None:
                 # One call for the lease and the tree's answer (after a first pull, whose
@@ -572,6 +575,7 @@ class Receiver:
                     wait = 0.0  # waited for already: lease it now if it came meanwhile
             else:
                 lease = self._ahead.take(version)
+                asked_sums = self._ahead.take_checksums()
             answer = lease
             if lease is not None:
                 lease = self._fresh(lease)
@@ -581,7 +585,12 @@ class Receiver:
         except Exception as e:
             if self._tree is not None:
                 self._tree.abandon()
+            if asked_sums is not None:
+                asked_sums.cancel()
             raise RefitError(f"cannot lease version {version}: {e}") from e
+        if asked_sums is not None and not lease.pending:
+            asked_sums.cancel()  # the lease came with its checksums
+            asked_sums = None
         leased, leased_at = time.perf_counter(), time.time()
         # The sidecar's times, from its answer (a renewal of a lease asked long before has none).
         sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
@@ -589,7 +598,8 @@ class Receiver:
         early: EarlyPull | None = None
         try:
             if lease.pending:
-                plan, replanned, by_key, early = self._plan_early(lease, wait)
+                plan, replanned, by_key, early = self._plan_early(lease, wait, asked_sums)
+                asked_sums = None
             else:
                 plan, replanned, by_key = self._plan_for(lease)
             plan_s = time.perf_counter() - begin
@@ -606,6 +616,8 @@ class Receiver:
         except BaseException as e:
             if self._tree is not None:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
+            if early is not None and early.asked is not None:
+                early.asked.cancel()
             self._keeper.take_back()
             self._releases.submit(self.client.end_lease, lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
@@ -648,7 +660,7 @@ class Receiver:
         plan: PullPlan,
         region: Region,
         on_progress: Callable[[int, int], None] | None,
-        checksums_later: Callable[[], PullPlan] | None = None,
+        checksums_later: Callable[[], Sequence[Checksums]] | None = None,
     ) -> _Pulled:
         if self._tree is not None:
             deadline = time.monotonic() + self.options.pull_timeout_s
@@ -710,7 +722,7 @@ class Receiver:
         return fresh, replanned, False
 
     def _plan_early(
-        self, lease: Lease, wait: float
+        self, lease: Lease, wait: float, asked: Pending[VersionChecksums] | None
     ) -> tuple[ReceiverPlan, bool, bool, EarlyPull | None]:
         """The plan of a version leased before it was readable, as `_plan_for`, and what its
         pull needs: the plan held for the lease's manifest key, once the sources' version
@@ -719,13 +731,15 @@ class Receiver:
         deadline = time.monotonic() + max(wait, 0.0)
         known = self._by_manifest_key.get(lease.manifest_key)
         if known is None:
-            self.client.checksums_later(lease.version, wait_s=max(wait, 0.0)).result()
+            if asked is None:
+                asked = self.client.checksums_later(lease.version, wait_s=max(wait, 0.0))
+            asked.result()  # answered once the version is readable
             plan, replanned, by_key = self._plan_for(replace(lease, pending=False))
             return plan, replanned, by_key, None
         self._by_manifest_key.move_to_end(lease.manifest_key)
         plan, order = known
         early = self._before.start(
-            lease, plan.pull, order, verify=self._verifies, deadline=deadline
+            lease, plan.pull, order, verify=self._verifies, deadline=deadline, asked=asked
         )
         return ReceiverPlan(early.plan, plan.slices), False, True, early
 

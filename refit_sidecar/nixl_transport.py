@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
@@ -33,7 +33,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from refit_sidecar.chunking import cut_long, groups, merge_continuing
 from refit_sidecar.manifest import AgentRecord, MemType
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
-from refit_sidecar.plan import PullPlan
+from refit_sidecar.plan import Checksums, PullPlan
 from refit_sidecar.progress_publisher import ProgressPublisher
 from refit_sidecar.running_check import RunningCheck
 from refit_sidecar.transport import PullStats, Region, SourceLost
@@ -156,14 +156,14 @@ class NixlTransport:
         dest: Region,
         *,
         verify: bool = False,
-        checksums_later: Callable[[], PullPlan] | None = None,
+        checksums_later: Callable[[], Sequence[Checksums]] | None = None,
     ) -> PullStats:
         """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
         in device memory while the requests land (`running_check.RunningCheck`, its parts
         started from a thread of their own so that polling the requests never waits on them).
-        `checksums_later`: the checksums came after the pull started; called once the bytes
-        have landed, it returns the plan that carries them (`plan`'s own then only say which
-        reads are checked)."""
+        `checksums_later`: the checksums come after the pull started; called once the bytes
+        have landed, it returns each read's (`plan`'s own then only say which reads are
+        checked)."""
         if not verify:
             return self.start(plan, dest).wait()
         check = RunningCheck(plan, dest)

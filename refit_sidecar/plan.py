@@ -196,6 +196,17 @@ def checksums_by_parameter(
     return out
 
 
+def with_read_checksums(plan: PullPlan, checksums: Sequence[Checksums]) -> PullPlan:
+    """`plan` with `checksums[i]` on its read `i` (the same reads otherwise)."""
+    if len(checksums) != len(plan.reads):
+        raise ValueError(f"{len(checksums)} checksums for {len(plan.reads)} reads")
+    reads = tuple(
+        replace(r, crc32=sums.crc32, sum64=sums.sum64)
+        for r, sums in zip(plan.reads, checksums, strict=True)
+    )
+    return replace(plan, reads=reads)
+
+
 def with_checksums(
     plan: PullPlan, version: int, checksums: Mapping[str, Sequence[Checksums]]
 ) -> PullPlan:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from refit_sidecar.manifest import MemType
-from refit_sidecar.plan import PullPlan
+from refit_sidecar.plan import Checksums, PullPlan, with_read_checksums
 from refit_sidecar.transport import Region, verify_pulled
 
 log = logging.getLogger(__name__)
@@ -99,21 +99,24 @@ class RunningCheck:
         self._sums = None
         self._whole = True
 
-    def finish(self, published: PullPlan | None = None) -> int:
+    def finish(self, published: Sequence[Checksums] | None = None) -> int:
         """Checks what is left and waits for every part; returns how many shards were checked.
-        ChecksumMismatch names the first that differs. `published`: the same reads, carrying
-        the checksums to compare with when they came after the check started (the check's own
-        plan then only said which reads are checked)."""
-        expected = self._plan if published is None else published
-        if len(expected.reads) != len(self._plan.reads):
-            raise ValueError("the published checksums are of another plan")
+        ChecksumMismatch names the first that differs. `published`: each read's checksums, to
+        compare with when they came after the check started (the plan's own then only said
+        which reads are checked)."""
+        if published is not None and len(published) != len(self._plan.reads):
+            raise ValueError(
+                f"{len(published)} checksums for the plan's {len(self._plan.reads)} reads"
+            )
         parts = self._cut()
         if not parts or self._whole:
-            return verify_pulled(expected, self._dest)
+            plan = self._plan if published is None else with_read_checksums(self._plan, published)
+            return verify_pulled(plan, self._dest)
         while self._next < len(parts):
             self._start(parts[self._next])
         with self._on_stream():
-            count: int = self._sums.check(expected.reads)
+            sums = None if published is None else [c.sum64 for c in published]
+            count: int = self._sums.check(sums)
         return count
 
     def _cut(self) -> list[_Part]:

@@ -24,7 +24,7 @@ import torch
 
 from refit_sidecar import wsum
 from refit_sidecar.checksum import ChecksumMismatch
-from refit_sidecar.plan import PullPlan, ShardReads
+from refit_sidecar.plan import PullPlan
 from refit_sidecar.transport import Region
 
 _TORCH_CHUNK = 1 << 24
@@ -288,11 +288,11 @@ class PartedSums:
                 _launch(self._kernel, self._units, blocks, partial, whole)
         self._started[part] = True
 
-    def check(self, published: Sequence[ShardReads] | None = None) -> int:
+    def check(self, published: Sequence[int | None] | None = None) -> int:
         """Waits for the sums (every part started) and compares each with its read's published
-        WSUM-64 (in `published`, the plan's reads with the checksums that came later, else
-        the plan's); returns how many were checked. ChecksumMismatch names the first that
-        differs, in the plan's order, or a read published without one."""
+        WSUM-64 (`published[i]` for read `i` when they came later, else the plan's); returns
+        how many were checked. ChecksumMismatch names the first that differs, in the plan's
+        order, or a read published without one."""
         if not all(self._started):
             raise RuntimeError("a part was never started")
         layout = self._layout
@@ -301,9 +301,9 @@ class PartedSums:
         sums = torch.zeros(len(layout.indices), dtype=torch.int64, device=self._partial.device)
         sums.index_add_(0, layout.groups, self._partial)
         got = sums.cpu().numpy().view(np.uint64).tolist()
-        reads = self._plan.reads if published is None else published
+        reads = self._plan.reads
         for value, i in sorted(zip(got, layout.indices, strict=True), key=lambda pair: pair[1]):
-            expected = reads[i].sum64
+            expected = reads[i].sum64 if published is None else published[i]
             if expected is None:
                 raise ChecksumMismatch(
                     f"{reads[i].parameter} shard {reads[i].shard}: published without a WSUM-64"

@@ -1,8 +1,9 @@
 """`running_check.RunningCheck` on a GPU: the parts' sums run on a stream of their own and are
-waited for in `finish`; a flipped byte fails the check, and bytes changed after their part was
-summed are caught after a restart. Over a layout shaped like the 1B preset's it prints what a
-part's start and the check's end cost on the calling thread, alone and beside a thread that
-polls as a pull's loop does. Run on a GPU machine:
+waited for in `finish`; a flipped byte fails the check, bytes changed after their part was
+summed are caught after a restart, and checksums given at the end (a pull that started before
+its version was readable) are the ones compared. Over a layout shaped like the 1B preset's it
+prints what a part's start and the check's end cost on the calling thread, alone and beside a
+thread that polls as a pull's loop does. Run on a GPU machine:
 
     python -m pytest -m gpu tests/gpu -s
 """
@@ -35,6 +36,7 @@ def test_a_check_in_device_memory_sums_its_parts_and_finds_a_flipped_byte() -> N
     assert check.finish() == len(on_cpu.SHAPES)
     on_cpu.test_a_flipped_byte_fails_the_check_naming_its_shard("cuda")
     on_cpu.test_bytes_read_again_after_their_part_started_are_checked_after_a_restart("cuda")
+    on_cpu.test_checksums_given_at_the_end_are_the_ones_compared("cuda")
 
 
 def _layout_1b() -> list[tuple[int, ...]]:

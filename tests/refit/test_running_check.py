@@ -14,7 +14,7 @@ from refit_sidecar import wsum
 from refit_sidecar.checksum import ChecksumMismatch
 from refit_sidecar.layout import ShardSpec
 from refit_sidecar.manifest import Box, DType, MemType, ShardPiece
-from refit_sidecar.plan import PullPlan, plan_pull, whole
+from refit_sidecar.plan import Checksums, PullPlan, plan_pull, whole, with_read_checksums
 from refit_sidecar.running_check import RunningCheck
 from refit_sidecar.torch_wsum import PartedSums
 from refit_sidecar.transport import InMemoryTransport, Region
@@ -111,6 +111,34 @@ def test_a_flipped_byte_fails_the_check_naming_its_shard(device: str = "cpu") ->
     name = plan.reads[victim].parameter
     with pytest.raises(ChecksumMismatch, match=f"{name} shard 0 .*wsum64"):
         check.finish()
+
+
+def test_checksums_given_at_the_end_are_the_ones_compared(device: str = "cpu") -> None:
+    """A pull that started before its version's checksums came (read before the version was
+    readable) is compared with the checksums `finish` is given, read by read; the plan's own
+    (an earlier version's) only say which reads are checked. So in host memory."""
+    for mem_type in (MemType.VRAM, MemType.DRAM):
+        plan, _, region, _ = _pulled(mem_type, device if mem_type is MemType.VRAM else "cpu")
+        published = [Checksums(None, r.sum64) for r in plan.reads]
+        stale = with_read_checksums(plan, [Checksums(None, (c.sum64 or 0) ^ 1) for c in published])
+
+        def finish(sums: list[Checksums], plan: PullPlan = stale, region: Region = region) -> int:
+            check = RunningCheck(plan, region, part_bytes=1)
+            check.advance(plan.nbytes)
+            return check.finish(sums)
+
+        assert finish(published) == len(SHAPES)
+        wrong = list(published)
+        wrong[2] = Checksums(None, (published[2].sum64 or 0) ^ 1)
+        with pytest.raises(ChecksumMismatch, match=f"{plan.reads[2].parameter} shard 0 .*wsum64"):
+            finish(wrong)
+        with pytest.raises(ValueError, match="checksums for the plan's"):
+            finish(published[:-1])
+        if mem_type is MemType.VRAM:
+            missing = list(published)
+            missing[1] = Checksums()
+            with pytest.raises(ChecksumMismatch, match="published without a WSUM-64"):
+                finish(missing)
 
 
 def test_bytes_read_again_after_their_part_started_are_checked_after_a_restart(
