@@ -129,6 +129,8 @@ class RunConfig:
     checksums: bool
     expect: bool
     """Receivers ask for each next version before its step (`Receiver.expect`)."""
+    requests_in_flight: int
+    """The direct receiver's `RefitOptions.requests_in_flight`."""
     before_readable: bool
     """Asked ahead, the lease comes at the slot's reservation and the pull starts on the
     trainer's version words (`RefitOptions.read_before_readable`)."""
@@ -190,6 +192,8 @@ class ReceiverSettings:
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
     before_readable: bool = True
     """`RefitOptions.read_before_readable` of the receivers."""
+    requests_in_flight: int = 0
+    """`RefitOptions.requests_in_flight` of the receivers."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -287,6 +291,7 @@ class InstallEndpoint:
             pull_timeout_s=settings.timeout_s,
             verify_checksums=settings.checksums,
             read_before_readable=settings.before_readable,
+            requests_in_flight=settings.requests_in_flight,
         )
         self.receivers = {
             "direct": Receiver(
@@ -741,6 +746,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a version asked for ahead is leased once readable, not at its slot's "
         "reservation (RefitOptions.read_before_readable off)",
     )
+    run.add_argument(
+        "--requests-in-flight",
+        type=int,
+        default=0,
+        help="READ requests of a direct pull in flight at once (0: all)",
+    )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument(
@@ -847,6 +858,7 @@ def receiver_settings(
         timeout_s=config.refit_timeout,
         checksums=config.checksums,
         before_readable=config.before_readable,
+        requests_in_flight=config.requests_in_flight,
     )
 
 

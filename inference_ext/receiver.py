@@ -93,6 +93,9 @@ class RefitOptions:
     and the fetch reads once the trainer ranks' version words name it, before the sidecar
     declares it readable; its checksums are compared when they come
     (inference_ext/before_readable.py). False: the lease comes once the version is readable."""
+    requests_in_flight: int = 0
+    """Direct path: READ requests of a pull in flight at once, the next posted as one
+    completes (`NixlConfig.requests_in_flight`); 0: all at once."""
     verify_checksums: bool = True
     """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
     host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device
@@ -150,6 +153,9 @@ class RefitOptions:
         part = self.check_part_bytes
         if not isinstance(part, int) or isinstance(part, bool) or part < 1:
             raise ValueError(f"check_part_bytes must be a positive integer, got {part!r}")
+        window = self.requests_in_flight
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise ValueError(f"requests_in_flight must be an integer >= 0, got {window!r}")
         for name in ("chunk_bytes", "chunks_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -461,6 +467,7 @@ class Receiver:
                 cache_size=4096 if options.fanout else NixlConfig.cache_size,
                 # Serving a copy: progress the worker for readers between pulls.
                 progress_poll_s=0.001 if options.fanout else None,
+                requests_in_flight=options.requests_in_flight,
             )
         )
         self.staging = Staging(self.transport, device)

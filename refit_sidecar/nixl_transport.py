@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
@@ -56,10 +56,15 @@ class NixlConfig:
     cache_size: int = 64
     """Transfer requests kept for re-posting."""
     request_bytes: int = 256 << 20
-    """About how many bytes one READ request of a pull carries (`chunking.groups`); a pull
-    posts all of its requests at once. Several requests in flight move a model faster than one
-    request holding every read: on two H200s, a 1B model's 1.96 GB took 9.6-10.3 ms in one
-    request, 7.8-8.9 ms in 256 MiB requests (BENCHMARKS.md, "Refit in peer-copy time")."""
+    """About how many bytes one READ request of a pull carries (`chunking.groups`). Several
+    requests in flight move a model faster than one request holding every read: on two H200s,
+    a 1B model's 1.96 GB took 9.6-10.3 ms in one request, 7.8-8.9 ms in 256 MiB requests
+    (BENCHMARKS.md, "Refit in peer-copy time")."""
+    requests_in_flight: int = 0
+    """Requests of a pull posted at once, the next posted as one completes, in destination
+    order; 0: all at once. Requests that share the link all end near the pull's end, so a
+    check that runs as the destination fills in order (`RunningCheck`) finds little to do
+    before it; a few at a time land in order."""
     metadata_listener: bool = False
     """Run NIXL's metadata listener, which fetching a source's metadata from the source's own
     listener needs (`AgentRecord` without a blob)."""
@@ -80,6 +85,7 @@ class NixlConfig:
             not self.name
             or min(self.connect_timeout_s, self.pull_timeout_s) <= 0
             or self.request_bytes < 1
+            or self.requests_in_flight < 0
         ):
             raise ValueError(f"bad NIXL transport config {self}")
         if self.progress_poll_s is not None and not self.progress_poll_s > 0:
@@ -178,16 +184,20 @@ class NixlTransport:
         return replace(stats, verified_shards=check.finish(final))
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:
-        """Post the plan's reads (requests of about `NixlConfig.request_bytes` per source
-        agent and memory type, all at once); the caller then `wait()`s. One pull at a time per
-        transport."""
+        """Post the plan's reads: requests of about `NixlConfig.request_bytes` per source
+        agent and memory type, in destination order, `NixlConfig.requests_in_flight` at a time
+        (the rest as earlier ones complete, in `wait`); the caller then `wait()`s. One pull at
+        a time per transport."""
         if dest.nbytes < plan.nbytes:
             raise ValueError(f"destination holds {dest.nbytes} bytes, the plan needs {plan.nbytes}")
         temporary = dest not in self._dests
         self.register(dest)
         begin = time.perf_counter()
         pending = PendingPull(self, begin + self._config.pull_timeout_s, begin, temporary, dest)
-        for (agent, mem_type), (remote, local) in _requests(plan, dest, self._config.request_bytes):
+        requests = _requests(plan, dest, self._config.request_bytes)
+        requests.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
+        window = self._config.requests_in_flight or len(requests)
+        for (agent, mem_type), (remote, local) in requests:
             try:
                 xfer, cached = self._xfer(plan.agents[agent], mem_type, remote, local, dest)
                 pending.spans.append(
@@ -195,7 +205,10 @@ class NixlTransport:
                 )
                 pending.xfers.append(xfer)
                 pending.reposted += cached
-                xfer.done = self._agent.transfer(xfer.handle) == "DONE"
+                if len(pending.xfers) <= window:
+                    pending.post(xfer)
+                else:
+                    pending.queued.append(xfer)
             except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
                 pending.fail(agent, e)
         return pending
@@ -368,6 +381,16 @@ class PendingPull:
     """Requests taken from the cache (prepared by an earlier pull)."""
     spans: list[tuple[np.ndarray, int]] = field(default_factory=list)
     """Per request: where its reads start in the destination, and its index in `xfers`."""
+    queued: deque[_Xfer] = field(default_factory=deque)
+    """Requests prepared but not posted yet (`NixlConfig.requests_in_flight`), in order."""
+    posted: list[_Xfer] = field(default_factory=list)
+    """Requests posted and not seen done."""
+
+    def post(self, xfer: _Xfer) -> None:
+        """Posts a prepared request (NIXL errors are the caller's)."""
+        xfer.done = self.transport._agent.transfer(xfer.handle) == "DONE"
+        if not xfer.done:
+            self.posted.append(xfer)
 
     @property
     def in_flight(self) -> bool:
@@ -378,10 +401,10 @@ class PendingPull:
         `on_landed(n)`: every byte the pull writes before offset `n` of the destination has
         landed (called as `n` grows, last with the destination's size)."""
         agent = self.transport._agent
-        waiting = [x for x in self.xfers if not x.done]
+        waiting = self.posted
         landed = _Landed(self, on_landed) if on_landed is not None else None
         pause = 0.0
-        while waiting:
+        while waiting or self.queued:
             for xfer in list(waiting):
                 try:
                     state = agent.check_xfer_state(xfer.handle)
@@ -392,6 +415,13 @@ class PendingPull:
                 if state == "DONE":
                     xfer.done = True
                     waiting.remove(xfer)
+                    pause = 0.0
+            while self.queued and len(waiting) < self.transport._config.requests_in_flight:
+                xfer = self.queued.popleft()
+                try:
+                    self.post(xfer)
+                except _NIXL_ERRORS as e:
+                    self.fail(xfer.agent, e)
             if landed is not None:
                 landed.report()
             if waiting:

@@ -4,6 +4,8 @@
 # scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
 #   install     refit_install, 1b, checksums on and off, and with the lease asked ahead
 #               granted only once the version is readable (--not-before-readable)
+#   install-window  refit_install, 1b, the direct pull's READ requests posted a few at a time
+#               ($WINDOWS: the counts, default "2 4"), checksums on
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   fanout-spread  refit_fanout, 1b, k = 1 and 2, the last receiver on the trainer's GPU
@@ -43,6 +45,14 @@ for group in "$@"; do
         run install-1b-after-report python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --not-before-readable \
             --out "$OUT/refit_install_1b_after_report.json" --log-dir $logs/install-1b-ar
+        ;;
+    install-window)
+        for window in ${WINDOWS:-2 4}; do
+            run "install-1b-window$window" python3 -m benchmarks.refit_install --preset 1b \
+                --device cuda --dest-gpu 1 --requests-in-flight "$window" \
+                --out "$OUT/refit_install_1b_window$window.json" \
+                --log-dir "$logs/install-1b-w$window"
+        done
         ;;
     install-3b)
         memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)

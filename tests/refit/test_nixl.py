@@ -210,6 +210,37 @@ def test_a_pull_is_posted_as_requests_of_bounded_size(source: Source) -> None:
         transport.close()
 
 
+def test_a_pull_keeps_at_most_its_window_of_requests_in_flight(source: Source) -> None:
+    """`requests_in_flight`: a pull posts that many requests, in destination order, and the
+    next as each completes; the bytes are the same, and they land in order."""
+    transport = NixlTransport.create(
+        NixlConfig(
+            name="windowed-puller", pull_timeout_s=60, request_bytes=1000, requests_in_flight=2
+        )
+    )
+    try:
+        plan = plan_pull(source.manifest, whole(source.manifest))
+        array = np.zeros(plan.nbytes, np.uint8)
+        dest = Region.of_array(array)
+        transport.register(dest)
+        pending = transport.start(plan, dest)
+        assert len(pending.queued) == len(pending.xfers) - 2 > 0
+        starts = [int(spans.min()) for spans, _ in pending.spans]
+        assert starts == sorted(starts)  # posted in destination order
+        prefixes: list[int] = []
+        stats = pending.wait(on_landed=prefixes.append)
+        assert not pending.queued and stats.transfers == len(pending.xfers)
+        assert prefixes == sorted(prefixes) and prefixes[-1] == plan.nbytes
+        for t in plan.targets:
+            shape, dtype = TENSORS[t.name]
+            expected = random_global(t.name, shape, dtype, 1)[index(t.box)]
+            assert array[t.span].tobytes() == expected.tobytes(), t
+    finally:
+        transport.close()
+    with pytest.raises(ValueError):
+        NixlConfig(name="bad", requests_in_flight=-1)
+
+
 def test_a_pull_says_how_far_its_destination_has_landed(source: Source) -> None:
     """`PendingPull.wait(on_landed=...)`: each call's offset has every byte before it in place
     (what a running check starts on), it only grows, and the last is the whole destination."""
