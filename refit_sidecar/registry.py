@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainer_refit.errors import InvalidRequest
@@ -112,6 +112,9 @@ class Lease:
     version: int
     receiver_id: str
     expires_at: float
+    ttl: float = 0.0
+    """As granted or last renewed: a lease on a version still being published does not
+    expire, and its TTL starts again when the version becomes readable."""
 
 
 class Registry:
@@ -220,6 +223,10 @@ class Registry:
         if len(record.shards_by_rank) < world_size:
             return False
         record.state = VersionState.VISIBLE
+        now = self._clock()
+        for lease_id, lease in list(self._leases.items()):
+            if lease.version == version:  # leased before it was readable: its TTL starts now
+                self._leases[lease_id] = replace(lease, expires_at=now + lease.ttl)
         return True
 
     def readable(self) -> list[int]:
@@ -264,20 +271,21 @@ class Registry:
             raise InvalidRequest("a lease needs a receiver id (its holder)", field="receiver_id")
         if not (before_readable and self.reserved(version)):
             self.visible(version)
+        ttl = self._ttl(ttl_seconds)
         lease = Lease(
             lease_id=secrets.token_urlsafe(16),
             version=version,
             receiver_id=receiver_id,
-            expires_at=self._clock() + self._ttl(ttl_seconds),
+            expires_at=self._clock() + ttl,
+            ttl=ttl,
         )
         self._leases[lease.lease_id] = lease
         return lease
 
     def renew_lease(self, lease_id: str, ttl_seconds: float, *, receiver_id: str) -> Lease:
         lease = self._held_lease(lease_id, receiver_id)
-        renewed = Lease(
-            lease.lease_id, lease.version, lease.receiver_id, self._clock() + self._ttl(ttl_seconds)
-        )
+        ttl = self._ttl(ttl_seconds)
+        renewed = Lease(lease.lease_id, lease.version, lease.receiver_id, self._clock() + ttl, ttl)
         self._leases[lease_id] = renewed
         return renewed
 
@@ -316,9 +324,12 @@ class Registry:
         return lease
 
     def _expire(self) -> None:
+        """Drops the leases past their end, but those on a version still being published (its
+        slot is reserved for it anyway; their TTL starts when it becomes readable)."""
         now = self._clock()
-        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
-            del self._leases[lease_id]
+        for lease_id, lease in list(self._leases.items()):
+            if lease.expires_at <= now and not self.reserved(lease.version):
+                del self._leases[lease_id]
 
     def _leased_versions(self) -> set[int]:
         self._expire()
@@ -327,4 +338,11 @@ class Registry:
     def next_expiry(self) -> float | None:
         """When the earliest lease ends (for a bounded wait), or None without leases."""
         self._expire()
-        return min((lease.expires_at for lease in self._leases.values()), default=None)
+        return min(
+            (
+                lease.expires_at
+                for lease in self._leases.values()
+                if not self.reserved(lease.version)
+            ),
+            default=None,
+        )

@@ -76,6 +76,37 @@ def test_a_leased_version_is_never_overwritten():
         registry.visible(1)
 
 
+def test_a_version_leased_before_it_is_readable_keeps_its_lease_until_its_ttl_after():
+    """`before_readable`: a reserved version can be leased; the lease does not run out while
+    the version is being published (however long its step takes), its TTL starts again when
+    the version becomes readable, and while it lasts the slot goes to no other version."""
+    clock = Clock()
+    registry = make(num_slots=2, clock=clock)
+    publish_all(registry, 1)
+    with pytest.raises(UnknownVersion):
+        registry.acquire_lease(2, "receiver-a", ttl_seconds=10)  # not reserved yet
+    slot, _ = registry.reserve_slot(2)
+    with pytest.raises(UnknownVersion):
+        registry.acquire_lease(2, "receiver-a", ttl_seconds=10)  # not readable
+    assert registry.reserved(2) and registry.slot_of(2) == slot
+    lease = registry.acquire_lease(2, "receiver-a", ttl_seconds=10, before_readable=True)
+    assert registry.next_expiry() is None  # nothing to wait for: its slot is reserved anyway
+    clock.now += 100  # a long step
+    registry.renew_lease(lease.lease_id, ttl_seconds=10, receiver_id="receiver-a")
+    clock.now += 100
+    registry.publish(2, 0, "shards of rank 0")
+    assert not registry.reserved(2)
+    assert registry.next_expiry() == clock.now + 10
+    third = publish_all(registry, 3)
+    assert publish_all(registry, 4) == third != slot  # not version 2's: it is leased
+    clock.now += 9
+    registry.release_lease(lease.lease_id, receiver_id="receiver-a")
+    leased = registry.acquire_lease(4, "receiver-a", ttl_seconds=10)
+    clock.now += 11
+    with pytest.raises(UnknownLease):
+        registry.renew_lease(leased.lease_id, ttl_seconds=10, receiver_id="receiver-a")
+
+
 def test_all_slots_leased_raises_and_an_expired_lease_frees_its_slot():
     clock = Clock()
     registry = make(num_slots=1, clock=clock)
