@@ -84,6 +84,7 @@ from benchmarks.trainer_step import (
     trainer_server,
 )
 from benchmarks.trainer_step import write_model as _write_model
+from refit_sidecar.chunking import DEFAULT_REQUESTS_IN_FLIGHT
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
 from refit_sidecar.running_check import DEFAULT_PART_BYTES
 from trainer_refit.auth import Role
@@ -192,7 +193,7 @@ class ReceiverSettings:
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
     before_readable: bool = True
     """`RefitOptions.read_before_readable` of the receivers."""
-    requests_in_flight: int = 0
+    requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
     """`RefitOptions.requests_in_flight` of the receivers."""
 
     def to_json(self) -> str:
@@ -749,8 +750,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--requests-in-flight",
         type=int,
-        default=0,
-        help="READ requests of a direct pull in flight at once (0: all)",
+        default=DEFAULT_REQUESTS_IN_FLIGHT,
+        help="READ requests of a direct pull in flight at once (0: all; default: the "
+        "receivers' default)",
     )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)

@@ -30,6 +30,7 @@ from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
+from refit_sidecar.chunking import DEFAULT_REQUESTS_IN_FLIGHT
 from refit_sidecar.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
 from refit_sidecar.manifest import Box, DType, Manifest, MemType
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
@@ -93,9 +94,10 @@ class RefitOptions:
     and the fetch reads once the trainer ranks' version words name it, before the sidecar
     declares it readable; its checksums are compared when they come
     (inference_ext/before_readable.py). False: the lease comes once the version is readable."""
-    requests_in_flight: int = 0
-    """Direct path: READ requests of a pull in flight at once, the next posted as one
-    completes (`NixlConfig.requests_in_flight`); 0: all at once."""
+    requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
+    """Direct path: READ requests (of `NixlConfig.request_bytes`, 256 MiB) of a pull in flight
+    at once, the next posted as one completes, in destination order
+    (`NixlConfig.requests_in_flight`); 0: all at once."""
     verify_checksums: bool = True
     """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
     host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device

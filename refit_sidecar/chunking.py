@@ -1,6 +1,7 @@
 """Cutting a source's reads into requests of a bounded size, for every pull: the direct pull
-posts them all at once (several READ requests in flight move more bytes per second than one
-request holding every read), the pipelined pull posts them as a parent's copy advances.
+posts a few at a time in destination order (several READ requests in flight move more bytes
+per second than one request holding every read), the pipelined pull posts them as a parent's
+copy advances.
 
 Reads are three aligned arrays: the source's addresses (uint64), lengths and destination
 offsets (int64). A read longer than `size` is cut into pieces of `size` bytes (the last one
@@ -10,6 +11,11 @@ shorter); consecutive reads are then grouped into requests of about `size` bytes
 from __future__ import annotations
 
 import numpy as np
+
+DEFAULT_REQUESTS_IN_FLIGHT = 4
+"""A receiver's direct pull keeps this many requests in flight (`RefitOptions`): on two H100s
+the 1B model's 1.96 GB moved in 7.9 ms against 8.4-8.8 ms with all of them posted at once, and
+its bytes land in order, so the running check sums most of them during the pull."""
 
 
 def cut_long(

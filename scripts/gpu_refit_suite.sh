@@ -4,8 +4,8 @@
 # scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
 #   install     refit_install, 1b, checksums on and off, and with the lease asked ahead
 #               granted only once the version is readable (--not-before-readable)
-#   install-window  refit_install, 1b, the direct pull's READ requests posted a few at a time
-#               ($WINDOWS: the counts, default "2 4"), checksums on
+#   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
+#               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   fanout-spread  refit_fanout, 1b, k = 1 and 2, the last receiver on the trainer's GPU
@@ -47,7 +47,7 @@ for group in "$@"; do
             --out "$OUT/refit_install_1b_after_report.json" --log-dir $logs/install-1b-ar
         ;;
     install-window)
-        for window in ${WINDOWS:-2 4}; do
+        for window in ${WINDOWS:-0 2}; do
             run "install-1b-window$window" python3 -m benchmarks.refit_install --preset 1b \
                 --device cuda --dest-gpu 1 --requests-in-flight "$window" \
                 --out "$OUT/refit_install_1b_window$window.json" \
