@@ -544,6 +544,13 @@ def sidecar_specs(latest: int, max_lease_seconds: float) -> list[MethodSpec]:
             rpb.GetManifestRequest(version=latest),
         ),
         MethodSpec(
+            "GetChecksums",
+            rpb.GetChecksumsRequest,
+            frozenset({C.OK, C.NOT_FOUND, C.INVALID_ARGUMENT}),
+            rpb.GetChecksumsRequest(version=latest),
+            applies=lambda r: r.version > latest and r.wait_seconds > 0.2,  # would wait
+        ),
+        MethodSpec(
             "AcquireLease",
             rpb.AcquireLeaseRequest,
             refused,

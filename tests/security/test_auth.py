@@ -133,6 +133,7 @@ SIDECAR_REQUESTS: dict[str, Request] = {
     "GetLatestVersion": lambda s: rpb.GetLatestVersionRequest(),
     "WatchVersions": lambda s: rpb.WatchVersionsRequest(after_version=0),
     "GetManifest": lambda s: rpb.GetManifestRequest(version=1),
+    "GetChecksums": lambda s: rpb.GetChecksumsRequest(version=1),
     "AcquireLease": lambda s: rpb.AcquireLeaseRequest(
         version=1, receiver_id="intruder", ttl_seconds=600
     ),

@@ -43,6 +43,7 @@ def test_the_tables_give_each_role_its_rpcs() -> None:
         "GetLatestVersion",
         "WatchVersions",
         "GetManifest",
+        "GetChecksums",
         "AcquireLease",
         "RenewLease",
         "ReleaseLease",
