@@ -78,6 +78,9 @@ class Switch:
     """Wall-clock time (``time.time()``) the engine resumed on it."""
     expected: bool = False
     """Every worker had asked for it before it was published (`Receiver.expect`)."""
+    before_readable: bool = False
+    """Every worker read it before it was readable, on the trainer's version words
+    (`RefitStats.before_readable`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +89,7 @@ class Switch:
             "stall_s": round(self.stall_s, 6),
             "installed_at": self.installed_at,
             "expected": self.expected,
+            "before_readable": self.before_readable,
         }
 
 
@@ -317,7 +321,7 @@ class AutoRefit:
         paused = time.perf_counter()
         # keep: the requests in flight stay; their KV cache is recomputed below instead.
         await self.engine.pause_generation(mode=mode.value, clear_cache=mode is not PauseMode.KEEP)
-        installed = expected = False
+        installed = expected = before = False
         stall_s = 0.0
         try:
             results = await self.engine.collective_rpc("refit_to", args=(version,))
@@ -326,6 +330,7 @@ class AutoRefit:
                 self._fail(version, str(errors[0].get("error")))
                 return
             expected = all(r.get("expected") for r in results)
+            before = all(r.get("before_readable") for r in results)
             await self.engine.update_weight_version(str(version))
             installed = True
             self.last_error = None
@@ -346,7 +351,7 @@ class AutoRefit:
                     stall_s = time.perf_counter() - paused
                     self.installed = version
                     self.switches.append(
-                        Switch(version, prefetch_s, stall_s, time.time(), expected)
+                        Switch(version, prefetch_s, stall_s, time.time(), expected, before)
                     )
         if self.newest == version:
             await self._expect(version + 1)

@@ -273,11 +273,13 @@ def test_the_server_follows_the_trainer_by_itself(stack: Stack, record_property:
 
     # Serving the newest version, the workers ask for the next one before the trainer has it
     # (however many versions a loaded machine let the server skip above): that version comes
-    # from the lease asked ahead, and the server then computes its Forward.
+    # from the lease asked ahead, granted at its slot's reservation, each worker reads it as
+    # soon as the trainer's version words name it, and the server then computes its Forward.
     following = train_step(stack.trainer, "auto-ahead", seed=6)
     stack.truth[str(following)] = trainer_logprobs(stack.trainer)
     switch = _wait_installed(server, following)["switches"][-1]
     assert switch["version"] == following and switch["expected"], switch
+    assert switch["before_readable"], switch
     probe = _probe_once(server)
     assert probe.version == str(following), probe.version
     assert gap(probe.logprobs, stack.truth[probe.version][:1]) <= FIDELITY
