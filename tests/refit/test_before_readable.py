@@ -3,24 +3,31 @@
 starts once the ranks' version words name the version, and the checksums the ranks report
 are compared when they come. The installed weights equal ExportHF; a byte flipped in a
 rank's slot, checksums that never come, or a manifest other than the lease named fail the
-refit and keep the installed version. One TP=2 trainer on the CPU serves every case."""
+refit and keep the installed version. One TP=2 trainer on the CPU serves every case. A
+trainer without version words is waited for on the sidecar."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
+from inference_ext.before_readable import BeforeReadable, ManifestChanged
 from inference_ext.receiver import Receiver, RefitError, RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import UnknownVersion, VersionChecksums
+from refit_sidecar.client import Lease, UnknownVersion, VersionChecksums
+from refit_sidecar.layout import megatron_shard_spec
+from refit_sidecar.manifest import DType
+from refit_sidecar.plan import Checksums, plan_pull, whole
 from refit_sidecar.transport import SourceLost
 from refit_sidecar.version_words import VersionWords, WordTimeout
+from tests.refit.shards import in_memory_manifest, random_global, shard_of
 from tests.support.fidelity import train_step
 from tests.support.isolation import in_child_process
 from tests.support.receiver import assert_exported, corrupt_one_byte, refit_with_stats
@@ -42,6 +49,54 @@ class _Answered:
 
     def cancel(self) -> bool:
         return False
+
+
+def test_sources_without_version_words_are_waited_for_on_the_sidecar() -> None:
+    """A trainer that publishes no version words (an older one): the pull of a version leased
+    before it was readable starts once GetChecksums answers (the version is readable), reads
+    no word, and its checksums map onto the plan's reads, whatever their order; a manifest
+    key other than the lease's fails it."""
+    tensors = {
+        "decoder.layers.0.mlp.linear_fc2.weight": ((24, 32), DType.FLOAT32),  # split in dim 1
+        "decoder.layers.0.self_attention.linear_qkv.weight": ((48, 24), DType.BFLOAT16),
+        "decoder.final_layernorm.weight": ((24,), DType.FLOAT32),  # replicated
+    }
+    placed = []
+    for rank in range(2):
+        for name, (shape, dtype) in tensors.items():
+            spec = megatron_shard_spec(name, shape, dtype, tp_rank=rank, tp_size=2)
+            local = shard_of(random_global(spec.parameter, shape, dtype, 3), spec)
+            placed.append((f"rank-{rank}", spec, np.ascontiguousarray(local).reshape(-1)))
+    manifest = in_memory_manifest(2, placed)
+    assert all(agent.version_word is None for agent in manifest.agents.values())
+    plan = plan_pull(manifest, whole(manifest))
+    order = [(p.name, len(p.shards)) for p in manifest.parameters]
+    flat = tuple(Checksums(s.crc32, None) for p in manifest.parameters for s in p.shards)
+    asked: list[int] = []
+
+    class Sidecar:
+        key = b"slot key"
+
+        def checksums_later(self, version: int, wait_s: float) -> _Answered:
+            asked.append(version)
+            return _Answered(VersionChecksums(version, self.key, flat))
+
+    sidecar = Sidecar()
+    early_reader = BeforeReadable(sidecar, transport=None)  # type: ignore[arg-type]
+    lease = Lease("lease", 3, 30.0, b"slot key", "r", pending=True)
+    early = early_reader.start(lease, plan, order, verify=True, deadline=time.monotonic() + 5)
+    assert asked == [3] and early.word_rounds == 0 and early.plan.version == 3
+    assert early.checksums is not None
+    assert early.checksums() == [Checksums(r.crc32, None) for r in plan.reads]
+    # Five of the six shards are read (the replicated norm once), so positions are not 0..n.
+    assert len({(r.parameter, r.shard) for r in plan.reads}) == len(flat) - 1 == 5
+    unverified = early_reader.start(lease, plan, order, verify=False, deadline=time.monotonic())
+    assert unverified.checksums is None and asked == [3, 3]  # it still waits for readable
+    sidecar.key = b"another slot"
+    moved = early_reader.start(lease, plan, order, verify=True, deadline=time.monotonic() + 5)
+    assert moved.checksums is not None
+    with pytest.raises(ManifestChanged, match="not the one its lease named"):
+        moved.checksums()
 
 
 @in_child_process
