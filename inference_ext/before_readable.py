@@ -44,8 +44,6 @@ class EarlyPull:
     checked: they are an earlier version's)."""
     checksums: Callable[[], Sequence[Checksums]] | None
     """When verifying: waits for the version's checksums and returns each read's."""
-    word_rounds: int
-    """Rounds of reads of the sources' version words (0: waited for on the sidecar)."""
     asked: Pending[VersionChecksums] | None = None
     """The version's GetChecksums in flight (to cancel when the pull fails)."""
 
@@ -82,22 +80,18 @@ class BeforeReadable:
         """Waits until the lease's version can be read (its sources' words name it, or the
         sidecar says it is readable). `plan`: the plan held for the lease's manifest key;
         `order`: that manifest's (parameter, shards) order; `asked`: the version's
-        GetChecksums in flight, if asked already (this call owns it). WordTimeout or
-        UnknownVersion at `deadline` (time.monotonic())."""
+        GetChecksums in flight, if asked already when verifying (this call owns it).
+        WordTimeout or UnknownVersion at `deadline` (time.monotonic())."""
         version = lease.version
         pull = replace(plan, version=version)
         agents = _agents(pull)
         by_words = VersionWords.readable_by_words(agents)
-        if asked is not None and not verify and by_words:
-            asked.cancel()
-            asked = None
         if asked is None and (verify or not by_words):
             wait = max(deadline - time.monotonic(), 0.0)
             asked = self._client.checksums_later(version, wait_s=wait)
-        rounds = 0
         try:
             if by_words:
-                rounds = self._words.wait(agents, version, deadline)
+                self._words.wait(agents, version, deadline)
             else:
                 assert asked is not None
                 asked.result()  # answered once the version is readable
@@ -106,7 +100,7 @@ class BeforeReadable:
                 asked.cancel()
             raise
         if not verify:
-            return EarlyPull(pull, None, rounds, asked)
+            return EarlyPull(pull, None, asked)
         assert asked is not None
         pending = asked
         positions = self._positions_of(plan, order)
@@ -123,7 +117,7 @@ class BeforeReadable:
             flat = got.checksums
             return [flat[i] for i in positions]
 
-        return EarlyPull(pull, checksums, rounds, asked)
+        return EarlyPull(pull, checksums, asked)
 
     def _positions_of(self, plan: PullPlan, order: Sequence[tuple[str, int]]) -> list[int]:
         kept = self._positions.get(id(plan))

@@ -213,11 +213,8 @@ def with_checksums(
     """`plan` for `version`, a version with the same manifest but its version number and
     checksums (`Lease.manifest_key` equal): same reads, the checksums given per parameter and
     shard."""
-    reads = tuple(
-        replace(r, crc32=(sums := checksums[r.parameter][r.shard]).crc32, sum64=sums.sum64)
-        for r in plan.reads
-    )
-    return replace(plan, version=version, reads=reads)
+    per_read = [checksums[r.parameter][r.shard] for r in plan.reads]
+    return with_read_checksums(replace(plan, version=version), per_read)
 
 
 def _record(manifest: Manifest, want: Want) -> ParameterRecord:

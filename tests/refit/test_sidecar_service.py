@@ -270,6 +270,32 @@ def test_a_lease_asked_later_is_answered_when_the_version_comes_or_cancelled(tmp
         stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
 
 
+def _publish_one_tensor(stub, version: int, slot: int, crc: int) -> None:
+    """Rank 0 of a one-rank trainer reports `version`: one tensor "w" of 4 floats at an
+    address of `slot`, with its CRC-32; the version becomes readable."""
+    shard = pb.ShardRecord(
+        location=pb.ShardLocation(
+            agent="rank-0",
+            address=4096 * (slot + 1),
+            nbytes=16,
+            shape=[4],
+            strides=[1],
+            memory=pb.MEMORY_KIND_DRAM,
+        ),
+        pieces=[pb.ShardPiece(box=pb.Box(start=[0], stop=[4]), local_start=[0])],
+        crc32=crc,
+    )
+    request = pb.PublishShardsRequest(
+        version=version,
+        rank=0,
+        agent=pb.SourceAgent(name="rank-0", metadata=b"meta", rank=0),
+        parameters=[
+            pb.ParameterRecord(name="w", shape=[4], dtype=common_pb2.DTYPE_FLOAT32, shards=[shard])
+        ],
+    )
+    assert stub.PublishShards(request).visible
+
+
 def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_path):
     with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
         stub = sidecar.stub(Role.TRAINER)
@@ -277,28 +303,7 @@ def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_pat
 
         def publish(version: int, crc: int) -> bytes:
             slot = stub.ReserveSlot(pb.ReserveSlotRequest(version=version)).slot
-            request = pb.PublishShardsRequest(
-                version=version,
-                rank=0,
-                agent=pb.SourceAgent(name="rank-0", metadata=b"meta", rank=0),
-                parameters=[
-                    pb.ParameterRecord(
-                        name="w",
-                        shape=[4],
-                        dtype=common_pb2.DTYPE_FLOAT32,
-                        shards=[
-                            pb.ShardRecord(
-                                location=pb.ShardLocation(
-                                    agent="rank-0", address=4096 * (slot + 1), nbytes=16
-                                ),
-                                pieces=[pb.ShardPiece(box=pb.Box(start=[0], stop=[4]))],
-                                crc32=crc,
-                            )
-                        ],
-                    )
-                ],
-            )
-            assert stub.PublishShards(request).visible
+            _publish_one_tensor(stub, version, slot, crc)
             lease = client.acquire_lease(version, "r", ttl=30)
             client.release_lease(lease)
             assert client.checksums(version) == {"w": ((crc, None),)}
@@ -323,31 +328,6 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
         def reserve(version: int) -> int:
             return stub.ReserveSlot(pb.ReserveSlotRequest(version=version)).slot
 
-        def publish(version: int, slot: int, crc: int) -> None:
-            shard = pb.ShardRecord(
-                location=pb.ShardLocation(
-                    agent="rank-0",
-                    address=4096 * (slot + 1),
-                    nbytes=16,
-                    shape=[4],
-                    strides=[1],
-                    memory=pb.MEMORY_KIND_DRAM,
-                ),
-                pieces=[pb.ShardPiece(box=pb.Box(start=[0], stop=[4]), local_start=[0])],
-                crc32=crc,
-            )
-            request = pb.PublishShardsRequest(
-                version=version,
-                rank=0,
-                agent=pb.SourceAgent(name="rank-0", metadata=b"meta", rank=0),
-                parameters=[
-                    pb.ParameterRecord(
-                        name="w", shape=[4], dtype=common_pb2.DTYPE_FLOAT32, shards=[shard]
-                    )
-                ],
-            )
-            assert stub.PublishShards(request).visible
-
         def early(version: int):
             return client.lease_later(
                 version, "r", 30, wait_s=20, checksums=True, before_readable=True
@@ -358,12 +338,12 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
         assert reserve(1) == 0
         time.sleep(0.3)
         assert not first.done()
-        publish(1, 0, crc=11)
+        _publish_one_tensor(stub, 1, 0, crc=11)
         lease = first.result()
         assert not lease.pending and lease.checksums == ((11, None),)
         slot_key = lease.manifest_key
         client.release_lease(lease)
-        publish(2, reserve(2), crc=22)
+        _publish_one_tensor(stub, 2, reserve(2), crc=22)
         client.release_lease(client.acquire_lease(2, "r", ttl=30))
 
         # Slot 0 again: leased at its reservation, before any report.
@@ -377,12 +357,12 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
         asked = client.checksums_later(3, wait_s=20)
         time.sleep(0.2)
         assert not asked.done()
-        publish(3, 0, crc=33)
+        _publish_one_tensor(stub, 3, 0, crc=33)
         got = asked.result(timeout=10)
         assert (got.version, got.checksums) == (3, ((33, None),))
         assert got.manifest_key == lease.manifest_key
         # Version 3's slot stays with it while the lease lasts, readable or not.
-        publish(4, reserve(4), crc=44)
+        _publish_one_tensor(stub, 4, reserve(4), crc=44)
         assert reserve(5) == 1  # not slot 0: version 3 is leased
         client.release_lease(lease)
         with pytest.raises(UnknownVersion):
