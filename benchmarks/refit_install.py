@@ -132,6 +132,9 @@ class RunConfig:
     """Receivers ask for each next version before its step (`Receiver.expect`)."""
     requests_in_flight: int
     """The direct receiver's `RefitOptions.requests_in_flight`."""
+    exchange: bool
+    """The direct receiver exchanges staged slices with the HF model's parameters while the
+    pull runs (`Receiver.fetch(..., exchange=...)`), not copied in after it."""
     before_readable: bool
     """Asked ahead, the lease comes at the slot's reservation and the pull starts on the
     trainer's version words (`RefitOptions.read_before_readable`)."""
@@ -195,6 +198,8 @@ class ReceiverSettings:
     """`RefitOptions.read_before_readable` of the receivers."""
     requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
     """`RefitOptions.requests_in_flight` of the receivers."""
+    exchange: bool = True
+    """The direct receiver installs by exchange while it pulls (inference_ext/exchange.py)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -323,6 +328,7 @@ class InstallEndpoint:
                 device=self.dest,
             )
         self.receiver = self.receivers["direct"]
+        self.exchange = settings.exchange
         self.peer = PeerCopy(self.params, source, self.dest)
         self.setup_s = time.monotonic() - started
 
@@ -357,7 +363,8 @@ class InstallEndpoint:
     def refit(self, version: int, finished_at: float, mode: str = "direct") -> dict[str, Any]:
         received = time.monotonic()
         receiver = self.receivers[mode]
-        receiver.fetch(version)
+        exchange = self.params if self.exchange and mode == "direct" else None
+        receiver.fetch(version, exchange=exchange)
         fetched = time.monotonic()
         stats = receiver.install(self.install)
         installed = time.monotonic()
@@ -620,12 +627,12 @@ def verify(
 
 # -- summary --------------------------------------------------------------------------------------
 
-_PHASES = ("notify_s", "fetch_s", "plan_s", "pull_s", "translate_s", "install_s")
+_PHASES = ("notify_s", "fetch_s", "plan_s", "pull_s", "check_s", "translate_s", "install_s")
 
 
 def _phases(refit: dict[str, Any]) -> dict[str, float]:
     flat = {**refit, **refit["stats"]}
-    return {k: flat[k] for k in ("latency_s", *_PHASES)}
+    return {k: flat.get(k, 0.0) for k in ("latency_s", *_PHASES)}
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -654,6 +661,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         },
         warmup_latency_ms=[1e3 * r["refit"]["latency_s"] for r in records if r["warmup"]],
         replanned=[r["refit"]["stats"]["replanned"] for r in records],
+        exchanged_bytes=timed[-1]["refit"]["stats"].get("exchanged_bytes", 0),
         finish_median_ms=1e3 * statistics.median(r["step"]["finish_s"] for r in timed),
         step_median_ms=1e3 * statistics.median(r["step"]["step_s"] for r in timed),
     )
@@ -669,8 +677,9 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
     )
     print(
         f"  latency {m['latency']:.3f} ms; phases: notify {m['notify']:.3f}, fetch "
-        f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}), translate "
-        f"{m['translate']:.3f}, install {m['install']:.3f} ms"
+        f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}, check "
+        f"{m['check']:.3f}), translate {m['translate']:.3f}, install {m['install']:.3f} ms; "
+        f"{summary['exchanged_bytes']:,} bytes installed by exchange during the pull"
     )
     g = summary["gb_per_s"]
     print(
@@ -754,6 +763,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="READ requests of a direct pull in flight at once (0: all; default: the "
         "receivers' default)",
     )
+    run.add_argument(
+        "--no-exchange",
+        action="store_true",
+        help="the receiver copies every tensor into the model after the pull (not exchanged "
+        "while it runs)",
+    )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument(
@@ -794,6 +809,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values["checksums"] = not values.pop("no_checksums")
     values["expect"] = not values.pop("no_expect")
     values["before_readable"] = not values.pop("not_before_readable")
+    values["exchange"] = not values.pop("no_exchange")
     config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
     if config.seq_len > config.max_positions:
         raise SystemExit(
@@ -861,6 +877,7 @@ def receiver_settings(
         checksums=config.checksums,
         before_readable=config.before_readable,
         requests_in_flight=config.requests_in_flight,
+        exchange=config.exchange,
     )
 
 

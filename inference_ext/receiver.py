@@ -3,6 +3,8 @@ needs into a staging buffer, verify them, and only then hand HF-named tensors to
 
 Nothing reaches the installer until every byte of the version is local and checked, so a
 source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old version.
+An engine that hands over its tensors (`fetch(..., exchange=...)`) has most of them filled
+while the pull runs, by exchange, and taken back on any failure (inference_ext/exchange.py).
 The pull plan is made once per (trainer layout, receiver layout) and replayed (`rebase`) for
 every later version; the staging buffer is allocated and registered with NIXL once.
 """
@@ -25,6 +27,7 @@ import torch
 
 from inference_ext.ahead import AheadLease
 from inference_ext.before_readable import BeforeReadable, EarlyPull
+from inference_ext.exchange import Exchange, Swap
 from inference_ext.lease_keeper import LeaseKeeper, renewed
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
@@ -275,6 +278,11 @@ class RefitStats:
     before_readable: bool = False
     """The lease came before the version was readable and the pull started on the sources'
     version words (`RefitOptions.read_before_readable`); `sidecar_readable_at` is then 0."""
+    check_s: float = 0.0
+    """Seconds from the last byte landed (the end of `pull_s`) to the checksums compared."""
+    exchanged_bytes: int = 0
+    """Bytes installed by exchange while the pull ran (`fetch(..., exchange=...)`); the
+    installer got the rest."""
     trace: tuple[Event, ...] = ()
     """Fan-out with `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
 
@@ -373,6 +381,7 @@ class _Fetched:
     sidecar_readable_at: float
     sidecar_answered_at: float
     before_readable: bool
+    exchange: Exchange | None = None
 
 
 _VIEWS_KEPT = 4096
@@ -517,6 +526,10 @@ class Receiver:
         self._fetched: _Fetched | None = None
         self._staged: ReceiverPlan | None = None
         """The plan of the installed version while staging still holds its bytes."""
+        self._exchanged: dict[str, torch.Tensor] = {}
+        """The installed version's tensors that were exchanged: staging holds their old bytes."""
+        self._swaps: tuple[tuple[int, int, int], Sequence[Swap], Any] | None = None
+        """The exchanges of the last (plan slices, targets, staging) met, and their stream."""
 
     def latest_version(self) -> int | None:
         return self.client.latest_version()
@@ -554,12 +567,22 @@ class Receiver:
         *,
         visible_timeout_s: float | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        exchange: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Lease `version`, pull and verify this receiver's slices into staging; RefitError
         (with the cause) when any of it fails. A version not readable yet is waited for
         `visible_timeout_s` (default: the options'). `on_progress(filled, total)`: staging
-        bytes filled in order so far (with fan-out, as chunks land; else once at the end)."""
-        self._fetched = None
+        bytes filled in order so far (with fan-out, as chunks land; else once at the end).
+
+        `exchange`: the engine's tensors by HF name, filled while the pull runs wherever a
+        slice lies in staging as the tensor holds it (inference_ext/exchange.py). They then
+        hold the new version before `install` (which hands over the rest), so the caller
+        must not compute with them in between; a failed fetch, `abandon` or the next fetch
+        takes them back to what they held. Direct path only (a fan-out receiver serves its
+        staging to others)."""
+        if exchange is not None and self._tree is not None:
+            raise ValueError("a fan-out receiver serves its staging to others: it cannot exchange")
+        self.abandon()
         self._staged = None
         begin = time.perf_counter()
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
@@ -605,6 +628,7 @@ class Receiver:
         sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
         self._keeper.keep(lease)
         early: EarlyPull | None = None
+        swaps: Exchange | None = None
         try:
             if lease.pending:
                 plan, replanned, by_key, early = self._plan_early(lease, wait, asked_sums)
@@ -619,10 +643,17 @@ class Receiver:
                 1e3 * (begin + plan_s - leased),
             )
             region = self.staging.ensure(plan.pull.nbytes)
+            swaps = None if exchange is None else self._exchange(plan, exchange)
             pulled = self._pull(
-                plan.pull, region, on_progress, None if early is None else early.checksums
+                plan.pull,
+                region,
+                on_progress,
+                None if early is None else early.checksums,
+                None if swaps is None else swaps.upto,
             )
         except BaseException as e:
+            if swaps is not None:
+                swaps.undo()
             if self._tree is not None:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
             if early is not None and early.asked is not None:
@@ -646,6 +677,8 @@ class Receiver:
         else:
             held = self.client.end_lease(lease) and time.monotonic() < lease.expires_at
         if not held:
+            if swaps is not None:
+                swaps.undo()
             # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
             # protect the slot for the whole pull: the trainer may have overwritten it.
             raise RefitError(
@@ -662,6 +695,7 @@ class Receiver:
             leased_at,
             *sidecar,
             early is not None,
+            swaps,
         )
 
     def _pull(
@@ -670,6 +704,7 @@ class Receiver:
         region: Region,
         on_progress: Callable[[int, int], None] | None,
         checksums_later: Callable[[], Sequence[Checksums]] | None = None,
+        on_ready: Callable[[int], None] | None = None,
     ) -> _Pulled:
         if self._tree is not None:
             deadline = time.monotonic() + self.options.pull_timeout_s
@@ -693,7 +728,11 @@ class Receiver:
             )
         started = time.time()
         stats = self.transport.pull(
-            plan, region, verify=self._verifies, checksums_later=checksums_later
+            plan,
+            region,
+            verify=self._verifies,
+            checksums_later=checksums_later,
+            on_ready=on_ready,
         )
         by_source: dict[str, int] = {}
         for reads in plan.reads:
@@ -786,22 +825,33 @@ class Receiver:
         fetched = self._fetched
         plan, pulled = fetched.plan, fetched.pulled
         stats = pulled.stats
-        self._fetched = None
+        swaps = fetched.exchange
+        exchanged = swaps.names if swaps is not None else frozenset()
         translate_s = 0.0
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal translate_s
             for hf in plan.slices:
+                if hf.name in exchanged:
+                    continue
                 start = time.perf_counter()
                 tensor = self._assemble(plan.pull, hf)
                 translate_s += time.perf_counter() - start
                 yield hf.name, tensor
 
         start = time.perf_counter()
-        installer(tensors())
+        try:
+            installer(tensors())
+            if swaps is not None:
+                swaps.wait()
+        except BaseException:
+            self.abandon()  # the exchanged tensors go back; the installer's own are its own
+            raise
+        self._fetched = None
         install_s = time.perf_counter() - start - translate_s
         self.installed_version = plan.pull.version
         self._staged = plan
+        self._exchanged = {} if swaps is None else {s.name: s.target for s in swaps.swaps}
         return RefitStats(
             version=plan.pull.version,
             bytes_pulled=stats.nbytes,
@@ -830,7 +880,34 @@ class Receiver:
             expected=fetched.expected,
             before_readable=fetched.before_readable,
             trace=pulled.trace,
+            check_s=stats.check_s,
+            exchanged_bytes=0 if swaps is None else swaps.nbytes,
         )
+
+    def abandon(self) -> None:
+        """Drop the version fetched and not installed: tensors exchanged while it was pulled
+        get back what they held (the engine is on its old version)."""
+        fetched, self._fetched = self._fetched, None
+        if fetched is not None and fetched.exchange is not None:
+            fetched.exchange.undo()
+
+    def _exchange(self, plan: ReceiverPlan, targets: Mapping[str, torch.Tensor]) -> Exchange:
+        """The fetch's exchanges of `plan`'s whole, contiguous slices with `targets`; made once
+        per (plan, targets, staging buffer) and kept."""
+        key = (id(plan.slices), id(targets), self.staging.buffer.data_ptr())
+        if self._swaps is None or self._swaps[0] != key:
+            staged = []
+            for hf in plan.slices:
+                whole = zip(hf.box.ranges, hf.shape, strict=True)
+                if hf.contiguous and all(lo == 0 and hi == dim for (lo, hi), dim in whole):
+                    view = self._assemble(plan.pull, hf)
+                    first = plan.pull.targets[hf.parts[0][0]]
+                    staged.append((hf.name, first.offset + view.nbytes, view))
+            made = Exchange.of(staged, targets)
+            # Keeps the slices and the targets alive with the key that names them by id.
+            self._swaps = (key, made.swaps, (made.stream, plan.slices, targets))
+        _, swaps, (stream, *_kept) = self._swaps
+        return Exchange(swaps, stream=stream)
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:
         """The HF slices (box, tensor copy) of the installed version, read back from staging:
@@ -842,7 +919,8 @@ class Receiver:
         out = {}
         for hf in plan.slices:
             if wanted is None or hf.name in wanted:
-                full = self._assemble(plan.pull, hf)
+                exchanged = self._exchanged.get(hf.name)
+                full = self._assemble(plan.pull, hf) if exchanged is None else exchanged
                 out[hf.name] = (hf.box, full[_index(hf.box)].clone())
         return out
 

@@ -163,25 +163,45 @@ class NixlTransport:
         *,
         verify: bool = False,
         checksums_later: Callable[[], Sequence[Checksums]] | None = None,
+        on_ready: Callable[[int], None] | None = None,
     ) -> PullStats:
         """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
         in device memory while the requests land (`running_check.RunningCheck`, its parts
         started from a thread of their own so that polling the requests never waits on them).
         `checksums_later`: the checksums come after the pull started; called once the bytes
         have landed, it returns each read's (`plan`'s own then only say which reads are
-        checked)."""
+        checked). `on_ready(prefix)`: `dest`'s bytes before `prefix` have landed and, when
+        verified, their sums are queued on the current stream (`RunningCheck`'s `after`);
+        called from the pull's listener lane as the destination fills (device memory) and
+        once with the plan's whole size before the checksums are compared. Its errors fail
+        the pull."""
         if not verify:
-            return self.start(plan, dest).wait()
-        check = RunningCheck(plan, dest)
+            if on_ready is None:
+                return self.start(plan, dest).wait()
+            stats = self._wait_reporting(plan, dest, on_ready)
+            on_ready(plan.nbytes)
+            return stats
+        check = RunningCheck(plan, dest, after=on_ready)
         if not check.runs_ahead:  # host memory: checked whole at the end
             stats = self.start(plan, dest).wait()
         else:
-            with ProgressPublisher(None, lambda prefix, _: check.advance(prefix)) as publisher:
-                stats = self.start(plan, dest).wait(
-                    on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
-                )
+            stats = self._wait_reporting(plan, dest, check.advance)
+        begin = time.perf_counter()
         final = None if checksums_later is None else checksums_later()
-        return replace(stats, verified_shards=check.finish(final))
+        verified = check.finish(final)
+        return replace(stats, verified_shards=verified, check_s=time.perf_counter() - begin)
+
+    def _wait_reporting(
+        self, plan: PullPlan, dest: Region, listener: Callable[[int], None]
+    ) -> PullStats:
+        """Start and wait for the pull, telling `listener` of each landed prefix of device
+        memory from a lane of its own (host memory: nothing until the end)."""
+        if dest.mem_type is MemType.DRAM:
+            return self.start(plan, dest).wait()
+        with ProgressPublisher(None, lambda prefix, _: listener(prefix)) as publisher:
+            return self.start(plan, dest).wait(
+                on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
+            )
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:
         """Post the plan's reads: requests of about `NixlConfig.request_bytes` per source

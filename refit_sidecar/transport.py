@@ -63,6 +63,9 @@ class PullStats:
     reposted: int = 0
     """Of those, requests prepared by an earlier pull and posted again."""
     verified_shards: int = 0
+    check_s: float = 0.0
+    """Seconds from the last byte landed to the checksums compared (the late checksums
+    waited for, the last parts' sums, the comparison)."""
 
     @property
     def gib_per_s(self) -> float:

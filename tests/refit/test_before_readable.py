@@ -3,8 +3,10 @@
 starts once the ranks' version words name the version, and the checksums the ranks report
 are compared when they come. The installed weights equal ExportHF; a byte flipped in a
 rank's slot, checksums that never come, or a manifest other than the lease named fail the
-refit and keep the installed version. One TP=2 trainer on the CPU serves every case. A
-trainer without version words is waited for on the sidecar."""
+refit and keep the installed version, also in an engine's tensors handed over for exchange
+(inference_ext/exchange.py), which a fetch dropped before its install gets back. One TP=2
+trainer on the CPU serves every case. A trainer without version words is waited for on the
+sidecar."""
 
 from __future__ import annotations
 
@@ -30,7 +32,12 @@ from refit_sidecar.version_words import VersionWords, WordTimeout
 from tests.refit.shards import in_memory_manifest, random_global, shard_of
 from tests.support.fidelity import train_step
 from tests.support.isolation import in_child_process
-from tests.support.receiver import assert_exported, corrupt_one_byte, refit_with_stats
+from tests.support.receiver import (
+    assert_exported,
+    corrupt_one_byte,
+    refit_exchanging,
+    refit_with_stats,
+)
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess
 
@@ -156,6 +163,12 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
                 early.fetch(4)
             assert early.installed_version == 3
+            # An engine's tensors handed over for exchange keep version 3 too.
+            engine = {name: tensor.clone() for name, tensor in installed.items()}
+            with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
+                early.fetch(4, exchange=engine)
+            for name, tensor in installed.items():
+                assert torch.equal(engine[name], tensor), name
 
             # The words themselves: version 4's slot names 4, not a later or an earlier one.
             words = VersionWords(early.transport)
@@ -185,9 +198,24 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             early.client.checksums_later = real  # type: ignore[method-assign]
             early.expect(7)
             assert train_step(trainer, "s7", seed=7) == 7
-            installed, stats = refit_with_stats(early, 7)
+            installed, stats = refit_exchanging(early, 7, engine)
             assert stats.before_readable and stats.verified_shards > 0
+            assert stats.exchanged_bytes == sum(t.nbytes for t in engine.values())
             assert_exported(trainer, installed, "v7")
+            assert all(torch.equal(t, installed[n]) for n, (_, t) in early.slices().items())
+
+            # A version fetched by exchange and then dropped (another worker of the engine
+            # failed): the engine's tensors hold version 7 again.
+            early.expect(8)
+            assert train_step(trainer, "s8", seed=8) == 8
+            early.fetch(8, exchange=engine)
+            assert not torch.equal(
+                engine["model.embed_tokens.weight"], installed["model.embed_tokens.weight"]
+            )
+            early.abandon()
+            for name, tensor in installed.items():
+                assert torch.equal(engine[name], tensor), name
+            assert early.installed_version == 7
         finally:
             early.close()
             late.close()

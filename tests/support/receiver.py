@@ -21,6 +21,18 @@ def refit_with_stats(
     return installed, stats
 
 
+def refit_exchanging(
+    receiver: Receiver, version: int, targets: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], RefitStats]:
+    """Fetches `version` exchanging into `targets` (an engine's tensors by HF name), installs
+    the rest; every HF tensor of the version (copies: the exchanged ones from `targets`, the
+    others as the installer got them) and the stats."""
+    receiver.fetch(version, exchange=targets)
+    installed: dict[str, torch.Tensor] = {}
+    stats = receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
+    return {**{n: t.clone() for n, t in targets.items()}, **installed}, stats
+
+
 def assert_exported(trainer: TrainerProcess, installed: dict[str, torch.Tensor], name: str) -> None:
     """`installed` equals the trainer's ExportHF of its current version, bit for bit."""
     exported = trainer.export(name)
