@@ -23,8 +23,11 @@ reads, a box smaller than the tensor) reach the installer after the pull, as bef
 staging then holds the old version of the exchanged slices, a receiver that serves its copy
 to others (fan-out) cannot exchange.
 
-On the GPU the exchange is a Triton kernel (each block loads both sides, then stores both);
-elsewhere three torch copies through a temporary.
+On the GPU the exchange is a Triton kernel (each block loads both sides, then stores both)
+over a table of 16 KiB blocks laid out once per layout: one launch exchanges every slice a
+prefix made final (a launch per slice would cost the pull's listener lane a few milliseconds
+of Python per refit). Elsewhere, and for a slice not aligned to 8 bytes, one launch per slice,
+or three torch copies through a temporary on the CPU.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
 _BLOCK = 4096
 """Elements per Triton program (16 KiB of int32)."""
+_TABLE_BLOCK = 2048
+"""8-byte words per block of the table kernel (16 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,11 @@ class Exchange:
     for (`wait`) or taken back (`undo`). `upto` runs on one thread at a time (the pull's
     listener lane), `wait` and `undo` after the pull's lanes closed."""
 
-    def __init__(self, swaps: Sequence[Swap], *, stream: Any = None) -> None:
-        """`swaps` in staging order; `stream`: the device stream they run on (made when None)."""
+    def __init__(
+        self, swaps: Sequence[Swap], *, stream: Any = None, blocks: _Blocks | None = None
+    ) -> None:
+        """`swaps` in staging order; `stream`: the device stream they run on (made when None);
+        `blocks`: their block table (`again`)."""
         self.swaps = swaps
         self.names = frozenset(swap.name for swap in swaps)
         self.nbytes = sum(swap.nbytes for swap in swaps)
@@ -90,6 +99,14 @@ class Exchange:
         if stream is None and device.type == "cuda":
             stream = torch.cuda.Stream(device=device)
         self.stream: Any = stream
+        if blocks is None and device.type == "cuda":
+            blocks = _Blocks.of(swaps)
+        self._blocks = blocks
+
+    def again(self) -> Exchange:
+        """The same exchanges, none queued yet (for the next version of the same layout): the
+        block table and the stream are shared."""
+        return Exchange(self.swaps, stream=self.stream, blocks=self._blocks)
 
     @classmethod
     def of(
@@ -117,11 +134,11 @@ class Exchange:
         with self._lock:
             if self._done == len(self.swaps) or self.swaps[self._done].end > prefix:
                 return
+            stop = self._done
+            while stop < len(self.swaps) and self.swaps[stop].end <= prefix:
+                stop += 1
             with self._on_stream(after_current=True):
-                while self._done < len(self.swaps) and self.swaps[self._done].end <= prefix:
-                    swap = self.swaps[self._done]
-                    _exchange(swap.staged, swap.target)
-                    self._done += 1  # counted as it is queued: `undo` takes back exactly these
+                self._run(self._done, stop)
 
     def wait(self) -> None:
         """Until every queued exchange has run."""
@@ -137,10 +154,21 @@ class Exchange:
             if self.stream is not None:
                 torch.cuda.synchronize(self.stream.device)  # whatever the checks still run
             with self._on_stream(after_current=False):
-                for swap in reversed(done):
-                    _exchange(swap.staged, swap.target)
+                self._run(0, len(done))
+            self._done = 0
             self.wait()
             log.info("took back %d exchanged tensors", len(done))
+
+    def _run(self, start: int, stop: int) -> None:
+        """Exchange `swaps[start:stop]` (their bytes are disjoint: the order is free); `_done`
+        counts them as they are queued, so `undo` takes back exactly these."""
+        if self._blocks is not None and self._blocks.launch(start, stop):
+            self._done = max(self._done, stop)
+            return
+        for i in range(start, stop):
+            swap = self.swaps[i]
+            _exchange(swap.staged, swap.target)
+            self._done = max(self._done, i + 1)
 
     @contextlib.contextmanager
     def _on_stream(self, *, after_current: bool) -> Iterator[None]:
@@ -152,6 +180,64 @@ class Exchange:
                 self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             with torch.cuda.stream(self.stream):
                 yield
+
+
+class _Blocks:
+    """The swaps' bytes cut into blocks of `_TABLE_BLOCK` 8-byte words: a device table of
+    (staged address, target address, words) rows, the rows of swap i from `starts[i]`."""
+
+    _broken: bool = False
+    """The table kernel failed to build here: every exchange runs slice by slice."""
+
+    def __init__(self, rows: torch.Tensor, starts: list[int]) -> None:
+        self.rows = rows
+        self.starts = starts
+
+    @classmethod
+    def of(cls, swaps: Sequence[Swap]) -> _Blocks | None:
+        """None unless every swap's addresses and size are multiples of 8 bytes (and Triton
+        is here)."""
+        if not swaps or cls._broken or _table_kernel() is None:
+            return None
+        a = np.array([s.staged.data_ptr() for s in swaps], dtype=np.int64)
+        b = np.array([s.target.data_ptr() for s in swaps], dtype=np.int64)
+        words = np.array([s.nbytes for s in swaps], dtype=np.int64)
+        if (a % 8).any() or (b % 8).any() or (words % 8).any():
+            return None
+        words //= 8
+        counts = -(-words // _TABLE_BLOCK)
+        owner = np.repeat(np.arange(len(swaps)), counts)
+        first = np.concatenate([[0], np.cumsum(counts)])
+        k = np.arange(int(first[-1])) - first[owner]  # the block's index within its swap
+        step = 8 * _TABLE_BLOCK
+        rows = np.stack(
+            [
+                a[owner] + step * k,
+                b[owner] + step * k,
+                np.minimum(words[owner] - _TABLE_BLOCK * k, _TABLE_BLOCK),
+            ],
+            axis=1,
+        )
+        device = swaps[0].staged.device
+        return cls(torch.from_numpy(np.ascontiguousarray(rows)).to(device), first.tolist())
+
+    def launch(self, start: int, stop: int) -> bool:
+        """Queue the exchange of swaps [start, stop) on the current stream; False when the
+        kernel cannot run (nothing was queued: the caller exchanges slice by slice)."""
+        lo, hi = self.starts[start], self.starts[stop]
+        if hi == lo:
+            return True
+        if _Blocks._broken:
+            return False
+        try:
+            _table_kernel()[(hi - lo,)](self.rows[lo:hi], BLOCK=_TABLE_BLOCK)
+        except Exception:
+            log.warning(
+                "the exchange's table kernel failed; exchanging slice by slice", exc_info=True
+            )
+            _Blocks._broken = True
+            return False
+        return True
 
 
 def _exchange(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -213,3 +299,28 @@ def _kernel() -> Any:
         tl.store(b + offsets, x, mask=mask)
 
     return exchange
+
+
+@functools.cache
+def _table_kernel() -> Any:
+    """The Triton kernel over a block table (`_Blocks`); None where Triton cannot run."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def exchange_blocks(rows, BLOCK: tl.constexpr):  # noqa: N803
+        row = rows + 3 * tl.program_id(0).to(tl.int64)
+        a = tl.load(row).to(tl.pointer_type(tl.int64))
+        b = tl.load(row + 1).to(tl.pointer_type(tl.int64))
+        count = tl.load(row + 2)
+        lane = tl.arange(0, BLOCK)
+        mask = lane < count
+        x = tl.load(a + lane, mask=mask)
+        y = tl.load(b + lane, mask=mask)
+        tl.store(a + lane, y, mask=mask)
+        tl.store(b + lane, x, mask=mask)
+
+    return exchange_blocks

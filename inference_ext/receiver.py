@@ -27,7 +27,7 @@ import torch
 
 from inference_ext.ahead import AheadLease
 from inference_ext.before_readable import BeforeReadable, EarlyPull
-from inference_ext.exchange import Exchange, Swap
+from inference_ext.exchange import Exchange
 from inference_ext.lease_keeper import LeaseKeeper, renewed
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
@@ -528,8 +528,8 @@ class Receiver:
         """The plan of the installed version while staging still holds its bytes."""
         self._exchanged: dict[str, torch.Tensor] = {}
         """The installed version's tensors that were exchanged: staging holds their old bytes."""
-        self._swaps: tuple[tuple[int, int, int], Sequence[Swap], Any] | None = None
-        """The exchanges of the last (plan slices, targets, staging) met, and their stream."""
+        self._swaps: tuple[tuple[Any, ...], Exchange, Any] | None = None
+        """The exchanges of the last (plan slices, targets, staging) met."""
 
     def latest_version(self) -> int | None:
         return self.client.latest_version()
@@ -893,8 +893,9 @@ class Receiver:
 
     def _exchange(self, plan: ReceiverPlan, targets: Mapping[str, torch.Tensor]) -> Exchange:
         """The fetch's exchanges of `plan`'s whole, contiguous slices with `targets`; made once
-        per (plan, targets, staging buffer) and kept."""
-        key = (id(plan.slices), id(targets), self.staging.buffer.data_ptr())
+        per (plan, targets and the tensors they name, staging buffer) and kept."""
+        held = tuple(tensor.data_ptr() for tensor in targets.values())
+        key = (id(plan.slices), id(targets), held, self.staging.buffer.data_ptr())
         if self._swaps is None or self._swaps[0] != key:
             staged = []
             for hf in plan.slices:
@@ -903,11 +904,9 @@ class Receiver:
                     view = self._assemble(plan.pull, hf)
                     first = plan.pull.targets[hf.parts[0][0]]
                     staged.append((hf.name, first.offset + view.nbytes, view))
-            made = Exchange.of(staged, targets)
             # Keeps the slices and the targets alive with the key that names them by id.
-            self._swaps = (key, made.swaps, (made.stream, plan.slices, targets))
-        _, swaps, (stream, *_kept) = self._swaps
-        return Exchange(swaps, stream=stream)
+            self._swaps = (key, Exchange.of(staged, targets), (plan.slices, targets))
+        return self._swaps[1].again()
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:
         """The HF slices (box, tensor copy) of the installed version, read back from staging:

@@ -2,8 +2,10 @@
 # The refit measurements of BENCHMARKS.md on a two-GPU host, in groups that each fit ten
 # minutes: `scripts/gpu_refit_suite.sh GROUP...` from the repository root, with the wheels of
 # scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
-#   install     refit_install, 1b, checksums on and off, and with the lease asked ahead
-#               granted only once the version is readable (--not-before-readable)
+#   install     refit_install, 1b, checksums on, and the install copied in after the pull
+#               (--no-exchange)
+#   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
+#               steps (--not-before-readable --no-exchange)
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
@@ -39,11 +41,16 @@ for group in "$@"; do
     install)
         run install-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \
             --dest-gpu 1 --out "$OUT/refit_install_1b.json" --log-dir $logs/install-1b
+        run install-1b-no-exchange python3 -m benchmarks.refit_install --preset 1b \
+            --device cuda --dest-gpu 1 --no-exchange \
+            --out "$OUT/refit_install_1b_no_exchange.json" --log-dir $logs/install-1b-nx
+        ;;
+    install-more)
         run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --no-checksums \
             --out "$OUT/refit_install_1b_no_checksums.json" --log-dir $logs/install-1b-nc
         run install-1b-after-report python3 -m benchmarks.refit_install --preset 1b \
-            --device cuda --dest-gpu 1 --not-before-readable \
+            --device cuda --dest-gpu 1 --not-before-readable --no-exchange \
             --out "$OUT/refit_install_1b_after_report.json" --log-dir $logs/install-1b-ar
         ;;
     install-window)
@@ -99,7 +106,7 @@ for group in "$@"; do
             --log-dir $logs/refit-pull
         ;;
     tests)
-        run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q
+        run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q -s
         ;;
     *)
         echo "unknown group $group"
