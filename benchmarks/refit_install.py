@@ -627,7 +627,17 @@ def verify(
 
 # -- summary --------------------------------------------------------------------------------------
 
-_PHASES = ("notify_s", "fetch_s", "plan_s", "pull_s", "check_s", "translate_s", "install_s")
+_PHASES = (
+    "notify_s",
+    "fetch_s",
+    "plan_s",
+    "pull_s",
+    "lag_s",
+    "checksums_wait_s",
+    "check_s",
+    "translate_s",
+    "install_s",
+)
 
 
 def _phases(refit: dict[str, Any]) -> dict[str, float]:
@@ -677,8 +687,9 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
     )
     print(
         f"  latency {m['latency']:.3f} ms; phases: notify {m['notify']:.3f}, fetch "
-        f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}, check "
-        f"{m['check']:.3f}), translate {m['translate']:.3f}, install {m['install']:.3f} ms; "
+        f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}, lag "
+        f"{m['lag']:.3f}, checksums wait {m['checksums_wait']:.3f}, check {m['check']:.3f}), "
+        f"translate {m['translate']:.3f}, install {m['install']:.3f} ms; "
         f"{summary['exchanged_bytes']:,} bytes installed by exchange during the pull"
     )
     g = summary["gb_per_s"]

@@ -33,6 +33,7 @@ or three torch copies through a temporary on the CPU.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -105,8 +106,11 @@ class Exchange:
 
     def again(self) -> Exchange:
         """The same exchanges, none queued yet (for the next version of the same layout): the
-        block table and the stream are shared."""
-        return Exchange(self.swaps, stream=self.stream, blocks=self._blocks)
+        slices, the block table and the stream are shared; nothing is laid out again."""
+        fresh = copy.copy(self)
+        fresh._done = 0
+        fresh._lock = threading.Lock()
+        return fresh
 
     @classmethod
     def of(

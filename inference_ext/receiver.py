@@ -278,8 +278,13 @@ class RefitStats:
     before_readable: bool = False
     """The lease came before the version was readable and the pull started on the sources'
     version words (`RefitOptions.read_before_readable`); `sidecar_readable_at` is then 0."""
+    lag_s: float = 0.0
+    """Direct path, device staging: seconds from the last byte landed (the end of `pull_s`)
+    until the pull's listener lane had started every part of the running check."""
+    checksums_wait_s: float = 0.0
+    """Then seconds waiting for checksums published after the pull started."""
     check_s: float = 0.0
-    """Seconds from the last byte landed (the end of `pull_s`) to the checksums compared."""
+    """Then seconds to the checksums compared."""
     exchanged_bytes: int = 0
     """Bytes installed by exchange while the pull ran (`fetch(..., exchange=...)`); the
     installer got the rest."""
@@ -880,6 +885,8 @@ class Receiver:
             expected=fetched.expected,
             before_readable=fetched.before_readable,
             trace=pulled.trace,
+            lag_s=stats.lag_s,
+            checksums_wait_s=stats.checksums_wait_s,
             check_s=stats.check_s,
             exchanged_bytes=0 if swaps is None else swaps.nbytes,
         )

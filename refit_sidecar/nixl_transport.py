@@ -188,8 +188,14 @@ class NixlTransport:
             stats = self._wait_reporting(plan, dest, check.advance)
         begin = time.perf_counter()
         final = None if checksums_later is None else checksums_later()
+        waited = time.perf_counter()
         verified = check.finish(final)
-        return replace(stats, verified_shards=verified, check_s=time.perf_counter() - begin)
+        return replace(
+            stats,
+            verified_shards=verified,
+            checksums_wait_s=waited - begin,
+            check_s=time.perf_counter() - waited,
+        )
 
     def _wait_reporting(
         self, plan: PullPlan, dest: Region, listener: Callable[[int], None]
@@ -199,9 +205,11 @@ class NixlTransport:
         if dest.mem_type is MemType.DRAM:
             return self.start(plan, dest).wait()
         with ProgressPublisher(None, lambda prefix, _: listener(prefix)) as publisher:
-            return self.start(plan, dest).wait(
+            stats = self.start(plan, dest).wait(
                 on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
             )
+            landed = time.perf_counter()
+        return replace(stats, lag_s=time.perf_counter() - landed)
 
     def start(self, plan: PullPlan, dest: Region) -> PendingPull:
         """Post the plan's reads: requests of about `NixlConfig.request_bytes` per source

@@ -63,9 +63,13 @@ class PullStats:
     reposted: int = 0
     """Of those, requests prepared by an earlier pull and posted again."""
     verified_shards: int = 0
+    lag_s: float = 0.0
+    """Seconds from the last byte landed until the pull's listener had heard of every prefix
+    (a running check's parts started, what they hand on queued)."""
+    checksums_wait_s: float = 0.0
+    """Then seconds waiting for checksums published after the pull started."""
     check_s: float = 0.0
-    """Seconds from the last byte landed to the checksums compared (the late checksums
-    waited for, the last parts' sums, the comparison)."""
+    """Then seconds to the checksums compared (the last parts' sums, the comparison)."""
 
     @property
     def gib_per_s(self) -> float:
