@@ -132,6 +132,8 @@ class RunConfig:
     """Receivers ask for each next version before its step (`Receiver.expect`)."""
     requests_in_flight: int
     """The direct receiver's `RefitOptions.requests_in_flight`."""
+    request_taper: int
+    """The direct receiver's `RefitOptions.request_taper`."""
     exchange: bool
     """The direct receiver exchanges staged slices with the HF model's parameters while the
     pull runs (`Receiver.fetch(..., exchange=...)`), not copied in after it."""
@@ -198,6 +200,8 @@ class ReceiverSettings:
     """`RefitOptions.read_before_readable` of the receivers."""
     requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
     """`RefitOptions.requests_in_flight` of the receivers."""
+    request_taper: int = 0
+    """`RefitOptions.request_taper` of the direct receiver."""
     exchange: bool = True
     """The direct receiver installs by exchange while it pulls (inference_ext/exchange.py)."""
 
@@ -298,6 +302,7 @@ class InstallEndpoint:
             verify_checksums=settings.checksums,
             read_before_readable=settings.before_readable,
             requests_in_flight=settings.requests_in_flight,
+            request_taper=settings.request_taper,
         )
         self.receivers = {
             "direct": Receiver(
@@ -775,6 +780,12 @@ def build_parser() -> argparse.ArgumentParser:
         "receivers' default)",
     )
     run.add_argument(
+        "--request-taper",
+        type=int,
+        default=0,
+        help="halvings of a direct pull's last (and first) requests and check parts",
+    )
+    run.add_argument(
         "--no-exchange",
         action="store_true",
         help="the receiver copies every tensor into the model after the pull (not exchanged "
@@ -889,6 +900,7 @@ def receiver_settings(
         before_readable=config.before_readable,
         requests_in_flight=config.requests_in_flight,
         exchange=config.exchange,
+        request_taper=config.request_taper,
     )
 
 

@@ -101,6 +101,10 @@ class RefitOptions:
     """Direct path: READ requests (of `NixlConfig.request_bytes`, 256 MiB) of a pull in flight
     at once, the next posted as one completes, in destination order
     (`NixlConfig.requests_in_flight`); 0: all at once."""
+    request_taper: int = 0
+    """Direct path: halvings of the 256 MiB requests, and of the running check's parts,
+    towards the pull's end (`NixlConfig.request_taper`): the last bytes land in small
+    requests, leaving small sums and exchanges after the last one (0 to 8)."""
     verify_checksums: bool = True
     """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
     host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device
@@ -167,9 +171,11 @@ class RefitOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        for name in ("chunk_taper", "request_taper"):
+            taper = getattr(self, name)
+            if not isinstance(taper, int) or isinstance(taper, bool) or not 0 <= taper <= 8:
+                raise ValueError(f"{name} must be an integer from 0 to 8, got {taper!r}")
         taper = self.chunk_taper
-        if not isinstance(taper, int) or isinstance(taper, bool) or not 0 <= taper <= 8:
-            raise ValueError(f"chunk_taper must be an integer from 0 to 8, got {taper!r}")
         if self.chunk_bytes >> taper < 4096:
             raise ValueError(
                 f"chunk_bytes {self.chunk_bytes} halved {taper} times is under 4096 bytes"
@@ -484,6 +490,7 @@ class Receiver:
                 # Serving a copy: progress the worker for readers between pulls.
                 progress_poll_s=0.001 if options.fanout else None,
                 requests_in_flight=options.requests_in_flight,
+                request_taper=options.request_taper,
             )
         )
         self.staging = Staging(self.transport, device)

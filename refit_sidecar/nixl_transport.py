@@ -30,7 +30,7 @@ import numpy as np
 from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from refit_sidecar.chunking import cut_long, groups, merge_continuing
+from refit_sidecar.chunking import chunk_bounds, cut_at, cut_long, groups, merge_continuing
 from refit_sidecar.manifest import AgentRecord, MemType
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.plan import Checksums, PullPlan
@@ -60,6 +60,11 @@ class NixlConfig:
     requests in flight move a model faster than one request holding every read: on two H200s,
     a 1B model's 1.96 GB took 9.6-10.3 ms in one request, 7.8-8.9 ms in 256 MiB requests
     (BENCHMARKS.md, "Refit in peer-copy time")."""
+    request_taper: int = 0
+    """Halvings of `request_bytes` towards each end of a source's reads
+    (`chunking.chunk_bounds`): small last requests land the pull's last bytes in small steps,
+    so a running check (and what it hands on) has only a small part left after the last
+    one; 0: every request about `request_bytes`."""
     requests_in_flight: int = 0
     """Requests of a pull posted at once, the next posted as one completes, in destination
     order; 0: all at once. Requests that share the link all end near the pull's end, so a
@@ -86,6 +91,7 @@ class NixlConfig:
             or min(self.connect_timeout_s, self.pull_timeout_s) <= 0
             or self.request_bytes < 1
             or self.requests_in_flight < 0
+            or not 0 <= self.request_taper < self.request_bytes.bit_length()
         ):
             raise ValueError(f"bad NIXL transport config {self}")
         if self.progress_poll_s is not None and not self.progress_poll_s > 0:
@@ -181,7 +187,7 @@ class NixlTransport:
             stats = self._wait_reporting(plan, dest, on_ready)
             on_ready(plan.nbytes)
             return stats
-        check = RunningCheck(plan, dest, after=on_ready)
+        check = RunningCheck(plan, dest, taper=self._config.request_taper, after=on_ready)
         if not check.runs_ahead:  # host memory: checked whole at the end
             stats = self.start(plan, dest).wait()
         else:
@@ -222,7 +228,8 @@ class NixlTransport:
         self.register(dest)
         begin = time.perf_counter()
         pending = PendingPull(self, begin + self._config.pull_timeout_s, begin, temporary, dest)
-        requests = _requests(plan, dest, self._config.request_bytes)
+        config = self._config
+        requests = _requests(plan, dest, config.request_bytes, config.request_taper)
         requests.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
         window = self._config.requests_in_flight or len(requests)
         for (agent, mem_type), (remote, local) in requests:
@@ -515,11 +522,12 @@ class _Landed:
 
 
 def _requests(
-    plan: PullPlan, dest: Region, size: int
+    plan: PullPlan, dest: Region, size: int, taper: int = 0
 ) -> list[tuple[tuple[str, MemType], tuple[np.ndarray, np.ndarray]]]:
     """The plan's READ requests: per source (agent, memory type, device), its reads in
-    destination order cut into requests of about `size` bytes (`chunking`), each as (remote,
-    local) N×3 uint64 descriptor arrays (address, length, device)."""
+    destination order cut into requests of about `size` bytes (`chunking`; with `taper`, at
+    `chunk_bounds`, halving towards the ends), each as (remote, local) N×3 uint64 descriptor
+    arrays (address, length, device)."""
     parts: dict[tuple[str, MemType, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     for reads in plan.reads:
         loc = reads.location
@@ -532,10 +540,14 @@ def _requests(
         length = np.concatenate([p[1] for p in group])
         dst = np.concatenate([p[2] for p in group])
         order = np.argsort(dst, kind="stable")
-        remote, length, dst = cut_long(remote[order], length[order], dst[order], size)
-        request = np.zeros(len(length), np.int64)
-        for i, idx in enumerate(groups(length, size)):
-            request[idx] = i
+        if taper:
+            bounds = chunk_bounds(int(length.sum()), size, taper)
+            remote, length, dst, request = cut_at(remote[order], length[order], dst[order], bounds)
+        else:
+            remote, length, dst = cut_long(remote[order], length[order], dst[order], size)
+            request = np.zeros(len(length), np.int64)
+            for i, idx in enumerate(groups(length, size)):
+                request[idx] = i
         remote, length, dst, request = merge_continuing(remote, length, dst, request)
         for idx in np.split(np.arange(len(request)), np.flatnonzero(np.diff(request)) + 1):
             n = length[idx].astype(np.uint64)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from refit_sidecar.chunking import chunk_bounds
 from refit_sidecar.manifest import MemType
 from refit_sidecar.plan import Checksums, PullPlan, with_read_checksums
 from refit_sidecar.transport import Region, verify_pulled
@@ -65,6 +66,7 @@ class RunningCheck:
         dest: Region,
         *,
         part_bytes: int = DEFAULT_PART_BYTES,
+        taper: int = 0,
         after: Callable[[int], None] | None = None,
     ) -> None:
         if part_bytes < 1:
@@ -72,6 +74,7 @@ class RunningCheck:
         self._plan = plan
         self._dest = dest
         self._part_bytes = part_bytes
+        self._taper = taper
         self._parts: list[_Part] | None = None if dest.mem_type is not MemType.DRAM else []
         self._next = 0
         """Parts started so far."""
@@ -155,7 +158,7 @@ class RunningCheck:
 
     def _cut(self) -> list[_Part]:
         if self._parts is None:
-            self._parts = _parts(self._plan, self._part_bytes)
+            self._parts = _parts(self._plan, self._part_bytes, self._taper)
         return self._parts
 
     def _start(self, part: _Part) -> None:
@@ -190,9 +193,12 @@ class RunningCheck:
             yield
 
 
-def _parts(plan: PullPlan, part_bytes: int) -> list[_Part]:
+def _parts(plan: PullPlan, part_bytes: int, taper: int = 0) -> list[_Part]:
     """The reads a device check covers (read whole, carrying a WSUM-64), in order of where they
-    end in the destination, cut into parts of `part_bytes` or more (the last may hold less)."""
+    end in the destination, cut into parts of `part_bytes` or more (the last may hold less).
+    With `taper`, a part also ends at the read that takes the running total of their bytes
+    past one of `chunking.chunk_bounds(total, part_bytes, taper)`: parts halve towards the
+    end, as tapered requests do, so the last part's sums are small."""
     ends = []
     for i, shard in enumerate(plan.reads):
         if shard.complete and shard.sum64 is not None and len(shard.lengths):
@@ -201,11 +207,19 @@ def _parts(plan: PullPlan, part_bytes: int) -> list[_Part]:
     ends.sort()
     parts: list[_Part] = []
     taken: list[int] = []
-    held = 0
+    held = total = 0
+    bounds = iter(())
+    if taper:
+        bounds = iter(chunk_bounds(sum(n for _, n, _ in ends), part_bytes, taper).tolist())
+    bound = next(bounds, None)
     for end, nbytes, i in ends:
         taken.append(i)
         held += nbytes
-        if held >= part_bytes:
+        total += nbytes
+        crossed = bound is not None and total >= bound
+        while bound is not None and total >= bound:
+            bound = next(bounds, None)
+        if held >= part_bytes or crossed:
             parts.append(_Part(end, taken))
             taken, held = [], 0
     if taken:

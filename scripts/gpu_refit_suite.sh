@@ -8,6 +8,8 @@
 #               steps (--not-before-readable --no-exchange)
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
+#   install-taper  refit_install, 1b, the direct pull's first and last requests and check
+#               parts halved ($TAPERS: the halvings, default "2")
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   fanout-spread  refit_fanout, 1b, k = 1 and 2, the last receiver on the trainer's GPU
@@ -59,6 +61,14 @@ for group in "$@"; do
                 --device cuda --dest-gpu 1 --requests-in-flight "$window" \
                 --out "$OUT/refit_install_1b_window$window.json" \
                 --log-dir "$logs/install-1b-w$window"
+        done
+        ;;
+    install-taper)
+        for taper in ${TAPERS:-2}; do
+            run "install-1b-taper$taper" python3 -m benchmarks.refit_install --preset 1b \
+                --device cuda --dest-gpu 1 --request-taper "$taper" \
+                --out "$OUT/refit_install_1b_taper$taper.json" \
+                --log-dir "$logs/install-1b-t$taper"
         done
         ;;
     install-3b)

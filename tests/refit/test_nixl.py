@@ -20,6 +20,7 @@ from multiprocessing.process import BaseProcess
 import numpy as np
 import pytest
 
+from refit_sidecar.chunking import chunk_bounds
 from refit_sidecar.layout import ShardSpec, megatron_shard_spec, split_pieces
 from refit_sidecar.manifest import (
     AgentRecord,
@@ -239,6 +240,50 @@ def test_a_pull_keeps_at_most_its_window_of_requests_in_flight(source: Source) -
         transport.close()
     with pytest.raises(ValueError):
         NixlConfig(name="bad", requests_in_flight=-1)
+
+
+def test_tapered_requests_halve_towards_the_ends_and_carry_the_same_bytes(source: Source) -> None:
+    """`request_taper`: each source's requests are cut at `chunk_bounds`, so its first and
+    last requests are `request_bytes` halved `taper` times; the bytes are the same, and a
+    verified pull hands `on_ready` the whole destination once checked."""
+    size, taper = 4096, 2
+    transport = NixlTransport.create(
+        NixlConfig(
+            name="tapered-puller",
+            pull_timeout_s=60,
+            request_bytes=size,
+            request_taper=taper,
+            requests_in_flight=2,
+        )
+    )
+    try:
+        plan = plan_pull(source.manifest, whole(source.manifest))
+        array = np.zeros(plan.nbytes, np.uint8)
+        dest = Region.of_array(array)
+        transport.register(dest)
+        pending = transport.start(plan, dest)
+        sizes: dict[str, list[int]] = {}
+        for xfer in pending.xfers:
+            sizes.setdefault(xfer.agent, []).append(int(xfer.nbytes))
+        pending.wait()
+        for agent, taken in sizes.items():
+            total = sum(r.nbytes for r in plan.reads if r.location.agent == agent)
+            assert sum(taken) == total
+            bounds = chunk_bounds(total, size, taper)
+            assert taken == np.diff([0, *bounds.tolist(), total]).tolist(), agent
+            assert taken[-1] == taken[0] == size >> taper
+        ready: list[int] = []
+        array[:] = 0
+        stats = transport.pull(plan, dest, verify=True, on_ready=ready.append)
+        assert stats.verified_shards == len(plan.reads) and ready == [plan.nbytes]
+        for t in plan.targets:
+            shape, dtype = TENSORS[t.name]
+            expected = random_global(t.name, shape, dtype, 1)[index(t.box)]
+            assert array[t.span].tobytes() == expected.tobytes(), t
+    finally:
+        transport.close()
+    with pytest.raises(ValueError):
+        NixlConfig(name="bad", request_bytes=4, request_taper=3)
 
 
 def test_a_pull_says_how_far_its_destination_has_landed(source: Source) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from refit_sidecar import wsum
 from refit_sidecar.checksum import ChecksumMismatch
+from refit_sidecar.chunking import chunk_bounds
 from refit_sidecar.layout import ShardSpec
 from refit_sidecar.manifest import Box, DType, MemType, ShardPiece
 from refit_sidecar.plan import Checksums, PullPlan, plan_pull, whole, with_read_checksums
@@ -100,6 +101,27 @@ def test_parts_hold_their_bytes_and_are_cut_from_the_layout_alone() -> None:
     assert check.started == 0  # the first part's second shard is not whole yet
     check.advance(sizes[1][0])
     assert check.started == 1
+
+
+def test_tapered_parts_halve_towards_the_end() -> None:
+    """With `taper`, a part also ends where the running total of checked bytes crosses a
+    `chunk_bounds` cut, as tapered requests end: the last part holds little."""
+    plan, _, region, _ = _pulled(MemType.VRAM)
+    sizes = _sizes(plan)
+    total = sum(n for _, n in sizes)
+    part = 8192
+    bounds = chunk_bounds(total, part, 1).tolist()
+    assert bounds == [part // 2, part, total - part, total - part // 2]
+    names = [r.parameter for r in plan.reads]
+
+    def cut(taper: int) -> list[list[str]]:
+        check = RunningCheck(plan, region, part_bytes=part, taper=taper)
+        check.advance(plan.nbytes)
+        assert check.finish() == len(SHAPES)
+        return [[names[i] for i in p.reads] for p in check._cut()]
+
+    assert cut(0) == [["t0", "t1", "t2"], ["t3", "t4", "t5"]]
+    assert cut(1) == [["t0"], ["t1", "t2"], ["t3", "t4"], ["t5"]]
 
 
 def test_a_flipped_byte_fails_the_check_naming_its_shard(device: str = "cpu") -> None:
