@@ -102,6 +102,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     for name, steps in (("1b", 10), ("3b", 8), ("tiny", 3))
 }
 _DTYPES = ("float32", "bfloat16")
+INSTALLS = {
+    "in-place": "the HF model's parameters live in staging once the first refit of the slot's "
+    "layout installed them: later pulls land in them (Receiver.fetch(..., in_place=...))",
+    "exchange": "staged slices are exchanged with the HF model's parameters while the pull "
+    "runs (Receiver.fetch(..., exchange=...))",
+    "copy": "every tensor is copied into the model after the pull",
+}
 _CHECK_SEQUENCES, _CHECK_LENGTH = 4, 32
 
 
@@ -134,9 +141,8 @@ class RunConfig:
     """The direct receiver's `RefitOptions.requests_in_flight`."""
     request_taper: int
     """The direct receiver's `RefitOptions.request_taper`."""
-    exchange: bool
-    """The direct receiver exchanges staged slices with the HF model's parameters while the
-    pull runs (`Receiver.fetch(..., exchange=...)`), not copied in after it."""
+    install: str
+    """How the direct receiver installs (`INSTALLS`)."""
     before_readable: bool
     """Asked ahead, the lease comes at the slot's reservation and the pull starts on the
     trainer's version words (`RefitOptions.read_before_readable`)."""
@@ -202,8 +208,8 @@ class ReceiverSettings:
     """`RefitOptions.requests_in_flight` of the receivers."""
     request_taper: int = 0
     """`RefitOptions.request_taper` of the direct receiver."""
-    exchange: bool = True
-    """The direct receiver installs by exchange while it pulls (inference_ext/exchange.py)."""
+    install: str = "in-place"
+    """How the direct receiver installs (`INSTALLS`)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -333,7 +339,7 @@ class InstallEndpoint:
                 device=self.dest,
             )
         self.receiver = self.receivers["direct"]
-        self.exchange = settings.exchange
+        self.install_mode = settings.install
         self.peer = PeerCopy(self.params, source, self.dest)
         self.setup_s = time.monotonic() - started
 
@@ -368,8 +374,12 @@ class InstallEndpoint:
     def refit(self, version: int, finished_at: float, mode: str = "direct") -> dict[str, Any]:
         received = time.monotonic()
         receiver = self.receivers[mode]
-        exchange = self.params if self.exchange and mode == "direct" else None
-        receiver.fetch(version, exchange=exchange)
+        how = self.install_mode if mode == "direct" else "copy"
+        receiver.fetch(
+            version,
+            exchange=self.params if how == "exchange" else None,
+            in_place=self.params if how == "in-place" else None,
+        )
         fetched = time.monotonic()
         stats = receiver.install(self.install)
         installed = time.monotonic()
@@ -677,6 +687,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         warmup_latency_ms=[1e3 * r["refit"]["latency_s"] for r in records if r["warmup"]],
         replanned=[r["refit"]["stats"]["replanned"] for r in records],
         exchanged_bytes=timed[-1]["refit"]["stats"].get("exchanged_bytes", 0),
+        in_place_bytes=timed[-1]["refit"]["stats"].get("in_place_bytes", 0),
         finish_median_ms=1e3 * statistics.median(r["step"]["finish_s"] for r in timed),
         step_median_ms=1e3 * statistics.median(r["step"]["step_s"] for r in timed),
     )
@@ -695,7 +706,8 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
         f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}, lag "
         f"{m['lag']:.3f}, checksums wait {m['checksums_wait']:.3f}, check {m['check']:.3f}), "
         f"translate {m['translate']:.3f}, install {m['install']:.3f} ms; "
-        f"{summary['exchanged_bytes']:,} bytes installed by exchange during the pull"
+        f"{summary['exchanged_bytes']:,} bytes installed by exchange during the pull, "
+        f"{summary['in_place_bytes']:,} pulled straight into the model's tensors"
     )
     g = summary["gb_per_s"]
     print(
@@ -786,10 +798,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="halvings of a direct pull's last (and first) requests and check parts",
     )
     run.add_argument(
-        "--no-exchange",
-        action="store_true",
-        help="the receiver copies every tensor into the model after the pull (not exchanged "
-        "while it runs)",
+        "--install",
+        choices=sorted(INSTALLS),
+        default="in-place",
+        help="how the direct receiver installs: "
+        + "; ".join(f"{k}: {v}" for k, v in INSTALLS.items()),
     )
     run.add_argument("--lr", type=float, default=1e-5)
     run.add_argument("--seed", type=int, default=1234)
@@ -831,7 +844,6 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values["checksums"] = not values.pop("no_checksums")
     values["expect"] = not values.pop("no_expect")
     values["before_readable"] = not values.pop("not_before_readable")
-    values["exchange"] = not values.pop("no_exchange")
     config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
     if config.seq_len > config.max_positions:
         raise SystemExit(
@@ -899,7 +911,7 @@ def receiver_settings(
         checksums=config.checksums,
         before_readable=config.before_readable,
         requests_in_flight=config.requests_in_flight,
-        exchange=config.exchange,
+        install=config.install,
         request_taper=config.request_taper,
     )
 

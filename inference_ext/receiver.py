@@ -28,6 +28,7 @@ import torch
 from inference_ext.ahead import AheadLease
 from inference_ext.before_readable import BeforeReadable, EarlyPull
 from inference_ext.exchange import Exchange
+from inference_ext.in_place import InPlace, candidates
 from inference_ext.lease_keeper import LeaseKeeper, renewed
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
@@ -291,6 +292,9 @@ class RefitStats:
     """Then seconds waiting for checksums published after the pull started."""
     check_s: float = 0.0
     """Then seconds to the checksums compared."""
+    in_place_bytes: int = 0
+    """Bytes the pull landed straight in the engine's tensors (`fetch(..., in_place=...)`,
+    inference_ext/in_place.py): nothing was copied for them after it."""
     exchanged_bytes: int = 0
     """Bytes installed by exchange while the pull ran (`fetch(..., exchange=...)`); the
     installer got the rest."""
@@ -393,6 +397,10 @@ class _Fetched:
     sidecar_answered_at: float
     before_readable: bool
     exchange: Exchange | None = None
+    in_place: Mapping[str, torch.Tensor] | None = None
+    in_place_key: tuple[Any, ...] = ()
+    armed: bool = False
+    """The pull landed in adopted engine tensors."""
 
 
 _VIEWS_KEPT = 4096
@@ -542,6 +550,8 @@ class Receiver:
         """The installed version's tensors that were exchanged: staging holds their old bytes."""
         self._swaps: tuple[tuple[Any, ...], Exchange, Any] | None = None
         """The exchanges of the last (plan slices, targets, staging) met."""
+        self._in_place = InPlace()
+        """The engine tensors living in staging (`fetch(..., in_place=...)`)."""
 
     def latest_version(self) -> int | None:
         return self.client.latest_version()
@@ -580,6 +590,7 @@ class Receiver:
         visible_timeout_s: float | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         exchange: Mapping[str, torch.Tensor] | None = None,
+        in_place: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Lease `version`, pull and verify this receiver's slices into staging; RefitError
         (with the cause) when any of it fails. A version not readable yet is waited for
@@ -591,10 +602,20 @@ class Receiver:
         hold the new version before `install` (which hands over the rest), so the caller
         must not compute with them in between; a failed fetch, `abandon` or the next fetch
         takes them back to what they held. Direct path only (a fan-out receiver serves its
-        staging to others)."""
-        if exchange is not None and self._tree is not None:
-            raise ValueError("a fan-out receiver serves its staging to others: it cannot exchange")
+        staging to others).
+
+        `in_place`: the engine's tensors by HF name (the same mapping every time), to live in
+        staging from this layout's first install on, so that later pulls land in them
+        (inference_ext/in_place.py). Between such a fetch and its `install` they hold the new
+        version, unchecked until `fetch` returns: the caller must not compute with them; a
+        failed fetch or `abandon` restores the installed version. Direct path only."""
+        if (exchange is not None or in_place is not None) and self._tree is not None:
+            raise ValueError("a fan-out receiver pulls into staging of its own only")
+        if exchange is not None and in_place is not None:
+            raise ValueError("exchange or in_place, not both")
         self.abandon()
+        if in_place is None and self._in_place.adopted:
+            self._in_place.release()  # this pull would land in them with no backup to restore
         self._staged = None
         begin = time.perf_counter()
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
@@ -641,6 +662,8 @@ class Receiver:
         self._keeper.keep(lease)
         early: EarlyPull | None = None
         swaps: Exchange | None = None
+        key: tuple[Any, ...] = ()
+        armed = False
         try:
             if lease.pending:
                 plan, replanned, by_key, early = self._plan_early(lease, wait, asked_sums)
@@ -656,6 +679,9 @@ class Receiver:
             )
             region = self.staging.ensure(plan.pull.nbytes)
             swaps = None if exchange is None else self._exchange(plan, exchange)
+            if in_place is not None:
+                key = (id(plan.slices), self.staging.buffer.data_ptr(), id(in_place))
+                armed = self._in_place.prepare(key)
             pulled = self._pull(
                 plan.pull,
                 region,
@@ -666,6 +692,7 @@ class Receiver:
         except BaseException as e:
             if swaps is not None:
                 swaps.undo()
+            self._in_place.restore()  # the pull may have landed in the engine's tensors
             if self._tree is not None:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
             if early is not None and early.asked is not None:
@@ -691,6 +718,7 @@ class Receiver:
         if not held:
             if swaps is not None:
                 swaps.undo()
+            self._in_place.restore()
             # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
             # protect the slot for the whole pull: the trainer may have overwritten it.
             raise RefitError(
@@ -708,6 +736,9 @@ class Receiver:
             *sidecar,
             early is not None,
             swaps,
+            in_place,
+            key,
+            armed,
         )
 
     def _pull(
@@ -839,6 +870,8 @@ class Receiver:
         stats = pulled.stats
         swaps = fetched.exchange
         exchanged = swaps.names if swaps is not None else frozenset()
+        if fetched.armed:
+            exchanged = frozenset(self._in_place.adopted)  # landed in the engine's tensors
         translate_s = 0.0
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -856,6 +889,8 @@ class Receiver:
             installer(tensors())
             if swaps is not None:
                 swaps.wait()
+            if fetched.in_place is not None:
+                self._settle(fetched)
         except BaseException:
             self.abandon()  # the exchanged tensors go back; the installer's own are its own
             raise
@@ -896,6 +931,26 @@ class Receiver:
             checksums_wait_s=stats.checksums_wait_s,
             check_s=stats.check_s,
             exchanged_bytes=0 if swaps is None else swaps.nbytes,
+            in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
+        )
+
+    def _settle(self, fetched: _Fetched) -> None:
+        """After an install with `in_place`: back staging up (the tensors live there), or
+        adopt them after this layout's first install."""
+        assert fetched.in_place is not None
+        if fetched.armed:
+            self._in_place.back_up()
+            return
+        plan = fetched.plan
+        views = {}
+        for hf in plan.slices:
+            whole = zip(hf.box.ranges, hf.shape, strict=True)
+            if hf.contiguous and all(lo == 0 and hi == dim for (lo, hi), dim in whole):
+                views[hf.name] = self._assemble(plan.pull, hf)
+        staging = self.staging.buffer[: plan.pull.nbytes]
+        held = (plan.slices, fetched.in_place)  # what the key names by id
+        self._in_place.adopt(
+            fetched.in_place_key, candidates(views, fetched.in_place), staging, held
         )
 
     def abandon(self) -> None:
@@ -904,6 +959,8 @@ class Receiver:
         fetched, self._fetched = self._fetched, None
         if fetched is not None and fetched.exchange is not None:
             fetched.exchange.undo()
+        if fetched is not None and fetched.armed:
+            self._in_place.restore()
 
     def _exchange(self, plan: ReceiverPlan, targets: Mapping[str, torch.Tensor]) -> Exchange:
         """The fetch's exchanges of `plan`'s whole, contiguous slices with `targets`; made once
@@ -962,6 +1019,7 @@ class Receiver:
         return full
 
     def close(self) -> None:
+        self._in_place.close()
         self._ahead.drop()
         self._keeper.close()
         self._releases.shutdown(wait=True)

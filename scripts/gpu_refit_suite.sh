@@ -2,10 +2,10 @@
 # The refit measurements of BENCHMARKS.md on a two-GPU host, in groups that each fit ten
 # minutes: `scripts/gpu_refit_suite.sh GROUP...` from the repository root, with the wheels of
 # scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
-#   install     refit_install, 1b, checksums on, and the install copied in after the pull
-#               (--no-exchange)
+#   install     refit_install, 1b, checksums on: pulled into the model's tensors (in place),
+#               exchanged with them while the pull runs, and copied in after it
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
-#               steps (--not-before-readable --no-exchange)
+#               steps (--not-before-readable --install copy)
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-taper  refit_install, 1b, the direct pull's first and last requests and check
@@ -20,6 +20,7 @@
 #   pull        refit_pull: the NIXL pull against a peer copy, and what publication holds the
 #               next training step up (against a device-local copy of the rank's shards)
 #   tests       the GPU-marked tests
+#   tests-refit the GPU-marked tests of the refit's check and install
 # $OUT then holds env.txt, results.tgz (each run's JSON and printed log) and logs.tgz (the
 # services' logs).
 set -o pipefail
@@ -43,16 +44,18 @@ for group in "$@"; do
     install)
         run install-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \
             --dest-gpu 1 --out "$OUT/refit_install_1b.json" --log-dir $logs/install-1b
-        run install-1b-no-exchange python3 -m benchmarks.refit_install --preset 1b \
-            --device cuda --dest-gpu 1 --no-exchange \
-            --out "$OUT/refit_install_1b_no_exchange.json" --log-dir $logs/install-1b-nx
+        for how in exchange copy; do  # the first run: in place
+            run "install-1b-$how" python3 -m benchmarks.refit_install --preset 1b \
+                --device cuda --dest-gpu 1 --install $how \
+                --out "$OUT/refit_install_1b_$how.json" --log-dir "$logs/install-1b-$how"
+        done
         ;;
     install-more)
         run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --no-checksums \
             --out "$OUT/refit_install_1b_no_checksums.json" --log-dir $logs/install-1b-nc
         run install-1b-after-report python3 -m benchmarks.refit_install --preset 1b \
-            --device cuda --dest-gpu 1 --not-before-readable --no-exchange \
+            --device cuda --dest-gpu 1 --not-before-readable --install copy \
             --out "$OUT/refit_install_1b_after_report.json" --log-dir $logs/install-1b-ar
         ;;
     install-window)
@@ -114,6 +117,11 @@ for group in "$@"; do
     pull)
         run refit-pull python3 -m benchmarks.refit_pull --out "$OUT/refit_pull.json" \
             --log-dir $logs/refit-pull
+        ;;
+    tests-refit)
+        run gpu-tests-refit python3 -m pytest -p no:cacheprovider -m gpu -q -s \
+            tests/gpu/test_in_place_gpu.py tests/gpu/test_exchange_gpu.py \
+            tests/gpu/test_running_check_gpu.py
         ;;
     tests)
         run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q -s

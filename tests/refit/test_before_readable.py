@@ -36,6 +36,7 @@ from tests.support.receiver import (
     assert_exported,
     corrupt_one_byte,
     refit_exchanging,
+    refit_in_place,
     refit_with_stats,
 )
 from tests.support.sidecar import running_sidecar
@@ -216,6 +217,35 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             for name, tensor in installed.items():
                 assert torch.equal(engine[name], tensor), name
             assert early.installed_version == 7
+
+            # An engine whose tensors live in staging: version 9 installs by copy and adopts
+            # them, version 10 is pulled straight into them; a byte flipped in version 11 and a
+            # fetch of version 12 dropped before its install leave them on version 10.
+            for version in (9, 10):
+                early.expect(version)
+                assert train_step(trainer, f"s{version}", seed=version) == version
+                installed, stats = refit_in_place(early, version, engine)
+                assert_exported(trainer, installed, f"v{version}")
+                assert stats.before_readable
+            assert stats.in_place_bytes == sum(t.nbytes for t in engine.values())
+            buffer = early.staging.buffer.untyped_storage().data_ptr()
+            assert all(t.untyped_storage().data_ptr() == buffer for t in engine.values())
+            early.expect(11)
+            assert train_step(trainer, "s11", seed=11) == 11
+            with sidecar.client() as client:
+                client.wait_visible(11, timeout=30)
+            corrupted = corrupt_one_byte(sidecar, 11, rank0)
+            with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
+                early.fetch(11, in_place=engine)
+            for name, tensor in installed.items():
+                assert torch.equal(engine[name], tensor), name
+            early.expect(12)
+            assert train_step(trainer, "s12", seed=12) == 12
+            early.fetch(12, in_place=engine)
+            early.abandon()
+            for name, tensor in installed.items():
+                assert torch.equal(engine[name], tensor), name
+            assert early.installed_version == 10
         finally:
             early.close()
             late.close()

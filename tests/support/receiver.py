@@ -3,6 +3,8 @@ ExportHF, and a byte of a published shard flipped in the trainer rank's memory."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import psutil
 import torch
 
@@ -31,6 +33,22 @@ def refit_exchanging(
     installed: dict[str, torch.Tensor] = {}
     stats = receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
     return {**{n: t.clone() for n, t in targets.items()}, **installed}, stats
+
+
+def refit_in_place(
+    receiver: Receiver, version: int, targets: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], RefitStats]:
+    """Fetches `version` into `targets` (an engine's tensors by HF name, living in staging
+    after the layout's first install), installs the rest into them; every HF tensor of the
+    version (copies) and the stats."""
+    receiver.fetch(version, in_place=targets)
+
+    def install(tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            targets[name].copy_(tensor)
+
+    stats = receiver.install(install)
+    return {n: t.clone() for n, t in targets.items()}, stats
 
 
 def assert_exported(trainer: TrainerProcess, installed: dict[str, torch.Tensor], name: str) -> None:

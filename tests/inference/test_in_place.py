@@ -1,0 +1,82 @@
+"""`in_place.InPlace`: engine tensors adopted into staging, the backup taken after each install,
+restored when a pull into them fails, and given storage of their own again for another
+layout. On the CPU here; tests/gpu runs the same on a GPU (the backup on a stream of its
+own)."""
+
+from __future__ import annotations
+
+import torch
+
+from inference_ext.in_place import InPlace, adoptable, candidates
+
+
+def _layout(device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Staging of 64 float32s holding two tensors (a 4×8 and a 16), and their views."""
+    staging = torch.arange(64, dtype=torch.float32, device=device).view(torch.uint8)
+    views = {
+        "a": staging[:128].view(torch.float32).view(4, 8),
+        "b": staging[128:192].view(torch.float32),
+    }
+    return staging, views
+
+
+def test_adopted_tensors_live_in_staging_and_a_failed_pull_is_restored(
+    device: str = "cpu",
+) -> None:
+    staging, views = _layout(device)
+    engine = {name: view.clone() for name, view in views.items()}  # installed by copy
+    engine["c"] = torch.zeros(3, device=device)  # not in staging: left alone
+    kept = engine["c"]
+    in_place = InPlace()
+    assert not in_place.prepare(("layout", 1))  # nothing adopted yet: a pull by copy
+    in_place.adopt(("layout", 1), candidates(views, engine), staging, held=None)
+    assert in_place.adopted.keys() == {"a", "b"} and in_place.nbytes == 192
+    assert engine["a"].data_ptr() == views["a"].data_ptr() and engine["c"] is kept
+    installed = {name: t.clone() for name, t in engine.items()}
+
+    assert in_place.prepare(("layout", 1))  # the next pull lands in the engine's tensors
+    staging.fill_(7)
+    assert bool((engine["b"] != installed["b"]).all())
+    in_place.restore()
+    assert all(torch.equal(engine[n], installed[n]) for n in engine)
+    assert not in_place.armed
+    in_place.restore()  # not armed: nothing to do
+    assert all(torch.equal(engine[n], installed[n]) for n in engine)
+
+    assert in_place.prepare(("layout", 1))
+    staging[:128].view(torch.float32).fill_(2.0)  # a version that installs
+    in_place.back_up()
+    newer = {name: t.clone() for name, t in engine.items()}
+    assert bool((newer["a"] == 2.0).all())
+    assert in_place.prepare(("layout", 1))
+    staging.zero_()
+    in_place.restore()
+    assert all(torch.equal(engine[n], newer[n]) for n in engine)
+
+    # Another layout: the tensors get storage of their own, holding what they held.
+    assert not in_place.prepare(("layout", 2))
+    assert not in_place.adopted and engine["a"].data_ptr() != views["a"].data_ptr()
+    staging.zero_()
+    assert all(torch.equal(engine[n], newer[n]) for n in engine)
+
+
+def test_close_leaves_the_engine_its_tensors() -> None:
+    staging, views = _layout("cpu")
+    engine = {name: view.clone() for name, view in views.items()}
+    in_place = InPlace()
+    in_place.adopt(("layout",), candidates(views, engine), staging, held=None)
+    in_place.close()
+    staging.zero_()
+    assert engine["b"].tolist() == list(range(32, 48))
+
+
+def test_only_tensors_held_as_staged_are_adopted() -> None:
+    _, views = _layout("cpu")
+    a = views["a"]
+    assert adoptable(a, torch.zeros(4, 8))
+    assert not adoptable(a, None)
+    assert not adoptable(a, torch.zeros(4, 8, dtype=torch.bfloat16))  # the engine casts
+    assert not adoptable(a, torch.zeros(8, 4))
+    assert not adoptable(a, torch.zeros(8, 4).t())  # not contiguous
+    picked = candidates(views, {"a": torch.zeros(4, 8), "b": torch.zeros(16, dtype=torch.int32)})
+    assert [c.name for c in picked] == ["a"]
