@@ -105,8 +105,6 @@ _DTYPES = ("float32", "bfloat16")
 INSTALLS = {
     "in-place": "the HF model's parameters live in staging once the first refit of the slot's "
     "layout installed them: later pulls land in them (Receiver.fetch(..., in_place=...))",
-    "exchange": "staged slices are exchanged with the HF model's parameters while the pull "
-    "runs (Receiver.fetch(..., exchange=...))",
     "copy": "every tensor is copied into the model after the pull",
 }
 _CHECK_SEQUENCES, _CHECK_LENGTH = 4, 32
@@ -375,11 +373,7 @@ class InstallEndpoint:
         received = time.monotonic()
         receiver = self.receivers[mode]
         how = self.install_mode if mode == "direct" else "copy"
-        receiver.fetch(
-            version,
-            exchange=self.params if how == "exchange" else None,
-            in_place=self.params if how == "in-place" else None,
-        )
+        receiver.fetch(version, in_place=self.params if how == "in-place" else None)
         fetched = time.monotonic()
         stats = receiver.install(self.install)
         installed = time.monotonic()
@@ -686,7 +680,6 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         },
         warmup_latency_ms=[1e3 * r["refit"]["latency_s"] for r in records if r["warmup"]],
         replanned=[r["refit"]["stats"]["replanned"] for r in records],
-        exchanged_bytes=timed[-1]["refit"]["stats"].get("exchanged_bytes", 0),
         in_place_bytes=timed[-1]["refit"]["stats"].get("in_place_bytes", 0),
         finish_median_ms=1e3 * statistics.median(r["step"]["finish_s"] for r in timed),
         step_median_ms=1e3 * statistics.median(r["step"]["step_s"] for r in timed),
@@ -706,8 +699,7 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
         f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}, lag "
         f"{m['lag']:.3f}, checksums wait {m['checksums_wait']:.3f}, check {m['check']:.3f}), "
         f"translate {m['translate']:.3f}, install {m['install']:.3f} ms; "
-        f"{summary['exchanged_bytes']:,} bytes installed by exchange during the pull, "
-        f"{summary['in_place_bytes']:,} pulled straight into the model's tensors"
+        f"{summary['in_place_bytes']:,} bytes pulled straight into the model's tensors"
     )
     g = summary["gb_per_s"]
     print(

@@ -3,8 +3,8 @@ needs into a staging buffer, verify them, and only then hand HF-named tensors to
 
 Nothing reaches the installer until every byte of the version is local and checked, so a
 source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old version.
-An engine that hands over its tensors (`fetch(..., exchange=...)`) has most of them filled
-while the pull runs, by exchange, and taken back on any failure (inference_ext/exchange.py).
+An engine whose tensors live in staging (`fetch(..., in_place=...)`) has them filled by the
+pull itself, and restored from a backup on any failure (inference_ext/in_place.py).
 The pull plan is made once per (trainer layout, receiver layout) and replayed (`rebase`) for
 every later version; the staging buffer is allocated and registered with NIXL once.
 """
@@ -27,7 +27,6 @@ import torch
 
 from inference_ext.ahead import AheadLease
 from inference_ext.before_readable import BeforeReadable, EarlyPull
-from inference_ext.exchange import Exchange
 from inference_ext.in_place import InPlace, candidates
 from inference_ext.lease_keeper import LeaseKeeper, renewed
 from inference_ext.slices import ReceiverLayout, hf_slice
@@ -105,7 +104,7 @@ class RefitOptions:
     request_taper: int = 0
     """Direct path: halvings of the 256 MiB requests, and of the running check's parts,
     towards the pull's end (`NixlConfig.request_taper`): the last bytes land in small
-    requests, leaving small sums and exchanges after the last one (0 to 8)."""
+    requests, leaving small sums after the last one (0 to 8)."""
     verify_checksums: bool = True
     """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
     host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device
@@ -295,9 +294,6 @@ class RefitStats:
     in_place_bytes: int = 0
     """Bytes the pull landed straight in the engine's tensors (`fetch(..., in_place=...)`,
     inference_ext/in_place.py): nothing was copied for them after it."""
-    exchanged_bytes: int = 0
-    """Bytes installed by exchange while the pull ran (`fetch(..., exchange=...)`); the
-    installer got the rest."""
     trace: tuple[Event, ...] = ()
     """Fan-out with `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
 
@@ -396,7 +392,6 @@ class _Fetched:
     sidecar_readable_at: float
     sidecar_answered_at: float
     before_readable: bool
-    exchange: Exchange | None = None
     in_place: Mapping[str, torch.Tensor] | None = None
     in_place_key: tuple[Any, ...] = ()
     armed: bool = False
@@ -546,10 +541,6 @@ class Receiver:
         self._fetched: _Fetched | None = None
         self._staged: ReceiverPlan | None = None
         """The plan of the installed version while staging still holds its bytes."""
-        self._exchanged: dict[str, torch.Tensor] = {}
-        """The installed version's tensors that were exchanged: staging holds their old bytes."""
-        self._swaps: tuple[tuple[Any, ...], Exchange, Any] | None = None
-        """The exchanges of the last (plan slices, targets, staging) met."""
         self._in_place = InPlace()
         """The engine tensors living in staging (`fetch(..., in_place=...)`)."""
 
@@ -589,7 +580,6 @@ class Receiver:
         *,
         visible_timeout_s: float | None = None,
         on_progress: Callable[[int, int], None] | None = None,
-        exchange: Mapping[str, torch.Tensor] | None = None,
         in_place: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Lease `version`, pull and verify this receiver's slices into staging; RefitError
@@ -597,22 +587,13 @@ class Receiver:
         `visible_timeout_s` (default: the options'). `on_progress(filled, total)`: staging
         bytes filled in order so far (with fan-out, as chunks land; else once at the end).
 
-        `exchange`: the engine's tensors by HF name, filled while the pull runs wherever a
-        slice lies in staging as the tensor holds it (inference_ext/exchange.py). They then
-        hold the new version before `install` (which hands over the rest), so the caller
-        must not compute with them in between; a failed fetch, `abandon` or the next fetch
-        takes them back to what they held. Direct path only (a fan-out receiver serves its
-        staging to others).
-
         `in_place`: the engine's tensors by HF name (the same mapping every time), to live in
         staging from this layout's first install on, so that later pulls land in them
         (inference_ext/in_place.py). Between such a fetch and its `install` they hold the new
         version, unchecked until `fetch` returns: the caller must not compute with them; a
         failed fetch or `abandon` restores the installed version. Direct path only."""
-        if (exchange is not None or in_place is not None) and self._tree is not None:
+        if in_place is not None and self._tree is not None:
             raise ValueError("a fan-out receiver pulls into staging of its own only")
-        if exchange is not None and in_place is not None:
-            raise ValueError("exchange or in_place, not both")
         self.abandon()
         if in_place is None and self._in_place.adopted:
             self._in_place.release()  # this pull would land in them with no backup to restore
@@ -661,7 +642,6 @@ class Receiver:
         sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
         self._keeper.keep(lease)
         early: EarlyPull | None = None
-        swaps: Exchange | None = None
         key: tuple[Any, ...] = ()
         armed = False
         try:
@@ -678,20 +658,13 @@ class Receiver:
                 1e3 * (begin + plan_s - leased),
             )
             region = self.staging.ensure(plan.pull.nbytes)
-            swaps = None if exchange is None else self._exchange(plan, exchange)
             if in_place is not None:
                 key = (id(plan.slices), self.staging.buffer.data_ptr(), id(in_place))
                 armed = self._in_place.prepare(key)
             pulled = self._pull(
-                plan.pull,
-                region,
-                on_progress,
-                None if early is None else early.checksums,
-                None if swaps is None else swaps.upto,
+                plan.pull, region, on_progress, None if early is None else early.checksums
             )
         except BaseException as e:
-            if swaps is not None:
-                swaps.undo()
             self._in_place.restore()  # the pull may have landed in the engine's tensors
             if self._tree is not None:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
@@ -716,8 +689,6 @@ class Receiver:
         else:
             held = self.client.end_lease(lease) and time.monotonic() < lease.expires_at
         if not held:
-            if swaps is not None:
-                swaps.undo()
             self._in_place.restore()
             # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
             # protect the slot for the whole pull: the trainer may have overwritten it.
@@ -735,7 +706,6 @@ class Receiver:
             leased_at,
             *sidecar,
             early is not None,
-            swaps,
             in_place,
             key,
             armed,
@@ -747,7 +717,6 @@ class Receiver:
         region: Region,
         on_progress: Callable[[int, int], None] | None,
         checksums_later: Callable[[], Sequence[Checksums]] | None = None,
-        on_ready: Callable[[int], None] | None = None,
     ) -> _Pulled:
         if self._tree is not None:
             deadline = time.monotonic() + self.options.pull_timeout_s
@@ -771,11 +740,7 @@ class Receiver:
             )
         started = time.time()
         stats = self.transport.pull(
-            plan,
-            region,
-            verify=self._verifies,
-            checksums_later=checksums_later,
-            on_ready=on_ready,
+            plan, region, verify=self._verifies, checksums_later=checksums_later
         )
         by_source: dict[str, int] = {}
         for reads in plan.reads:
@@ -868,16 +833,14 @@ class Receiver:
         fetched = self._fetched
         plan, pulled = fetched.plan, fetched.pulled
         stats = pulled.stats
-        swaps = fetched.exchange
-        exchanged = swaps.names if swaps is not None else frozenset()
-        if fetched.armed:
-            exchanged = frozenset(self._in_place.adopted)  # landed in the engine's tensors
+        # Pulled into the engine's tensors: nothing to hand over.
+        landed = frozenset(self._in_place.adopted) if fetched.armed else frozenset()
         translate_s = 0.0
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal translate_s
             for hf in plan.slices:
-                if hf.name in exchanged:
+                if hf.name in landed:
                     continue
                 start = time.perf_counter()
                 tensor = self._assemble(plan.pull, hf)
@@ -887,18 +850,15 @@ class Receiver:
         start = time.perf_counter()
         try:
             installer(tensors())
-            if swaps is not None:
-                swaps.wait()
             if fetched.in_place is not None:
                 self._settle(fetched)
         except BaseException:
-            self.abandon()  # the exchanged tensors go back; the installer's own are its own
+            self.abandon()  # tensors in staging go back; the installer's own are its own
             raise
         self._fetched = None
         install_s = time.perf_counter() - start - translate_s
         self.installed_version = plan.pull.version
         self._staged = plan
-        self._exchanged = {} if swaps is None else {s.name: s.target for s in swaps.swaps}
         return RefitStats(
             version=plan.pull.version,
             bytes_pulled=stats.nbytes,
@@ -930,7 +890,6 @@ class Receiver:
             lag_s=stats.lag_s,
             checksums_wait_s=stats.checksums_wait_s,
             check_s=stats.check_s,
-            exchanged_bytes=0 if swaps is None else swaps.nbytes,
             in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
         )
 
@@ -954,30 +913,11 @@ class Receiver:
         )
 
     def abandon(self) -> None:
-        """Drop the version fetched and not installed: tensors exchanged while it was pulled
+        """Drop the version fetched and not installed: engine tensors the pull landed in
         get back what they held (the engine is on its old version)."""
         fetched, self._fetched = self._fetched, None
-        if fetched is not None and fetched.exchange is not None:
-            fetched.exchange.undo()
         if fetched is not None and fetched.armed:
             self._in_place.restore()
-
-    def _exchange(self, plan: ReceiverPlan, targets: Mapping[str, torch.Tensor]) -> Exchange:
-        """The fetch's exchanges of `plan`'s whole, contiguous slices with `targets`; made once
-        per (plan, targets and the tensors they name, staging buffer) and kept."""
-        held = tuple(tensor.data_ptr() for tensor in targets.values())
-        key = (id(plan.slices), id(targets), held, self.staging.buffer.data_ptr())
-        if self._swaps is None or self._swaps[0] != key:
-            staged = []
-            for hf in plan.slices:
-                whole = zip(hf.box.ranges, hf.shape, strict=True)
-                if hf.contiguous and all(lo == 0 and hi == dim for (lo, hi), dim in whole):
-                    view = self._assemble(plan.pull, hf)
-                    first = plan.pull.targets[hf.parts[0][0]]
-                    staged.append((hf.name, first.offset + view.nbytes, view))
-            # Keeps the slices and the targets alive with the key that names them by id.
-            self._swaps = (key, Exchange.of(staged, targets), (plan.slices, targets))
-        return self._swaps[1].again()
 
     def slices(self, names: Sequence[str] | None = None) -> dict[str, tuple[Box, torch.Tensor]]:
         """The HF slices (box, tensor copy) of the installed version, read back from staging:
@@ -989,8 +929,7 @@ class Receiver:
         out = {}
         for hf in plan.slices:
             if wanted is None or hf.name in wanted:
-                exchanged = self._exchanged.get(hf.name)
-                full = self._assemble(plan.pull, hf) if exchanged is None else exchanged
+                full = self._assemble(plan.pull, hf)
                 out[hf.name] = (hf.box, full[_index(hf.box)].clone())
         return out
 

@@ -169,25 +169,16 @@ class NixlTransport:
         *,
         verify: bool = False,
         checksums_later: Callable[[], Sequence[Checksums]] | None = None,
-        on_ready: Callable[[int], None] | None = None,
     ) -> PullStats:
         """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
         in device memory while the requests land (`running_check.RunningCheck`, its parts
         started from a thread of their own so that polling the requests never waits on them).
         `checksums_later`: the checksums come after the pull started; called once the bytes
         have landed, it returns each read's (`plan`'s own then only say which reads are
-        checked). `on_ready(prefix)`: `dest`'s bytes before `prefix` have landed and, when
-        verified, their sums are queued on the current stream (`RunningCheck`'s `after`);
-        called from the pull's listener lane as the destination fills (device memory) and
-        once with the plan's whole size before the checksums are compared. Its errors fail
-        the pull."""
+        checked)."""
         if not verify:
-            if on_ready is None:
-                return self.start(plan, dest).wait()
-            stats = self._wait_reporting(plan, dest, on_ready)
-            on_ready(plan.nbytes)
-            return stats
-        check = RunningCheck(plan, dest, taper=self._config.request_taper, after=on_ready)
+            return self.start(plan, dest).wait()
+        check = RunningCheck(plan, dest, taper=self._config.request_taper)
         if not check.runs_ahead:  # host memory: checked whole at the end
             stats = self.start(plan, dest).wait()
         else:

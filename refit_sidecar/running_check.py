@@ -19,21 +19,13 @@ tables, a copy queued behind the peers' 256 MiB copies on the GPU's copy engines
 start took 1.6-2 ms (traced on two H200s).
 
 Host memory is checked in `finish`, as `transport.verify_pulled` does.
-
-`after(prefix)`, when given, hears of each prefix of the destination whose checked bytes have
-had their sums queued (on the check's stream, current while it is called: work it queues
-behind them on that stream's order sees the bytes as they were summed), and of the whole
-destination in `finish`, before the sums are compared. An installer that exchanges the
-bytes with an engine's tensors while the pull runs (inference_ext/exchange.py) takes them
-from there. A check that had to restart after handing a prefix on fails: the bytes it
-would sum again may have been handed away.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +59,6 @@ class RunningCheck:
         *,
         part_bytes: int = DEFAULT_PART_BYTES,
         taper: int = 0,
-        after: Callable[[int], None] | None = None,
     ) -> None:
         if part_bytes < 1:
             raise ValueError(f"a part needs at least one byte, got {part_bytes}")
@@ -83,9 +74,6 @@ class RunningCheck:
         self._stream: Any = None
         self._device: Any = None
         self._whole = False
-        self._after = after
-        self._handed = 0
-        """The prefix handed to `after` so far."""
 
     @property
     def runs_ahead(self) -> bool:
@@ -104,11 +92,8 @@ class RunningCheck:
             return
         try:
             parts = self._cut()
-            started = self._next
             while self._next < len(parts) and parts[self._next].end <= prefix:
                 self._start(parts[self._next])
-            if self._after is not None and self._next > started:
-                self._hand_on(parts[self._next - 1].end)
         except Exception:
             log.warning(
                 "a running check could not start; the pull is checked at its end", exc_info=True
@@ -132,29 +117,14 @@ class RunningCheck:
             )
         parts = self._cut()
         if not parts or self._whole:
-            if self._handed:
-                raise RuntimeError(
-                    "the running check restarted after handing bytes on; the pull is not checked"
-                )
             plan = self._plan if published is None else with_read_checksums(self._plan, published)
-            checked = verify_pulled(plan, self._dest)
-            if self._after is not None:
-                self._after(self._plan.nbytes)
-            return checked
+            return verify_pulled(plan, self._dest)
         while self._next < len(parts):
             self._start(parts[self._next])
-        if self._after is not None:
-            self._hand_on(self._plan.nbytes)
         with self._on_stream():
             sums = None if published is None else [c.sum64 for c in published]
             count: int = self._sums.check(sums)
         return count
-
-    def _hand_on(self, prefix: int) -> None:
-        assert self._after is not None
-        with self._on_stream():
-            self._after(prefix)
-        self._handed = prefix
 
     def _cut(self) -> list[_Part]:
         if self._parts is None:

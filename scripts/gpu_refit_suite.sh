@@ -3,7 +3,7 @@
 # minutes: `scripts/gpu_refit_suite.sh GROUP...` from the repository root, with the wheels of
 # scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
 #   install     refit_install, 1b, checksums on: pulled into the model's tensors (in place),
-#               exchanged with them while the pull runs, and copied in after it
+#               and copied in after the pull
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
 #               steps (--not-before-readable --install copy)
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
@@ -44,11 +44,9 @@ for group in "$@"; do
     install)
         run install-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \
             --dest-gpu 1 --out "$OUT/refit_install_1b.json" --log-dir $logs/install-1b
-        for how in exchange copy; do  # the first run: in place
-            run "install-1b-$how" python3 -m benchmarks.refit_install --preset 1b \
-                --device cuda --dest-gpu 1 --install $how \
-                --out "$OUT/refit_install_1b_$how.json" --log-dir "$logs/install-1b-$how"
-        done
+        run install-1b-copy python3 -m benchmarks.refit_install --preset 1b \
+            --device cuda --dest-gpu 1 --install copy \
+            --out "$OUT/refit_install_1b_copy.json" --log-dir $logs/install-1b-copy
         ;;
     install-more)
         run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \
@@ -120,8 +118,7 @@ for group in "$@"; do
         ;;
     tests-refit)
         run gpu-tests-refit python3 -m pytest -p no:cacheprovider -m gpu -q -s \
-            tests/gpu/test_in_place_gpu.py tests/gpu/test_exchange_gpu.py \
-            tests/gpu/test_running_check_gpu.py
+            tests/gpu/test_in_place_gpu.py tests/gpu/test_running_check_gpu.py
         ;;
     tests)
         run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q -s

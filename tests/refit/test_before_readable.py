@@ -3,8 +3,8 @@
 starts once the ranks' version words name the version, and the checksums the ranks report
 are compared when they come. The installed weights equal ExportHF; a byte flipped in a
 rank's slot, checksums that never come, or a manifest other than the lease named fail the
-refit and keep the installed version, also in an engine's tensors handed over for exchange
-(inference_ext/exchange.py), which a fetch dropped before its install gets back. One TP=2
+refit and keep the installed version, also in an engine's tensors that live in staging
+(inference_ext/in_place.py), which a fetch dropped before its install restores too. One TP=2
 trainer on the CPU serves every case. A trainer without version words is waited for on the
 sidecar."""
 
@@ -35,7 +35,6 @@ from tests.support.isolation import in_child_process
 from tests.support.receiver import (
     assert_exported,
     corrupt_one_byte,
-    refit_exchanging,
     refit_in_place,
     refit_with_stats,
 )
@@ -164,12 +163,6 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
                 early.fetch(4)
             assert early.installed_version == 3
-            # An engine's tensors handed over for exchange keep version 3 too.
-            engine = {name: tensor.clone() for name, tensor in installed.items()}
-            with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
-                early.fetch(4, exchange=engine)
-            for name, tensor in installed.items():
-                assert torch.equal(engine[name], tensor), name
 
             # The words themselves: version 4's slot names 4, not a later or an earlier one.
             words = VersionWords(early.transport)
@@ -199,29 +192,15 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             early.client.checksums_later = real  # type: ignore[method-assign]
             early.expect(7)
             assert train_step(trainer, "s7", seed=7) == 7
-            installed, stats = refit_exchanging(early, 7, engine)
+            installed, stats = refit_with_stats(early, 7)
             assert stats.before_readable and stats.verified_shards > 0
-            assert stats.exchanged_bytes == sum(t.nbytes for t in engine.values())
             assert_exported(trainer, installed, "v7")
-            assert all(torch.equal(t, installed[n]) for n, (_, t) in early.slices().items())
 
-            # A version fetched by exchange and then dropped (another worker of the engine
-            # failed): the engine's tensors hold version 7 again.
-            early.expect(8)
-            assert train_step(trainer, "s8", seed=8) == 8
-            early.fetch(8, exchange=engine)
-            assert not torch.equal(
-                engine["model.embed_tokens.weight"], installed["model.embed_tokens.weight"]
-            )
-            early.abandon()
-            for name, tensor in installed.items():
-                assert torch.equal(engine[name], tensor), name
-            assert early.installed_version == 7
-
-            # An engine whose tensors live in staging: version 9 installs by copy and adopts
-            # them, version 10 is pulled straight into them; a byte flipped in version 11 and a
-            # fetch of version 12 dropped before its install leave them on version 10.
-            for version in (9, 10):
+            # An engine whose tensors live in staging: version 8 installs by copy and adopts
+            # them, version 9 is pulled straight into them; a byte flipped in version 10 and a
+            # fetch of version 11 dropped before its install leave them on version 9.
+            engine = {name: tensor.clone() for name, tensor in installed.items()}
+            for version in (8, 9):
                 early.expect(version)
                 assert train_step(trainer, f"s{version}", seed=version) == version
                 installed, stats = refit_in_place(early, version, engine)
@@ -230,22 +209,22 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             assert stats.in_place_bytes == sum(t.nbytes for t in engine.values())
             buffer = early.staging.buffer.untyped_storage().data_ptr()
             assert all(t.untyped_storage().data_ptr() == buffer for t in engine.values())
-            early.expect(11)
-            assert train_step(trainer, "s11", seed=11) == 11
+            early.expect(10)
+            assert train_step(trainer, "s10", seed=10) == 10
             with sidecar.client() as client:
-                client.wait_visible(11, timeout=30)
-            corrupted = corrupt_one_byte(sidecar, 11, rank0)
+                client.wait_visible(10, timeout=30)
+            corrupted = corrupt_one_byte(sidecar, 10, rank0)
             with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
-                early.fetch(11, in_place=engine)
+                early.fetch(10, in_place=engine)
             for name, tensor in installed.items():
                 assert torch.equal(engine[name], tensor), name
-            early.expect(12)
-            assert train_step(trainer, "s12", seed=12) == 12
-            early.fetch(12, in_place=engine)
+            early.expect(11)
+            assert train_step(trainer, "s11", seed=11) == 11
+            early.fetch(11, in_place=engine)
             early.abandon()
             for name, tensor in installed.items():
                 assert torch.equal(engine[name], tensor), name
-            assert early.installed_version == 10
+            assert early.installed_version == 9
         finally:
             early.close()
             late.close()

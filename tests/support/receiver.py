@@ -23,18 +23,6 @@ def refit_with_stats(
     return installed, stats
 
 
-def refit_exchanging(
-    receiver: Receiver, version: int, targets: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], RefitStats]:
-    """Fetches `version` exchanging into `targets` (an engine's tensors by HF name), installs
-    the rest; every HF tensor of the version (copies: the exchanged ones from `targets`, the
-    others as the installer got them) and the stats."""
-    receiver.fetch(version, exchange=targets)
-    installed: dict[str, torch.Tensor] = {}
-    stats = receiver.install(lambda tensors: installed.update((n, t.clone()) for n, t in tensors))
-    return {**{n: t.clone() for n, t in targets.items()}, **installed}, stats
-
-
 def refit_in_place(
     receiver: Receiver, version: int, targets: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], RefitStats]:
