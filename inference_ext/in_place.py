@@ -79,10 +79,12 @@ class InPlace:
         self._stream: Any = None
         self.armed = False
         """A pull into the adopted tensors has begun: a failure restores the backup."""
+        self._nbytes = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.adopted.values())
+        """Bytes of the adopted tensors."""
+        return self._nbytes
 
     def prepare(self, key: tuple[Any, ...]) -> bool:
         """Before a pull of layout `key` into staging: True when the engine's tensors live
@@ -113,6 +115,7 @@ class InPlace:
                 slot.target.data = slot.view
             self.adopted[slot.name] = slot.target
         self.key, self._held, self._staging = key, held, staging
+        self._nbytes = sum(t.numel() * t.element_size() for t in self.adopted.values())
         if (
             self._backup is None
             or self._backup.shape != staging.shape
@@ -163,6 +166,7 @@ class InPlace:
         if self.adopted:
             log.info("%d engine tensors left staging", len(self.adopted))
         self.adopted = {}
+        self._nbytes = 0
         self.key = self._held = self._staging = None
         self._backed_up = None
 

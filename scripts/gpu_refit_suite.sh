@@ -11,6 +11,7 @@
 #   install-taper  refit_install, 1b, the direct pull's first and last requests and check
 #               parts halved ($TAPERS: the halvings, default "2")
 #   install-3b  refit_install, 3b, checksums on (one slot when the GPU has under 100 GiB)
+#   install-3b-nc  the same, checksums off
 #   fanout      refit_fanout, 1b, three receivers, one child per source, then two
 #   fanout-spread  refit_fanout, 1b, k = 1 and 2, the last receiver on the trainer's GPU
 #               (two GPUs share the tree's copies, checks and installs; $SPREAD: the GPUs)
@@ -72,13 +73,15 @@ for group in "$@"; do
                 --log-dir "$logs/install-1b-t$taper"
         done
         ;;
-    install-3b)
+    install-3b | install-3b-nc)
         memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
         slots=2
         [ "$memory" -lt 100000 ] && slots=1
-        run install-3b python3 -m benchmarks.refit_install --preset 3b --device cuda \
-            --dest-gpu 1 --slots $slots --out "$OUT/refit_install_3b.json" \
-            --log-dir $logs/install-3b
+        checks=()
+        [ "$group" = install-3b-nc ] && checks=(--no-checksums)
+        run "$group" python3 -m benchmarks.refit_install --preset 3b --device cuda \
+            --dest-gpu 1 --slots $slots "${checks[@]}" --out "$OUT/refit_$group.json" \
+            --log-dir "$logs/$group"
         ;;
     fanout)
         # Six timed rounds of each mode at k = 1 (the first two of a mode warm its slots up):
@@ -118,7 +121,8 @@ for group in "$@"; do
         ;;
     tests-refit)
         run gpu-tests-refit python3 -m pytest -p no:cacheprovider -m gpu -q -s \
-            tests/gpu/test_in_place_gpu.py tests/gpu/test_running_check_gpu.py
+            tests/gpu/test_in_place_gpu.py tests/gpu/test_running_check_gpu.py \
+            tests/gpu/test_publication_gpu.py tests/gpu/test_progress_words_gpu.py
         ;;
     tests)
         run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q -s
