@@ -77,10 +77,10 @@ for group in "$@"; do
         memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
         slots=2
         [ "$memory" -lt 100000 ] && slots=1
-        checks=()
-        [ "$group" = install-3b-nc ] && checks=(--no-checksums)
+        checks=() name=refit_install_3b
+        [ "$group" = install-3b-nc ] && checks=(--no-checksums) name=refit_install_3b_no_checksums
         run "$group" python3 -m benchmarks.refit_install --preset 3b --device cuda \
-            --dest-gpu 1 --slots $slots "${checks[@]}" --out "$OUT/refit_$group.json" \
+            --dest-gpu 1 --slots $slots "${checks[@]}" --out "$OUT/$name.json" \
             --log-dir "$logs/$group"
         ;;
     fanout)
