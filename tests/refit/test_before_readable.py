@@ -225,6 +225,15 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             for name, tensor in installed.items():
                 assert torch.equal(engine[name], tensor), name
             assert early.installed_version == 9
+
+            # A fetch without them: they leave staging first, holding version 9.
+            early.expect(12)
+            assert train_step(trainer, "s12", seed=12) == 12
+            latest, _ = refit_with_stats(early, 12)
+            assert_exported(trainer, latest, "v12")
+            for name, tensor in installed.items():
+                assert torch.equal(engine[name], tensor), name
+                assert engine[name].untyped_storage().data_ptr() != buffer, name
         finally:
             early.close()
             late.close()
