@@ -376,6 +376,7 @@ class InstallEndpoint:
         receiver.fetch(version, in_place=self.params if how == "in-place" else None)
         fetched = time.monotonic()
         stats = receiver.install(self.install)
+        _synchronize(self.dest)  # what the receiver queued after the installer (casts)
         installed = time.monotonic()
         return dict(
             version=version,

@@ -833,8 +833,9 @@ class Receiver:
         fetched = self._fetched
         plan, pulled = fetched.plan, fetched.pulled
         stats = pulled.stats
-        # Pulled into the engine's tensors: nothing to hand over.
-        landed = frozenset(self._in_place.adopted) if fetched.armed else frozenset()
+        # Pulled into the engine's tensors, or cast into them below: nothing to hand over.
+        in_place = self._in_place
+        landed = frozenset([*in_place.adopted, *in_place.cast]) if fetched.armed else frozenset()
         translate_s = 0.0
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -850,6 +851,8 @@ class Receiver:
         start = time.perf_counter()
         try:
             installer(tensors())
+            if fetched.armed:
+                in_place.cast_in()
             if fetched.in_place is not None:
                 self._settle(fetched)
         except BaseException:
@@ -908,9 +911,8 @@ class Receiver:
                 views[hf.name] = self._assemble(plan.pull, hf)
         staging = self.staging.buffer[: plan.pull.nbytes]
         held = (plan.slices, fetched.in_place)  # what the key names by id
-        self._in_place.adopt(
-            fetched.in_place_key, candidates(views, fetched.in_place), staging, held
-        )
+        live, cast = candidates(views, fetched.in_place)
+        self._in_place.adopt(fetched.in_place_key, live, staging, held, cast)
 
     def abandon(self) -> None:
         """Drop the version fetched and not installed: engine tensors the pull landed in

@@ -26,7 +26,7 @@ def test_the_backup_waits_for_the_install_queued_before_it() -> None:
     staging, views = on_cpu._layout("cuda")
     engine = {name: view.clone() for name, view in views.items()}
     in_place = InPlace()
-    in_place.adopt(("layout",), candidates(views, engine), staging, held=None)
+    in_place.adopt(("layout",), candidates(views, engine)[0], staging, held=None)
     assert in_place.prepare(("layout",))
     torch.cuda._sleep(50_000_000)  # the install's last copy, late on the current stream
     engine["b"].fill_(5.0)

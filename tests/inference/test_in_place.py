@@ -29,7 +29,9 @@ def test_adopted_tensors_live_in_staging_and_a_failed_pull_is_restored(
     kept = engine["c"]
     in_place = InPlace()
     assert not in_place.prepare(("layout", 1))  # nothing adopted yet: a pull by copy
-    in_place.adopt(("layout", 1), candidates(views, engine), staging, held=None)
+    live, cast = candidates(views, engine)
+    assert not cast
+    in_place.adopt(("layout", 1), live, staging, held=None)
     assert in_place.adopted.keys() == {"a", "b"} and in_place.nbytes == 192
     assert engine["a"].data_ptr() == views["a"].data_ptr() and engine["c"] is kept
     installed = {name: t.clone() for name, t in engine.items()}
@@ -64,19 +66,27 @@ def test_close_leaves_the_engine_its_tensors() -> None:
     staging, views = _layout("cpu")
     engine = {name: view.clone() for name, view in views.items()}
     in_place = InPlace()
-    in_place.adopt(("layout",), candidates(views, engine), staging, held=None)
+    in_place.adopt(("layout",), candidates(views, engine)[0], staging, held=None)
     in_place.close()
     staging.zero_()
     assert engine["b"].tolist() == list(range(32, 48))
 
 
-def test_only_tensors_held_as_staged_are_adopted() -> None:
-    _, views = _layout("cpu")
+def test_only_tensors_held_as_staged_are_adopted_and_others_cast_in() -> None:
+    staging, views = _layout("cpu")
     a = views["a"]
     assert adoptable(a, torch.zeros(4, 8))
     assert not adoptable(a, None)
     assert not adoptable(a, torch.zeros(4, 8, dtype=torch.bfloat16))  # the engine casts
     assert not adoptable(a, torch.zeros(8, 4))
     assert not adoptable(a, torch.zeros(8, 4).t())  # not contiguous
-    picked = candidates(views, {"a": torch.zeros(4, 8), "b": torch.zeros(16, dtype=torch.int32)})
-    assert [c.name for c in picked] == ["a"]
+    engine = {"a": torch.zeros(4, 8), "b": torch.zeros(16, dtype=torch.bfloat16)}
+    live, cast = candidates(views, {**engine, "c": torch.zeros(3)})
+    assert [c.name for c in live] == ["a"] and [c.name for c in cast] == ["b"]
+    assert candidates(views, {"b": torch.zeros(4, 4)}) == ([], [])  # another shape: neither
+
+    in_place = InPlace()
+    in_place.adopt(("layout",), live, staging, held=None, cast=cast)
+    assert in_place.cast.keys() == {"b"} and in_place.nbytes == a.nbytes
+    in_place.cast_in()
+    assert engine["b"].tolist() == list(range(32, 48))  # cast to bf16 (exact for these)
