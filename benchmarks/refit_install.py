@@ -370,13 +370,19 @@ class InstallEndpoint:
         _synchronize(self.dest)
 
     def refit(self, version: int, finished_at: float, mode: str = "direct") -> dict[str, Any]:
+        import torch
+
         received = time.monotonic()
         receiver = self.receivers[mode]
         how = self.install_mode if mode == "direct" else "copy"
         receiver.fetch(version, in_place=self.params if how == "in-place" else None)
         fetched = time.monotonic()
         stats = receiver.install(self.install)
-        _synchronize(self.dest)  # what the receiver queued after the installer (casts)
+        if self.dest.type == "cuda":
+            # What the receiver queued after the installer (its casts), on the stream the
+            # model computes on; not the whole device, whose backup copy of staging
+            # (in place) runs on a stream of its own, off the refit's path.
+            torch.cuda.current_stream(self.dest).synchronize()
         installed = time.monotonic()
         return dict(
             version=version,
