@@ -11,13 +11,19 @@ installed, against a torch peer copy of the same bytes.
   (``AutoModelForCausalLM.from_config`` of the same ``config.json``, in the trainer's dtype) on
   GPU ``--dest-gpu`` and an ``inference_ext.receiver.Receiver`` (TP=1 layout, staging on the same
   GPU) whose installer ``copy_()``s each (HF name, tensor) into the model's parameter of that
-  name, then synchronizes the GPU. It is started before the trainer, so its setup is not timed.
+  name, then synchronizes the GPU. With ``--install in-place`` (the default) the receiver is
+  handed the model's parameters (``Receiver.fetch(version, in_place=...)``): from the second
+  refit of a slot's layout on they live in staging, the pull lands in them, the receiver casts
+  the ones the model holds in another dtype, and the installer gets only the rest
+  (inference_ext/in_place.py); ``--install copy`` copies every tensor in after the pull. It is
+  started before the trainer, so its setup is not timed.
 * This process trains ``--warmup + --steps`` steps over gRPC, each FinishTrainStep asked to answer
   once its update is applied (``wait_for_update``: the clock starts when the new weights exist,
   not when their update is queued). Right after each FinishTrainStep returns it reads
   ``time.monotonic()`` and writes the new version and that instant down a pipe to the receiver,
   which at once runs ``Receiver.fetch(version)`` (lease, manifest, plan or replayed plan, NIXL
-  pull into staging) and ``Receiver.install`` and answers when the GPU is synchronized. Before
+  pull into staging) and ``Receiver.install`` and answers once the model's stream has run what
+was queued (the in-place backup's copy, on a stream of its own, is not waited for). Before
   each step after the first, the receiver asks the sidecar ahead for the version that step will
   make (``Receiver.expect``, as a follower does; ``--no-expect``: not), so its lease is answered
   the moment the version is published. **Latency** = the receiver's ``time.monotonic()`` then

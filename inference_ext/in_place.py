@@ -2,7 +2,7 @@
 computes with, and a backup taken off the refit's path restores them when a refit fails.
 
 Without it, a refit copies staging into the engine's tensors once the pull is over and
-checked: a device-local copy of every byte after the last one landed (2.0-2.2 ms for a 1B model
+checked: a device-local copy of every byte after the last one landed (2.2-2.4 ms for a 1B model
 on an H100, 4.6 ms for 3B). With it (`Receiver.fetch(version, in_place=...)`, the engine's
 tensors by HF name), each tensor whose slice lies in staging exactly as the engine holds it
 (contiguous, the same shape, dtype and device, the whole tensor) is **adopted** once: after the
