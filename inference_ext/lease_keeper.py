@@ -7,6 +7,11 @@ trainer's publication. The keeper renews the lease of the pull in progress every
 time: a live receiver keeps its version for as long as its pull takes, a dead one frees the slot
 within one lease time. One thread per receiver, idle between pulls: a refit only hands it the
 lease and takes it back.
+
+A lease asked for long before its pull (a follower asks for the next version before a step
+that takes longer than half a TTL) is handed over with `renew_now`: renewed at once, beside
+the pull's first reads rather than before them, and `take_back` waits for that renewal's
+answer, so the pull's end still knows whether the lease held throughout.
 """
 
 from __future__ import annotations
@@ -39,22 +44,30 @@ class LeaseKeeper:
         self._lease: Lease | None = None
         self._lost = False
         self._due = 0.0
+        self._owed = False
+        """A renewal asked for at `keep` has not been answered yet."""
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()
 
-    def keep(self, lease: Lease) -> None:
-        """Renew `lease` from now on (it replaces any lease kept before)."""
+    def keep(self, lease: Lease, *, renew_now: bool = False) -> None:
+        """Renew `lease` from now on (it replaces any lease kept before); with `renew_now`,
+        the first renewal goes out at once and `take_back` waits for its answer."""
         with self._cond:
-            self._lease, self._lost = lease, False
-            self._due = time.monotonic() + self._ttl_s / 3
-            self._cond.notify()
+            self._lease, self._lost, self._owed = lease, False, renew_now
+            self._due = time.monotonic() + (0.0 if renew_now else self._ttl_s / 3)
+            self._cond.notify_all()
 
-    def take_back(self) -> tuple[Lease, bool]:
+    def take_back(self, *, wait: bool = True) -> tuple[Lease, bool]:
         """Stop renewing; the lease as last renewed, and whether a renewal found it gone (the
         sidecar may no longer hold it). A renewal that failed leaves `expires_at` where the
-        last good one put it, so a pull past it fails closed."""
+        last good one put it, so a pull past it fails closed. A renewal asked for with
+        `renew_now` is waited for (unless not `wait`: a failed pull needs no answer); any
+        other renewal in flight is not."""
         with self._cond:
+            while wait and self._owed and not self._closed:
+                self._cond.wait()
+            self._owed = False
             lease, lost = self._lease, self._lost
             self._lease = None
         if lease is None:
@@ -64,7 +77,7 @@ class LeaseKeeper:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join()
 
     def _run(self) -> None:
@@ -84,6 +97,8 @@ class LeaseKeeper:
                     self._cond.acquire()
                 if self._lease is not lease:
                     continue  # taken back (or replaced) meanwhile: the answer is moot
+                self._owed = False
+                self._cond.notify_all()
                 if fresh is None:
                     log.warning("renewing lease %s failed: %s", lease.lease_id, error)
                     self._lost = True

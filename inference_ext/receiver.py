@@ -623,8 +623,9 @@ class Receiver:
                 lease = self._ahead.take(version)
                 asked_sums = self._ahead.take_checksums()
             answer = lease
+            renew_now = False
             if lease is not None:
-                lease = self._fresh(lease)
+                lease, renew_now = self._fresh(lease)
             expected = lease is not None and (self._tree is None or asked)
             if lease is None:
                 lease = answer = self._lease(version, wait)
@@ -640,7 +641,7 @@ class Receiver:
         leased, leased_at = time.perf_counter(), time.time()
         # The sidecar's times, from its answer (a renewal of a lease asked long before has none).
         sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
-        self._keeper.keep(lease)
+        self._keeper.keep(lease, renew_now=renew_now)
         early: EarlyPull | None = None
         key: tuple[Any, ...] = ()
         armed = False
@@ -670,7 +671,7 @@ class Receiver:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
             if early is not None and early.asked is not None:
                 early.asked.cancel()
-            self._keeper.take_back()
+            self._keeper.take_back(wait=False)
             self._releases.submit(self.client.end_lease, lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
                 raise
@@ -799,18 +800,23 @@ class Receiver:
         )
         return ReceiverPlan(early.plan, plan.slices), False, True, early
 
-    def _fresh(self, lease: Lease) -> Lease | None:
-        """A lease asked ahead counts its end from when it was asked: one asked long before
-        its version came is renewed now, so the pull starts with at least half a TTL. None
-        when it cannot be (it ran out before the fetch came): the caller leases anew."""
+    def _fresh(self, lease: Lease) -> tuple[Lease | None, bool]:
+        """A lease asked ahead counts its end from when it was asked. One with under half a
+        TTL left is renewed: beside the pull when it surely still holds by this process's
+        clock (True: the keeper renews it at once, and the pull's end learns whether that
+        held), before it otherwise. None when it cannot be (it ran out before the fetch
+        came): the caller leases anew."""
         ttl = self.options.lease_ttl_s
-        if lease.expires_at - time.monotonic() >= ttl / 2:
-            return lease
+        left = lease.expires_at - time.monotonic()
+        if left >= ttl / 2:
+            return lease, False
+        if left > 0:
+            return lease, True
         try:
-            return renewed(self.client, lease, ttl)
+            return renewed(self.client, lease, ttl), False
         except Exception as e:
             log.debug("the lease asked ahead on version %d ended: %s", lease.version, e)
-            return None
+            return None, False
 
     def _lease(self, version: int, wait: float) -> Lease:
         """A lease on `version`, with its checksums when they will be checked; one not readable

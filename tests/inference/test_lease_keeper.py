@@ -114,6 +114,44 @@ def test_taking_back_never_waits_for_a_renewal_in_flight() -> None:
         keeper.close()
 
 
+def test_a_lease_renewed_now_is_renewed_at_once_and_its_answer_waited_for() -> None:
+    """`keep(..., renew_now=True)`: a lease asked long before its pull is renewed beside the
+    pull's first reads; `take_back` waits for that answer (the pull's end must know whether
+    the lease held), unless told not to (a failed pull)."""
+    sidecar = _Sidecar()
+    sidecar.gate.clear()
+    keeper = _keeper(sidecar)
+    try:
+        old = Lease("a", 3, TTL, receiver_id="r", expires_at=time.monotonic() + TTL / 10)
+        keeper.keep(old, renew_now=True)
+        assert sidecar.asked.wait(TTL / 3)  # at once, not a third of the TTL later
+        taken: list[tuple[Lease, bool]] = []
+        taker = threading.Thread(target=lambda: taken.append(keeper.take_back()))
+        taker.start()
+        time.sleep(0.05)
+        assert not taken  # waits for the answer
+        sidecar.gate.set()
+        taker.join(5)
+        ((kept, lost),) = taken
+        assert not lost and kept.expires_at > old.expires_at
+
+        sidecar.gate.clear()
+        sidecar.asked.clear()
+        keeper.keep(replace(old, lease_id="b"), renew_now=True)
+        assert sidecar.asked.wait(TTL / 3)
+        started = time.monotonic()
+        kept, _ = keeper.take_back(wait=False)
+        assert time.monotonic() - started < TTL / 10 and kept.lease_id == "b"
+        sidecar.gate.set()
+
+        sidecar.error = UnknownLease("lease c ended")
+        keeper.keep(replace(old, lease_id="c"), renew_now=True)
+        kept, lost = keeper.take_back()
+        assert lost and kept.expires_at == old.expires_at
+    finally:
+        keeper.close()
+
+
 def test_renewed_counts_the_end_from_the_call_start() -> None:
     sidecar = _Sidecar()
     client: Any = sidecar

@@ -128,6 +128,7 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             )
 
         early, late = receiver("early"), receiver("late", read_before_readable=False)
+        slow = receiver("slow", lease_ttl_s=3.0)
         try:
             # Versions 1 and 2 fill the two slots: no slot was readable before, so their
             # leases wait for the versions, and their plans come from the manifests.
@@ -245,7 +246,26 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
                 assert torch.equal(engine[name], tensor), name
                 assert engine[name].untyped_storage().data_ptr() != buffer, name
             assert all(engine[n].dtype == torch.float64 for n in cast)
+
+            # A lease asked ahead that has under half its TTL left at the fetch (a step
+            # longer than half a TTL) is renewed beside the pull, not before it.
+            renewals: list[str] = []
+            real_renew = slow.client.renew_lease
+
+            def renew(lease: Lease, ttl: float) -> Lease:
+                renewals.append(lease.lease_id)
+                return real_renew(lease, ttl)
+
+            slow.client.renew_lease = renew  # type: ignore[method-assign]
+            asked = time.monotonic()
+            slow.expect(13)
+            assert train_step(trainer, "s13", seed=13) == 13
+            time.sleep(max(0.0, asked + 2.0 - time.monotonic()))  # 1 s of its 3 s left
+            latest, stats = refit_with_stats(slow, 13)
+            assert stats.expected and renewals
+            assert_exported(trainer, latest, "v13")
         finally:
             early.close()
             late.close()
+            slow.close()
             assert trainer.stop() == 0
