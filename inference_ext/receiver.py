@@ -543,6 +543,9 @@ class Receiver:
         """The plan of the installed version while staging still holds its bytes."""
         self._in_place = InPlace()
         """The engine tensors living in staging (`fetch(..., in_place=...)`)."""
+        self._by_source: tuple[Any, dict[str, int]] = ((), {})
+        """The bytes each source gives the last direct plan's reads met (a replayed plan's
+        reads are the same objects: counted once, not after every pull)."""
 
     def latest_version(self) -> int | None:
         return self.client.latest_version()
@@ -743,13 +746,16 @@ class Receiver:
         stats = self.transport.pull(
             plan, region, verify=self._verifies, checksums_later=checksums_later
         )
-        by_source: dict[str, int] = {}
-        for reads in plan.reads:
-            agent = reads.location.agent
-            by_source[agent] = by_source.get(agent, 0) + reads.nbytes
+        counted, by_source = self._by_source
+        if counted is not plan.reads:
+            by_source = {}
+            for reads in plan.reads:
+                agent = reads.location.agent
+                by_source[agent] = by_source.get(agent, 0) + reads.nbytes
+            self._by_source = (plan.reads, by_source)
         if on_progress is not None:
             on_progress(plan.nbytes, plan.nbytes)
-        return _Pulled(stats, by_source, started, time.time(), 0, 0.0)
+        return _Pulled(stats, dict(by_source), started, time.time(), 0, 0.0)
 
     def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
         """The leased version's plan, whether it was planned anew, and whether it was replayed

@@ -145,6 +145,8 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             assert train_step(trainer, "s3", seed=3) == 3
             installed, stats = refit_with_stats(early, 3)
             assert stats.before_readable and stats.expected and stats.replayed_by_key
+            assert len(stats.bytes_by_source) == 2  # the trainer's two ranks
+            assert sum(stats.bytes_by_source.values()) == stats.bytes_pulled
             assert stats.sidecar_readable_at == 0.0
             late_installed, late_stats = refit_with_stats(late, 3)
             assert late_stats.expected and not late_stats.before_readable
