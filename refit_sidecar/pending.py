@@ -6,15 +6,10 @@ returned, or raises what it would have raised (the client's domain errors); `can
 call on both sides if its answer has not arrived yet, so a receiver that closes or wants
 another version never waits for a parked call. A cancelled call's `result` raises
 `CallCancelled`.
-
-The answer is converted as it arrives, on gRPC's thread, not when `result` is first asked:
-a receiver asks for a version's checksums (GetChecksums, one record per shard) before its
-pull and takes them at the pull's end, where converting them would lengthen the refit.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -22,8 +17,6 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 T = TypeVar("T")
-
-log = logging.getLogger(__name__)
 
 
 class CallCancelled(RuntimeError):
@@ -45,14 +38,6 @@ class Pending(Generic[T]):
         self._map_error = map_error
         self._lock = threading.Lock()
         self._outcome: tuple[T | None, BaseException | None] | None = None
-        future.add_done_callback(self._arrived)
-
-    def _arrived(self, _future: Any) -> None:
-        """The answer (or failure) arrived: convert it now, off the caller's path."""
-        try:
-            self._settle(0)
-        except Exception:  # raised again to the caller by `result`
-            log.debug("converting an answer as it arrived failed", exc_info=True)
 
     def done(self) -> bool:
         return bool(self._future.done())
