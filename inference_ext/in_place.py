@@ -16,8 +16,8 @@ slices assembled from several reads still go to the installer.
 
 Bytes landing in the engine's tensors before the whole version is checked would leave it
 half-loaded when the refit fails. So after each install a **backup** of staging is copied on a
-stream of its own, while the trainer computes its next step (1.6 ms of GPU time for a 1B
-model, off the refit's path; the next pull waits for it, long done by then), and a refit
+stream of its own, while the trainer computes its next step (a device-local copy of the
+model's bytes, off the refit's path; the next pull waits for it, long done by then), and a refit
 that fails once its pull has begun copies it back (`restore`): the engine is on its old
 version again, bit for bit. Memory: staging plus the backup, the size of the engine's own
 tensors plus staging that a refit by copy holds anyway.
@@ -91,6 +91,8 @@ class InPlace:
         self.armed = False
         """A pull into the adopted tensors has begun: a failure restores the backup."""
         self._nbytes = 0
+        self.names: frozenset[str] = frozenset()
+        """The adopted and cast tensors' names: what a pull into staging fills for them."""
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +132,7 @@ class InPlace:
         self.cast = {slot.name: slot for slot in cast}
         self.key, self._held, self._staging = key, held, staging
         self._nbytes = sum(t.numel() * t.element_size() for t in self.adopted.values())
+        self.names = frozenset([*self.adopted, *self.cast])
         if (
             self._backup is None
             or self._backup.shape != staging.shape
@@ -191,6 +194,7 @@ class InPlace:
             log.info("%d engine tensors left staging", len(self.adopted))
         self.adopted = {}
         self.cast = {}
+        self.names = frozenset()
         self._nbytes = 0
         self.key = self._held = self._staging = None
         self._backed_up = None

@@ -847,7 +847,7 @@ class Receiver:
         stats = pulled.stats
         # Pulled into the engine's tensors, or cast into them below: nothing to hand over.
         in_place = self._in_place
-        landed = frozenset([*in_place.adopted, *in_place.cast]) if fetched.armed else frozenset()
+        landed = in_place.names if fetched.armed else frozenset()
         translate_s = 0.0
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,6 +17,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from inference_ext.before_readable import BeforeReadable, ManifestChanged
 from inference_ext.receiver import Receiver, RefitError, RefitOptions
@@ -30,7 +31,7 @@ from refit_sidecar.plan import Checksums, plan_pull, whole
 from refit_sidecar.transport import SourceLost
 from refit_sidecar.version_words import VersionWords, WordTimeout
 from tests.refit.shards import in_memory_manifest, random_global, shard_of
-from tests.support.fidelity import train_step
+from tests.support.fidelity import PROMPTS, gap, train_step, trainer_logprobs
 from tests.support.isolation import in_child_process
 from tests.support.receiver import (
     assert_exported,
@@ -266,6 +267,29 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             latest, stats = refit_with_stats(slow, 13)
             assert stats.expected and renewals
             assert_exported(trainer, latest, "v13")
+
+            # A transformers model whose parameters live in staging computes what the
+            # trainer's Forward does after a refit pulled into them (its logits, not only its
+            # tensors).
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(tmp_path / "trainer" / "builtin-model"),
+                dtype=torch.float32,
+            ).eval()
+            params = dict(model.named_parameters())
+            tensors = {name: params[name] for name in hf_names(spec)}
+            for version in (14, 15):
+                slow.expect(version)
+                assert train_step(trainer, f"s{version}", seed=version) == version
+                _, stats = refit_in_place(slow, version, tensors)
+            assert stats.in_place_bytes > 0
+            with torch.no_grad():
+                computed = []
+                for prompt in PROMPTS:
+                    ids = torch.tensor([prompt])
+                    logits = model(input_ids=ids).logits[0, :-1].float()
+                    picked = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+                    computed.append(picked.numpy())
+            assert gap(computed, trainer_logprobs(trainer)) < 1e-4
         finally:
             early.close()
             late.close()

@@ -114,6 +114,14 @@ def puller() -> Iterator[NixlTransport]:
     transport.close()
 
 
+def _assert_pulled(plan: PullPlan, dest: np.ndarray, seed: int = 1) -> None:
+    """Every target of `plan` in `dest` holds the source's bytes (of `random_global`)."""
+    for t in plan.targets:
+        shape, dtype = TENSORS[t.name]
+        expected = random_global(t.name, shape, dtype, seed)[index(t.box)]
+        assert dest[t.span].tobytes() == expected.tobytes(), t
+
+
 def _pull_and_check(
     transport: NixlTransport, manifest: Manifest, wants: list[Want], seed: int
 ) -> PullPlan:
@@ -123,10 +131,7 @@ def _pull_and_check(
     assert stats.nbytes == plan.bytes_read == sum(t.nbytes for t in plan.targets)
     assert stats.reads == plan.num_reads
     assert stats.verified_shards == sum(r.complete for r in plan.reads)
-    for t in plan.targets:
-        shape, dtype = TENSORS[t.name]
-        expected = random_global(t.name, shape, dtype, seed)[index(t.box)]
-        assert dest[t.span].tobytes() == expected.tobytes(), t
+    _assert_pulled(plan, dest, seed)
     return plan
 
 
@@ -202,10 +207,7 @@ def test_a_pull_is_posted_as_requests_of_bounded_size(source: Source) -> None:
             assert stats.nbytes == plan.bytes_read
             assert stats.verified_shards == len(plan.reads)
             assert stats.reposted == (stats.transfers if attempt else 0)
-            for t in plan.targets:
-                shape, dtype = TENSORS[t.name]
-                expected = random_global(t.name, shape, dtype, 1)[index(t.box)]
-                assert array[t.span].tobytes() == expected.tobytes(), t
+            _assert_pulled(plan, array)
             array[:] = 0
     finally:
         transport.close()
@@ -232,10 +234,7 @@ def test_a_pull_keeps_at_most_its_window_of_requests_in_flight(source: Source) -
         stats = pending.wait(on_landed=prefixes.append)
         assert not pending.queued and stats.transfers == len(pending.xfers)
         assert prefixes == sorted(prefixes) and prefixes[-1] == plan.nbytes
-        for t in plan.targets:
-            shape, dtype = TENSORS[t.name]
-            expected = random_global(t.name, shape, dtype, 1)[index(t.box)]
-            assert array[t.span].tobytes() == expected.tobytes(), t
+        _assert_pulled(plan, array)
     finally:
         transport.close()
     with pytest.raises(ValueError):
@@ -274,10 +273,7 @@ def test_tapered_requests_halve_towards_the_ends_and_carry_the_same_bytes(source
         array[:] = 0
         stats = transport.pull(plan, dest, verify=True)
         assert stats.verified_shards == len(plan.reads)
-        for t in plan.targets:
-            shape, dtype = TENSORS[t.name]
-            expected = random_global(t.name, shape, dtype, 1)[index(t.box)]
-            assert array[t.span].tobytes() == expected.tobytes(), t
+        _assert_pulled(plan, array)
     finally:
         transport.close()
     with pytest.raises(ValueError):

@@ -32,8 +32,9 @@ def refit_in_place(
     receiver.fetch(version, in_place=targets)
 
     def install(tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in tensors:
-            targets[name].copy_(tensor)
+        with torch.no_grad():  # an engine's parameters, too
+            for name, tensor in tensors:
+                targets[name].copy_(tensor)
 
     stats = receiver.install(install)
     return {n: t.clone() for n, t in targets.items()}, stats
