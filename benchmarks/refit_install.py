@@ -93,6 +93,7 @@ from benchmarks.trainer_step import write_model as _write_model
 from refit_sidecar.chunking import DEFAULT_REQUESTS_IN_FLIGHT
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
 from refit_sidecar.running_check import DEFAULT_PART_BYTES
+from refit_sidecar.snapshot_layout import DEFAULT_FIRST_PIECE_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, SequenceBatch
@@ -150,6 +151,11 @@ class RunConfig:
     before_readable: bool
     """Asked ahead, the lease comes at the slot's reservation and the pull starts on the
     trainer's version words (`RefitOptions.read_before_readable`)."""
+    behind_copy: bool
+    """Before readable, each request waits for its pieces of the trainer's snapshot copy, not
+    for the whole copy (`RefitOptions.read_behind_copy`)."""
+    first_piece_bytes: int
+    """The trainer's `--refit-first-piece-bytes`."""
     lr: float
     seed: int
     timeout: float
@@ -174,6 +180,7 @@ class RunConfig:
             *("--params-dtype", self.params_dtype, "--lr", str(self.lr), "--seed", str(self.seed)),
             *("--max-seq-len", str(self.seq_len), "--log-level", self.trainer_log_level),
             *("--refit-slots", str(self.slots)),
+            *("--refit-first-piece-bytes", str(self.first_piece_bytes)),
         ]
 
 
@@ -208,6 +215,8 @@ class ReceiverSettings:
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
     before_readable: bool = True
     """`RefitOptions.read_before_readable` of the receivers."""
+    behind_copy: bool = True
+    """`RefitOptions.read_behind_copy` of the receivers."""
     requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
     """`RefitOptions.requests_in_flight` of the receivers."""
     request_taper: int = 0
@@ -311,6 +320,7 @@ class InstallEndpoint:
             pull_timeout_s=settings.timeout_s,
             verify_checksums=settings.checksums,
             read_before_readable=settings.before_readable,
+            read_behind_copy=settings.behind_copy,
             requests_in_flight=settings.requests_in_flight,
             request_taper=settings.request_taper,
         )
@@ -654,6 +664,7 @@ _PHASES = (
     "fetch_s",
     "plan_s",
     "pull_s",
+    "gated_s",
     "lag_s",
     "checksums_wait_s",
     "check_s",
@@ -709,7 +720,8 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
     )
     print(
         f"  latency {m['latency']:.3f} ms; phases: notify {m['notify']:.3f}, fetch "
-        f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f}, lag "
+        f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f} (first request after "
+        f"{m['gated']:.3f}), lag "
         f"{m['lag']:.3f}, checksums wait {m['checksums_wait']:.3f}, check {m['check']:.3f}), "
         f"translate {m['translate']:.3f}, install {m['install']:.3f} ms; "
         f"{summary['in_place_bytes']:,} bytes pulled straight into the model's tensors"
@@ -790,6 +802,18 @@ def build_parser() -> argparse.ArgumentParser:
         "reservation (RefitOptions.read_before_readable off)",
     )
     run.add_argument(
+        "--not-behind-copy",
+        action="store_true",
+        help="a version leased before it is readable is read once the trainer's whole "
+        "snapshot copy landed, not piece by piece behind it (RefitOptions.read_behind_copy off)",
+    )
+    run.add_argument(
+        "--first-piece-bytes",
+        type=int,
+        default=DEFAULT_FIRST_PIECE_BYTES,
+        help="the trainer's --refit-first-piece-bytes (0: the copy in one piece)",
+    )
+    run.add_argument(
         "--requests-in-flight",
         type=int,
         default=DEFAULT_REQUESTS_IN_FLIGHT,
@@ -849,6 +873,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values["checksums"] = not values.pop("no_checksums")
     values["expect"] = not values.pop("no_expect")
     values["before_readable"] = not values.pop("not_before_readable")
+    values["behind_copy"] = not values.pop("not_behind_copy")
     config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
     if config.seq_len > config.max_positions:
         raise SystemExit(
@@ -915,6 +940,7 @@ def receiver_settings(
         timeout_s=config.refit_timeout,
         checksums=config.checksums,
         before_readable=config.before_readable,
+        behind_copy=config.behind_copy,
         requests_in_flight=config.requests_in_flight,
         install=config.install,
         request_taper=config.request_taper,

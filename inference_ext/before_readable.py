@@ -6,10 +6,12 @@ it as soon as the version's slot is reserved, with the manifest key that slot's 
 and says `pending`. When the fetch comes, the receiver replays the plan it holds for that key,
 reads each source's version word until every one names the version (the rank writes it behind
 its snapshot copy), and reads the bytes: the trainer's reports, the sidecar's answer and its
-way back are off the path. The checksums the ranks report are asked for at once
-(GetChecksums, left in flight) and compared when the bytes have landed; a version whose
-checksums never come (a rank died after its copy) is never installed, and one whose manifest
-key is not the one the lease promised fails the refit.
+way back are off the path. Sources that copy their snapshots in pieces, each with a word, are
+read behind the copy instead: each request of the pull waits for the pieces it reads
+(`refit_sidecar.piece_gate`), the first for the first piece only. The checksums the ranks
+report are asked for at once (GetChecksums, left in flight) and compared when the bytes have
+landed; a version whose checksums never come (a rank died after its copy) is never installed,
+and one whose manifest key is not the one the lease promised fails the refit.
 
 A source without a version word (a trainer that publishes none) is waited for on the sidecar
 instead: the pull starts once GetChecksums answers, that is once the version is readable.
@@ -26,6 +28,7 @@ from refit_sidecar.client import Lease, SidecarClient, VersionChecksums
 from refit_sidecar.manifest import AgentRecord
 from refit_sidecar.nixl_transport import NixlTransport
 from refit_sidecar.pending import Pending
+from refit_sidecar.piece_gate import PieceGate
 from refit_sidecar.plan import Checksums, PullPlan
 from refit_sidecar.progress import HostWords, Words
 from refit_sidecar.version_words import VersionWords
@@ -46,6 +49,9 @@ class EarlyPull:
     """When verifying: waits for the version's checksums and returns each read's."""
     asked: Pending[VersionChecksums] | None = None
     """The version's GetChecksums in flight (to cancel when the pull fails)."""
+    gate: PieceGate | None = None
+    """When the sources copy their snapshots in pieces: the pull's requests wait for their
+    pieces (the version words were not waited for)."""
 
 
 _POSITIONS_KEPT = 16
@@ -62,6 +68,7 @@ class BeforeReadable:
         words: Callable[[int], Words] = HostWords,
     ) -> None:
         self._client = client
+        self._transport = transport
         self._words = VersionWords(transport, words)
         self._positions: OrderedDict[int, tuple[PullPlan, list[int]]] = OrderedDict()
         """Per plan (by identity; the plan is kept so its id is not reused): where each read's
@@ -76,21 +83,29 @@ class BeforeReadable:
         verify: bool,
         deadline: float,
         asked: Pending[VersionChecksums] | None = None,
+        behind_copy: bool = True,
     ) -> EarlyPull:
         """Waits until the lease's version can be read (its sources' words name it, or the
-        sidecar says it is readable). `plan`: the plan held for the lease's manifest key;
-        `order`: that manifest's (parameter, shards) order; `asked`: the version's
-        GetChecksums in flight, if asked already when verifying (this call owns it).
-        WordTimeout or UnknownVersion at `deadline` (time.monotonic())."""
+        sidecar says it is readable), or, with `behind_copy` when every source copies its
+        snapshot in pieces, returns at once with the gate its pull waits on. `plan`: the plan
+        held for the lease's manifest key; `order`: that manifest's (parameter, shards) order;
+        `asked`: the version's GetChecksums in flight, if asked already when verifying (this
+        call owns it). WordTimeout or UnknownVersion at `deadline` (time.monotonic())."""
         version = lease.version
         pull = replace(plan, version=version)
         agents = _agents(pull)
         by_words = VersionWords.readable_by_words(agents)
+        gate = None
+        if behind_copy and PieceGate.applies(agents):
+            named = {a.name: a for a in agents}
+            gate = PieceGate(self._transport, self._words, named, version, deadline)
         if asked is None and (verify or not by_words):
             wait = max(deadline - time.monotonic(), 0.0)
             asked = self._client.checksums_later(version, wait_s=wait)
         try:
-            if by_words:
+            if gate is not None:
+                pass  # the pull waits for each piece
+            elif by_words:
                 self._words.wait(agents, version, deadline)
             else:
                 assert asked is not None
@@ -100,7 +115,7 @@ class BeforeReadable:
                 asked.cancel()
             raise
         if not verify:
-            return EarlyPull(pull, None, asked)
+            return EarlyPull(pull, None, asked, gate)
         assert asked is not None
         pending = asked
         positions = self._positions_of(plan, order)
@@ -117,7 +132,7 @@ class BeforeReadable:
             flat = got.checksums
             return [flat[i] for i in positions]
 
-        return EarlyPull(pull, checksums, asked)
+        return EarlyPull(pull, checksums, asked, gate)
 
     def _positions_of(self, plan: PullPlan, order: Sequence[tuple[str, int]]) -> list[int]:
         kept = self._positions.get(id(plan))

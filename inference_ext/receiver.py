@@ -40,7 +40,6 @@ from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.pending import Pending
 from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES, ChunkConfig
 from refit_sidecar.plan import (
-    Checksums,
     PullPlan,
     UnsupportedRequest,
     Want,
@@ -97,6 +96,10 @@ class RefitOptions:
     and the fetch reads once the trainer ranks' version words name it, before the sidecar
     declares it readable; its checksums are compared when they come
     (inference_ext/before_readable.py). False: the lease comes once the version is readable."""
+    read_behind_copy: bool = True
+    """With `read_before_readable`, from trainer ranks that copy their snapshots in pieces:
+    each READ request is posted once the pieces it reads landed, not once the whole copy did
+    (refit_sidecar/piece_gate.py). False: the pull waits for every rank's version word."""
     requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
     """Direct path: READ requests (of `NixlConfig.request_bytes`, 256 MiB) of a pull in flight
     at once, the next posted as one completes, in destination order
@@ -191,6 +194,7 @@ class RefitOptions:
         for name in (
             "verify_checksums",
             "read_before_readable",
+            "read_behind_copy",
             "insecure",
             "fanout",
             "trace_pull",
@@ -268,7 +272,9 @@ class RefitStats:
     gated_s: float = 0.0
     """Fan-out: seconds of `pull_s` waiting for a parent's copy to advance with nothing else
     to read. A slow pull with a large `gated_s` waited on its parent; one with a large
-    `reading_s` read slowly."""
+    `reading_s` read slowly. Direct path reading behind the trainer's snapshot copy
+    (`RefitOptions.read_behind_copy`): seconds of `pull_s` before its first request was
+    posted, waiting for the first pieces."""
     prepared: int = 0
     """Fan-out: chunk requests prepared anew for this pull (a source or chunk not read from
     before), not reused from the transport's cache."""
@@ -665,9 +671,7 @@ class Receiver:
             if in_place is not None:
                 key = (id(plan.slices), self.staging.buffer.data_ptr(), id(in_place))
                 armed = self._in_place.prepare(key)
-            pulled = self._pull(
-                plan.pull, region, on_progress, None if early is None else early.checksums
-            )
+            pulled = self._pull(plan.pull, region, on_progress, early)
         except BaseException as e:
             self._in_place.restore()  # the pull may have landed in the engine's tensors
             if self._tree is not None:
@@ -720,7 +724,7 @@ class Receiver:
         plan: PullPlan,
         region: Region,
         on_progress: Callable[[int, int], None] | None,
-        checksums_later: Callable[[], Sequence[Checksums]] | None = None,
+        early: EarlyPull | None = None,
     ) -> _Pulled:
         if self._tree is not None:
             deadline = time.monotonic() + self.options.pull_timeout_s
@@ -744,7 +748,11 @@ class Receiver:
             )
         started = time.time()
         stats = self.transport.pull(
-            plan, region, verify=self._verifies, checksums_later=checksums_later
+            plan,
+            region,
+            verify=self._verifies,
+            checksums_later=None if early is None else early.checksums,
+            gate=None if early is None else early.gate,
         )
         counted, by_source = self._by_source
         if counted is not plan.reads:
@@ -755,7 +763,7 @@ class Receiver:
             self._by_source = (plan.reads, by_source)
         if on_progress is not None:
             on_progress(plan.nbytes, plan.nbytes)
-        return _Pulled(stats, dict(by_source), started, time.time(), 0, 0.0)
+        return _Pulled(stats, dict(by_source), started, time.time(), 0, 0.0, gated_s=stats.gated_s)
 
     def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
         """The leased version's plan, whether it was planned anew, and whether it was replayed
@@ -802,7 +810,13 @@ class Receiver:
         self._by_manifest_key.move_to_end(lease.manifest_key)
         plan, order = known
         early = self._before.start(
-            lease, plan.pull, order, verify=self._verifies, deadline=deadline, asked=asked
+            lease,
+            plan.pull,
+            order,
+            verify=self._verifies,
+            deadline=deadline,
+            asked=asked,
+            behind_copy=self.options.read_behind_copy,
         )
         return ReceiverPlan(early.plan, plan.slices), False, True, early
 

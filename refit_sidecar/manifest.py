@@ -9,7 +9,9 @@ A rank holding [gate_r; up_r] of linear_fc1 has one shard with two pieces.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -213,6 +215,45 @@ class ParameterRecord:
 
 
 @dataclass(frozen=True)
+class SnapshotPieces:
+    """A slot whose snapshot is copied in pieces, each followed by its word
+    (`AgentRecord.pieces`, docs/refit.md "Reading behind the snapshot copy"): piece i is bytes
+    [ends[i - 1], ends[i]) of the slot from `slot_address` (the first from 0), copied in order;
+    word i, `VERSION_WORD_BYTES` at `words.address + 8 * i`, names the version once the piece's
+    bytes landed. The last word is the agent's version word."""
+
+    words: ShardLocation
+    slot_address: int
+    ends: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ends = self.ends
+        if not ends or ends[0] <= 0 or any(b <= a for a, b in itertools.pairwise(ends)):
+            raise ValueError(f"piece ends must be positive and increasing, got {ends}")
+        if self.words.nbytes != len(ends) * VERSION_WORD_BYTES or self.slot_address < 0:
+            raise ValueError(
+                f"{len(ends)} pieces need {len(ends) * VERSION_WORD_BYTES} bytes of words, "
+                f"got {self.words.nbytes}"
+            )
+
+    @property
+    def last_word(self) -> int:
+        """Address of the last piece's word."""
+        return self.words.address + (len(self.ends) - 1) * VERSION_WORD_BYTES
+
+    def piece_of(self, end: int) -> int:
+        """The piece holding the byte before address `end` (a read's end); ValueError when it
+        lies outside the slot."""
+        offset = end - self.slot_address
+        if not 0 < offset <= self.ends[-1]:
+            raise ValueError(
+                f"a read ending at {end:#x} lies outside the slot at {self.slot_address:#x} "
+                f"({self.ends[-1]} bytes)"
+            )
+        return bisect.bisect_left(self.ends, offset)
+
+
+@dataclass(frozen=True)
 class AgentRecord:
     """How a puller reaches a source agent: its metadata blob, or a listener to fetch it from."""
 
@@ -227,6 +268,9 @@ class AgentRecord:
     """Where the source's slot holds the number of the version its bytes are (8 bytes,
     little-endian), written once the bytes have landed: a receiver that leased a version before
     it was readable reads this until it names that version (`version_word.VersionWords`)."""
+    pieces: SnapshotPieces | None = None
+    """Set when the slot's snapshot is copied in pieces, each named by a word once it landed:
+    such a receiver reads each piece behind the copy (`piece_gate.PieceGate`)."""
 
     def __post_init__(self) -> None:
         if not self.metadata and (not self.host or self.port is None):
@@ -237,6 +281,14 @@ class AgentRecord:
                 f"agent {self.name!r}: its version word must be {VERSION_WORD_BYTES} bytes of "
                 f"its own memory, got {word.nbytes} bytes of {word.agent!r}"
             )
+        pieces = self.pieces
+        if pieces is not None and (
+            word is None
+            or pieces.words.agent != self.name
+            or (pieces.last_word, pieces.words.mem_type, pieces.words.device_id)
+            != (word.address, word.mem_type, word.device_id)
+        ):
+            raise ValueError(f"agent {self.name!r}: its pieces' last word must be its version word")
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import contextlib
 import hashlib
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 from nixl import _bindings
@@ -169,20 +169,21 @@ class NixlTransport:
         *,
         verify: bool = False,
         checksums_later: Callable[[], Sequence[Checksums]] | None = None,
+        gate: Gate | None = None,
     ) -> PullStats:
         """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
         in device memory while the requests land (`running_check.RunningCheck`, its parts
         started from a thread of their own so that polling the requests never waits on them).
         `checksums_later`: the checksums come after the pull started; called once the bytes
         have landed, it returns each read's (`plan`'s own then only say which reads are
-        checked)."""
+        checked). `gate`: which requests may be posted yet (`piece_gate.PieceGate`)."""
         if not verify:
-            return self.start(plan, dest).wait()
+            return self.start(plan, dest, gate).wait()
         check = RunningCheck(plan, dest, taper=self._config.request_taper)
         if not check.runs_ahead:  # host memory: checked whole at the end
-            stats = self.start(plan, dest).wait()
+            stats = self.start(plan, dest, gate).wait()
         else:
-            stats = self._wait_reporting(plan, dest, check.advance)
+            stats = self._wait_reporting(plan, dest, check.advance, gate)
         begin = time.perf_counter()
         final = None if checksums_later is None else checksums_later()
         waited = time.perf_counter()
@@ -195,34 +196,36 @@ class NixlTransport:
         )
 
     def _wait_reporting(
-        self, plan: PullPlan, dest: Region, listener: Callable[[int], None]
+        self, plan: PullPlan, dest: Region, listener: Callable[[int], None], gate: Gate | None
     ) -> PullStats:
         """Start and wait for the pull, telling `listener` of each landed prefix of device
         memory from a lane of its own (host memory: nothing until the end)."""
         if dest.mem_type is MemType.DRAM:
-            return self.start(plan, dest).wait()
+            return self.start(plan, dest, gate).wait()
         with ProgressPublisher(None, lambda prefix, _: listener(prefix)) as publisher:
-            stats = self.start(plan, dest).wait(
+            stats = self.start(plan, dest, gate).wait(
                 on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
             )
             landed = time.perf_counter()
         return replace(stats, lag_s=time.perf_counter() - landed)
 
-    def start(self, plan: PullPlan, dest: Region) -> PendingPull:
+    def start(self, plan: PullPlan, dest: Region, gate: Gate | None = None) -> PendingPull:
         """Post the plan's reads: requests of about `NixlConfig.request_bytes` per source
         agent and memory type, in destination order, `NixlConfig.requests_in_flight` at a time
-        (the rest as earlier ones complete, in `wait`); the caller then `wait()`s. One pull at
-        a time per transport."""
+        (the rest as earlier ones complete, in `wait`), each once `gate` lets it; the caller
+        then `wait()`s. One pull at a time per transport."""
         if dest.nbytes < plan.nbytes:
             raise ValueError(f"destination holds {dest.nbytes} bytes, the plan needs {plan.nbytes}")
         temporary = dest not in self._dests
         self.register(dest)
         begin = time.perf_counter()
-        pending = PendingPull(self, begin + self._config.pull_timeout_s, begin, temporary, dest)
         config = self._config
         requests = _requests(plan, dest, config.request_bytes, config.request_taper)
         requests.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
         window = self._config.requests_in_flight or len(requests)
+        pending = PendingPull(
+            self, begin + config.pull_timeout_s, begin, temporary, dest, window, gate
+        )
         for (agent, mem_type), (remote, local) in requests:
             try:
                 xfer, cached = self._xfer(plan.agents[agent], mem_type, remote, local, dest)
@@ -231,10 +234,13 @@ class NixlTransport:
                 )
                 pending.xfers.append(xfer)
                 pending.reposted += cached
-                if len(pending.xfers) <= window:
+                need = 0 if gate is None else gate.need(agent, remote)
+                if len(pending.xfers) <= window and (gate is None or gate.ready(agent, need)):
                     pending.post(xfer)
+                    if gate is not None and not pending.gated_s:
+                        pending.gated_s = time.perf_counter() - begin
                 else:
-                    pending.queued.append(xfer)
+                    pending.queued.append((xfer, need))
             except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
                 pending.fail(agent, e)
         return pending
@@ -394,6 +400,30 @@ class Posted:
         return self.xfer.agent
 
 
+class Gate(Protocol):
+    """Which READ requests of a pull may be posted yet (`piece_gate.PieceGate`)."""
+
+    def need(self, agent: str, remote: np.ndarray) -> int:
+        """What a request of `agent` reading `remote` (N×3 address, length, device) waits
+        for, in terms `ready` understands."""
+        ...
+
+    def ready(self, agent: str, need: int) -> bool: ...
+
+    def poll(self, waiting: Iterable[str]) -> None:
+        """Learn more about the sources in `waiting`, without blocking; SourceLost or a
+        TimeoutError ends the pull."""
+        ...
+
+    def settle(self) -> None:
+        """The pull ended: wait for what `poll` left in flight."""
+        ...
+
+
+_GATED_PAUSE_S = 2e-5
+"""The longest pause of a pull's loop while requests wait on its gate."""
+
+
 @dataclass(eq=False)
 class PendingPull:
     transport: NixlTransport
@@ -402,15 +432,21 @@ class PendingPull:
     temporary: bool
     """The destination was registered for this pull only: deregister it at the end."""
     dest: Region
+    window: int
+    """Requests in flight at once."""
+    gate: Gate | None = None
     xfers: list[_Xfer] = field(default_factory=list)
     reposted: int = 0
     """Requests taken from the cache (prepared by an earlier pull)."""
     spans: list[tuple[np.ndarray, int]] = field(default_factory=list)
     """Per request: where its reads start in the destination, and its index in `xfers`."""
-    queued: deque[_Xfer] = field(default_factory=deque)
-    """Requests prepared but not posted yet (`NixlConfig.requests_in_flight`), in order."""
+    queued: deque[tuple[_Xfer, int]] = field(default_factory=deque)
+    """Requests prepared but not posted yet (`NixlConfig.requests_in_flight`, or held back by
+    the gate), in order, each with what it waits for at the gate."""
     posted: list[_Xfer] = field(default_factory=list)
     """Requests posted and not seen done."""
+    gated_s: float = 0.0
+    """With a gate: seconds from the start until its first request was posted."""
 
     def post(self, xfer: _Xfer) -> None:
         """Posts a prepared request (NIXL errors are the caller's)."""
@@ -429,6 +465,7 @@ class PendingPull:
         agent = self.transport._agent
         waiting = self.posted
         landed = _Landed(self, on_landed) if on_landed is not None else None
+        gate = self.gate
         pause = 0.0
         while waiting or self.queued:
             for xfer in list(waiting):
@@ -442,14 +479,19 @@ class PendingPull:
                     xfer.done = True
                     waiting.remove(xfer)
                     pause = 0.0
-            while self.queued and len(waiting) < self.transport._config.requests_in_flight:
-                xfer = self.queued.popleft()
-                try:
-                    self.post(xfer)
-                except _NIXL_ERRORS as e:
-                    self.fail(xfer.agent, e)
+            held = self._post_queued(waiting)
             if landed is not None:
                 landed.report()
+            if held:
+                assert gate is not None
+                try:
+                    gate.poll({x.agent for x, need in self.queued if not gate.ready(x.agent, need)})
+                except (SourceLost, TimeoutError) as e:
+                    self.fail(getattr(e, "agent", None) or self.queued[0][0].agent, e)
+                if self._post_queued(waiting):
+                    time.sleep(min(pause, _GATED_PAUSE_S))
+                    pause = min(2 * pause or 1e-5, 1e-3)
+                    continue
             if waiting:
                 if time.perf_counter() > self.deadline:
                     late = waiting[0].agent
@@ -461,7 +503,24 @@ class PendingPull:
         self._end()
         seconds, xfers = time.perf_counter() - self.begin, self.xfers
         nbytes, reads = sum(x.nbytes for x in xfers), sum(x.reads for x in xfers)
-        return PullStats(nbytes, seconds, reads, len(xfers), self.reposted)
+        return PullStats(nbytes, seconds, reads, len(xfers), self.reposted, gated_s=self.gated_s)
+
+    def _post_queued(self, waiting: list[_Xfer]) -> bool:
+        """Posts queued requests, in order, while the window has room and the gate lets the
+        next one; True when the gate holds one back."""
+        gate = self.gate
+        while self.queued and len(waiting) < self.window:
+            xfer, need = self.queued[0]
+            if gate is not None and not gate.ready(xfer.agent, need):
+                return True
+            self.queued.popleft()
+            try:
+                self.post(xfer)
+            except _NIXL_ERRORS as e:
+                self.fail(xfer.agent, e)
+            if gate is not None and not self.gated_s:
+                self.gated_s = time.perf_counter() - self.begin
+        return False
 
     def fail(self, agent: str, error: BaseException) -> NoReturn:
         """`agent` let this pull down: cancel its other unfinished requests, disconnect `agent`
@@ -477,9 +536,13 @@ class PendingPull:
         if isinstance(error, SourceLost):
             error.agent = error.agent or agent
             raise error
+        if isinstance(error, TimeoutError):  # the gate's: its sources never got ready
+            raise error
         raise SourceLost(f"{agent}: {error}", agent=agent) from error
 
     def _end(self) -> None:
+        if self.gate is not None:
+            self.gate.settle()
         if self.temporary:
             self.transport.deregister(self.dest)
 

@@ -9,6 +9,7 @@ and torch-free: parameters come in as (name, storage, byte offset in it, size in
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,3 +86,43 @@ def snapshot_layout(
                 offsets[member.name] = size + member.start - start
             size = -(-(size + stop - start) // alignment) * alignment
     return SnapshotLayout(offsets, tuple(regions), size)
+
+
+DEFAULT_FIRST_PIECE_BYTES = 32 << 20
+"""The first piece of a snapshot copy (`piece_ends`): a receiver's first read waits for it
+alone, about 20 µs of an H100's device-local copy; the pieces after it double, so a 6 GB slot
+takes 8 pieces and the copy stays ahead of reads that are several times slower."""
+
+
+def piece_ends(nbytes: int, first: int) -> tuple[int, ...]:
+    """Where the pieces of a slot of `nbytes` bytes end: the first after `first` bytes, each
+    next one twice as long as the one before, the last at `nbytes`; one piece when `first` is
+    0 or covers the slot."""
+    if nbytes <= 0 or first < 0:
+        raise ValueError(f"bad slot size {nbytes} or first piece {first}")
+    ends: list[int] = []
+    size, end = first, 0
+    while first and end + size < nbytes:
+        end += size
+        ends.append(end)
+        size *= 2
+    ends.append(nbytes)
+    return tuple(ends)
+
+
+def cut_into_pieces(regions: Sequence[Region], ends: Sequence[int]) -> list[list[Region]]:
+    """The snapshot's copies cut at the piece `ends` (slot offsets): per piece, the parts of
+    the regions that land in it, in slot order (a piece in alignment padding only has none)."""
+    pieces: list[list[Region]] = [[] for _ in ends]
+    for region in sorted(regions, key=lambda r: r.offset):
+        at = region.offset
+        stop = region.offset + region.nbytes
+        while at < stop:
+            piece = bisect.bisect_right(ends, at)
+            if piece == len(ends):
+                raise ValueError(f"a region ends at {stop}, past the slot's last piece")
+            upto = min(stop, ends[piece])
+            start = region.start + at - region.offset
+            pieces[piece].append(Region(region.storage, start, start + upto - at, at))
+            at = upto
+    return pieces

@@ -70,6 +70,9 @@ class PullStats:
     """Then seconds waiting for checksums published after the pull started."""
     check_s: float = 0.0
     """Then seconds to the checksums compared (the last parts' sums, the comparison)."""
+    gated_s: float = 0.0
+    """Seconds from the pull's start until its first request was posted, when its requests
+    waited for the pieces of the sources' snapshot copies (`piece_gate`); 0 otherwise."""
 
     @property
     def gib_per_s(self) -> float:

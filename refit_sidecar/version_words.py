@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from refit_sidecar.manifest import VERSION_WORD_BYTES, AgentRecord
+from refit_sidecar.manifest import VERSION_WORD_BYTES, AgentRecord, ShardLocation
 from refit_sidecar.nixl_transport import NixlTransport, Posted
 from refit_sidecar.progress import HostWords, Words
 from refit_sidecar.transport import Region, SourceLost
@@ -69,19 +69,21 @@ class VersionWords:
         or its word names a newer version (its slot was handed on: the lease did not hold)."""
         if not self.readable_by_words(agents):
             raise ValueError("every source needs a version word")
-        region = self._ensure(len(agents))
+        self.memory(max(len(agents), 8) * VERSION_WORD_BYTES)
         waiting = list(range(len(agents)))
         rounds = 0
         while True:
             rounds += 1
-            posted = [(i, self._post(agents[i], region, i)) for i in waiting]
+            posted = [
+                (i, self.post(agents[i], _word(agents[i]), i * VERSION_WORD_BYTES)) for i in waiting
+            ]
             for i, request in posted:
                 while not self._transport.check(request):
                     if time.monotonic() > deadline:
                         raise WordTimeout(f"{agents[i].name}: reading its version word timed out")
             still = []
             for i in waiting:
-                seen = self._read(i)
+                seen = int(self.values(i * VERSION_WORD_BYTES, 1)[0])
                 if seen > version:
                     raise SourceLost(
                         f"{agents[i].name}: its slot holds version {seen}, not {version}: the "
@@ -101,8 +103,9 @@ class VersionWords:
                 )
             time.sleep(self._poll_s)
 
-    def _ensure(self, count: int) -> Region:
-        nbytes = max(count, 8) * VERSION_WORD_BYTES
+    def memory(self, nbytes: int) -> Region:
+        """This receiver's registered memory for words, at least `nbytes` of it (what it held
+        before is lost when it grows)."""
         if self._region is not None and self._region.nbytes >= nbytes:
             return self._region
         self.release()
@@ -111,20 +114,20 @@ class VersionWords:
         self._transport.register(self._region)
         return self._region
 
-    def _post(self, agent: AgentRecord, region: Region, index: int) -> Posted:
-        word = agent.version_word
-        assert word is not None
-        remote = np.array([[word.address, VERSION_WORD_BYTES, word.device_id]], np.uint64)
-        local = np.array(
-            [[region.address + index * VERSION_WORD_BYTES, VERSION_WORD_BYTES, region.device_id]],
-            np.uint64,
-        )
-        return self._transport.post(agent, word.mem_type, remote, local, region)
+    def post(self, agent: AgentRecord, words: ShardLocation, offset: int) -> Posted:
+        """Reads the agent's `words` (its memory) into this receiver's at `offset`, which
+        `memory` made large enough; poll it with the transport's `check`."""
+        region = self._region
+        assert region is not None
+        remote = np.array([[words.address, words.nbytes, words.device_id]], np.uint64)
+        local = np.array([[region.address + offset, words.nbytes, region.device_id]], np.uint64)
+        return self._transport.post(agent, words.mem_type, remote, local, region)
 
-    def _read(self, index: int) -> int:
+    def values(self, offset: int, count: int) -> np.ndarray:
+        """`count` words read into this receiver's memory at `offset`, as uint64."""
         assert self._memory is not None
-        raw = self._memory.read(index * VERSION_WORD_BYTES, VERSION_WORD_BYTES)
-        return int(np.ascontiguousarray(raw).view("<u8")[0])
+        raw = self._memory.read(offset, count * VERSION_WORD_BYTES)
+        return np.ascontiguousarray(raw).view("<u8")
 
     def release(self) -> None:
         """Deregisters the memory (the transport's `close` does too)."""
@@ -132,3 +135,9 @@ class VersionWords:
             self._transport.deregister(self._region)
         self._memory = None
         self._region = None
+
+
+def _word(agent: AgentRecord) -> ShardLocation:
+    word = agent.version_word
+    assert word is not None
+    return word

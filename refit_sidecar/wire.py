@@ -30,6 +30,7 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardPiece,
     ShardRecord,
+    SnapshotPieces,
 )
 from refit_sidecar.plan import Checksums
 from refit_sidecar.progress_file import ProgressFileRef
@@ -197,6 +198,11 @@ def agent_to_proto(agent: AgentRecord) -> pb.SourceAgent:
     message = pb.SourceAgent(name=agent.name, metadata=agent.metadata, rank=agent.rank)
     if agent.version_word is not None:
         message.version_word.CopyFrom(location_to_proto(agent.version_word))
+    if agent.pieces is not None:
+        pieces = agent.pieces
+        message.pieces.words.CopyFrom(location_to_proto(pieces.words))
+        message.pieces.slot_address = pieces.slot_address
+        message.pieces.ends.extend(pieces.ends)
     return message
 
 
@@ -204,8 +210,16 @@ def agent_from_proto(message: pb.SourceAgent) -> AgentRecord:
     if not message.name:
         raise ValueError("a source agent needs a name")
     word = location_from_proto(message.version_word) if message.HasField("version_word") else None
+    pieces = None
+    if message.HasField("pieces"):
+        got = message.pieces
+        pieces = SnapshotPieces(location_from_proto(got.words), got.slot_address, tuple(got.ends))
     return AgentRecord(
-        message.name, metadata=message.metadata, rank=message.rank, version_word=word
+        message.name,
+        metadata=message.metadata,
+        rank=message.rank,
+        version_word=word,
+        pieces=pieces,
     )
 
 

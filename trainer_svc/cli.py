@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="snapshot slots per rank (versions readable or leased at once)",
     )
     refit.add_argument(
+        "--refit-first-piece-bytes",
+        type=int,
+        default=RefitConfig.first_piece_bytes,
+        help="bytes of the snapshot copy's first piece: receivers read each piece once it "
+        "landed, each next piece twice as long; 0: read once the whole copy landed",
+    )
+    refit.add_argument(
         "--nixl-host",
         default=RefitConfig.nixl_host,
         help="an IP address of the network interface the ranks' NIXL endpoints listen on for "
@@ -175,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         refit=RefitConfig(
             sidecar=args.sidecar,
             slots=args.refit_slots,
+            first_piece_bytes=args.refit_first_piece_bytes,
             auth=auth_flags.client_auth(args, "sidecar", used=args.sidecar is not None),
             nixl_host=args.nixl_host,
             nixl_net_devices=tuple(args.nixl_net_devices),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refit_sidecar.nixl_network import NixlNetwork
+from refit_sidecar.snapshot_layout import DEFAULT_FIRST_PIECE_BYTES
 from trainer_refit.auth import ClientAuth, ServerAuth
 
 
@@ -146,10 +147,16 @@ class RefitConfig:
     every interface. The default serves receivers on the same host only; a pod gives its IP."""
     nixl_net_devices: tuple[str, ...] = ()
     """RDMA ports (``mlx5_0:1``) the NIXL endpoints may use besides that interface."""
+    first_piece_bytes: int = DEFAULT_FIRST_PIECE_BYTES
+    """The snapshot copy's first piece: receivers read each piece once it landed, each next
+    piece twice as long (`refit_sidecar.snapshot_layout.piece_ends`); 0: one piece, read once
+    the whole copy landed."""
 
     def __post_init__(self) -> None:
         if self.slots < 1:
             raise ValueError(f"refit slots must be >= 1, got {self.slots}")
+        if self.first_piece_bytes < 0:
+            raise ValueError(f"the first piece must be >= 0 bytes, got {self.first_piece_bytes}")
         NixlNetwork(host=self.nixl_host, extra_devices=self.nixl_net_devices)  # raises if bad
         if self.sidecar is not None:
             host, _, port = self.sidecar.rpartition(":")

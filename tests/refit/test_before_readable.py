@@ -111,7 +111,17 @@ def test_sources_without_version_words_are_waited_for_on_the_sidecar() -> None:
 def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> None:
     with running_sidecar(tmp_path / "sidecar") as sidecar:
         trainer = TrainerProcess(
-            tmp_path / "trainer", ["--tp", "2", *sidecar.trainer_args(), "--refit-slots", "2"]
+            tmp_path / "trainer",
+            [
+                "--tp",
+                "2",
+                *sidecar.trainer_args(),
+                "--refit-slots",
+                "2",
+                # Each rank's slot is copied in several pieces, read behind the copy.
+                "--refit-first-piece-bytes",
+                "4096",
+            ],
         )
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
 
@@ -129,31 +139,40 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             )
 
         early, late = receiver("early"), receiver("late", read_before_readable=False)
+        whole = receiver("whole", read_behind_copy=False)
         slow = receiver("slow", lease_ttl_s=3.0)
         try:
             # Versions 1 and 2 fill the two slots: no slot was readable before, so their
             # leases wait for the versions, and their plans come from the manifests.
             for version in (1, 2):
                 early.expect(version)
+                whole.expect(version)
                 assert train_step(trainer, f"s{version}", seed=version) == version
                 installed, stats = refit_with_stats(early, version)
                 assert stats.expected and not stats.before_readable
+                refit_with_stats(whole, version)
             assert_exported(trainer, installed, "v2")
 
-            # Version 3 goes into slot 0 again: leased at its reservation, read on the words.
-            early.expect(3)
-            late.expect(3)
+            # Version 3 goes into slot 0 again: leased at its reservation, read behind the
+            # ranks' copies (each request once its pieces' words name 3), or once the last
+            # words do.
+            for receiver_ in (early, late, whole):
+                receiver_.expect(3)
             assert train_step(trainer, "s3", seed=3) == 3
             installed, stats = refit_with_stats(early, 3)
             assert stats.before_readable and stats.expected and stats.replayed_by_key
             assert len(stats.bytes_by_source) == 2  # the trainer's two ranks
             assert sum(stats.bytes_by_source.values()) == stats.bytes_pulled
             assert stats.sidecar_readable_at == 0.0
+            assert stats.gated_s > 0  # its requests waited at the pieces' gate
             late_installed, late_stats = refit_with_stats(late, 3)
             assert late_stats.expected and not late_stats.before_readable
             assert stats.verified_shards == late_stats.verified_shards > 0
+            whole_installed, whole_stats = refit_with_stats(whole, 3)
+            assert whole_stats.before_readable and whole_stats.gated_s == 0
             assert_exported(trainer, installed, "v3")
             assert_exported(trainer, late_installed, "v3-late")
+            assert_exported(trainer, whole_installed, "v3-whole")
 
             # A byte flipped in rank 0's slot after the rank reported its checksums.
             early.expect(4)
@@ -161,6 +180,7 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             with sidecar.client() as client:
                 client.wait_visible(4, timeout=30)
                 agents = list(client.manifest(4).agents.values())
+            assert all(a.pieces is not None and len(a.pieces.ends) > 2 for a in agents)
             launcher = psutil.Process(trainer.process.pid)
             (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
             corrupted = corrupt_one_byte(sidecar, 4, rank0)
@@ -294,4 +314,5 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             early.close()
             late.close()
             slow.close()
+            whole.close()
             assert trainer.stop() == 0

@@ -91,16 +91,28 @@ class ParameterRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shards: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ...) -> None: ...
 
 class SourceAgent(_message.Message):
-    __slots__ = ("name", "metadata", "rank", "version_word")
+    __slots__ = ("name", "metadata", "rank", "version_word", "pieces")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     VERSION_WORD_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     name: str
     metadata: bytes
     rank: int
     version_word: ShardLocation
-    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., version_word: _Optional[_Union[ShardLocation, _Mapping]] = ...) -> None: ...
+    pieces: SnapshotPieces
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., version_word: _Optional[_Union[ShardLocation, _Mapping]] = ..., pieces: _Optional[_Union[SnapshotPieces, _Mapping]] = ...) -> None: ...
+
+class SnapshotPieces(_message.Message):
+    __slots__ = ("words", "slot_address", "ends")
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    words: ShardLocation
+    slot_address: int
+    ends: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, words: _Optional[_Union[ShardLocation, _Mapping]] = ..., slot_address: _Optional[int] = ..., ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("version", "layout", "parameters", "agents")

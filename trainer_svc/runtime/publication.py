@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -42,7 +42,14 @@ from refit_sidecar.client import (
 )
 from refit_sidecar.layout import ShardSpec, placement_spec
 from refit_sidecar.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
-from refit_sidecar.snapshot_layout import Placement, SnapshotLayout, snapshot_layout
+from refit_sidecar.snapshot_layout import (
+    DEFAULT_FIRST_PIECE_BYTES,
+    Placement,
+    SnapshotLayout,
+    cut_into_pieces,
+    piece_ends,
+    snapshot_layout,
+)
 from refit_sidecar.source import ShardSource, SourceAgent, SourceConfig
 from refit_sidecar.torch_arena import TorchArena
 from refit_sidecar.wire import location_to_proto, publish_request
@@ -94,15 +101,17 @@ def shard_specs(parameters: dict[str, torch.nn.Parameter], topology: Topology) -
 @dataclass(frozen=True)
 class Slot:
     source: ShardSource
-    copies: list[tuple[torch.Tensor, torch.Tensor]]
-    """(slot bytes, parameter bytes) per region of the snapshot layout."""
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    """Per piece of the snapshot copy (`snapshot_layout.piece_ends`): (slot bytes, parameter
+    bytes) of each part of a layout region that lands in it."""
     report: pb.PublishShardsRequest
     """This rank's report of the slot, built once: a version sets its number (and checksums)."""
-    word: torch.Tensor
-    word_registration: Any
-    """The slot's version word (one int64 in registered memory, beside the slot's arena): the
-    number of the version whose bytes the slot holds, written after its snapshot copy, so a
-    receiver that leased the version before it is readable knows when to read."""
+    words: torch.Tensor
+    words_registration: Any
+    """The slot's words (one int64 per piece in registered memory, beside the slot's arena):
+    word i holds the number of the version whose bytes piece i holds, written after the
+    piece's copy, so a receiver that leased the version before it is readable reads each
+    piece behind the copy. The last is the slot's version word: every byte has landed."""
 
     def request(
         self, version: int, stream: torch.cuda.Stream | None = None
@@ -147,15 +156,26 @@ def parameter_layout(
     return snapshot_layout(placements, alignment), holders
 
 
+@dataclass(frozen=True)
+class _Built:
+    source: ShardSource
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    words: TorchArena
+    ends: tuple[int, ...]
+    registration: Any
+
+
 def create_slot(
     config: SourceConfig,
     specs: list[ShardSpec],
     parameters: dict[str, torch.nn.Parameter],
     device: torch.device,
     agent: SourceAgent,
-) -> tuple[ShardSource, list[tuple[torch.Tensor, torch.Tensor]], TorchArena, Any]:
-    """A slot's source, registered with the rank's agent, its copies, and its version word
-    (registered too, 0 until a version is copied in) with its registration."""
+    *,
+    first_piece_bytes: int,
+) -> _Built:
+    """A slot's source, registered with the rank's agent, its copies in pieces, and its words
+    (registered too, 0 until a version is copied in) with their registration."""
     layout, holders = parameter_layout(parameters, config.alignment)
     source = ShardSource.create(
         config,
@@ -166,29 +186,46 @@ def create_slot(
     )
     arena = source.arena
     assert isinstance(arena, TorchArena)
-    copies = [
-        (
-            arena.tensor_view(region.offset, torch.uint8, torch.Size([region.nbytes])),
-            _storage_bytes(holders[region.storage], region.start, region.stop),
-        )
-        for region in layout.regions
+    ends = piece_ends(layout.nbytes, first_piece_bytes)
+    pieces = [
+        [
+            (
+                arena.tensor_view(part.offset, torch.uint8, torch.Size([part.nbytes])),
+                _storage_bytes(holders[part.storage], part.start, part.stop),
+            )
+            for part in parts
+        ]
+        for parts in cut_into_pieces(layout.regions, ends)
     ]
-    word = TorchArena.allocate(VERSION_WORD_BYTES, config.alignment, device=device)
-    word.tensor.zero_()
-    return source, copies, word, agent.register(word)
+    words = TorchArena.allocate(len(ends) * VERSION_WORD_BYTES, config.alignment, device=device)
+    words.tensor.zero_()
+    return _Built(source, pieces, words, ends, agent.register(words))
 
 
-def with_version_word(report: pb.PublishShardsRequest, word: TorchArena) -> None:
-    """Names the slot's version word in its report's agent."""
+def with_words(report: pb.PublishShardsRequest, built: _Built) -> None:
+    """Names the slot's words in its report's agent: the pieces', and the last as its
+    version word."""
+    words, name = built.words, report.agent.name
+    count = len(built.ends)
     location = ShardLocation.contiguous(
-        agent=report.agent.name,
-        address=word.address,
-        shape=(VERSION_WORD_BYTES,),
+        agent=name,
+        address=words.address,
+        shape=(count * VERSION_WORD_BYTES,),
         itemsize=1,
-        mem_type=word.mem_type,
-        device_id=word.device_id,
+        mem_type=words.mem_type,
+        device_id=words.device_id,
     )
-    report.agent.version_word.CopyFrom(location_to_proto(location))
+    last = replace(
+        location,
+        address=words.address + (count - 1) * VERSION_WORD_BYTES,
+        nbytes=VERSION_WORD_BYTES,
+        shape=(VERSION_WORD_BYTES,),
+    )
+    report.agent.version_word.CopyFrom(location_to_proto(last))
+    pieces = report.agent.pieces
+    pieces.words.CopyFrom(location_to_proto(location))
+    pieces.slot_address = built.source.arena.address
+    pieces.ends.extend(built.ends)
 
 
 @dataclass
@@ -235,9 +272,11 @@ class Publisher:
         device: torch.device,
         nixl_host: str,
         nixl_net_devices: tuple[str, ...],
+        first_piece_bytes: int = DEFAULT_FIRST_PIECE_BYTES,
     ) -> Publisher:
         """`nixl_host`, `nixl_net_devices`: where the rank's NIXL agent listens for receivers
-        (`SourceConfig.host`, `SourceConfig.net_devices`)."""
+        (`SourceConfig.host`, `SourceConfig.net_devices`); `first_piece_bytes`: the snapshot
+        copy's first piece (`snapshot_layout.piece_ends`; 0: one piece)."""
         parameters = published_parameters(model, spec, topology)
         specs = shard_specs(parameters, topology)
         config = SourceConfig(
@@ -252,22 +291,33 @@ class Publisher:
             net_devices=nixl_net_devices,
         )
         agent = SourceAgent.create(config)
-        built = [create_slot(config, specs, parameters, device, agent) for _ in range(slots)]
+        built = [
+            create_slot(
+                config, specs, parameters, device, agent, first_piece_bytes=first_piece_bytes
+            )
+            for _ in range(slots)
+        ]
         log.info(
-            "refit: a snapshot copies %d memory regions holding %d parameters",
-            len(built[0][1]),
+            "refit: a snapshot copies %d memory regions holding %d parameters, in %d pieces",
+            sum(len(parts) for parts in built[0].pieces),
             len(parameters),
+            len(built[0].pieces),
         )
         # Built after every slot is registered: the agent metadata in them covers all slots.
         reports = [
-            publish_request(0, topology.rank, source.manifest(0, checksums=False))
-            for source, *_ in built
+            publish_request(0, topology.rank, b.source.manifest(0, checksums=False)) for b in built
         ]
-        for report, (_, _, word, _) in zip(reports, built, strict=True):
-            with_version_word(report, word)
+        for report, b in zip(reports, built, strict=True):
+            with_words(report, b)
         filled = [
-            Slot(source, copies, report, word.tensor_view(0, torch.int64, (1,)), registration)
-            for (source, copies, word, registration), report in zip(built, reports, strict=True)
+            Slot(
+                b.source,
+                b.pieces,
+                report,
+                b.words.tensor_view(0, torch.int64, (len(b.ends),)),
+                b.registration,
+            )
+            for b, report in zip(built, reports, strict=True)
         ]
         client = SidecarClient(sidecar, auth=auth)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -387,15 +437,18 @@ class Publisher:
         target = self.slots[slot]
         stream = self.stream
         if stream is None:
-            for destination, source in target.copies:
-                destination.copy_(source)
-            target.word.fill_(version)  # after the bytes: a reader seeing it reads them
+            for i, parts in enumerate(target.pieces):
+                for destination, source in parts:
+                    destination.copy_(source)
+                target.words[i].fill_(version)  # after the bytes: a reader seeing it reads them
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for destination, source in target.copies:
-                destination.copy_(source, non_blocking=True)
-            target.word.fill_(version)  # queued after the copies: written once they landed
+            for i, parts in enumerate(target.pieces):
+                for destination, source in parts:
+                    destination.copy_(source, non_blocking=True)
+                # Queued after the piece's copies: written once they landed.
+                target.words[i].fill_(version)
             return stream.record_event()
 
     def publish(self, version: int, slot: int) -> None:
@@ -445,7 +498,7 @@ class Publisher:
         for slot in self.slots:
             slot.source.close()
             if self.agent is not None:
-                self.agent.deregister(slot.word_registration)
+                self.agent.deregister(slot.words_registration)
         if self.agent is not None:
             self.agent.close()
         self.client.close()

@@ -1,0 +1,254 @@
+"""Reading behind a snapshot copy in pieces: the pieces' layout, their words on the wire, and a
+real NIXL pull (two agents in this process, the slot in host memory) whose requests wait for
+the pieces this test copies and names by hand."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from refit_sidecar.manifest import (
+    VERSION_WORD_BYTES,
+    AgentRecord,
+    Box,
+    DType,
+    Manifest,
+    ParameterRecord,
+    ShardLocation,
+    ShardPiece,
+    ShardRecord,
+    SnapshotPieces,
+)
+from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.piece_gate import PieceGate
+from refit_sidecar.plan import PullPlan, Want, plan_pull
+from refit_sidecar.snapshot_layout import Region as Copy
+from refit_sidecar.snapshot_layout import cut_into_pieces, piece_ends
+from refit_sidecar.transport import PullStats, Region, SourceLost
+from refit_sidecar.version_words import VersionWords, WordTimeout
+from refit_sidecar.wire import agent_from_proto, agent_to_proto
+
+# -- the pieces' layout -------------------------------------------------------------------------
+
+
+def test_pieces_double_from_the_first_and_end_at_the_slot() -> None:
+    assert piece_ends(100, 10) == (10, 30, 70, 100)
+    assert piece_ends(70, 10) == (10, 30, 70)
+    assert piece_ends(100, 0) == (100,)  # one piece: the whole copy, then its word
+    assert piece_ends(100, 100) == piece_ends(100, 500) == (100,)
+    six_gb = piece_ends(6 << 30, 32 << 20)
+    assert len(six_gb) == 8 and six_gb[0] == 32 << 20 and six_gb[-1] == 6 << 30
+    with pytest.raises(ValueError, match="bad slot size"):
+        piece_ends(0, 10)
+
+
+def test_copies_cut_at_the_pieces_keep_every_byte_once_in_slot_order() -> None:
+    regions = [Copy(storage=1, start=0, stop=50, offset=0), Copy(2, 100, 125, 64)]
+    ends = piece_ends(96, 16)  # 16, 48, 96
+    pieces = cut_into_pieces(regions, ends)
+    assert pieces == [
+        [Copy(1, 0, 16, 0)],
+        [Copy(1, 16, 48, 16)],
+        [Copy(1, 48, 50, 48), Copy(2, 100, 125, 64)],
+    ]
+    with pytest.raises(ValueError, match="past the slot's last piece"):
+        cut_into_pieces(regions, (16, 48))
+
+
+def _location(address: int, nbytes: int) -> ShardLocation:
+    return ShardLocation.contiguous(agent="rank0", address=address, shape=(nbytes,), itemsize=1)
+
+
+def test_the_last_piece_word_is_the_version_word_and_survives_the_wire() -> None:
+    pieces = SnapshotPieces(_location(4096, 3 * VERSION_WORD_BYTES), 1 << 20, (16, 48, 96))
+    word = _location(pieces.last_word, VERSION_WORD_BYTES)
+    agent = AgentRecord("rank0", metadata=b"m", version_word=word, pieces=pieces)
+    assert agent_from_proto(agent_to_proto(agent)) == agent
+    assert [pieces.piece_of((1 << 20) + end) for end in (1, 16, 17, 48, 96)] == [0, 0, 1, 1, 2]
+    with pytest.raises(ValueError, match="outside the slot"):
+        pieces.piece_of((1 << 20) + 97)
+    with pytest.raises(ValueError, match="last word must be its version word"):
+        AgentRecord("rank0", metadata=b"m", version_word=_location(4096, 8), pieces=pieces)
+    with pytest.raises(ValueError, match="last word must be its version word"):
+        AgentRecord("rank0", metadata=b"m", pieces=pieces)
+    with pytest.raises(ValueError, match="increasing"):
+        SnapshotPieces(_location(4096, 16), 0, (48, 16))
+    with pytest.raises(ValueError, match="bytes of words"):
+        SnapshotPieces(_location(4096, 16), 0, (16, 48, 96))
+
+
+# -- a pull behind a copy driven by hand --------------------------------------------------------
+
+ROWS, COLS = 128, 64  # float32: 32 KiB per tensor, four tensors in a 128 KiB slot
+NAMES = ("a", "b", "c", "d")
+ENDS = piece_ends(len(NAMES) * ROWS * COLS * 4, 8192)  # 8, 24, 56, 120, 128 KiB
+
+
+@dataclass
+class Slot:
+    transport: NixlTransport
+    bytes: np.ndarray
+    words: np.ndarray
+    manifest: Manifest
+
+    def copy(self, version: int, truth: np.ndarray, pause_s: float) -> None:
+        """Copies `truth` into the slot piece by piece, each followed by its word."""
+        start = 0
+        for i, end in enumerate(ENDS):
+            time.sleep(pause_s)
+            self.bytes[start:end] = truth[start:end]
+            self.words[i] = version
+            start = end
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[tuple[NixlTransport, NixlTransport]]:
+    source = NixlTransport.create(NixlConfig(name="copying-rank", progress_poll_s=0.001))
+    puller = NixlTransport.create(
+        NixlConfig(name="behind", pull_timeout_s=30, request_bytes=4096, requests_in_flight=2)
+    )
+    yield source, puller
+    puller.close()
+    source.close()
+
+
+@pytest.fixture(scope="module")
+def slot(agents: tuple[NixlTransport, NixlTransport]) -> Slot:
+    source, _ = agents
+    nbytes = ENDS[-1]
+    memory = np.zeros(nbytes, np.uint8)
+    words = np.zeros(len(ENDS), np.uint64)
+    source.register(Region.of_array(memory))
+    source.register(Region.of_array(words))
+    name = source._config.name
+    words_at = ShardLocation.contiguous(
+        agent=name, address=words.ctypes.data, shape=(words.nbytes,), itemsize=1
+    )
+    pieces = SnapshotPieces(words_at, memory.ctypes.data, ENDS)
+    word = ShardLocation.contiguous(
+        agent=name, address=pieces.last_word, shape=(VERSION_WORD_BYTES,), itemsize=1
+    )
+    agent = AgentRecord(name, metadata=source.metadata(), version_word=word, pieces=pieces)
+    size = ROWS * COLS * 4
+    parameters = tuple(
+        ParameterRecord(
+            n,
+            (ROWS, COLS),
+            DType.FLOAT32,
+            (
+                ShardRecord(
+                    ShardLocation.contiguous(
+                        agent=name,
+                        address=memory.ctypes.data + i * size,
+                        shape=(ROWS, COLS),
+                        itemsize=4,
+                    ),
+                    (ShardPiece(Box.full((ROWS, COLS)), (0, 0)),),
+                ),
+            ),
+        )
+        for i, n in enumerate(NAMES)
+    )
+    return Slot(source, memory, words, Manifest(1, parameters, {name: agent}))
+
+
+def _pull(
+    puller: NixlTransport, plan: PullPlan, gate: PieceGate, out: dict[str, object]
+) -> tuple[threading.Thread, np.ndarray]:
+    dest = np.zeros(plan.nbytes, np.uint8)
+
+    def go() -> None:
+        try:
+            out["stats"] = puller.pull(plan, Region.of_array(dest), gate=gate)
+        except (SourceLost, TimeoutError) as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread, dest
+
+
+def _truth(version: int) -> np.ndarray:
+    return np.random.default_rng(version).integers(1, 256, ENDS[-1], dtype=np.uint8)
+
+
+def _expected(plan: PullPlan, truth: np.ndarray, base: int) -> np.ndarray:
+    expected = np.zeros(plan.nbytes, np.uint8)
+    for reads in plan.reads:
+        for remote, length, at in zip(
+            reads.remote_addresses, reads.lengths, reads.dest_offsets, strict=True
+        ):
+            start = int(remote) - base
+            expected[int(at) : int(at) + int(length)] = truth[start : start + int(length)]
+    return expected
+
+
+def test_requests_wait_for_their_pieces_and_read_the_version_behind_the_copy(
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+) -> None:
+    _, puller = agents
+    words = VersionWords(puller)
+    wants = [Want(n, Box.full((ROWS, COLS))) for n in NAMES]
+    base = slot.bytes.ctypes.data
+    try:
+        for version, pause_s in ((1, 0.05), (2, 0.02)):
+            plan = plan_pull(slot.manifest, wants)
+            gate = PieceGate(puller, words, slot.manifest.agents, version, time.monotonic() + 20)
+            out: dict[str, object] = {}
+            truth = _truth(version)
+            thread, dest = _pull(puller, plan, gate, out)
+            # The slot holds the last version's bytes until each piece is copied: a request
+            # posted before its piece's word named the version would read those.
+            slot.copy(version, truth, pause_s)
+            thread.join(30)
+            assert "error" not in out, out
+            stats = out["stats"]
+            assert isinstance(stats, PullStats)
+            assert np.array_equal(dest, _expected(plan, truth, base))
+            assert stats.gated_s >= pause_s  # nothing was posted before the first piece
+            assert gate.open and gate.rounds >= 2
+    finally:
+        words.release()
+
+
+def test_a_newer_piece_fails_the_pull_and_missing_pieces_time_out(
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+) -> None:
+    _, puller = agents
+    words = VersionWords(puller)
+    wants = [Want(n, Box.full((ROWS, COLS))) for n in NAMES]
+    plan = plan_pull(slot.manifest, wants)
+    try:
+        slot.words[:] = 5
+        slot.words[0] = 7  # the slot was handed to version 7: the lease on 6 did not hold
+        gate = PieceGate(puller, words, slot.manifest.agents, 6, time.monotonic() + 20)
+        out: dict[str, object] = {}
+        thread, _ = _pull(puller, plan, gate, out)
+        thread.join(30)
+        assert isinstance(out.get("error"), SourceLost), out
+        assert "version 7, not 6" in str(out["error"])
+
+        slot.words[:] = 5
+        slot.words[0] = 6  # one piece of 6 landed, the rest never do
+        gate = PieceGate(puller, words, slot.manifest.agents, 6, time.monotonic() + 0.3)
+        thread, _ = _pull(puller, plan, gate, out)
+        thread.join(30)
+        assert isinstance(out.get("error"), WordTimeout), out
+        assert "did not hold version 6 in time" in str(out["error"])
+
+        # The puller reads the next version as before.
+        truth = _truth(8)
+        slot.copy(8, truth, 0.0)
+        gate = PieceGate(puller, words, slot.manifest.agents, 8, time.monotonic() + 20)
+        out.clear()
+        thread, dest = _pull(puller, plan, gate, out)
+        thread.join(30)
+        assert "error" not in out, out
+        assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
+    finally:
+        words.release()
