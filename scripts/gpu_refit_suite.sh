@@ -6,6 +6,9 @@
 #               and copied in after the pull
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
 #               steps (--not-before-readable --install copy)
+#   install-nc  refit_install, 1b, checksums off
+#   behind      refit_install, 1b and 3b, checksums on, each read behind the trainer's
+#               snapshot copy (the default) and once the whole copy landed (--not-behind-copy)
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-taper  refit_install, 1b, the direct pull's first and last requests and check
@@ -49,13 +52,27 @@ for group in "$@"; do
             --device cuda --dest-gpu 1 --install copy \
             --out "$OUT/refit_install_1b_copy.json" --log-dir $logs/install-1b-copy
         ;;
-    install-more)
+    install-more | install-nc)
         run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --no-checksums \
             --out "$OUT/refit_install_1b_no_checksums.json" --log-dir $logs/install-1b-nc
-        run install-1b-after-report python3 -m benchmarks.refit_install --preset 1b \
-            --device cuda --dest-gpu 1 --not-before-readable --install copy \
+        [ "$group" = install-more ] && run install-1b-after-report python3 -m \
+            benchmarks.refit_install --preset 1b --device cuda --dest-gpu 1 \
+            --not-before-readable --install copy \
             --out "$OUT/refit_install_1b_after_report.json" --log-dir $logs/install-1b-ar
+        ;;
+    behind)
+        memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+        for preset in 1b 3b; do
+            slots=2  # the benchmark's default; 3b on a GPU under 100 GiB: one slot
+            [ $preset = 3b ] && [ "$memory" -lt 100000 ] && slots=1
+            run "behind-$preset" python3 -m benchmarks.refit_install --preset $preset \
+                --device cuda --dest-gpu 1 --slots $slots \
+                --out "$OUT/refit_install_${preset}_behind.json" --log-dir "$logs/behind-$preset"
+            run "whole-$preset" python3 -m benchmarks.refit_install --preset $preset \
+                --device cuda --dest-gpu 1 --slots $slots --not-behind-copy \
+                --out "$OUT/refit_install_${preset}_whole.json" --log-dir "$logs/whole-$preset"
+        done
         ;;
     install-window)
         for window in ${WINDOWS:-0 2}; do
