@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from refit_sidecar.client import Lease, SidecarClient, VersionChecksums
@@ -73,6 +74,9 @@ class BeforeReadable:
         self._positions: OrderedDict[int, tuple[PullPlan, list[int]]] = OrderedDict()
         """Per plan (by identity; the plan is kept so its id is not reused): where each read's
         checksums lie in the manifest's flat list."""
+        self._settling = ThreadPoolExecutor(2, thread_name_prefix="checksums")
+        """Waits for a pull's checksums and converts them beside the pull: taken after its
+        last byte, the answer's conversion (a record per shard) was a tail of the refit."""
 
     def start(
         self,
@@ -132,7 +136,7 @@ class BeforeReadable:
             flat = got.checksums
             return [flat[i] for i in positions]
 
-        return EarlyPull(pull, checksums, asked, gate)
+        return EarlyPull(pull, self._settling.submit(checksums).result, asked, gate)
 
     def _positions_of(self, plan: PullPlan, order: Sequence[tuple[str, int]]) -> list[int]:
         kept = self._positions.get(id(plan))
@@ -152,6 +156,7 @@ class BeforeReadable:
 
     def release(self) -> None:
         self._words.release()
+        self._settling.shutdown(wait=False, cancel_futures=True)
 
 
 def _agents(plan: PullPlan) -> list[AgentRecord]:

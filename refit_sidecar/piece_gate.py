@@ -89,7 +89,9 @@ class PieceGate:
     def poll(self, waiting: Iterable[str]) -> None:
         """Advances the reads of the words of the sources in `waiting` (those with requests
         held back): takes the words of a read that landed, posts the next. SourceLost when a
-        source cannot be read or names a newer version; WordTimeout past the deadline."""
+        source cannot be read or names a newer version; WordTimeout when a read that landed
+        past the deadline still finds pieces missing (a deadline past already at the first
+        read still reads the words once)."""
         check = self._transport.check
         for name in waiting:
             reading = self._reading.get(name)
@@ -98,16 +100,16 @@ class PieceGate:
                     continue
                 del self._reading[name]
                 self._take(name)
+                count = len(self._pieces[name].ends)
+                if self._landed[name] < count and time.monotonic() > self._deadline:
+                    raise WordTimeout(
+                        f"the snapshot pieces of {name} did not hold version {self._version} "
+                        "in time (the trainer's step failed, or the rank is gone)"
+                    )
             if self._landed[name] < len(self._pieces[name].ends):
                 self._reading[name] = self._words.post(
                     self._agents[name], self._pieces[name].words, self._offsets[name]
                 )
-        if not self.open and time.monotonic() > self._deadline:
-            late = [a for a, n in self._landed.items() if n < len(self._pieces[a].ends)]
-            raise WordTimeout(
-                f"the snapshot pieces of {late} did not hold version {self._version} in time "
-                "(the trainer's step failed, or a rank is gone)"
-            )
 
     def _take(self, name: str) -> None:
         self.rounds += 1
