@@ -118,6 +118,11 @@ class NixlTransport:
         self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
         self._dests: dict[Region, Any] = {}  # registered destinations
         self._xfers: OrderedDict[bytes, _Xfer] = OrderedDict()  # LRU of ready requests
+        self._cut: OrderedDict[tuple[int, int, int], tuple[Any, list[_Request]]] = OrderedDict()
+        """A pull's requests by its plan's reads (kept, so their id is not reused) and
+        destination: a plan replayed for each version of a slot is cut once, not at the start
+        of every pull, where cutting it (a pass over every read) came before the first
+        request."""
         self._progress = (
             None
             if config.progress_poll_s is None
@@ -220,12 +225,16 @@ class NixlTransport:
         self.register(dest)
         begin = time.perf_counter()
         config = self._config
-        requests = _requests(plan, dest, config.request_bytes, config.request_taper)
-        requests.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
+        requests = self._requests_of(plan, dest)
         window = self._config.requests_in_flight or len(requests)
         pending = PendingPull(
             self, begin + config.pull_timeout_s, begin, temporary, dest, window, gate
         )
+        if gate is not None:  # the first reads of what the gate waits on, beside the set-up
+            try:
+                gate.poll({agent for (agent, _), _ in requests})
+            except (SourceLost, TimeoutError) as e:
+                pending.fail(getattr(e, "agent", None) or requests[0][0][0], e)
         for (agent, mem_type), (remote, local) in requests:
             try:
                 xfer, cached = self._xfer(plan.agents[agent], mem_type, remote, local, dest)
@@ -244,6 +253,22 @@ class NixlTransport:
             except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
                 pending.fail(agent, e)
         return pending
+
+    def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Request]:
+        """The plan's requests into `dest`, in destination order (`_requests`), cut once per
+        plan and destination."""
+        key = (id(plan.reads), dest.address, dest.nbytes)
+        kept = self._cut.get(key)
+        if kept is not None and kept[0] is plan.reads:
+            self._cut.move_to_end(key)
+            return kept[1]
+        config = self._config
+        requests = _requests(plan, dest, config.request_bytes, config.request_taper)
+        requests.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
+        self._cut[key] = (plan.reads, requests)
+        while len(self._cut) > _CUTS_KEPT:
+            self._cut.popitem(last=False)
+        return requests
 
     def post(
         self,
@@ -575,9 +600,14 @@ class _Landed:
             self._on_landed(prefix)
 
 
-def _requests(
-    plan: PullPlan, dest: Region, size: int, taper: int = 0
-) -> list[tuple[tuple[str, MemType], tuple[np.ndarray, np.ndarray]]]:
+_Request = tuple[tuple[str, MemType], tuple[np.ndarray, np.ndarray]]
+"""A READ request: (source agent, its memory type), (remote, local) N×3 descriptors."""
+
+_CUTS_KEPT = 8
+"""Plans whose requests a transport keeps (a few slots' worth)."""
+
+
+def _requests(plan: PullPlan, dest: Region, size: int, taper: int = 0) -> list[_Request]:
     """The plan's READ requests: per source (agent, memory type, device), its reads in
     destination order cut into requests of about `size` bytes (`chunking`; with `taper`, at
     `chunk_bounds`, halving towards the ends), each as (remote, local) N×3 uint64 descriptor

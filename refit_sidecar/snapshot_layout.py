@@ -53,8 +53,8 @@ def snapshot_layout(
 ) -> SnapshotLayout:
     """Groups parameters by storage into byte ranges (bridging gaps of up to `max_gap` bytes
     that no listed parameter covers, such as padding, rather than starting another copy) and
-    lays the ranges out one after another, each at an `alignment` boundary. Within a range,
-    parameters keep their relative positions."""
+    lays the ranges out one after another, smallest first, each at an `alignment` boundary.
+    Within a range, parameters keep their relative positions."""
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     names = [p.name for p in placements]
@@ -65,9 +65,7 @@ def snapshot_layout(
         if p.nbytes <= 0 or p.start < 0:
             raise ValueError(f"{p.name}: bad byte range {p.start} + {p.nbytes}")
         by_storage.setdefault(p.storage, []).append(p)
-    offsets: dict[str, int] = {}
-    regions: list[Region] = []
-    size = 0
+    ranges: list[tuple[int, list[Placement]]] = []
     for storage, members in by_storage.items():
         members.sort(key=lambda p: p.start)
         groups: list[list[Placement]] = []
@@ -79,12 +77,21 @@ def snapshot_layout(
                 groups[-1].append(p)
             else:
                 groups.append([p])
-        for group in groups:
-            start, stop = group[0].start, group[-1].start + group[-1].nbytes
-            regions.append(Region(storage, start, stop, size))
-            for member in group:
-                offsets[member.name] = size + member.start - start
-            size = -(-(size + stop - start) // alignment) * alignment
+        ranges.extend((storage, group) for group in groups)
+    # Smallest first: the copy runs in slot order, in pieces receivers read behind
+    # (`piece_ends`), and a receiver's request holds each layer's small tensors (norms kept
+    # in float32, a buffer of their own) beside its weights; laid out last, they made every
+    # request wait for the end of the copy.
+    ranges.sort(key=lambda r: r[1][-1].start + r[1][-1].nbytes - r[1][0].start)
+    offsets: dict[str, int] = {}
+    regions: list[Region] = []
+    size = 0
+    for storage, group in ranges:
+        start, stop = group[0].start, group[-1].start + group[-1].nbytes
+        regions.append(Region(storage, start, stop, size))
+        for member in group:
+            offsets[member.name] = size + member.start - start
+        size = -(-(size + stop - start) // alignment) * alignment
     return SnapshotLayout(offsets, tuple(regions), size)
 
 

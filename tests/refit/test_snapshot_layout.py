@@ -1,4 +1,5 @@
-"""Snapshot layout: parameters of one storage share a copy; offsets keep their positions."""
+"""Snapshot layout: parameters of one storage share a copy; offsets keep their positions;
+smaller ranges come first."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ def test_parameters_of_one_buffer_are_one_region_and_keep_their_positions():
         ],
         alignment=256,
     )
-    assert layout.regions == (Region(7, 0, 192, 0), Region(9, 16, 24, 256))
-    assert layout.offsets == {"a": 0, "b": 128, "norm": 256}
+    # The smaller range first: the snapshot is copied in slot order, and receivers read each
+    # piece of it once it landed.
+    assert layout.regions == (Region(9, 16, 24, 0), Region(7, 0, 192, 256))
+    assert layout.offsets == {"norm": 0, "a": 256, "b": 384}
     assert layout.nbytes == 512
 
 
