@@ -22,6 +22,10 @@ def test_adoption_restore_and_release_as_on_the_cpu() -> None:
     on_cpu.test_adopted_tensors_live_in_staging_and_a_failed_pull_is_restored("cuda")
 
 
+def test_many_tensors_are_cast_in_as_on_the_cpu() -> None:
+    on_cpu.test_many_tensors_are_cast_in_per_pair_of_dtypes_bit_for_bit("cuda")
+
+
 def test_the_backup_waits_for_the_install_queued_before_it() -> None:
     staging, views = on_cpu._layout("cuda")
     engine = {name: view.clone() for name, view in views.items()}

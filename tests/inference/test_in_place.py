@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from inference_ext.in_place import InPlace, adoptable, candidates
+from inference_ext.in_place import Adoptable, InPlace, adoptable, candidates
 
 
 def _layout(device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -90,3 +90,24 @@ def test_only_tensors_held_as_staged_are_adopted_and_others_cast_in() -> None:
     assert in_place.cast.keys() == {"b"} and in_place.nbytes == a.nbytes
     in_place.cast_in()
     assert engine["b"].tolist() == list(range(32, 48))  # cast to bf16 (exact for these)
+
+
+def test_many_tensors_are_cast_in_per_pair_of_dtypes_bit_for_bit(device: str = "cpu") -> None:
+    torch.manual_seed(0)
+    staged = {f"n{i}": torch.randn(5 + i, device=device) for i in range(6)}  # float32 norms
+    staged |= {f"h{i}": torch.randn(3, 2, device=device).to(torch.bfloat16) for i in range(3)}
+    wide = {name: torch.float64 if name.startswith("h") else torch.bfloat16 for name in staged}
+    engine = {
+        name: torch.zeros(t.shape, dtype=wide[name], device=device) for name, t in staged.items()
+    }
+    engine["n5"] = torch.zeros(staged["n5"].shape, dtype=torch.float16, device=device)  # alone
+    cast = [Adoptable(name, view, engine[name]) for name, view in staged.items()]
+    in_place = InPlace()
+    in_place.adopt(("layout",), [], torch.zeros(4, device=device), held=None, cast=cast)
+    in_place.cast_in()
+    for name, view in staged.items():
+        expected = view.to(engine[name].dtype)
+        assert engine[name].dtype == expected.dtype
+        assert torch.equal(
+            engine[name].view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)
+        )
