@@ -138,6 +138,12 @@ class BeforeReadable:
 
         return EarlyPull(pull, self._settling.submit(checksums).result, asked, gate)
 
+    def unchanged(self, plan: PullPlan) -> bool:
+        """After a direct pull of `plan` (any, leased early or not): whether every source's
+        version word still names the plan's version (`VersionWords.still`): no byte the pull
+        read was overwritten, so its lease need not be confirmed at the sidecar."""
+        return self._words.still(_agents(plan), plan.version)
+
     def _positions_of(self, plan: PullPlan, order: Sequence[tuple[str, int]]) -> list[int]:
         kept = self._positions.get(id(plan))
         if kept is not None and kept[0] is plan:

@@ -11,6 +11,7 @@ every later version; the staging buffer is allocated and registered with NIXL on
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import math
@@ -302,9 +303,23 @@ class RefitStats:
     inference_ext/in_place.py): nothing was copied for them after it."""
     trace: tuple[Event, ...] = ()
     """Fan-out with `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
+    lease_held_by: HeldBy | None = None
+    """How the refit knew its lease held the version's slot for the whole pull."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class HeldBy(enum.StrEnum):
+    """How a refit knew that no byte it pulled was overwritten (its lease held the slot)."""
+
+    CHECKSUMS = "checksums"
+    """Every byte was verified against the trainer's checksums."""
+    WORDS = "words"
+    """The trainer ranks' version words still named the version after the pull (a rank
+    zeroes them before it overwrites the slot)."""
+    SIDECAR = "sidecar"
+    """The sidecar confirmed the lease when it was released (one round trip on the path)."""
 
 
 @dataclass(frozen=True)
@@ -402,6 +417,7 @@ class _Fetched:
     in_place_key: tuple[Any, ...] = ()
     armed: bool = False
     """The pull landed in adopted engine tensors."""
+    held_by: HeldBy = HeldBy.SIDECAR
 
 
 _VIEWS_KEPT = 4096
@@ -684,14 +700,19 @@ class Receiver:
                 raise
             raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
         # The lease must have held the slot for the whole pull. Past its end by this process's
-        # clock it surely did not. Before it, bytes that were all verified need no more: the
-        # release goes out in the background (a slot rewritten under the pull, after a sidecar
-        # restart, fails the checksums). Otherwise the sidecar must confirm it held the lease.
+        # clock it surely did not. Before it, bytes that were all verified need no more, nor
+        # do bytes of ranks whose version words still name the version after the pull (a rank
+        # zeroes them before it overwrites the slot): the release goes out in the background.
+        # Otherwise the sidecar must confirm it held the lease.
         lease, lost = self._keeper.take_back()
-        verified = pulled.stats.verified_shards == len(plan.pull.reads)
+        held_by = HeldBy.SIDECAR
+        if pulled.stats.verified_shards == len(plan.pull.reads):
+            held_by = HeldBy.CHECKSUMS
+        elif not lost and self._tree is None and self._before.unchanged(plan.pull):
+            held_by = HeldBy.WORDS
         if lost:
             held = False  # a renewal found the lease gone: the slot may have been rewritten
-        elif time.monotonic() < lease.expires_at and verified:
+        elif time.monotonic() < lease.expires_at and held_by is not HeldBy.SIDECAR:
             self._releases.submit(self.client.end_lease, lease)
             held = True
         else:
@@ -717,6 +738,7 @@ class Receiver:
             in_place,
             key,
             armed,
+            held_by,
         )
 
     def _pull(
@@ -920,6 +942,7 @@ class Receiver:
             checksums_wait_s=stats.checksums_wait_s,
             check_s=stats.check_s,
             in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
+            lease_held_by=fetched.held_by,
         )
 
     def _settle(self, fetched: _Fetched) -> None:

@@ -103,6 +103,31 @@ class VersionWords:
                 )
             time.sleep(self._poll_s)
 
+    def still(self, agents: Sequence[AgentRecord], version: int, timeout_s: float = 1.0) -> bool:
+        """After a pull of `version` from `agents` (each with a version word): whether every
+        word still names it, read once. A rank sets its slot's words to 0 before its next copy
+        into the slot changes any byte (`trainer_svc.runtime.publication`), so True means no
+        byte the pull read had been overwritten. False also when a word cannot be read within
+        `timeout_s`: the caller then asks the sidecar whether its lease held."""
+        if not self.readable_by_words(agents):
+            return False
+        self.memory(max(len(agents), 8) * VERSION_WORD_BYTES)
+        deadline = time.monotonic() + timeout_s
+        try:
+            posted = [
+                self.post(agent, _word(agent), i * VERSION_WORD_BYTES)
+                for i, agent in enumerate(agents)
+            ]
+            for request in posted:
+                while not self._transport.check(request):
+                    if time.monotonic() > deadline:  # its read is dropped with it
+                        self._transport.forget(request.agent)
+                        return False
+        except SourceLost:
+            return False
+        seen = self.values(0, len(agents))
+        return bool((seen == version).all())
+
     def memory(self, nbytes: int) -> Region:
         """This receiver's registered memory for words, at least `nbytes` of it (what it held
         before is lost when it grows)."""

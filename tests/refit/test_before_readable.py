@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -20,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from inference_ext.before_readable import BeforeReadable, ManifestChanged
-from inference_ext.receiver import Receiver, RefitError, RefitOptions
+from inference_ext.receiver import HeldBy, Receiver, RefitError, RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
@@ -38,6 +39,7 @@ from tests.support.receiver import (
     corrupt_one_byte,
     refit_in_place,
     refit_with_stats,
+    write_memory,
 )
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess
@@ -140,6 +142,7 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
 
         early, late = receiver("early"), receiver("late", read_before_readable=False)
         whole = receiver("whole", read_behind_copy=False)
+        unverified = receiver("unverified", verify_checksums=False)
         slow = receiver("slow", lease_ttl_s=3.0)
         try:
             # Versions 1 and 2 fill the two slots: no slot was readable before, so their
@@ -173,6 +176,38 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             assert_exported(trainer, installed, "v3")
             assert_exported(trainer, late_installed, "v3-late")
             assert_exported(trainer, whole_installed, "v3-whole")
+            # Some of its reads are parts of shards (a TP=1 receiver of TP=2 fused tensors),
+            # which no checksum covers: the version words say the slot was not overwritten.
+            assert stats.lease_held_by is HeldBy.WORDS
+
+            # Unverified, the ranks' version words after the pull say its bytes were not
+            # overwritten (a rank zeroes them before it overwrites the slot): no EndLease round
+            # trip. A word that changed under the pull sends it to the sidecar instead.
+            plain, plain_stats = refit_with_stats(unverified, 3)
+            assert plain_stats.lease_held_by is HeldBy.WORDS and plain_stats.verified_shards == 0
+            assert_exported(trainer, plain, "v3-unverified")
+            launcher = psutil.Process(trainer.process.pid)
+            (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
+            word = next(
+                a.version_word
+                for a in unverified.client.manifest(3).agents.values()
+                if a.rank == 0 and a.version_word is not None
+            )
+            pull = unverified.transport.pull
+
+            def pull_then_zero(*args: Any, **kwargs: Any) -> Any:
+                stats = pull(*args, **kwargs)
+                write_memory(rank0, word.address, bytes(8))  # as a rank starting its next copy
+                return stats
+
+            unverified.transport.pull = pull_then_zero  # type: ignore[method-assign]
+            try:
+                plain, plain_stats = refit_with_stats(unverified, 3)
+            finally:
+                unverified.transport.pull = pull  # type: ignore[method-assign]
+                write_memory(rank0, word.address, (3).to_bytes(8, "little"))
+            assert plain_stats.lease_held_by is HeldBy.SIDECAR  # it held: nothing was copied
+            assert_exported(trainer, plain, "v3-confirmed")
 
             # A byte flipped in rank 0's slot after the rank reported its checksums.
             early.expect(4)
@@ -181,8 +216,6 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
                 client.wait_visible(4, timeout=30)
                 agents = list(client.manifest(4).agents.values())
             assert all(a.pieces is not None and len(a.pieces.ends) > 2 for a in agents)
-            launcher = psutil.Process(trainer.process.pid)
-            (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
             corrupted = corrupt_one_byte(sidecar, 4, rank0)
             with pytest.raises(RefitError, match=f"{corrupted} shard \\d .*crc32"):
                 early.fetch(4)
@@ -315,4 +348,5 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             late.close()
             slow.close()
             whole.close()
+            unverified.close()
             assert trainer.stop() == 0

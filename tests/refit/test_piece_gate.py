@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -252,5 +252,24 @@ def test_a_newer_piece_fails_the_pull_and_missing_pieces_time_out(
         thread.join(30)
         assert "error" not in out, out
         assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
+    finally:
+        words.release()
+
+
+def test_after_a_pull_the_version_words_say_whether_a_copy_began_under_it(
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+) -> None:
+    _, puller = agents
+    words = VersionWords(puller)
+    records = list(slot.manifest.agents.values())
+    try:
+        slot.words[:] = 9
+        assert words.still(records, 9)
+        slot.words[:] = 0  # the rank started its next copy into the slot
+        assert not words.still(records, 9)
+        slot.words[:] = 11  # and finished it
+        assert not words.still(records, 9)
+        no_words = [replace(r, version_word=None, pieces=None) for r in records]
+        assert not words.still(no_words, 11)  # nothing to tell by: the sidecar is asked
     finally:
         words.release()

@@ -23,6 +23,7 @@ from tests.support.isolation import in_child_process
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess, assert_bit_identical
 from trainer_svc.domain import FailedPrecondition, LossConfig, OptimizerOverrides
+from trainer_svc.runtime.publication import Publisher, Slot
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -170,3 +171,35 @@ def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar)
         client.close()
         transport.close()
         assert trainer.stop() == 0
+
+
+class _Watched(torch.Tensor):
+    """A parameter's bytes that note the slot's words whenever they are copied."""
+
+    words: torch.Tensor
+    seen: list[list[int]]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_:
+            cls.seen.append(cls.words.tolist())
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_snapshot_zeroes_the_words_then_names_each_piece_after_its_bytes() -> None:
+    parameter = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    words = torch.full((2,), 3, dtype=torch.int64)  # the slot held version 3
+    slot_bytes = torch.zeros(32, dtype=torch.uint8)
+    source = parameter.data.view(torch.uint8).as_subclass(_Watched)
+    _Watched.words, _Watched.seen = words, []
+    pieces = [[(slot_bytes[:16], source[:16])], [(slot_bytes[16:], source[16:])]]
+    slot = Slot(None, pieces, None, words, None)  # type: ignore[arg-type]
+    publisher = Publisher(None, [slot], {"w": parameter}, None, torch.device("cpu"))  # type: ignore[arg-type]
+    try:
+        assert publisher.snapshot(0, 5) is None  # done on return on the CPU
+    finally:
+        publisher._reporter.shutdown()
+    # No byte changed before every word said 0; each word named 5 once its piece had landed.
+    assert _Watched.seen == [[0, 0], [5, 0]]
+    assert words.tolist() == [5, 5]
+    assert torch.equal(slot_bytes, parameter.data.view(torch.uint8))

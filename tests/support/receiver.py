@@ -57,9 +57,20 @@ def corrupt_one_byte(sidecar: Sidecar, version: int, rank: psutil.Process) -> st
     record = next(p for p in manifest.parameters if len(p.shards) == 2 and "linear_qkv" in p.name)
     (shard,) = [s for s in record.shards if s.location.agent == agent]
     address = shard.location.address + shard.location.nbytes // 3
-    with open(f"/proc/{rank.pid}/mem", "r+b", buffering=0) as memory:
-        memory.seek(address)
-        (byte,) = memory.read(1)
-        memory.seek(address)
-        memory.write(bytes([byte ^ 0x40]))
+    (byte,) = read_memory(rank, address, 1)
+    write_memory(rank, address, bytes([byte ^ 0x40]))
     return record.name
+
+
+def read_memory(process: psutil.Process, address: int, nbytes: int) -> bytes:
+    """`nbytes` of another process's memory (a trainer rank's DRAM slot or words)."""
+    with open(f"/proc/{process.pid}/mem", "rb", buffering=0) as memory:
+        memory.seek(address)
+        return memory.read(nbytes)
+
+
+def write_memory(process: psutil.Process, address: int, data: bytes) -> None:
+    """Overwrites another process's memory at `address` with `data`."""
+    with open(f"/proc/{process.pid}/mem", "r+b", buffering=0) as memory:
+        memory.seek(address)
+        memory.write(data)

@@ -111,7 +111,9 @@ class Slot:
     """The slot's words (one int64 per piece in registered memory, beside the slot's arena):
     word i holds the number of the version whose bytes piece i holds, written after the
     piece's copy, so a receiver that leased the version before it is readable reads each
-    piece behind the copy. The last is the slot's version word: every byte has landed."""
+    piece behind the copy. The last is the slot's version word: every byte has landed. All
+    are 0 from before a copy changes any byte until their piece landed, so a receiver that
+    reads its version's word after its reads knows no copy had started under them."""
 
     def request(
         self, version: int, stream: torch.cuda.Stream | None = None
@@ -426,9 +428,10 @@ class Publisher:
 
     @torch.no_grad()
     def snapshot(self, slot: int, version: int) -> torch.cuda.Event | None:
-        """Copies the parameters into the slot as `version`, then writes the slot's version
-        word: done on return on the CPU; on a GPU, queued on the side stream after the
-        trainer's pending work; returns the event that marks its end (None on the CPU)."""
+        """Sets the slot's words to 0, copies the parameters into it as `version` piece by
+        piece, each followed by its word: done on return on the CPU; on a GPU, queued on the
+        side stream after the trainer's pending work; returns the event that marks its end
+        (None on the CPU)."""
         if tuple(p.data_ptr() for p in self.parameters.values()) != self._addresses:
             raise RuntimeError(
                 "a published parameter moved since the snapshot slots were laid out; "
@@ -437,6 +440,7 @@ class Publisher:
         target = self.slots[slot]
         stream = self.stream
         if stream is None:
+            target.words.zero_()  # before any byte changes: a reader that sees 0 rereads
             for i, parts in enumerate(target.pieces):
                 for destination, source in parts:
                     destination.copy_(source)
@@ -444,6 +448,9 @@ class Publisher:
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            # Queued before the copies: no byte of the slot changes until every word says 0,
+            # so a receiver that finds its version's word after its reads read no new byte.
+            target.words.zero_()
             for i, parts in enumerate(target.pieces):
                 for destination, source in parts:
                     destination.copy_(source, non_blocking=True)
