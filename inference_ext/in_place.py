@@ -145,8 +145,8 @@ class InPlace:
     def cast_in(self) -> None:
         """Copy the staged slices of the cast tensors into them, in one call (queued on the
         current stream on a GPU). Gathering them per pair of dtypes, casting once and copying
-        out in one multi-tensor copy made a 1B model's install 0.3-0.4 ms slower on two H100s
-        (the Python of building the views per install; BENCHMARKS.md)."""
+        out in one multi-tensor copy, with the views built on every install, was measured
+        slower (BENCHMARKS.md, "Reading behind the snapshot copy")."""
         if self.cast:
             slots = list(self.cast.values())
             with torch.no_grad():

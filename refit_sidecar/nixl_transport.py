@@ -512,9 +512,9 @@ class PendingPull:
                 if self._post_queued(waiting):
                     # No pause while the gate holds the next request: its word reads are
                     # checked back to back, as `VersionWords.wait` does. Polled with a pause
-                    # of up to 20 µs between checks, the gate let the first request go about
-                    # 0.4 ms later than the version words' wait found the whole copy landed
-                    # (1B, two H100s, BENCHMARKS.md). sleep(0) lets other threads run.
+                    # of up to 20 µs between checks, the gate let a 1B pull's first request
+                    # go 0.67 ms later than a pull that waited for the version word did
+                    # (two H100s, BENCHMARKS.md). sleep(0) lets other threads run.
                     time.sleep(0)
                     continue
             if waiting:
