@@ -118,7 +118,7 @@ class NixlTransport:
         self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
         self._dests: dict[Region, Any] = {}  # registered destinations
         self._xfers: OrderedDict[bytes, _Xfer] = OrderedDict()  # LRU of ready requests
-        self._cut: OrderedDict[tuple[int, int, int], tuple[Any, list[_Request]]] = OrderedDict()
+        self._cut: OrderedDict[tuple[Any, ...], tuple[Any, list[_Request]]] = OrderedDict()
         """A pull's requests by its plan's reads (kept, so their id is not reused) and
         destination: a plan replayed for each version of a slot is cut once, not at the start
         of every pull, where cutting it (a pass over every read) came before the first
@@ -257,7 +257,7 @@ class NixlTransport:
     def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Request]:
         """The plan's requests into `dest`, in destination order (`_requests`), cut once per
         plan and destination."""
-        key = (id(plan.reads), dest.address, dest.nbytes)
+        key = (id(plan.reads), dest.address, dest.nbytes, dest.device_id, dest.mem_type)
         kept = self._cut.get(key)
         if kept is not None and kept[0] is plan.reads:
             self._cut.move_to_end(key)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,12 @@ from refit_sidecar.registry import (
 )
 from refit_sidecar.tree_service import TreeService
 from refit_sidecar.tree_types import NoLiveSource, NoSourceFree, TreeConfig, UnknownSource
-from refit_sidecar.wire import checksums_from_proto, manifest_key, set_checksums
+from refit_sidecar.wire import (
+    checksums_from_proto,
+    manifest_key,
+    partial_from_request,
+    set_checksums,
+)
 from trainer_refit.errors import InvalidRequest
 from trainer_refit.serving import RunningServer, start_server, status_codes
 from trainer_refit.v1 import common_pb2
@@ -37,6 +43,9 @@ log = logging.getLogger(__name__)
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RefitService"].full_name
+
+_CHECKED_REPORTS_KEPT = 256
+"""Report layouts kept as checked: every rank's for every slot of a large trainer."""
 
 _grpc_errors = status_codes(
     [
@@ -106,6 +115,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         """`_answer_parked` tasks running (kept referenced until done)."""
         self._layout = common_pb2.ParallelLayout()
         self._manifests: dict[int, tuple[pb.Manifest, bytes]] = {}
+        self._checked_reports: OrderedDict[bytes, None] = OrderedDict()
+        """Layouts of ranks' reports that parsed (`_check_report`)."""
         self._sums: dict[int, list[pb.ShardChecksums]] = {}
         self._readable_at: dict[int, float] = {}
         """When each version became readable (`time.time()`), for the leases' answers."""
@@ -182,6 +193,7 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def PublishShards(self, request: pb.PublishShardsRequest, context: Any) -> Any:
+        self._check_report(request)
         visible = self.registry.publish(request.version, request.rank, request)
         if visible:
             log.info("version %d is readable", request.version)
@@ -231,6 +243,26 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     @_grpc_errors
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> Any:
         return self._manifest(request.version)[0]
+
+    def _check_report(self, request: pb.PublishShardsRequest) -> None:
+        """A rank's report parses and names only its own memory (`wire.partial_from_request`),
+        or it is refused and nothing is recorded. Checked once per layout (the report with its
+        version and checksums cleared): a slot's reports differ in those alone, and parsing
+        every parameter of every report would lie on the way to the version's readability."""
+        key = manifest_key(request)
+        if key in self._checked_reports:
+            self._checked_reports.move_to_end(key)
+            return
+        try:
+            partial_from_request(request)
+        except ValueError as e:
+            raise InvalidRequest(
+                f"the report of rank {request.rank} for version {request.version}: {e}",
+                field="parameters",
+            ) from e
+        self._checked_reports[key] = None
+        while len(self._checked_reports) > _CHECKED_REPORTS_KEPT:
+            self._checked_reports.popitem(last=False)
 
     def _manifest(self, version: int) -> tuple[pb.Manifest, bytes]:
         """The merged manifest of a readable version and its `manifest_key`, built once and

@@ -234,10 +234,11 @@ def manifest_to_proto(
     )
 
 
-def manifest_key(manifest: pb.Manifest) -> bytes:
-    """A digest of the manifest with its version and checksums cleared: where its shards lie
-    (`Lease.manifest_key`, and a source copy's key in a GetSources answer)."""
-    bare = pb.Manifest()
+def manifest_key(manifest: pb.Manifest | pb.PublishShardsRequest) -> bytes:
+    """A digest of the manifest (or of one rank's report) with its version and checksums
+    cleared: where its shards lie (`Lease.manifest_key`, a source copy's key in a GetSources
+    answer, the layouts of reports the sidecar has checked)."""
+    bare = type(manifest)()
     bare.CopyFrom(manifest)
     bare.version = 0
     for parameter in bare.parameters:
@@ -286,7 +287,8 @@ def publish_request(version: int, rank: int, partial: Manifest) -> pb.PublishSha
 
 def partial_from_request(request: pb.PublishShardsRequest) -> tuple[int, int, Manifest]:
     """(version, rank, partial manifest) of a PublishShards request; inverse of
-    `publish_request`."""
+    `publish_request`. ValueError for a report that does not parse, or names memory other than
+    its own agent's (`Manifest` knows no other agent)."""
     if not request.HasField("agent"):
         raise ValueError("a publish request needs its source agent")
     agent = agent_from_proto(request.agent)
@@ -295,6 +297,8 @@ def partial_from_request(request: pb.PublishShardsRequest) -> tuple[int, int, Ma
         tuple(parameter_from_proto(p) for p in request.parameters),
         {agent.name: agent},
     )
+    if agent.rank != request.rank:
+        raise ValueError(f"the report of rank {request.rank} names agent rank {agent.rank}")
     return request.version, request.rank, partial
 
 

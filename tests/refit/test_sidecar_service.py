@@ -53,8 +53,19 @@ def start_sidecar(tmp_path):
 
 def _publish(stub, version: int, rank: int, crc32: int | None = None) -> bool:
     shard = pb.ShardRecord(
-        location=pb.ShardLocation(agent=f"rank-{rank}", address=4096 * (rank + 1), nbytes=64),
-        pieces=[pb.ShardPiece(box=pb.Box(start=[rank * 4, 0], stop=[rank * 4 + 4, 4]))],
+        location=pb.ShardLocation(
+            agent=f"rank-{rank}",
+            address=4096 * (rank + 1),
+            nbytes=64,
+            shape=[4, 4],
+            strides=[4, 1],
+            memory=pb.MEMORY_KIND_DRAM,
+        ),
+        pieces=[
+            pb.ShardPiece(
+                box=pb.Box(start=[rank * 4, 0], stop=[rank * 4 + 4, 4]), local_start=[0, 0]
+            )
+        ],
         rank=rank,
         tensor_rank=rank,
         crc32=crc32,
@@ -74,6 +85,48 @@ def _publish(stub, version: int, rank: int, crc32: int | None = None) -> bool:
         ],
     )
     return stub.PublishShards(request).visible
+
+
+def test_a_report_that_does_not_parse_is_refused_and_changes_nothing(start_sidecar):
+    trainer, stub = start_sidecar()
+    _register(trainer, world_size=2, slots=1)
+    assert trainer.ReserveSlot(pb.ReserveSlotRequest(version=1)).slot == 0
+    good = pb.PublishShardsRequest()
+    original = trainer.PublishShards
+
+    def capture(request):
+        good.CopyFrom(request)
+        return original(request)
+
+    trainer.PublishShards = capture
+    assert _publish(trainer, 1, rank=0) is False
+    trainer.PublishShards = original
+    outside = pb.PublishShardsRequest()
+    outside.CopyFrom(good)
+    outside.parameters[0].shards[0].pieces[0].box.stop[0] = 9  # past the tensor's 8 rows
+    foreign = pb.PublishShardsRequest()
+    foreign.CopyFrom(good)
+    foreign.parameters[0].shards[0].location.agent = "rank-1"  # another rank's memory
+    misnamed = pb.PublishShardsRequest()
+    misnamed.CopyFrom(good)
+    misnamed.rank = 1  # its agent says rank 0
+    for bad, error in (
+        (outside, "outside"),
+        (foreign, "unknown agent 'rank-1'"),
+        (misnamed, "names agent rank 0"),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            trainer.PublishShards(bad)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error in refused.value.details(), refused.value.details()
+    # Nothing was recorded: rank 1's own report makes version 1 readable, as rank 0's does.
+    assert _code(stub.GetManifest, pb.GetManifestRequest(version=1)) == grpc.StatusCode.NOT_FOUND
+    assert _publish(trainer, 1, rank=1) is True
+    manifest = stub.GetManifest(pb.GetManifestRequest(version=1))
+    assert [a.name for a in manifest.agents] == ["rank-0", "rank-1"]
+    # A report of an already checked layout differs in its version and checksums alone.
+    assert trainer.ReserveSlot(pb.ReserveSlotRequest(version=2)).slot == 0
+    assert _publish(trainer, 2, rank=0, crc32=7) is False
 
 
 def _register(stub, world_size: int, slots: int) -> None:

@@ -238,6 +238,9 @@ def test_publish_request_round_trip_and_checks() -> None:
         publish_request(5, 1, both)
     with pytest.raises(ValueError, match="agent"):
         partial_from_request(pb.PublishShardsRequest(version=5, rank=1))
+    again.rank = 0  # another rank's report naming rank 1's agent
+    with pytest.raises(ValueError, match="report of rank 0 names agent rank 1"):
+        partial_from_request(again)
 
 
 @pytest.mark.parametrize("seed", range(5))
