@@ -445,6 +445,10 @@ class Gate(Protocol):
         ...
 
 
+_GATED_PAUSE_S = 2e-5
+"""The longest pause of a pull's loop while requests wait on its gate."""
+
+
 @dataclass(eq=False)
 class PendingPull:
     transport: NixlTransport
@@ -510,12 +514,12 @@ class PendingPull:
                 except (SourceLost, TimeoutError) as e:
                     self.fail(getattr(e, "agent", None) or self.queued[0][0].agent, e)
                 if self._post_queued(waiting):
-                    # No pause while the gate holds the next request: its word reads are
-                    # checked back to back, as `VersionWords.wait` does. Polled with a pause
-                    # of up to 20 µs between checks, the gate let a 1B pull's first request
-                    # go 0.67 ms later than a pull that waited for the version word did
-                    # (two H100s, BENCHMARKS.md). sleep(0) lets other threads run.
-                    time.sleep(0)
+                    # A short pause, not a spin: receivers on a busy host (an engine's workers,
+                    # the trainer's ranks serving the reads) share the cores. With the words
+                    # checked back to back, a two-worker engine's pull in the CPU test suite
+                    # ran past its deadline.
+                    time.sleep(min(pause, _GATED_PAUSE_S))
+                    pause = min(2 * pause or 1e-5, 1e-3)
                     continue
             if waiting:
                 if time.perf_counter() > self.deadline:

@@ -60,6 +60,7 @@ class VllmServer:
         """`rl_routes`: serve vLLM's RL routes (VLLM_SERVER_DEV_MODE); `env`: more
         environment for the server. Each TP worker's OpenMP threads are bound to one core."""
         self.log_path = log_path
+        self._shm_before = _cpu_shm_files()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # `vllm serve`'s server, through its module: the `vllm` command reads the version of a
@@ -144,4 +145,28 @@ class VllmServer:
             code = None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        return self.process.wait() if code is None else code
+        code = self.process.wait() if code is None else code
+        _remove_unmapped(_cpu_shm_files() - self._shm_before)
+        return code
+
+
+_SHM = Path("/dev/shm")
+
+
+def _cpu_shm_files() -> set[Path]:
+    """The shared-memory files of vLLM's CPU communicator (its workers leave them behind when
+    the engine stops them)."""
+    return set(_SHM.glob("vllm_dist_*")) if _SHM.is_dir() else set()
+
+
+def _remove_unmapped(paths: set[Path]) -> None:
+    """Removes those of `paths` that no live process maps (another server's stay)."""
+    if not paths:
+        return
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(line.rsplit(" ", 1)[-1] for line in maps.read_text().splitlines())
+    for path in paths:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
