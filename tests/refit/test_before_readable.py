@@ -127,7 +127,7 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
         )
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
 
-        def receiver(name: str, **options: object) -> Receiver:
+        def receiver(name: str, names: list[str] | None = None, **options: object) -> Receiver:
             config = RefitOptions(
                 receiver_id=name, pull_timeout_s=60, token_file=sidecar.token_file(), **options
             )
@@ -135,7 +135,7 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
                 sidecar.address,
                 spec,
                 ReceiverLayout(),
-                hf_names(spec),
+                hf_names(spec) if names is None else names,
                 options=config,
                 device=torch.device("cpu"),
             )
@@ -143,6 +143,7 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
         early, late = receiver("early"), receiver("late", read_before_readable=False)
         whole = receiver("whole", read_behind_copy=False)
         unverified = receiver("unverified", verify_checksums=False)
+        norms = receiver("norms", [n for n in hf_names(spec) if n.endswith("norm.weight")])
         slow = receiver("slow", lease_ttl_s=3.0)
         try:
             # Versions 1 and 2 fill the two slots: no slot was readable before, so their
@@ -179,6 +180,10 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             # Some of its reads are parts of shards (a TP=1 receiver of TP=2 fused tensors),
             # which no checksum covers: the version words say the slot was not overwritten.
             assert stats.lease_held_by is HeldBy.WORDS
+            # A receiver of whole shards only (replicated norms) verifies every byte it read.
+            norm_weights, norm_stats = refit_with_stats(norms, 3)
+            assert norm_stats.lease_held_by is HeldBy.CHECKSUMS and norm_weights
+            assert norm_stats.verified_shards == len(norm_weights)
 
             # Unverified, the ranks' version words after the pull say its bytes were not
             # overwritten (a rank zeroes them before it overwrites the slot): no EndLease round
@@ -349,4 +354,5 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             slow.close()
             whole.close()
             unverified.close()
+            norms.close()
             assert trainer.stop() == 0
