@@ -252,6 +252,12 @@ class NixlTransport:
                     pending.queued.append((xfer, need))
             except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
                 pending.fail(agent, e)
+        if gate is not None and pending.queued:
+            try:
+                gate.first_look()
+            except (SourceLost, TimeoutError) as e:
+                pending.fail(getattr(e, "agent", None) or pending.queued[0][0].agent, e)
+            pending._post_queued(pending.posted)  # what the first look let go
         return pending
 
     def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Request]:
@@ -438,6 +444,11 @@ class Gate(Protocol):
     def poll(self, waiting: Iterable[str]) -> None:
         """Learn more about the sources in `waiting`, without blocking; SourceLost or a
         TimeoutError ends the pull."""
+        ...
+
+    def first_look(self) -> None:
+        """After the pull's set-up: wait a moment for what the first `poll` asked, so the
+        requests it lets go are posted at once."""
         ...
 
     def settle(self) -> None:

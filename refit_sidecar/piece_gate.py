@@ -27,6 +27,10 @@ from refit_sidecar.nixl_transport import NixlTransport, Posted
 from refit_sidecar.transport import SourceLost
 from refit_sidecar.version_words import VersionWords, WordTimeout
 
+FIRST_LOOK_S = 0.005
+"""How long `PieceGate.first_look` checks the first reads of the words back to back: a few
+round trips of a small read, then the pull's loop polls them between pauses."""
+
 
 class PieceGate:
     """One pull's gate on the pieces of the version `version` of every source in `agents`
@@ -110,6 +114,20 @@ class PieceGate:
                 self._reading[name] = self._words.post(
                     self._agents[name], self._pieces[name].words, self._offsets[name]
                 )
+
+    def first_look(self) -> None:
+        """Waits for the reads the first `poll` posted, checking them back to back as the
+        version words' wait does, for at most `FIRST_LOOK_S`, and takes their words. The
+        pull's loop checks later reads between pauses: checked back to back, many rounds
+        left the cores of a busy CPU host to spinning receivers. SourceLost as `poll`."""
+        check = self._transport.check
+        give_up = time.monotonic() + FIRST_LOOK_S
+        for name, reading in list(self._reading.items()):
+            while not check(reading):
+                if time.monotonic() > give_up:
+                    return
+            del self._reading[name]
+            self._take(name)
 
     def _take(self, name: str) -> None:
         self.rounds += 1

@@ -273,3 +273,23 @@ def test_after_a_pull_the_version_words_say_whether_a_copy_began_under_it(
         assert not words.still(no_words, 11)  # nothing to tell by: the sidecar is asked
     finally:
         words.release()
+
+
+def test_a_pull_whose_pieces_landed_posts_its_first_requests_during_its_set_up(
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+) -> None:
+    _, puller = agents
+    words = VersionWords(puller)
+    plan = plan_pull(slot.manifest, [Want(n, Box.full((ROWS, COLS))) for n in NAMES])
+    dest = np.zeros(plan.nbytes, np.uint8)
+    truth = _truth(12)
+    slot.copy(12, truth, 0.0)
+    try:
+        gate = PieceGate(puller, words, slot.manifest.agents, 12, time.monotonic() + 20)
+        pending = puller.start(plan, Region.of_array(dest), gate)
+        # The first look at the words, checked back to back, let the requests go at once.
+        assert pending.gated_s > 0 and gate.open
+        pending.wait()
+        assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
+    finally:
+        words.release()
