@@ -107,11 +107,9 @@ class BeforeReadable:
             wait = max(deadline - time.monotonic(), 0.0)
             asked = self._client.checksums_later(version, wait_s=wait)
         try:
-            if gate is not None:
-                pass  # the pull waits for each piece
-            elif by_words:
+            if gate is None and by_words:
                 self._words.wait(agents, version, deadline)
-            else:
+            elif gate is None:
                 assert asked is not None
                 asked.result()  # answered once the version is readable
         except BaseException:

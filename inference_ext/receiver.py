@@ -705,14 +705,15 @@ class Receiver:
         # zeroes them before it overwrites the slot): the release goes out in the background.
         # Otherwise the sidecar must confirm it held the lease.
         lease, lost = self._keeper.take_back()
+        in_time = not lost and time.monotonic() < lease.expires_at  # else nothing proves it
         held_by = HeldBy.SIDECAR
-        if pulled.stats.verified_shards == len(plan.pull.reads):
+        if in_time and pulled.stats.verified_shards == len(plan.pull.reads):
             held_by = HeldBy.CHECKSUMS
-        elif not lost and self._tree is None and self._before.unchanged(plan.pull):
+        elif in_time and self._tree is None and self._before.unchanged(plan.pull):
             held_by = HeldBy.WORDS
         if lost:
             held = False  # a renewal found the lease gone: the slot may have been rewritten
-        elif time.monotonic() < lease.expires_at and held_by is not HeldBy.SIDECAR:
+        elif held_by is not HeldBy.SIDECAR:
             self._releases.submit(self.client.end_lease, lease)
             held = True
         else:

@@ -247,8 +247,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     def _check_report(self, request: pb.PublishShardsRequest) -> None:
         """A rank's report parses and names only its own memory (`wire.partial_from_request`),
         or it is refused and nothing is recorded. Checked once per layout (the report with its
-        version and checksums cleared): a slot's reports differ in those alone, and parsing
-        every parameter of every report would lie on the way to the version's readability."""
+        version and checksums cleared): a slot's reports differ in those alone, so a version's
+        report costs its digest, not a parse of every parameter, on the way to readability."""
         key = manifest_key(request)
         if key in self._checked_reports:
             self._checked_reports.move_to_end(key)

@@ -157,10 +157,33 @@ def slot(agents: tuple[NixlTransport, NixlTransport]) -> Slot:
     return Slot(source, memory, words, Manifest(1, parameters, {name: agent}))
 
 
+@pytest.fixture
+def words(agents: tuple[NixlTransport, NixlTransport]) -> Iterator[VersionWords]:
+    """The puller's memory for the sources' words."""
+    words = VersionWords(agents[1])
+    yield words
+    words.release()
+
+
+def _plan(slot: Slot) -> PullPlan:
+    return plan_pull(slot.manifest, [Want(n, Box.full((ROWS, COLS))) for n in NAMES])
+
+
 def _pull(
-    puller: NixlTransport, plan: PullPlan, gate: PieceGate, out: dict[str, object]
-) -> tuple[threading.Thread, np.ndarray]:
+    puller: NixlTransport,
+    words: VersionWords,
+    slot: Slot,
+    version: int,
+    *,
+    deadline_s: float,
+    out: dict[str, object],
+) -> tuple[threading.Thread, np.ndarray, PieceGate]:
+    """Starts a pull of the slot gated on its pieces holding `version` (`deadline_s` from
+    now); its stats or error go to `out`."""
+    plan = _plan(slot)
+    gate = PieceGate(puller, words, slot.manifest.agents, version, time.monotonic() + deadline_s)
     dest = np.zeros(plan.nbytes, np.uint8)
+    out.clear()
 
     def go() -> None:
         try:
@@ -170,7 +193,7 @@ def _pull(
 
     thread = threading.Thread(target=go)
     thread.start()
-    return thread, dest
+    return thread, dest, gate
 
 
 def _truth(version: int) -> np.ndarray:
@@ -189,107 +212,80 @@ def _expected(plan: PullPlan, truth: np.ndarray, base: int) -> np.ndarray:
 
 
 def test_requests_wait_for_their_pieces_and_read_the_version_behind_the_copy(
-    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot, words: VersionWords
 ) -> None:
     _, puller = agents
-    words = VersionWords(puller)
-    wants = [Want(n, Box.full((ROWS, COLS))) for n in NAMES]
-    base = slot.bytes.ctypes.data
-    try:
-        for version, pause_s in ((1, 0.05), (2, 0.02)):
-            plan = plan_pull(slot.manifest, wants)
-            gate = PieceGate(puller, words, slot.manifest.agents, version, time.monotonic() + 20)
-            out: dict[str, object] = {}
-            truth = _truth(version)
-            thread, dest = _pull(puller, plan, gate, out)
-            # The slot holds the last version's bytes until each piece is copied: a request
-            # posted before its piece's word named the version would read those.
-            slot.copy(version, truth, pause_s)
-            thread.join(30)
-            assert "error" not in out, out
-            stats = out["stats"]
-            assert isinstance(stats, PullStats)
-            assert np.array_equal(dest, _expected(plan, truth, base))
-            assert stats.gated_s >= pause_s  # nothing was posted before the first piece
-            assert gate.open and gate.rounds >= 2
-    finally:
-        words.release()
+    for version, pause_s in ((1, 0.05), (2, 0.02)):
+        out: dict[str, object] = {}
+        truth = _truth(version)
+        thread, dest, gate = _pull(puller, words, slot, version, deadline_s=20, out=out)
+        # The slot holds the last version's bytes until each piece is copied: a request
+        # posted before its piece's word named the version would read those.
+        slot.copy(version, truth, pause_s)
+        thread.join(30)
+        assert "error" not in out, out
+        stats = out["stats"]
+        assert isinstance(stats, PullStats)
+        assert np.array_equal(dest, _expected(_plan(slot), truth, slot.bytes.ctypes.data))
+        assert stats.gated_s >= pause_s  # nothing was posted before the first piece
+        assert gate.open and gate.rounds >= 2
 
 
 def test_a_newer_piece_fails_the_pull_and_missing_pieces_time_out(
-    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot, words: VersionWords
 ) -> None:
     _, puller = agents
-    words = VersionWords(puller)
-    wants = [Want(n, Box.full((ROWS, COLS))) for n in NAMES]
-    plan = plan_pull(slot.manifest, wants)
-    try:
-        slot.words[:] = 5
-        slot.words[0] = 7  # the slot was handed to version 7: the lease on 6 did not hold
-        gate = PieceGate(puller, words, slot.manifest.agents, 6, time.monotonic() + 20)
-        out: dict[str, object] = {}
-        thread, _ = _pull(puller, plan, gate, out)
-        thread.join(30)
-        assert isinstance(out.get("error"), SourceLost), out
-        assert "version 7, not 6" in str(out["error"])
+    out: dict[str, object] = {}
+    slot.words[:] = 5
+    slot.words[0] = 7  # the slot was handed to version 7: the lease on 6 did not hold
+    thread, _, _ = _pull(puller, words, slot, 6, deadline_s=20, out=out)
+    thread.join(30)
+    assert isinstance(out.get("error"), SourceLost), out
+    assert "version 7, not 6" in str(out["error"])
 
-        slot.words[:] = 5
-        slot.words[0] = 6  # one piece of 6 landed, the rest never do
-        gate = PieceGate(puller, words, slot.manifest.agents, 6, time.monotonic() + 0.3)
-        thread, _ = _pull(puller, plan, gate, out)
-        thread.join(30)
-        assert isinstance(out.get("error"), WordTimeout), out
-        assert "did not hold version 6 in time" in str(out["error"])
-        assert gate.rounds >= 2  # read until the deadline, then once more
+    slot.words[:] = 5
+    slot.words[0] = 6  # one piece of 6 landed, the rest never do
+    thread, _, gate = _pull(puller, words, slot, 6, deadline_s=0.3, out=out)
+    thread.join(30)
+    assert isinstance(out.get("error"), WordTimeout), out
+    assert "did not hold version 6 in time" in str(out["error"])
+    assert gate.rounds >= 2  # read until the deadline, then once more
 
-        # The puller reads the next version as before, even with its deadline past already
-        # (a follower told of a readable version waits for nothing): the words are read once.
-        truth = _truth(8)
-        slot.copy(8, truth, 0.0)
-        gate = PieceGate(puller, words, slot.manifest.agents, 8, time.monotonic() - 1)
-        out.clear()
-        thread, dest = _pull(puller, plan, gate, out)
-        thread.join(30)
-        assert "error" not in out, out
-        assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
-    finally:
-        words.release()
+    # The puller reads the next version as before, even with its deadline past already
+    # (a follower told of a readable version waits for nothing): the words are read once.
+    truth = _truth(8)
+    slot.copy(8, truth, 0.0)
+    thread, dest, _ = _pull(puller, words, slot, 8, deadline_s=-1, out=out)
+    thread.join(30)
+    assert "error" not in out, out
+    assert np.array_equal(dest, _expected(_plan(slot), truth, slot.bytes.ctypes.data))
 
 
 def test_after_a_pull_the_version_words_say_whether_a_copy_began_under_it(
-    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+    slot: Slot, words: VersionWords
 ) -> None:
-    _, puller = agents
-    words = VersionWords(puller)
     records = list(slot.manifest.agents.values())
-    try:
-        slot.words[:] = 9
-        assert words.still(records, 9)
-        slot.words[:] = 0  # the rank started its next copy into the slot
-        assert not words.still(records, 9)
-        slot.words[:] = 11  # and finished it
-        assert not words.still(records, 9)
-        no_words = [replace(r, version_word=None, pieces=None) for r in records]
-        assert not words.still(no_words, 11)  # nothing to tell by: the sidecar is asked
-    finally:
-        words.release()
+    slot.words[:] = 9
+    assert words.still(records, 9)
+    slot.words[:] = 0  # the rank started its next copy into the slot
+    assert not words.still(records, 9)
+    slot.words[:] = 11  # and finished it
+    assert not words.still(records, 9)
+    no_words = [replace(r, version_word=None, pieces=None) for r in records]
+    assert not words.still(no_words, 11)  # nothing to tell by: the sidecar is asked
 
 
 def test_a_pull_whose_pieces_landed_posts_its_first_requests_during_its_set_up(
-    agents: tuple[NixlTransport, NixlTransport], slot: Slot
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot, words: VersionWords
 ) -> None:
     _, puller = agents
-    words = VersionWords(puller)
-    plan = plan_pull(slot.manifest, [Want(n, Box.full((ROWS, COLS))) for n in NAMES])
+    plan = _plan(slot)
     dest = np.zeros(plan.nbytes, np.uint8)
     truth = _truth(12)
     slot.copy(12, truth, 0.0)
-    try:
-        gate = PieceGate(puller, words, slot.manifest.agents, 12, time.monotonic() + 20)
-        pending = puller.start(plan, Region.of_array(dest), gate)
-        # The first look at the words, checked back to back, let the requests go at once.
-        assert pending.gated_s > 0 and gate.open
-        pending.wait()
-        assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
-    finally:
-        words.release()
+    gate = PieceGate(puller, words, slot.manifest.agents, 12, time.monotonic() + 20)
+    pending = puller.start(plan, Region.of_array(dest), gate)
+    # The first look at the words, checked back to back, let the requests go at once.
+    assert pending.gated_s > 0 and gate.open
+    pending.wait()
+    assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
