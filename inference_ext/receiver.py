@@ -45,6 +45,7 @@ from refit_sidecar.plan import (
     UnsupportedRequest,
     Want,
     checksums_by_parameter,
+    in_copy_order,
     layout_key,
     plan_pull,
     rebase,
@@ -368,7 +369,13 @@ def plan_receiver(
             index = wants.setdefault(key, len(wants))
             parts.append((index, source.hf_box))
         slices.append(HFSlice(name, hf_shape(name, spec), box, tuple(parts)))
-    plan = plan_pull(manifest, [Want(name, box) for name, box in wants])
+    # Staged in the order of the sources' slots: read behind a trainer's snapshot copy, the
+    # first requests wait for its first pieces only.
+    listed = [Want(name, box) for name, box in wants]
+    order = in_copy_order(manifest, listed)
+    at = {index: i for i, index in enumerate(order)}
+    slices = [replace(s, parts=tuple((at[i], box) for i, box in s.parts)) for s in slices]
+    plan = plan_pull(manifest, [listed[i] for i in order])
     return ReceiverPlan(plan, tuple(_mark_contiguous(plan, s) for s in slices))
 
 

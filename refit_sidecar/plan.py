@@ -124,6 +124,37 @@ def whole(manifest: Manifest, names: Sequence[str] | None = None) -> list[Want]:
     return out
 
 
+def in_copy_order(manifest: Manifest, wants: Sequence[Want]) -> list[int]:
+    """The indices of `wants` in the order their bytes sit in the sources' slots: by where the
+    first shard holding any of a want's box starts in its agent's memory (from the agent's
+    slot, or its first shard), boxes of one tensor in their given order. A destination laid
+    out in this order is read front to back while a trainer rank copies its slot front to
+    back, so a pull can read behind the copy (docs/refit.md, "Reading behind the snapshot
+    copy"); Megatron lays its parameter buffer out last layer first, the opposite of the HF
+    names' order."""
+    bases: dict[str, int] = {}
+    for record in manifest.parameters:
+        for shard in record.shards:
+            name, address = shard.location.agent, shard.location.address
+            bases[name] = min(bases.get(name, address), address)
+    for name, agent in manifest.agents.items():
+        if agent.pieces is not None:
+            bases[name] = agent.pieces.slot_address
+
+    def position(want: Want) -> int:
+        record = _record(manifest, want)
+        return min(
+            (
+                shard.location.address - bases[shard.location.agent]
+                for shard in record.shards
+                if any(piece.box.intersect(want.box) is not None for piece in shard.pieces)
+            ),
+            default=0,
+        )
+
+    return sorted(range(len(wants)), key=lambda i: position(wants[i]))
+
+
 def plan_pull(manifest: Manifest, wants: Sequence[Want], *, align: int = 256) -> PullPlan:
     if align <= 0 or align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")

@@ -9,6 +9,9 @@
 #   install-nc  refit_install, 1b, checksums off
 #   behind      refit_install, 1b and 3b, checksums on, each read behind the trainer's
 #               snapshot copy (the default) and once the whole copy landed (--not-behind-copy)
+#   goal        refit_install, 1b and 3b, reading behind the copy (the default), checksums on
+#               and off, then refit_pull (the publication's hold-up of the next step): the
+#               figures of the refit-in-peer-copy-time goal (docs/refit.md) in one call
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-taper  refit_install, 1b, the direct pull's first and last requests and check
@@ -73,6 +76,22 @@ for group in "$@"; do
                 --device cuda --dest-gpu 1 --slots $slots --not-behind-copy \
                 --out "$OUT/refit_install_${preset}_whole.json" --log-dir "$logs/whole-$preset"
         done
+        ;;
+    goal)
+        memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+        for preset in 1b 3b; do
+            slots=2
+            [ $preset = 3b ] && [ "$memory" -lt 100000 ] && slots=1
+            run "goal-$preset" python3 -m benchmarks.refit_install --preset $preset \
+                --device cuda --dest-gpu 1 --slots $slots \
+                --out "$OUT/refit_install_${preset}.json" --log-dir "$logs/goal-$preset"
+            run "goal-$preset-nc" python3 -m benchmarks.refit_install --preset $preset \
+                --device cuda --dest-gpu 1 --slots $slots --no-checksums \
+                --out "$OUT/refit_install_${preset}_no_checksums.json" \
+                --log-dir "$logs/goal-$preset-nc"
+        done
+        run refit-pull python3 -m benchmarks.refit_pull --out "$OUT/refit_pull.json" \
+            --log-dir $logs/refit-pull
         ;;
     install-window)
         for window in ${WINDOWS:-0 2}; do

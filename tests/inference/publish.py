@@ -45,9 +45,12 @@ def publish(
     pp: int = 1,
     version: int = 1,
     slot: int = 0,
+    last_first: bool = False,
 ) -> Published:
     """`meg` (a global Megatron state dict) as a trainer of `tp` x `pp` publishes it into
-    snapshot slot `slot`: agent ``trainer-rank{R}-slot{slot}`` per rank R = stage * tp + tp rank."""
+    snapshot slot `slot`: agent ``trainer-rank{R}-slot{slot}`` per rank R = stage * tp + tp rank.
+    `last_first`: each arena holds the parameters in the reverse of `meg`'s order, as
+    Megatron's parameter buffer does (the last layer's first)."""
     if spec.num_query_groups % tp:
         raise ValueError(f"Megatron cannot split {spec.num_query_groups} KV groups over TP {tp}")
     partials, buffers = [], {}
@@ -70,10 +73,10 @@ def publish(
                 for name in names
             ]
             assert [s.parameter for s in specs] == names
-            starts, size = [], 0
-            for s in specs:
-                starts.append(size)
-                size = -(-(size + s.nbytes) // ALIGNMENT) * ALIGNMENT
+            starts, size = [0] * len(specs), 0
+            for i in reversed(range(len(specs))) if last_first else range(len(specs)):
+                starts[i] = size
+                size = -(-(size + specs[i].nbytes) // ALIGNMENT) * ALIGNMENT
             arena = np.zeros(size, np.uint8)
             records = []
             for s, start in zip(specs, starts, strict=True):

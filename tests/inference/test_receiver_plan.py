@@ -325,10 +325,13 @@ def test_pulled_slices_equal_the_hf_checkpoint(
             assert torch.equal(got, model.hf[hf.name][_index(hf.box)]), (hf.name, layout)
 
 
-def test_bfloat16_slices_are_pulled_bit_for_bit(tiny: Models) -> None:
+@pytest.mark.parametrize("last_first", [False, True])
+def test_bfloat16_slices_are_pulled_bit_for_bit(tiny: Models, last_first: bool) -> None:
     model = tiny("qwen2_tied")
     spec = model.spec
-    published = publish(_megatron(model, 2, torch.bfloat16), spec, tp=2, pp=2)
+    published = publish(
+        _megatron(model, 2, torch.bfloat16), spec, tp=2, pp=2, last_first=last_first
+    )
     transport = InMemoryTransport(published.buffers)
     for plan in _plans(published, spec, 2):
         dest = np.zeros(plan.pull.nbytes, np.uint8)
@@ -337,3 +340,40 @@ def test_bfloat16_slices_are_pulled_bit_for_bit(tiny: Models) -> None:
             got = _assemble(plan.pull, dest, hf)[_index(hf.box)]
             assert got.dtype == torch.bfloat16
             assert torch.equal(got, model.hf[hf.name][_index(hf.box)].to(torch.bfloat16)), hf.name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_staging_follows_the_order_of_the_slots(tiny: Models, tp: int) -> None:
+    """A receiver stages its boxes in the order their bytes sit in each trainer rank's slot,
+    so that its requests, cut in staging order, read every slot front to back (behind the
+    rank's snapshot copy, its first request waits for the first pieces only). Megatron's
+    buffer holds the last layer first, the opposite of the HF names: the staging follows the
+    slot, and each HF tensor read from one Megatron tensor stays contiguous (adoptable in
+    place) either way."""
+    model = tiny("llama_gqa")
+    spec = model.spec
+    meg = _megatron(model, tp, torch.bfloat16)
+    plans = {
+        last_first: plan_receiver(
+            publish(meg, spec, tp=tp, last_first=last_first).manifest,
+            spec,
+            ReceiverLayout(0, 1),
+            hf_names(spec),
+        )
+        for last_first in (False, True)
+    }
+    for plan in plans.values():
+        # Per rank: where each tensor's bytes start in the slot and in staging.
+        by_agent: dict[str, list[tuple[int, int]]] = {}
+        for reads in plan.pull.reads:
+            start = (int(reads.remote_addresses.min()), int(reads.dest_offsets.min()))
+            by_agent.setdefault(reads.location.agent, []).append(start)
+        for starts in by_agent.values():
+            dests = [dst for _, dst in sorted(starts)]
+            assert dests == sorted(dests)
+    first = {t.name: t.offset for t in plans[False].pull.targets}
+    last = {t.name: t.offset for t in plans[True].pull.targets}
+    embedding = "embedding.word_embeddings.weight"
+    assert first[embedding] == min(first.values()) and last[embedding] == max(last.values())
+    contiguous = [[s.contiguous for s in p.slices] for p in plans.values()]
+    assert contiguous[0] == contiguous[1] and sum(contiguous[0]) == len(hf_names(spec))
