@@ -10,9 +10,12 @@ first refit of a layout installs it the usual way, the tensor is pointed at its 
 staging (`tensor.data = view`), and the engine's own copy is freed. From the next refit of
 that layout on, the pull lands in the engine's tensors themselves. A tensor the engine holds
 in another dtype than the trainer (Megatron's fp32 norm weights in a bf16 model) cannot live
-in staging; the receiver casts those in itself after the check, all in one `_foreach_copy_`
-(37 small tensors of the 1B Llama: one launch instead of 37 of the installer's). Only the
-slices assembled from several reads still go to the installer.
+in staging; the receiver casts those in itself after the check. Staged in the slot's order,
+their slices lie together (a trainer rank's fp32 parameters are a buffer of their own, laid out
+first), so at adoption they get storage in one **cast arena** laid out as their slices are, and
+each install casts the whole span in one copy (37 small tensors of the 1B Llama: one kernel
+instead of one per tensor); others are cast in one `_foreach_copy_`. Only the slices assembled
+from several reads still go to the installer.
 
 Bytes landing in the engine's tensors before the whole version is checked would leave it
 half-loaded when the refit fails. So after each install a **backup** of staging is copied on a
@@ -40,6 +43,20 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+
+
+ARENA_SLACK = 2
+"""A cast arena may span up to this many times its tensors' bytes (alignment gaps between
+their slices, converted for nothing); a group of slices spread wider is cast tensor by tensor."""
+
+
+@dataclass(frozen=True)
+class CastSpan:
+    """Cast tensors living in one arena laid out as their staged slices are: `arena` (the
+    targets' dtype) takes `source` (their span of staging, in the slices' dtype) in one copy."""
+
+    source: torch.Tensor
+    arena: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,10 @@ class InPlace:
         """The engine's tensors living in staging, by HF name."""
         self.cast: dict[str, Adoptable] = {}
         """The engine's tensors the receiver casts its staged slices into, by HF name."""
+        self.spans: list[CastSpan] = []
+        """The cast tensors living in arenas (each cast in one copy)."""
+        self._loose: list[Adoptable] = []
+        """The cast tensors cast one by one (in one `_foreach_copy_`)."""
         self._held: Any = None
         """The targets mapping and the plan the key names by id (kept alive with it)."""
         self._staging: torch.Tensor | None = None
@@ -130,6 +151,7 @@ class InPlace:
                 slot.target.data = slot.view
             self.adopted[slot.name] = slot.target
         self.cast = {slot.name: slot for slot in cast}
+        self.spans, self._loose = _arenas(cast, staging)
         self.key, self._held, self._staging = key, held, staging
         self._nbytes = sum(t.numel() * t.element_size() for t in self.adopted.values())
         self.names = frozenset([*self.adopted, *self.cast])
@@ -139,19 +161,31 @@ class InPlace:
             or (self._backup.device != staging.device)
         ):
             self._backup = torch.empty_like(staging)
-        log.info("%d engine tensors (%d bytes) now live in staging", len(self.adopted), self.nbytes)
+        log.info(
+            "%d engine tensors (%d bytes) now live in staging; %d cast in, %d of them from "
+            "%d arenas",
+            len(self.adopted),
+            self.nbytes,
+            len(self.cast),
+            len(self.cast) - len(self._loose),
+            len(self.spans),
+        )
         self.back_up()
 
     def cast_in(self) -> None:
-        """Copy the staged slices of the cast tensors into them, in one call (queued on the
-        current stream on a GPU). Gathering them per pair of dtypes, casting once and copying
-        out in one multi-tensor copy, with the views built on every install, was measured
-        slower (BENCHMARKS.md, "Reading behind the snapshot copy")."""
-        if self.cast:
-            slots = list(self.cast.values())
-            with torch.no_grad():
+        """Copy the staged slices of the cast tensors into them: one copy per arena, the rest
+        in one `_foreach_copy_` (queued on the current stream on a GPU). Gathering them per
+        pair of dtypes into a buffer, casting once and copying out in one multi-tensor copy,
+        with the views built on every install, was measured slower (BENCHMARKS.md, "Reading
+        behind the snapshot copy")."""
+        with torch.no_grad():
+            for span in self.spans:
+                span.arena.copy_(span.source, non_blocking=True)
+            if self._loose:
                 torch._foreach_copy_(
-                    [s.target for s in slots], [s.view for s in slots], non_blocking=True
+                    [s.target for s in self._loose],
+                    [s.view for s in self._loose],
+                    non_blocking=True,
                 )
 
     def back_up(self) -> None:
@@ -196,6 +230,7 @@ class InPlace:
             log.info("%d engine tensors left staging", len(self.adopted))
         self.adopted = {}
         self.cast = {}
+        self.spans, self._loose = [], []  # the arenas stay the cast tensors' storage
         self.names = frozenset()
         self._nbytes = 0
         self.key = self._held = self._staging = None
@@ -220,3 +255,52 @@ def candidates(
         elif castable(view, target):
             cast.append(Adoptable(name, view, targets[name]))
     return live, cast
+
+
+def _arenas(
+    cast: Sequence[Adoptable], staging: torch.Tensor
+) -> tuple[list[CastSpan], list[Adoptable]]:
+    """Per pair of dtypes, the cast slices lying in `staging` (contiguous, aligned to their
+    element, none overlapping another) within `ARENA_SLACK` times their bytes: their targets
+    get storage in an arena laid out as the slices are (holding the values they held), cast
+    in one copy. The others, cast one by one."""
+    groups: dict[tuple[torch.dtype, torch.dtype], list[tuple[int, Adoptable]]] = {}
+    loose: list[Adoptable] = []
+    base, end = staging.data_ptr(), staging.data_ptr() + staging.numel() * staging.element_size()
+    for slot in cast:
+        view, at = slot.view, slot.view.data_ptr() - base
+        nbytes = view.numel() * view.element_size()
+        if (
+            view.device != staging.device
+            or not view.is_contiguous()
+            or not slot.target.is_contiguous()
+            or at < 0
+            or base + at + nbytes > end
+            or at % view.element_size()
+        ):
+            loose.append(slot)
+        else:
+            groups.setdefault((view.dtype, slot.target.dtype), []).append((at, slot))
+    spans = []
+    for (source_dtype, target_dtype), members in groups.items():
+        item = torch.empty((), dtype=source_dtype).element_size()
+        lo = min(at for at, _ in members)
+        hi = max(at + s.view.numel() * item for at, s in members)
+        members.sort(key=lambda member: member[0])
+        ends = [at + s.view.numel() * item for at, s in members]
+        overlap = any(members[i + 1][0] < ends[i] for i in range(len(members) - 1))
+        held = sum(s.view.numel() * item for _, s in members)
+        if len(members) < 2 or overlap or hi - lo > ARENA_SLACK * held:
+            loose.extend(s for _, s in members)
+            continue
+        flat = staging.view(torch.uint8).view(-1)
+        source = flat[lo:hi].view(source_dtype)
+        arena = torch.empty(source.numel(), dtype=target_dtype, device=staging.device)
+        with torch.no_grad():
+            for at, slot in members:
+                first = (at - lo) // item
+                home = arena[first : first + slot.view.numel()].view(slot.target.shape)
+                home.copy_(slot.target)
+                slot.target.data = home
+        spans.append(CastSpan(source, arena))
+    return spans, loose

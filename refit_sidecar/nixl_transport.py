@@ -228,7 +228,14 @@ class NixlTransport:
         requests = self._requests_of(plan, dest)
         window = self._config.requests_in_flight or len(requests)
         pending = PendingPull(
-            self, begin + config.pull_timeout_s, begin, temporary, dest, window, gate
+            self,
+            begin + config.pull_timeout_s,
+            begin,
+            temporary,
+            dest,
+            window,
+            gate,
+            _LONGEST_PAUSE_S[dest.mem_type],
         )
         if gate is not None:  # the first reads of what the gate waits on, beside the set-up
             try:
@@ -459,6 +466,13 @@ class Gate(Protocol):
 _GATED_PAUSE_S = 2e-5
 """The longest pause of a pull's loop while requests wait on its gate."""
 
+_LONGEST_PAUSE_S = {MemType.DRAM: 1e-3, MemType.VRAM: 1e-4}
+"""The longest pause of a pull's loop between looks at its requests, by the destination's
+memory: the pause doubles from 10 µs while nothing lands. Into device memory a 256 MiB request
+takes about a millisecond over NVLink, so a millisecond's pause let a landed request (the
+last one, or one whose successor waits for the window) sit unseen for most of a request's
+time; host memory fills several times slower."""
+
 
 @dataclass(eq=False)
 class PendingPull:
@@ -471,6 +485,7 @@ class PendingPull:
     window: int
     """Requests in flight at once."""
     gate: Gate | None = None
+    longest_pause: float = _LONGEST_PAUSE_S[MemType.DRAM]
     xfers: list[_Xfer] = field(default_factory=list)
     reposted: int = 0
     """Requests taken from the cache (prepared by an earlier pull)."""
@@ -537,7 +552,7 @@ class PendingPull:
                     late = waiting[0].agent
                     self.fail(late, SourceLost(f"{late}: pull not done by its deadline"))
                 time.sleep(pause)
-                pause = min(2 * pause or 1e-5, 1e-3)
+                pause = min(2 * pause or 1e-5, self.longest_pause)
         if landed is not None:
             landed.report()
         self._end()

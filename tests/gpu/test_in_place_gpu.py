@@ -26,6 +26,10 @@ def test_many_tensors_are_cast_in_as_on_the_cpu() -> None:
     on_cpu.test_many_tensors_are_cast_in_per_pair_of_dtypes_bit_for_bit("cuda")
 
 
+def test_cast_tensors_share_one_arena_as_on_the_cpu() -> None:
+    on_cpu.test_cast_tensors_staged_together_live_in_one_arena_cast_in_one_copy("cuda")
+
+
 def test_the_backup_waits_for_the_install_queued_before_it() -> None:
     staging, views = on_cpu._layout("cuda")
     engine = {name: view.clone() for name, view in views.items()}

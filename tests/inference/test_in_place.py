@@ -111,3 +111,47 @@ def test_many_tensors_are_cast_in_per_pair_of_dtypes_bit_for_bit(device: str = "
         assert torch.equal(
             engine[name].view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)
         )
+
+
+def test_cast_tensors_staged_together_live_in_one_arena_cast_in_one_copy(
+    device: str = "cpu",
+) -> None:
+    """Float32 norms staged back to back (at 256-byte boundaries, as a slot lays its fp32
+    buffer out) and held by the engine in bfloat16 get storage in one arena laid out as their
+    slices, keeping their values; each install casts the span in one copy, bit for bit. A
+    lone pair of dtypes and a slice outside staging are cast one by one."""
+    torch.manual_seed(1)
+    staging = torch.zeros(2048, dtype=torch.uint8, device=device)
+    placed = {"n0": (0, 60), "n1": (256, 50), "n2": (512, 33), "h": (1024, 5)}
+    views = {n: staging[at : at + 4 * k].view(torch.float32) for n, (at, k) in placed.items()}
+    views["out"] = torch.zeros(6, device=device)  # not in staging
+    engine = {n: torch.randn(v.shape, device=device).to(torch.bfloat16) for n, v in views.items()}
+    engine["h"] = engine["h"].to(torch.float16)  # its pair of dtypes alone
+    before = {n: t.clone() for n, t in engine.items()}
+    in_place = InPlace()
+    live, cast = candidates(views, engine)
+    assert not live and len(cast) == 5
+    in_place.adopt(("layout",), live, staging, held=None, cast=cast)
+
+    assert len(in_place.spans) == 1
+    arena = in_place.spans[0].arena
+    assert arena.dtype == torch.bfloat16 and arena.numel() == (512 + 4 * 33) // 4
+    for name in ("n0", "n1", "n2"):
+        assert engine[name].untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+        assert engine[name].data_ptr() == arena.data_ptr() + placed[name][0] // 2
+    for name in ("h", "out"):
+        assert engine[name].untyped_storage().data_ptr() != arena.untyped_storage().data_ptr()
+    assert all(torch.equal(engine[n], before[n]) for n in engine)  # values kept
+
+    for view in views.values():
+        view.copy_(torch.randn(view.shape, device=device))
+    in_place.cast_in()
+    for name, view in views.items():
+        expected = view.to(engine[name].dtype)
+        assert torch.equal(engine[name].view(torch.uint8), expected.view(torch.uint8)), name
+
+    in_place.release()
+    assert not in_place.spans
+    kept = {n: t.clone() for n, t in engine.items()}
+    staging.zero_()
+    assert all(torch.equal(engine[n], kept[n]) for n in engine)
