@@ -16,7 +16,13 @@ bytes, and what publication adds to FinishTrainStep.
   that publication is allowed to cost. Once, untimed, the pulled weights are checked bit for bit
   against ExportHF of the same version.
 * The same steps then run on a trainer without ``--sidecar``: the difference of the median
-  FinishTrainStep times is what publication costs a step.
+  FinishTrainStep times is what publication costs a step. Two processes differ by more than
+  that, though (FinishTrainStep's median moved by 10-20 ms between trainer processes of the
+  same code on the GPU hosts), so a third trainer, with a sidecar and
+  ``--refit-publish-every 2``, runs ``--alternating-steps`` steps that publish every other
+  version: within one process, the FinishTrainStep of a step that publishes against one that
+  does not, and the next step's work up to its FinishTrainStep after either. Their sum is the
+  publication's hold-up of the training loop, reported with its standard error.
 
 Bytes/s count the bytes moved (the model's parameters once); the ratio is NIXL bytes/s over peer
 copy bytes/s. ``--device cpu`` runs the whole path on the CPU (DRAM slots and destination, host
@@ -72,13 +78,29 @@ from trainer_svc.domain import LossConfig
 log = logging.getLogger("benchmarks.refit_pull")
 
 _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_positions")
-_RUN = dict(seq_len=512, seqs_per_microbatch=4, microbatches=2, warmup=2, steps=8, pulls=10)
+_RUN = dict(
+    seq_len=512,
+    seqs_per_microbatch=4,
+    microbatches=2,
+    warmup=2,
+    steps=8,
+    pulls=10,
+    alternating_steps=400,
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "1b": {**{k: STEP_PRESETS["1b"][k] for k in _MODEL_KEYS}, **_RUN},
     "3b": {**{k: STEP_PRESETS["3b"][k] for k in _MODEL_KEYS}, **_RUN},
     "tiny": {
         **{k: STEP_PRESETS["tiny"][k] for k in _MODEL_KEYS},
-        **dict(_RUN, seq_len=64, seqs_per_microbatch=2, warmup=1, steps=3, pulls=5),
+        **dict(
+            _RUN,
+            seq_len=64,
+            seqs_per_microbatch=2,
+            warmup=1,
+            steps=3,
+            pulls=5,
+            alternating_steps=6,
+        ),
     },
 }
 
@@ -330,9 +352,13 @@ def train(
     args: argparse.Namespace,
     tokens: TokenDir,
     sidecar: str | None = None,
+    *,
+    steps: int | None = None,
+    every: int = 1,
 ) -> dict[str, Any]:
-    """Runs the steps; with `sidecar`, also when each version became readable, in ms after
-    its FinishTrainStep returned (watched as a receiver)."""
+    """Runs the steps (`steps` timed ones, default `--steps`); with `sidecar`, also when each
+    version became readable, in ms after its FinishTrainStep returned (watched as a
+    receiver), of a trainer that publishes versions that are multiples of `every`."""
     returned_at: dict[int, float] = {}
     readable_at: dict[int, float] = {}
     stop_watch = None
@@ -356,11 +382,12 @@ def train(
             microbatch=client.train_microbatch,
             finish=finish,
         )
-        records = run_steps(driver, batches, args.warmup, args.steps)
+        records = run_steps(driver, batches, args.warmup, args.steps if steps is None else steps)
         end = client.status()
     if stop_watch is not None:
+        last = end.weights_version - end.weights_version % every  # the last one published
         deadline = time.monotonic() + 30
-        while end.weights_version not in readable_at and time.monotonic() < deadline:
+        while last and last not in readable_at and time.monotonic() < deadline:
             time.sleep(0.01)  # until the watcher has stamped the last version
         stop_watch()
     readable_ms = {
@@ -390,22 +417,72 @@ def _median_ms(values: list[float]) -> float:
     return 1e3 * statistics.median(values)
 
 
+def _spread_ms(values: list[float]) -> dict[str, float]:
+    """Differences (seconds): their median, mean and the mean's standard error, in ms."""
+    error = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return dict(
+        median=_median_ms(values),
+        mean=1e3 * statistics.fmean(values),
+        standard_error=1e3 * error,
+    )
+
+
+def alternating(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of a fresh trainer publishing every other version (step i makes version i + 1;
+    the even ones publish), each publishing step k against its neighbours, which do not
+    publish, so that a steady drift of the step's time cancels: FinishTrainStep of k less
+    the mean of those of k - 1 and k + 1, and the work before FinishTrainStep of k + 1 (after
+    the publication) less the mean of those of k and k + 2 (after none). Their sum is what
+    one publication held the loop up. Medians, and the means with their standard errors, in
+    ms."""
+    work = [r["seconds"] - r["finish_s"] for r in records]
+    finish = [r["finish_s"] for r in records]
+    on_finish: list[float] = []
+    on_next: list[float] = []
+    for k in range(1, len(records) - 2):
+        if records[k - 1]["warmup"] or (k + 1) % 2:
+            continue  # a warm-up step beside it, or a step that did not publish
+        on_finish.append(finish[k] - (finish[k - 1] + finish[k + 1]) / 2)
+        on_next.append(work[k + 1] - (work[k] + work[k + 2]) / 2)
+    timed = [(k, r) for k, r in enumerate(records) if not r["warmup"]]
+    held = _spread_ms([f + n for f, n in zip(on_finish, on_next, strict=True)])
+    return dict(
+        steps=len(timed),
+        pairs=len(on_finish),
+        finish_median_ms={
+            "publishing": _median_ms([r["finish_s"] for k, r in timed if (k + 1) % 2 == 0]),
+            "not": _median_ms([r["finish_s"] for k, r in timed if (k + 1) % 2]),
+        },
+        next_median_ms={  # the work of each step but the first, by whether the one before published
+            "after": _median_ms([work[k] for k, _ in timed[1:] if k % 2 == 0]),
+            "not_after": _median_ms([work[k] for k, _ in timed[1:] if k % 2]),
+        },
+        finish_ms=_spread_ms(on_finish),
+        next_ms=_spread_ms(on_next),
+        holdup_ms=held["median"],
+        holdup_mean_ms=held["mean"],
+        holdup_standard_error_ms=held["standard_error"],
+    )
+
+
 def summarize(pull: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     nbytes = pull["copy_bytes"]
     seconds = {k: statistics.median(v) for k, v in pull["seconds"].items()}
     rates = {k: nbytes / v for k, v in seconds.items()}
+    pair = {mode: runs[mode] for mode in ("publish", "plain")}
     finish = {
         mode: _median_ms([r["finish_s"] for r in run["records"] if not r["warmup"]])
-        for mode, run in runs.items()
+        for mode, run in pair.items()
     }
-    holdup = {mode: _median_ms(_holdup_s(run["records"])) for mode, run in runs.items()}
+    holdup = {mode: _median_ms(_holdup_s(run["records"])) for mode, run in pair.items()}
+    every_other = runs.get("alternating")
     timed = [r["warmup"] for r in runs["publish"]["records"]]
     readable = [
         ms
         for ms, warmup in zip(runs["publish"]["readable_after_finish_ms"], timed, strict=False)
         if ms is not None and not warmup
     ]
-    losses = [[r["loss"] for r in run["records"]] for run in runs.values()]
+    losses = [[r["loss"] for r in runs[mode]["records"]] for mode in ("publish", "plain")]
     return dict(
         bytes=nbytes,
         median_ms={k: 1e3 * v for k, v in seconds.items()},
@@ -420,6 +497,7 @@ def summarize(pull: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str
         local_copy_ms=1e3 * seconds["local_copy"],
         max_loss_difference=max(abs(a - b) for a, b in zip(*losses, strict=True)),
         pulled_equals_export=(pull["check_against_export"] or {}).get("identical"),
+        alternating=alternating(every_other["records"]) if every_other else None,
     )
 
 
@@ -442,6 +520,22 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"FinishTrainStep + next BeginTrainStep median: {h['publish']:.2f} ms publishing, "
         f"{h['plain']:.2f} ms without (+{summary['publication_holdup_ms']:.2f} ms)"
     )
+    a = summary["alternating"]
+    if a is not None:
+        f, n = a["finish_median_ms"], a["next_median_ms"]
+        print(
+            f"one trainer publishing every other version ({a['steps']} steps): FinishTrainStep "
+            f"median {f['publishing']:.2f} ms publishing, {f['not']:.2f} ms not "
+            f"(pairs: {a['finish_ms']['median']:+.2f} ms); the next step before its "
+            f"FinishTrainStep {n['after']:.2f} ms after a publication, {n['not_after']:.2f} ms "
+            f"after none (pairs: {a['next_ms']['median']:+.2f} ms)"
+        )
+        print(
+            f"publication's hold-up of the loop, over {a['pairs']} neighbouring pairs of steps: "
+            f"{a['holdup_ms']:+.2f} ms (median), {a['holdup_mean_ms']:+.2f} ± "
+            f"{a['holdup_standard_error_ms']:.2f} ms (mean, standard error); device-local copy "
+            f"{summary['local_copy_ms']:.2f} ms"
+        )
     if summary["readable_after_finish_ms"] is not None:
         print(
             "version readable after FinishTrainStep returned: median "
@@ -488,6 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=int, help="untimed steps first")
     run.add_argument("--steps", type=int, help="timed steps per trainer run")
     run.add_argument("--pulls", type=int, help="timed pulls (and copies of each kind)")
+    run.add_argument(
+        "--alternating-steps",
+        type=int,
+        help="timed steps of the trainer publishing every other version (0: no such run)",
+    )
     run.add_argument("--slots", type=int, default=2, help="--refit-slots of the trainer")
     run.add_argument("--no-verify", action="store_true", help="skip the check against ExportHF")
     run.add_argument("--lr", type=float, default=1e-5)
@@ -516,6 +615,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}")
     if min(args.steps, args.pulls) < 1:
         raise SystemExit("--steps and --pulls must be >= 1")
+    if args.alternating_steps < 0 or 0 < args.alternating_steps < 4:
+        raise SystemExit("--alternating-steps must be 0 or >= 4")
     args.hf_weights = False  # write_model: a config-only directory
     return args
 
@@ -589,6 +690,26 @@ def main(argv: list[str] | None = None) -> None:
         trainer_log = log_dir / "trainer-plain.log"
         with trainer_server(plan, work, trainer_log, auth=orchestrator) as (target, _):
             runs["plain"] = train(target, batches, args, tokens)
+        if args.alternating_steps:
+            sidecar_log = log_dir / "sidecar-alternating.log"
+            with sidecar_server(work, sidecar_log, args.timeout, tokens) as sidecar:
+                every_other = [
+                    *trainer_args,
+                    *tokens.publisher_args(sidecar),
+                    *("--refit-slots", str(args.slots), "--refit-publish-every", "2"),
+                ]
+                plan = dict(trainer_args=every_other, timeout_s=args.timeout)
+                trainer_log = log_dir / "trainer-alternating.log"
+                with trainer_server(plan, work, trainer_log, auth=orchestrator) as (target, _):
+                    runs["alternating"] = train(
+                        target,
+                        batches,
+                        args,
+                        tokens,
+                        sidecar,
+                        steps=args.alternating_steps,
+                        every=2,
+                    )
     summary = summarize(pull, runs)
     meta = dict(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -614,6 +735,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         warmup=args.warmup,
         steps=args.steps,
+        alternating_steps=args.alternating_steps,
         pulls=args.pulls,
         versions=_versions(),
         ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},

@@ -10,8 +10,9 @@
 #   behind      refit_install, 1b and 3b, checksums on, each read behind the trainer's
 #               snapshot copy (the default) and once the whole copy landed (--not-behind-copy)
 #   goal        refit_install, 1b and 3b, reading behind the copy (the default), checksums on
-#               and off, then refit_pull (the publication's hold-up of the next step): the
-#               figures of the refit-in-peer-copy-time goal (docs/refit.md) in one call
+#               and off, then refit_pull (the publication's hold-up of the next step, also
+#               within one trainer publishing every other version): the figures of the
+#               refit-in-peer-copy-time goal (docs/refit.md) in one call, about 500 s
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-taper  refit_install, 1b, the direct pull's first and last requests and check
@@ -25,7 +26,8 @@
 #               each tree round's levels printed (when each saw its parent's last fill)
 #   control     sidecar_control: the control plane alone (tree and direct)
 #   pull        refit_pull: the NIXL pull against a peer copy, and what publication holds the
-#               next training step up (against a device-local copy of the rank's shards)
+#               next training step up (against a device-local copy of the rank's shards;
+#               between two trainer processes, and within one publishing every other version)
 #   tests       the GPU-marked tests
 #   tests-refit the GPU-marked tests of the refit's check and install
 # $OUT then holds env.txt, results.tgz (each run's JSON and printed log) and logs.tgz (the

@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         "landed, each next piece twice as long; 0: read once the whole copy landed",
     )
     refit.add_argument(
+        "--refit-publish-every",
+        type=int,
+        default=RefitConfig.publish_every,
+        metavar="K",
+        help="publish a finished step's version only when it is a multiple of K (the last of "
+        "every K optimizer steps); loaded checkpoints are always published",
+    )
+    refit.add_argument(
         "--nixl-host",
         default=RefitConfig.nixl_host,
         help="an IP address of the network interface the ranks' NIXL endpoints listen on for "
@@ -183,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             sidecar=args.sidecar,
             slots=args.refit_slots,
             first_piece_bytes=args.refit_first_piece_bytes,
+            publish_every=args.refit_publish_every,
             auth=auth_flags.client_auth(args, "sidecar", used=args.sidecar is not None),
             nixl_host=args.nixl_host,
             nixl_net_devices=tuple(args.nixl_net_devices),

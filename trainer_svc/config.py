@@ -151,10 +151,17 @@ class RefitConfig:
     """The snapshot copy's first piece: receivers read each piece once it landed, each next
     piece twice as long (`refit_sidecar.snapshot_layout.piece_ends`); 0: one piece, read once
     the whole copy landed."""
+    publish_every: int = 1
+    """A finished step publishes its version when the version is a multiple of this: 1, every
+    step; k, the last of every k optimizer steps (a loop that updates k times per rollout
+    batch). A loaded checkpoint is always published. Receivers that ask for a version before
+    it exists (`Receiver.expect`) must ask for published ones."""
 
     def __post_init__(self) -> None:
         if self.slots < 1:
             raise ValueError(f"refit slots must be >= 1, got {self.slots}")
+        if self.publish_every < 1:
+            raise ValueError(f"publish_every must be >= 1, got {self.publish_every}")
         if self.first_piece_bytes < 0:
             raise ValueError(f"the first piece must be >= 0 bytes, got {self.first_piece_bytes}")
         NixlNetwork(host=self.nixl_host, extra_devices=self.nixl_net_devices)  # raises if bad

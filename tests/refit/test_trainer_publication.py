@@ -173,6 +173,39 @@ def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar)
         assert trainer.stop() == 0
 
 
+@in_child_process
+def test_a_trainer_publishing_every_second_step_publishes_those_and_every_load(tmp_path, sidecar):
+    """`--refit-publish-every 2`: only the even versions of finished steps are published (the
+    odd ones are never known to the sidecar), a loaded checkpoint is published whatever its
+    version, and each published version equals ExportHF."""
+    args = [*sidecar.trainer_args(), "--refit-slots", "2", "--refit-publish-every", "2"]
+    trainer = TrainerProcess(tmp_path / "trainer", args)
+    transport = NixlTransport.create(NixlConfig(name="every-puller", pull_timeout_s=60))
+    client = sidecar.client()
+    try:
+        spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
+        assert _step(trainer, "s1") == 1 and _step(trainer, "s2") == 2
+        assert client.wait_visible(2) == 2
+        assert_bit_identical(_pull_hf(client, transport, 2, spec), trainer.export("v2"))
+        saved = trainer.export("saved")
+        trainer.client.save_checkpoint(trainer.workdir / "ckpt")
+        assert _step(trainer, "s3") == 3 and _step(trainer, "s4") == 4
+        assert client.wait_visible(4) == 4
+        assert_bit_identical(_pull_hf(client, transport, 4, spec), trainer.export("v4"))
+        for unpublished in (1, 3):
+            with pytest.raises(UnknownVersion):
+                client.manifest(unpublished)
+        assert trainer.client.load_checkpoint(trainer.workdir / "ckpt").weights_version == 5
+        assert client.wait_visible(5) == 5  # odd, and published: a load always is
+        assert_bit_identical(_pull_hf(client, transport, 5, spec), saved)
+        assert _step(trainer, "s6") == 6 and client.wait_visible(6) == 6
+        assert _step(trainer, "s7") == 7 and client.latest_version() == 6
+    finally:
+        client.close()
+        transport.close()
+        assert trainer.stop() == 0
+
+
 class _Watched(torch.Tensor):
     """A parameter's bytes that note the slot's words whenever they are copied."""
 

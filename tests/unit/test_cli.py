@@ -50,6 +50,7 @@ def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
             *("--max-microbatch-tokens", "4096"),
             *("--seed", "7", "--work-dir", str(tmp_path / "work")),
             *("--log-level", "DEBUG"),
+            *("--refit-publish-every", "3"),
         ]
     )
     assert log_level == "DEBUG"
@@ -71,6 +72,7 @@ def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
     assert config.server.max_microbatch_tokens == 4096
     assert config.seed == 7
     assert config.work_dir == tmp_path / "work"
+    assert config.refit.publish_every == 3
 
 
 @pytest.mark.parametrize(
@@ -93,6 +95,7 @@ INVALID = [
     (["--vocab-multiple", "0"], "vocab_multiple must be >= 1"),
     (["--max-seq-len", "1"], "max_sequence_length must be >= 2"),
     (["--max-microbatch-tokens", "0"], "max_microbatch_tokens >= 1"),
+    (["--refit-publish-every", "0"], "publish_every must be >= 1, got 0"),
     (["--params-dtype", "float16"], "argument --params-dtype: invalid choice: 'float16'"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),

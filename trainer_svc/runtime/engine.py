@@ -232,26 +232,34 @@ class StepEngine:
         return MicrobatchAck(step.step_id, command.request_id, True, step.counts)
 
     def prepare(self, command: cmd.Command) -> cmd.Command:
-        """Rank 0, after precheck: reserves the refit slot of the version a finish or a
-        checkpoint load will make, before any rank changes anything (a refusal leaves the
-        trainer unchanged)."""
-        if isinstance(command, cmd.FinishStep | cmd.LoadCheckpoint) and self.publisher is not None:
-            try:
-                slot = self.publisher.reserve(self.weights_version + 1)
-            except (SlotsExhausted, PublicationPending) as exc:
-                raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
-            except Exception as exc:  # the sidecar is unreachable or failed: nothing changed
-                problem = self.publisher.health_problem or f"{type(exc).__name__}: {exc}"
-                raise FailedPrecondition(
-                    f"cannot publish the new version ({problem}); nothing changed: retry when "
-                    "the refit sidecar is back"
-                ) from exc
-            return replace(command, slot=slot)
-        return command
+        """Rank 0, after precheck: reserves the refit slot of the version a checkpoint load,
+        or a finish that publishes (`RefitConfig.publish_every`), will make, before any rank
+        changes anything (a refusal leaves the trainer unchanged)."""
+        if not isinstance(command, cmd.FinishStep | cmd.LoadCheckpoint) or self.publisher is None:
+            return command
+        if isinstance(command, cmd.FinishStep) and not self.publisher.publishes(
+            self.weights_version + 1
+        ):
+            return command
+        try:
+            slot = self.publisher.reserve(self.weights_version + 1)
+        except (SlotsExhausted, PublicationPending) as exc:
+            raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
+        except Exception as exc:  # the sidecar is unreachable or failed: nothing changed
+            problem = self.publisher.health_problem or f"{type(exc).__name__}: {exc}"
+            raise FailedPrecondition(
+                f"cannot publish the new version ({problem}); nothing changed: retry when "
+                "the refit sidecar is back"
+            ) from exc
+        return replace(command, slot=slot)
 
     def _publish(self, slot: int | None) -> None:
-        """Publishes the current weights as `weights_version` into the reserved slot."""
-        if self.publisher is None or slot is None:
+        """Publishes the current weights as `weights_version` into the reserved slot (none:
+        a step that does not publish, `RefitConfig.publish_every`)."""
+        if self.publisher is None:
+            return
+        if slot is None:
+            self.publisher.skipped(self.weights_version)
             return
         start = time.perf_counter()
         self.publisher.publish(self.weights_version, slot)

@@ -241,6 +241,9 @@ class Publisher:
     """The side stream of the device copies (CUDA only)."""
     agent: SourceAgent | None = None
     """The rank's NIXL agent, shared by its slots."""
+    every: int = 1
+    """A finished step publishes versions that are multiples of this
+    (`RefitConfig.publish_every`)."""
     _reporter: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="refit-report")
     )
@@ -275,10 +278,12 @@ class Publisher:
         nixl_host: str,
         nixl_net_devices: tuple[str, ...],
         first_piece_bytes: int = DEFAULT_FIRST_PIECE_BYTES,
+        every: int = 1,
     ) -> Publisher:
         """`nixl_host`, `nixl_net_devices`: where the rank's NIXL agent listens for receivers
         (`SourceConfig.host`, `SourceConfig.net_devices`); `first_piece_bytes`: the snapshot
-        copy's first piece (`snapshot_layout.piece_ends`; 0: one piece)."""
+        copy's first piece (`snapshot_layout.piece_ends`; 0: one piece); `every`: which
+        finished steps publish (`RefitConfig.publish_every`)."""
         parameters = published_parameters(model, spec, topology)
         specs = shard_specs(parameters, topology)
         config = SourceConfig(
@@ -327,7 +332,7 @@ class Publisher:
             # Compiles the checksum kernel now, not in the first version's report.
             with torch.cuda.stream(stream):
                 filled[0].source.device_sums()
-        publisher = cls(client, filled, parameters, topology, device, stream, agent)
+        publisher = cls(client, filled, parameters, topology, device, stream, agent, every)
         if topology.is_leader:
             client.wait_ready()
             publisher.register()
@@ -464,7 +469,16 @@ class Publisher:
         copied = self.snapshot(slot, version)
         self._copied = copied
         self._reporter.submit(self._send, version, slot, copied)
-        if self.topology.is_leader:
+        self.skipped(version)
+
+    def publishes(self, version: int) -> bool:
+        """Whether the finished step that makes `version` publishes it."""
+        return version % self.every == 0
+
+    def skipped(self, version: int) -> None:
+        """After `version` was made, published or not: rank 0 reserves the next version's slot
+        ahead, behind the reports queued so far, when the next step will publish it."""
+        if self.topology.is_leader and self.publishes(version + 1):
             self._ahead = self._reporter.submit(self._reserve_ahead, version + 1)
 
     def _send(self, version: int, slot: int, copied: torch.cuda.Event | None) -> None:

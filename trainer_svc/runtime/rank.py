@@ -162,6 +162,7 @@ def build_engine(
             nixl_host=config.refit.nixl_host,
             nixl_net_devices=config.refit.nixl_net_devices,
             first_piece_bytes=config.refit.first_piece_bytes,
+            every=config.refit.publish_every,
         )
     snapshot_bytes = publisher.snapshot_bytes if publisher else 0
     # The smallest budget of any rank, so the ranks of a replica cut a request alike.
