@@ -99,7 +99,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             warmup=1,
             steps=3,
             pulls=5,
-            alternating_steps=6,
+            alternating_steps=8,
         ),
     },
 }
@@ -615,8 +615,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}")
     if min(args.steps, args.pulls) < 1:
         raise SystemExit("--steps and --pulls must be >= 1")
-    if args.alternating_steps < 0 or 0 < args.alternating_steps < 4:
-        raise SystemExit("--alternating-steps must be 0 or >= 4")
+    if args.alternating_steps < 0 or 0 < args.alternating_steps < 8:
+        raise SystemExit("--alternating-steps must be 0 or >= 8")
     args.hf_weights = False  # write_model: a config-only directory
     return args
 
