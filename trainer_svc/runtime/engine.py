@@ -259,7 +259,7 @@ class StepEngine:
         if self.publisher is None:
             return
         if slot is None:
-            self.publisher.skipped(self.weights_version)
+            self.publisher.made(self.weights_version)
             return
         start = time.perf_counter()
         self.publisher.publish(self.weights_version, slot)

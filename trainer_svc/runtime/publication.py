@@ -417,9 +417,10 @@ class Publisher:
         return slot
 
     def _reserve_ahead(self, version: int) -> tuple[int, int] | None:
-        """On the reporter thread of rank 0, after its report of `version - 1`: the slot of
-        `version`, unless the sidecar has none to give without retiring the latest version
-        or waiting for a lease (the step then reserves, with the sidecar's policy)."""
+        """On the reporter thread of rank 0, after its report of `version - 1` (when that one
+        was published): the slot of `version`, unless the sidecar has none to give without
+        retiring the latest version or waiting for a lease (the step then reserves, with the
+        sidecar's policy)."""
         try:
             return version, self._reserve(version, ahead=True)
         except SlotsExhausted as e:
@@ -469,13 +470,13 @@ class Publisher:
         copied = self.snapshot(slot, version)
         self._copied = copied
         self._reporter.submit(self._send, version, slot, copied)
-        self.skipped(version)
+        self.made(version)
 
     def publishes(self, version: int) -> bool:
         """Whether the finished step that makes `version` publishes it."""
         return version % self.every == 0
 
-    def skipped(self, version: int) -> None:
+    def made(self, version: int) -> None:
         """After `version` was made, published or not: rank 0 reserves the next version's slot
         ahead, behind the reports queued so far, when the next step will publish it."""
         if self.topology.is_leader and self.publishes(version + 1):
