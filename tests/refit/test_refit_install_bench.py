@@ -32,7 +32,7 @@ def test_an_in_place_refit_with_cast_norms_equals_export_and_forward(tmp_path: P
     timed = [r["refit"]["stats"] for r in result["records"] if not r["warmup"]]
     assert len(timed) == 2
     for stats in timed:
-        assert stats["in_place_bytes"] > 0 and stats["before_readable"], stats
+        assert stats["in_place_bytes"] > 0, stats
         assert stats["lease_held_by"] == "checksums", stats  # every read verified
     # Every cast tensor lives in the one arena its fp32 slices' span maps to.
     adopted = re.findall(
