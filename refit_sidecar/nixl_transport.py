@@ -486,6 +486,7 @@ class PendingPull:
     """Requests in flight at once."""
     gate: Gate | None = None
     longest_pause: float = _LONGEST_PAUSE_S[MemType.DRAM]
+    """The longest pause between looks at the requests (`_LONGEST_PAUSE_S`)."""
     xfers: list[_Xfer] = field(default_factory=list)
     reposted: int = 0
     """Requests taken from the cache (prepared by an earlier pull)."""
