@@ -69,32 +69,22 @@ class VersionWords:
         or its word names a newer version (its slot was handed on: the lease did not hold)."""
         if not self.readable_by_words(agents):
             raise ValueError("every source needs a version word")
-        self.memory(max(len(agents), 8) * VERSION_WORD_BYTES)
         waiting = list(range(len(agents)))
         rounds = 0
         while True:
             rounds += 1
-            posted = [
-                (i, self.post(agents[i], _word(agents[i]), i * VERSION_WORD_BYTES)) for i in waiting
-            ]
-            for i, request in posted:
-                while not self._transport.check(request):
-                    if time.monotonic() > deadline:
-                        raise WordTimeout(f"{agents[i].name}: reading its version word timed out")
-            still = []
-            for i in waiting:
-                seen = int(self.values(i * VERSION_WORD_BYTES, 1)[0])
-                if seen > version:
-                    raise SourceLost(
-                        f"{agents[i].name}: its slot holds version {seen}, not {version}: the "
-                        "lease on it did not hold",
-                        agent=agents[i].name,
-                    )
-                if seen < version:
-                    still.append(i)
-            if not still:
+            seen = self._round(agents, waiting, deadline)
+            newer = [i for i in waiting if seen[i] > version]
+            if newer:
+                name = agents[newer[0]].name
+                raise SourceLost(
+                    f"{name}: its slot holds version {int(seen[newer[0]])}, not {version}: the "
+                    "lease on it did not hold",
+                    agent=name,
+                )
+            waiting = [i for i in waiting if seen[i] < version]
+            if not waiting:
                 return rounds
-            waiting = still
             if time.monotonic() > deadline:
                 names = [agents[i].name for i in waiting]
                 raise WordTimeout(
@@ -111,22 +101,28 @@ class VersionWords:
         `timeout_s`: the caller then asks the sidecar whether its lease held."""
         if not self.readable_by_words(agents):
             return False
-        self.memory(max(len(agents), 8) * VERSION_WORD_BYTES)
-        deadline = time.monotonic() + timeout_s
         try:
-            posted = [
-                self.post(agent, _word(agent), i * VERSION_WORD_BYTES)
-                for i, agent in enumerate(agents)
-            ]
-            for request in posted:
-                while not self._transport.check(request):
-                    if time.monotonic() > deadline:  # its read is dropped with it
-                        self._transport.forget(request.agent)
-                        return False
-        except SourceLost:
+            seen = self._round(agents, range(len(agents)), time.monotonic() + timeout_s)
+        except (SourceLost, WordTimeout):
             return False
-        seen = self.values(0, len(agents))
         return bool((seen == version).all())
+
+    def _round(
+        self, agents: Sequence[AgentRecord], indexes: Sequence[int], deadline: float
+    ) -> np.ndarray:
+        """One read of the words of `agents[i]` for each i in `indexes` (agent i's into slot
+        i), checked back to back: every agent's word as read (those not read this round as
+        they were), one copy back for all. WordTimeout when a read has not landed by
+        `deadline` (that source is disconnected, its read dropped with it); SourceLost as
+        `post`."""
+        self.memory(max(len(agents), 8) * VERSION_WORD_BYTES)
+        posted = [self.post(agents[i], _word(agents[i]), i * VERSION_WORD_BYTES) for i in indexes]
+        for request in posted:
+            while not self._transport.check(request):
+                if time.monotonic() > deadline:
+                    self._transport.forget(request.agent)
+                    raise WordTimeout(f"{request.agent}: reading its version word timed out")
+        return self.values(0, len(agents))
 
     def memory(self, nbytes: int) -> Region:
         """This receiver's registered memory for words, at least `nbytes` of it (what it held
