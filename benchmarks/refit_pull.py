@@ -18,11 +18,16 @@ bytes, and what publication adds to FinishTrainStep.
 * The same steps then run on a trainer without ``--sidecar``: the difference of the median
   FinishTrainStep times is what publication costs a step. Two processes differ by more than
   that, though (FinishTrainStep's median moved by 10-20 ms between trainer processes of the
-  same code on the GPU hosts), so a third trainer, with a sidecar and
-  ``--refit-publish-every 2``, runs ``--alternating-steps`` steps that publish every other
-  version: within one process, the FinishTrainStep of a step that publishes against one that
-  does not, and the next step's work up to its FinishTrainStep after either. Their sum is the
-  publication's hold-up of the training loop, reported with its standard error.
+  same code on the GPU hosts), so a third trainer, with a sidecar and ``--refit-publish-every
+  3``, runs ``--interleaved-steps`` steps: within one process, each publishing step and the one
+  after it against the two steps around them untouched by publication (`interleaved`). That
+  is the publication's hold-up of the training loop, wherever it falls (the step's own
+  FinishTrainStep, or the next step, which the copy, checksums and report run beside), given
+  with a 95 % interval. Those steps are light (``--interleaved-microbatches`` of
+  ``--interleaved-seqs-per-microbatch`` sequences; one of one for the GPU presets): the
+  publication moves as many bytes as after a full step with less of the step's own work to
+  hide behind, and shorter steps, whose spread is the estimate's noise, let more periods fit
+  the same time.
 
 Bytes/s count the bytes moved (the model's parameters once); the ratio is NIXL bytes/s over peer
 copy bytes/s. ``--device cpu`` runs the whole path on the CPU (DRAM slots and destination, host
@@ -39,6 +44,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -85,7 +91,9 @@ _RUN = dict(
     warmup=2,
     steps=8,
     pulls=10,
-    alternating_steps=400,
+    interleaved_steps=2100,
+    interleaved_microbatches=1,
+    interleaved_seqs_per_microbatch=1,
 )
 PRESETS: dict[str, dict[str, Any]] = {
     "1b": {**{k: STEP_PRESETS["1b"][k] for k in _MODEL_KEYS}, **_RUN},
@@ -99,7 +107,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             warmup=1,
             steps=3,
             pulls=5,
-            alternating_steps=8,
+            interleaved_steps=8,
+            interleaved_seqs_per_microbatch=2,
         ),
     },
 }
@@ -427,41 +436,65 @@ def _spread_ms(values: list[float]) -> dict[str, float]:
     )
 
 
-def alternating(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of a fresh trainer publishing every other version (step i makes version i + 1;
-    the even ones publish), each publishing step k against its neighbours, which do not
-    publish, so that a steady drift of the step's time cancels: FinishTrainStep of k less
-    the mean of those of k - 1 and k + 1, and the work before FinishTrainStep of k + 1 (after
-    the publication) less the mean of those of k and k + 2 (after none). Their sum is what
-    one publication held the loop up. Medians, and the means with their standard errors, in
-    ms."""
-    work = [r["seconds"] - r["finish_s"] for r in records]
-    finish = [r["finish_s"] for r in records]
-    on_finish: list[float] = []
-    on_next: list[float] = []
+def median_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of `values` (95 % for z =
+    1.96): the order statistics n/2 -+ z sqrt(n)/2 (the sign test's normal approximation),
+    clamped to the sample."""
+    ranked = sorted(values)
+    n = len(ranked)
+    half = z * n**0.5 / 2
+    low = max(0, math.floor(n / 2 - half))
+    high = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return ranked[low], ranked[high]
+
+
+EVERY = 3
+"""The interleaved run's trainer publishes versions that are multiples of this: each
+publishing step, the step after it and a step untouched by publication, in turn."""
+
+
+def interleaved(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of a trainer publishing every `EVERY`-th version (step i makes version i + 1):
+    each publishing step k and the step after it (which the publication's copy, checksums and
+    report may slow down, on the GPU or the host) against the two steps around them that
+    neither publish nor follow a publication, k - 1 and k + 2:
+    D_k = t(k) + t(k + 1) - t(k - 1) - t(k + 2), t a step's time from BeginTrainStep until
+    FinishTrainStep returned. Without a hold-up the four steps are exchangeable and D_k is
+    symmetric about 0, a drift of the step's time cancels, and a hold-up of h shifts it by h:
+    the hold-up is D's median, with its distribution-free 95 % interval (a step's time has a
+    long tail, which the median resists and a mean does not), besides the mean and its
+    standard error. Also steps k and k + 1 each against the clean neighbours. In ms."""
+    seconds = [r["seconds"] for r in records]
+    held: list[float] = []
+    on_publishing: list[float] = []
+    on_after: list[float] = []
     for k in range(1, len(records) - 2):
-        if records[k - 1]["warmup"] or (k + 1) % 2:
+        if records[k - 1]["warmup"] or (k + 1) % EVERY:
             continue  # a warm-up step beside it, or a step that did not publish
-        on_finish.append(finish[k] - (finish[k - 1] + finish[k + 1]) / 2)
-        on_next.append(work[k + 1] - (work[k] + work[k + 2]) / 2)
+        before, after = seconds[k - 1], seconds[k + 2]
+        held.append(seconds[k] + seconds[k + 1] - before - after)
+        # Each against the neighbours weighted to its own place (a drift cancels); the two
+        # add up to the difference above.
+        on_publishing.append(seconds[k] - (2 * before + after) / 3)
+        on_after.append(seconds[k + 1] - (before + 2 * after) / 3)
     timed = [(k, r) for k, r in enumerate(records) if not r["warmup"]]
-    held = _spread_ms([f + n for f, n in zip(on_finish, on_next, strict=True)])
+
+    def median_of(role: int) -> float:  # role: (k + 1) % EVERY of the steps counted
+        return _median_ms([r["seconds"] for k, r in timed if (k + 1) % EVERY == role])
+
+    spread = _spread_ms(held)
+    low, high = median_interval(held)
     return dict(
+        every=EVERY,
         steps=len(timed),
-        pairs=len(on_finish),
-        finish_median_ms={
-            "publishing": _median_ms([r["finish_s"] for k, r in timed if (k + 1) % 2 == 0]),
-            "not": _median_ms([r["finish_s"] for k, r in timed if (k + 1) % 2]),
-        },
-        next_median_ms={  # the work of each step but the first, by whether the one before published
-            "after": _median_ms([work[k] for k, _ in timed[1:] if k % 2 == 0]),
-            "not_after": _median_ms([work[k] for k, _ in timed[1:] if k % 2]),
-        },
-        finish_ms=_spread_ms(on_finish),
-        next_ms=_spread_ms(on_next),
-        holdup_ms=held["median"],
-        holdup_mean_ms=held["mean"],
-        holdup_standard_error_ms=held["standard_error"],
+        periods=len(held),
+        step_median_ms=dict(publishing=median_of(0), after=median_of(1), clean=median_of(2)),
+        publishing_ms=_spread_ms(on_publishing),
+        after_ms=_spread_ms(on_after),
+        holdup_ms=spread["median"],
+        holdup_interval_ms=[1e3 * low, 1e3 * high],
+        holdup_mean_ms=spread["mean"],
+        holdup_standard_error_ms=spread["standard_error"],
     )
 
 
@@ -475,7 +508,7 @@ def summarize(pull: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str
         for mode, run in pair.items()
     }
     holdup = {mode: _median_ms(_holdup_s(run["records"])) for mode, run in pair.items()}
-    every_other = runs.get("alternating")
+    third = runs.get("interleaved")
     timed = [r["warmup"] for r in runs["publish"]["records"]]
     readable = [
         ms
@@ -497,7 +530,7 @@ def summarize(pull: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str
         local_copy_ms=1e3 * seconds["local_copy"],
         max_loss_difference=max(abs(a - b) for a, b in zip(*losses, strict=True)),
         pulled_equals_export=(pull["check_against_export"] or {}).get("identical"),
-        alternating=alternating(every_other["records"]) if every_other else None,
+        interleaved=interleaved(third["records"]) if third else None,
     )
 
 
@@ -520,21 +553,22 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"FinishTrainStep + next BeginTrainStep median: {h['publish']:.2f} ms publishing, "
         f"{h['plain']:.2f} ms without (+{summary['publication_holdup_ms']:.2f} ms)"
     )
-    a = summary["alternating"]
+    a = summary["interleaved"]
     if a is not None:
-        f, n = a["finish_median_ms"], a["next_median_ms"]
+        m = a["step_median_ms"]
+        low, high = a["holdup_interval_ms"]
         print(
-            f"one trainer publishing every other version ({a['steps']} steps): FinishTrainStep "
-            f"median {f['publishing']:.2f} ms publishing, {f['not']:.2f} ms not "
-            f"(pairs: {a['finish_ms']['median']:+.2f} ms); the next step before its "
-            f"FinishTrainStep {n['after']:.2f} ms after a publication, {n['not_after']:.2f} ms "
-            f"after none (pairs: {a['next_ms']['median']:+.2f} ms)"
+            f"one trainer publishing every {a['every']} versions ({a['steps']} steps): step "
+            f"median {m['publishing']:.2f} ms publishing, {m['after']:.2f} ms after it, "
+            f"{m['clean']:.2f} ms neither; against the clean steps around them, the publishing "
+            f"step {a['publishing_ms']['median']:+.2f} ms, the step after it "
+            f"{a['after_ms']['median']:+.2f} ms (medians)"
         )
         print(
-            f"publication's hold-up of the loop, over {a['pairs']} neighbouring pairs of steps: "
-            f"{a['holdup_ms']:+.2f} ms (median), {a['holdup_mean_ms']:+.2f} ± "
-            f"{a['holdup_standard_error_ms']:.2f} ms (mean, standard error); device-local copy "
-            f"{summary['local_copy_ms']:.2f} ms"
+            f"publication's hold-up of the loop, over {a['periods']} periods: "
+            f"{a['holdup_ms']:+.2f} ms (median; 95 % interval {low:+.2f} to {high:+.2f} ms), "
+            f"{a['holdup_mean_ms']:+.2f} ± {a['holdup_standard_error_ms']:.2f} ms (mean, "
+            f"standard error); device-local copy {summary['local_copy_ms']:.2f} ms"
         )
     if summary["readable_after_finish_ms"] is not None:
         print(
@@ -583,9 +617,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, help="timed steps per trainer run")
     run.add_argument("--pulls", type=int, help="timed pulls (and copies of each kind)")
     run.add_argument(
-        "--alternating-steps",
+        "--interleaved-steps",
         type=int,
-        help="timed steps of the trainer publishing every other version (0: no such run)",
+        help="timed steps of the trainer publishing every third version (0: no such run)",
+    )
+    run.add_argument("--interleaved-microbatches", type=int, help="microbatches of those steps")
+    run.add_argument(
+        "--interleaved-seqs-per-microbatch",
+        type=int,
+        help="sequences (of --seq-len tokens) per microbatch of those steps",
     )
     run.add_argument("--slots", type=int, default=2, help="--refit-slots of the trainer")
     run.add_argument("--no-verify", action="store_true", help="skip the check against ExportHF")
@@ -615,8 +655,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}")
     if min(args.steps, args.pulls) < 1:
         raise SystemExit("--steps and --pulls must be >= 1")
-    if args.alternating_steps < 0 or 0 < args.alternating_steps < 8:
-        raise SystemExit("--alternating-steps must be 0 or >= 8")
+    if args.interleaved_steps < 0 or 0 < args.interleaved_steps < 8:
+        raise SystemExit("--interleaved-steps must be 0 or >= 8")
+    if min(args.interleaved_microbatches, args.interleaved_seqs_per_microbatch) < 1:
+        raise SystemExit(
+            "--interleaved-microbatches and --interleaved-seqs-per-microbatch must be >= 1"
+        )
     args.hf_weights = False  # write_model: a config-only directory
     return args
 
@@ -690,25 +734,32 @@ def main(argv: list[str] | None = None) -> None:
         trainer_log = log_dir / "trainer-plain.log"
         with trainer_server(plan, work, trainer_log, auth=orchestrator) as (target, _):
             runs["plain"] = train(target, batches, args, tokens)
-        if args.alternating_steps:
-            sidecar_log = log_dir / "sidecar-alternating.log"
+        if args.interleaved_steps:
+            sidecar_log = log_dir / "sidecar-interleaved.log"
             with sidecar_server(work, sidecar_log, args.timeout, tokens) as sidecar:
-                every_other = [
+                every_third = [
                     *trainer_args,
                     *tokens.publisher_args(sidecar),
-                    *("--refit-slots", str(args.slots), "--refit-publish-every", "2"),
+                    *("--refit-slots", str(args.slots), "--refit-publish-every", str(EVERY)),
                 ]
-                plan = dict(trainer_args=every_other, timeout_s=args.timeout)
-                trainer_log = log_dir / "trainer-alternating.log"
+                plan = dict(trainer_args=every_third, timeout_s=args.timeout)
+                trainer_log = log_dir / "trainer-interleaved.log"
                 with trainer_server(plan, work, trainer_log, auth=orchestrator) as (target, _):
-                    runs["alternating"] = train(
+                    light = make_batches(
+                        dict(
+                            vars(args),
+                            microbatches=args.interleaved_microbatches,
+                            seqs_per_microbatch=args.interleaved_seqs_per_microbatch,
+                        )
+                    )
+                    runs["interleaved"] = train(
                         target,
-                        batches,
+                        light,
                         args,
                         tokens,
                         sidecar,
-                        steps=args.alternating_steps,
-                        every=2,
+                        steps=args.interleaved_steps,
+                        every=EVERY,
                     )
     summary = summarize(pull, runs)
     meta = dict(
@@ -735,7 +786,12 @@ def main(argv: list[str] | None = None) -> None:
         ),
         warmup=args.warmup,
         steps=args.steps,
-        alternating_steps=args.alternating_steps,
+        interleaved_steps=args.interleaved_steps,
+        interleaved_batch=dict(
+            seq_len=args.seq_len,
+            seqs_per_microbatch=args.interleaved_seqs_per_microbatch,
+            microbatches=args.interleaved_microbatches,
+        ),
         pulls=args.pulls,
         versions=_versions(),
         ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},

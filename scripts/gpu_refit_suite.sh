@@ -10,9 +10,8 @@
 #   behind      refit_install, 1b and 3b, checksums on, each read behind the trainer's
 #               snapshot copy (the default) and once the whole copy landed (--not-behind-copy)
 #   goal        refit_install, 1b and 3b, reading behind the copy (the default), checksums on
-#               and off, then refit_pull (the publication's hold-up of the next step, also
-#               within one trainer publishing every other version): the figures of the
-#               refit-in-peer-copy-time goal (docs/refit.md) in one call, about 500 s
+#               and off: the latency figures of the refit-in-peer-copy-time goal
+#               (docs/refit.md), about 330 s; `pull` gives its hold-up figure
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-taper  refit_install, 1b, the direct pull's first and last requests and check
@@ -27,10 +26,12 @@
 #   control     sidecar_control: the control plane alone (tree and direct)
 #   pull        refit_pull: the NIXL pull against a peer copy, and what publication holds the
 #               next training step up (against a device-local copy of the rank's shards;
-#               between two trainer processes, and within one publishing every other version)
+#               between two trainer processes, and within one publishing every other version),
+#               about 300 s
 #   tests       the GPU-marked tests
 #   tests-refit the GPU-marked tests of the refit's check and install
-# $OUT then holds env.txt, results.tgz (each run's JSON and printed log) and logs.tgz (the
+# $OUT then holds env.txt, results.tgz (each run's JSON and printed log, archived again after
+# every run, so a call cut off by its time limit keeps what finished) and logs.tgz (the
 # services' logs).
 set -o pipefail
 export OUT=${OUT:-runs}
@@ -47,6 +48,13 @@ run() {  # name, command...: output to $OUT/name.log; the summary lines to the t
     local rc=$?
     grep -v "\] INFO \|NIXL INFO" "$OUT/$name.log" | tail -25
     [ $rc -eq 0 ] || { echo "== $name failed ($rc)"; status=1; }
+    archive
+}
+archive() {  # the results so far as one archive (a host may hand back only a few files)
+    (
+        cd "$OUT" && shopt -s nullglob && files=(*.json *.log) && [ ${#files[@]} -gt 0 ] &&
+            tar czf results.tgz.part -- "${files[@]}" && mv -f results.tgz.part results.tgz
+    )
 }
 for group in "$@"; do
     case $group in
@@ -92,8 +100,6 @@ for group in "$@"; do
                 --out "$OUT/refit_install_${preset}_no_checksums.json" \
                 --log-dir "$logs/goal-$preset-nc"
         done
-        run refit-pull python3 -m benchmarks.refit_pull --out "$OUT/refit_pull.json" \
-            --log-dir $logs/refit-pull
         ;;
     install-window)
         for window in ${WINDOWS:-0 2}; do
@@ -172,6 +178,6 @@ for group in "$@"; do
     esac
 done
 tar czf "$OUT/logs.tgz" -C /tmp refit-suite-logs 2>/dev/null
-# The results and their logs travel as one archive (a host may hand back only a few files).
-(cd "$OUT" && tar czf results.tgz --remove-files -- *.json *.log 2>/dev/null)
+archive
+(cd "$OUT" && rm -f -- *.json *.log)
 exit $status
