@@ -29,7 +29,7 @@
 #               between two trainer processes, and within one publishing every other version),
 #               about 300 s
 #   tests       the GPU-marked tests
-#   tests-refit the GPU-marked tests of the refit's check and install
+#   tests-refit the GPU-marked tests of the refit's checksums, check and install
 # $OUT then holds env.txt, results.tgz (each run's JSON and printed log, archived again after
 # every run, so a call cut off by its time limit keeps what finished) and logs.tgz (the
 # services' logs).
@@ -165,8 +165,9 @@ for group in "$@"; do
         ;;
     tests-refit)
         run gpu-tests-refit python3 -m pytest -p no:cacheprovider -m gpu -q -s \
-            tests/gpu/test_in_place_gpu.py tests/gpu/test_running_check_gpu.py \
-            tests/gpu/test_publication_gpu.py tests/gpu/test_progress_words_gpu.py
+            tests/gpu/test_wsum_gpu.py tests/gpu/test_in_place_gpu.py \
+            tests/gpu/test_running_check_gpu.py tests/gpu/test_publication_gpu.py \
+            tests/gpu/test_progress_words_gpu.py
         ;;
     tests)
         run gpu-tests python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q -s
