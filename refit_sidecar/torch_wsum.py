@@ -35,10 +35,47 @@ _TORCH_CHUNK = 1 << 24
 def _kernel() -> Any:
     """The Triton kernel, compiled on first use; None where Triton cannot run."""
     try:
-        from refit_sidecar import wsum_triton
+        import triton
+        import triton.language as tl
     except ImportError:
         return None
-    return wsum_triton.wsum_blocks
+
+    @triton.jit
+    def wsum_blocks(  # noqa: PLR0917
+        buf,
+        blocks,
+        out,
+        FOLD: tl.constexpr,  # noqa: N803
+        SEED: tl.constexpr,  # noqa: N803
+        K1: tl.constexpr,  # noqa: N803
+        K2: tl.constexpr,  # noqa: N803
+        SHIFT1: tl.constexpr,  # noqa: N803
+        SHIFT2: tl.constexpr,  # noqa: N803
+        BLOCK: tl.constexpr,  # noqa: N803
+        FULL: tl.constexpr,  # noqa: N803
+    ):
+        pid = tl.program_id(0)
+        first = tl.load(blocks + 3 * pid)
+        index = tl.load(blocks + 3 * pid + 2)
+        lane = tl.arange(0, BLOCK)
+        if FULL:
+            # A whole block starting on 16 bytes: unmasked, vectorised loads.
+            first = tl.multiple_of(first, 8)  # _ALIGNED_UNITS
+            unit = tl.load(buf + first + lane).to(tl.uint16, bitcast=True)
+        else:
+            count = tl.load(blocks + 3 * pid + 1)
+            unit = tl.load(buf + first + lane, mask=lane < count, other=0)
+            unit = unit.to(tl.uint16, bitcast=True)
+        j = index + lane
+        z = j.to(tl.uint32) ^ ((j >> 32).to(tl.uint32) * FOLD)
+        z = (z + SEED) * K1
+        z = z ^ (z >> SHIFT1)
+        z = z * K2
+        z = z ^ (z >> SHIFT2)
+        term = unit.to(tl.uint64) * (z | 1).to(tl.uint64)  # masked units load as 0
+        tl.store(out + pid, tl.sum(term, axis=0).to(tl.int64, bitcast=True))
+
+    return wsum_blocks
 
 
 _ALIGNED_UNITS = 8
@@ -58,7 +95,19 @@ def _launch(
     """One program per row of `blocks` (all whole aligned blocks when `whole`), each writing
     its partial sum into `partial`; nothing for no rows."""
     if len(blocks):
-        kernel[(len(blocks),)](units, blocks, partial, **wsum.TRITON_CONSTANTS, FULL=whole)
+        kernel[(len(blocks),)](
+            units,
+            blocks,
+            partial,
+            FOLD=wsum.FOLD,
+            SEED=wsum.SEED,
+            K1=wsum.K1,
+            K2=wsum.K2,
+            SHIFT1=wsum.SHIFT1,
+            SHIFT2=wsum.SHIFT2,
+            BLOCK=wsum.BLOCK,
+            FULL=whole,
+        )
 
 
 class _Recent:

@@ -51,11 +51,6 @@ BLOCK = 16384
 16 KiB blocks ran at 1.48 TB/s, 32 KiB at 1.67, 64 KiB at 0.69: tests/gpu/test_wsum_gpu.py
 prints them)."""
 
-TRITON_CONSTANTS = dict(
-    FOLD=FOLD, SEED=SEED, K1=K1, K2=K2, SHIFT1=SHIFT1, SHIFT2=SHIFT2, BLOCK=BLOCK
-)
-"""The constants the Triton kernels take (`wsum_triton`)."""
-
 _HOST_CHUNK = 1 << 22
 """Units per NumPy pass, to bound the reference's temporary memory."""
 
@@ -154,8 +149,20 @@ class SumPlan:
             raise ValueError("WSUM-64 pieces start and end on even bytes")
         if len(groups) and (groups.min() < 0 or groups.max() >= count):
             raise ValueError(f"group numbers must lie in [0, {count})")
-        blocks, owner = cut_blocks(offsets, lengths, shard_offsets)
-        return cls(blocks, groups[owner].copy(), count)
+        units = lengths // UNIT
+        per_piece = -(-units // BLOCK)
+        owner = np.repeat(np.arange(len(units)), per_piece)
+        first = np.repeat(np.cumsum(per_piece) - per_piece, per_piece)
+        step = (np.arange(int(per_piece.sum()), dtype=np.int64) - first) * BLOCK
+        blocks = np.stack(
+            [
+                offsets[owner] // UNIT + step,
+                np.minimum(units[owner] - step, BLOCK),
+                shard_offsets[owner] // UNIT + step,
+            ],
+            axis=1,
+        )
+        return cls(np.ascontiguousarray(blocks, dtype=np.int64), groups[owner].copy(), count)
 
     @property
     def nbytes(self) -> int:
@@ -172,25 +179,3 @@ class SumPlan:
                 data = units[begin : begin + int(count) * UNIT]
                 out[group] += np.uint64(wsum64(data, int(index)))
         return out
-
-
-def cut_blocks(
-    offsets: np.ndarray, lengths: np.ndarray, shard_offsets: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pieces (int64 byte offsets in the buffer, byte lengths, byte offsets in their shards,
-    all even) cut into the device kernels' blocks of at most `BLOCK` units: the rows (first
-    unit in the buffer, units, index in the shard of the first), and the piece of each row."""
-    units = lengths // UNIT
-    per_piece = -(-units // BLOCK)
-    owner = np.repeat(np.arange(len(units)), per_piece)
-    first = np.repeat(np.cumsum(per_piece) - per_piece, per_piece)
-    step = (np.arange(int(per_piece.sum()), dtype=np.int64) - first) * BLOCK
-    blocks = np.stack(
-        [
-            offsets[owner] // UNIT + step,
-            np.minimum(units[owner] - step, BLOCK),
-            shard_offsets[owner] // UNIT + step,
-        ],
-        axis=1,
-    )
-    return np.ascontiguousarray(blocks, dtype=np.int64), owner

@@ -93,66 +93,6 @@ def test_the_kernel_sums_a_slot_at_hbm_speed(monkeypatch) -> None:
     )
 
 
-def test_a_copy_that_sums_as_it_goes_equals_a_copy_and_its_sums() -> None:
-    """`CopySum` over 2 GiB in two sources (one 2 bytes off alignment) and 300 shards, cut
-    into pieces as a snapshot is: the slot equals a plain copy and the sums the Triton block
-    sums of it. Not a timed assertion: the fused pass, a copy, and a copy then the sums are
-    printed for the record (publication's traffic beside the next step)."""
-    from refit_sidecar.copy_sum import CopySum
-
-    nbytes = 2 << 30
-    sources = [_random(nbytes // 2, 3), _random(nbytes // 2 + 16, 4)]
-    slot = torch.zeros(nbytes + 4096, dtype=torch.uint8, device="cuda")
-    spans = [(sources[0], 0, nbytes // 2, 0), (sources[1], 2, nbytes // 2, nbytes // 2 + 2048)]
-    ends = [32 << 20, 96 << 20, 224 << 20, 480 << 20, 992 << 20, slot.numel()]
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in ends]
-    for source, start, n, offset in spans:
-        at = offset
-        while at < offset + n:
-            piece = next(i for i, end in enumerate(ends) if at < end)
-            upto = min(offset + n, ends[piece])
-            s = start + at - offset
-            pieces[piece].append((slot[at:upto], source[s : s + upto - at]))
-            at = upto
-    each = nbytes // 2 // 150 // 256 * 256
-    shards = [(offset + k * each, each - 64) for _, _, _, offset in spans for k in range(150)]
-    fused = CopySum.create(slot, pieces, shards)
-    assert fused is not None
-
-    def fused_pass() -> None:
-        for piece in range(fused.pieces):
-            fused.copy(piece)
-        fused.sums()
-
-    fused_pass()
-    got = fused.last_sums()
-    plain = torch.zeros_like(slot)
-    for source, start, n, offset in spans:
-        plain[offset : offset + n].copy_(source[start : start + n])
-        assert torch.equal(slot[offset : offset + n], plain[offset : offset + n])
-    plan = wsum.SumPlan.of(
-        [o for o, _ in shards], [n for _, n in shards], [0] * 300, list(range(300)), 300
-    )
-    assert got == [int(v) for v in group_sums(plain, plan)]
-
-    def copy() -> None:
-        for parts in pieces:
-            for destination, source in parts:
-                destination.copy_(source, non_blocking=True)
-
-    def copy_then_sums() -> None:
-        copy()
-        group_sums(slot, plan)
-
-    runs = {"fused": fused_pass, "copy": copy, "copy, then sums": copy_then_sums}
-    times = {name: _median_s(run) for name, run in runs.items()}
-    print(
-        f"\nsnapshot of {nbytes / 2**30:.2f} GiB in {fused.pieces} pieces, 300 shards: "
-        + "; ".join(f"{k} {1e3 * v:.3f} ms" for k, v in times.items())
-        + f"; {torch.cuda.get_device_name()}"
-    )
-
-
 _SPECS = [
     ShardSpec(name, shape, dtype, *split_pieces(shape, None, 1, 0, 1))
     for name, shape, dtype in [

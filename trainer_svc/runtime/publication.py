@@ -10,11 +10,9 @@ docs/refit.md).
 
 Only the copy is on the trainer's path, and on a GPU not even its completion: the copy runs on
 a side stream, the trainer's stream waits for it before the parameters change again (`fence`),
-and a reporter thread waits for it, adds the checksums and sends the rank's report, which was
-built once per slot. On a GPU the copy sums each shard's WSUM-64 as it goes (`copy_sum`: every
-block loaded once, stored into the slot and summed), so publication moves the bytes of one
-device-local copy; without Triton the slot is summed after the copy, one kernel over it. The
-version becomes readable a moment after the update that made it is applied (on a GPU
+and a reporter thread waits for it, adds the checksums (on a GPU the WSUM-64 of each shard, one
+kernel over the slot on the side stream) and sends the rank's report, which was built once per
+slot. The version becomes readable a moment after the update that made it is applied (on a GPU
 FinishTrainStep answers once the update is queued, so possibly after the answer); receivers
 wait for it (`SidecarClient.wait_visible`).
 """
@@ -42,7 +40,6 @@ from refit_sidecar.client import (
     SlotsExhausted,
     TrainerLayout,
 )
-from refit_sidecar.copy_sum import CopySum
 from refit_sidecar.layout import ShardSpec, placement_spec
 from refit_sidecar.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
 from refit_sidecar.snapshot_layout import (
@@ -117,16 +114,13 @@ class Slot:
     piece behind the copy. The last is the slot's version word: every byte has landed. All
     are 0 from before a copy changes any byte until their piece landed, so a receiver that
     reads its version's word after its reads knows no copy had started under them."""
-    copy_sum: CopySum | None = None
-    """A device slot's copy that sums the shards as it goes; None where it cannot run (the
-    pieces are then copied, and the slot summed after)."""
 
     def request(
         self, version: int, stream: torch.cuda.Stream | None = None
     ) -> pb.PublishShardsRequest:
-        """The report of `version`, held in this slot, once its copy has landed, with its
-        checksums: the CRC-32 of each shard of a host slot, the WSUM-64 of each shard of a
-        device slot (summed by the copy, or now on `stream`, off the trainer's)."""
+        """The report of `version`, held in this slot, with its checksums: the CRC-32 of each
+        shard of a host slot, the WSUM-64 of each shard of a device slot (computed on
+        `stream`, off the trainer's)."""
         request = pb.PublishShardsRequest()
         request.CopyFrom(self.report)
         request.version = version
@@ -134,11 +128,8 @@ class Slot:
             for parameter in request.parameters:
                 parameter.shards[0].crc32 = checksum(self.source.view(parameter.name))
         else:
-            if self.copy_sum is not None:
-                sums = self.copy_sum.last_sums()
-            else:
-                with torch.cuda.stream(stream):
-                    sums = self.source.device_sums()
+            with torch.cuda.stream(stream):
+                sums = self.source.device_sums()
             for parameter, value in zip(request.parameters, sums, strict=True):
                 parameter.shards[0].wsum64 = value
         return request
@@ -174,7 +165,6 @@ class _Built:
     words: TorchArena
     ends: tuple[int, ...]
     registration: Any
-    copy_sum: CopySum | None
 
 
 def create_slot(
@@ -211,11 +201,7 @@ def create_slot(
     ]
     words = TorchArena.allocate(len(ends) * VERSION_WORD_BYTES, config.alignment, device=device)
     words.tensor.zero_()
-    copy_sum = None
-    if device.type == "cuda":
-        shards = [(source.offset(name), p.nbytes) for name, p in parameters.items()]
-        copy_sum = CopySum.create(arena.tensor, pieces, shards)
-    return _Built(source, pieces, words, ends, agent.register(words), copy_sum)
+    return _Built(source, pieces, words, ends, agent.register(words))
 
 
 def with_words(report: pb.PublishShardsRequest, built: _Built) -> None:
@@ -337,24 +323,15 @@ class Publisher:
                 report,
                 b.words.tensor_view(0, torch.int64, (len(b.ends),)),
                 b.registration,
-                b.copy_sum,
             )
             for b, report in zip(built, reports, strict=True)
         ]
         client = SidecarClient(sidecar, auth=auth)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if stream is not None:
-            # Compiles the checksum kernels now, not in the first version: a copy into the
-            # first slot, whose words stay 0 (no version is there).
+            # Compiles the checksum kernel now, not in the first version's report.
             with torch.cuda.stream(stream):
-                fused = filled[0].copy_sum
-                if fused is not None:
-                    for piece in range(fused.pieces):
-                        fused.copy(piece)
-                    fused.sums()
-                else:
-                    filled[0].source.device_sums()
-            stream.synchronize()
+                filled[0].source.device_sums()
         publisher = cls(client, filled, parameters, topology, device, stream, agent, every)
         if topology.is_leader:
             client.wait_ready()
@@ -480,17 +457,11 @@ class Publisher:
             # Queued before the copies: no byte of the slot changes until every word says 0,
             # so a receiver that finds its version's word after its reads read no new byte.
             target.words.zero_()
-            fused = target.copy_sum
             for i, parts in enumerate(target.pieces):
-                if fused is not None:
-                    fused.copy(i)
-                else:
-                    for destination, source in parts:
-                        destination.copy_(source, non_blocking=True)
+                for destination, source in parts:
+                    destination.copy_(source, non_blocking=True)
                 # Queued after the piece's copies: written once they landed.
                 target.words[i].fill_(version)
-            if fused is not None:
-                fused.sums()
             return stream.record_event()
 
     def publish(self, version: int, slot: int) -> None:
