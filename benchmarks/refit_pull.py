@@ -463,9 +463,14 @@ def interleaved(records: list[dict[str, Any]]) -> dict[str, Any]:
     symmetric about 0, a drift of the step's time cancels, and a hold-up of h shifts it by h:
     the hold-up is D's median, with its distribution-free 95 % interval (a step's time has a
     long tail, which the median resists and a mean does not), besides the mean and its
-    standard error. Also steps k and k + 1 each against the clean neighbours. In ms."""
+    standard error. Also steps k and k + 1 each against the clean neighbours, and D split
+    into the steps' work before FinishTrainStep (the host's: its spread is small, so what the
+    report's work takes from the next step's launches shows there) and FinishTrainStep. In
+    ms."""
     seconds = [r["seconds"] for r in records]
+    finish = [r["finish_s"] for r in records]
     held: list[float] = []
+    parts: dict[str, list[float]] = {"before_finish": [], "finish": []}
     on_publishing: list[float] = []
     on_after: list[float] = []
     for k in range(1, len(records) - 2):
@@ -473,6 +478,10 @@ def interleaved(records: list[dict[str, Any]]) -> dict[str, Any]:
             continue  # a warm-up step beside it, or a step that did not publish
         before, after = seconds[k - 1], seconds[k + 2]
         held.append(seconds[k] + seconds[k + 1] - before - after)
+        # D split between the steps' work before FinishTrainStep and FinishTrainStep itself.
+        on_finish = finish[k] + finish[k + 1] - finish[k - 1] - finish[k + 2]
+        parts["finish"].append(on_finish)
+        parts["before_finish"].append(held[-1] - on_finish)
         # Each against the neighbours weighted to its own place (a drift cancels); the two
         # add up to the difference above.
         on_publishing.append(seconds[k] - (2 * before + after) / 3)
@@ -491,6 +500,8 @@ def interleaved(records: list[dict[str, Any]]) -> dict[str, Any]:
         step_median_ms=dict(publishing=median_of(0), after=median_of(1), clean=median_of(2)),
         publishing_ms=_spread_ms(on_publishing),
         after_ms=_spread_ms(on_after),
+        before_finish_ms=_spread_ms(parts["before_finish"]),
+        finish_ms=_spread_ms(parts["finish"]),
         holdup_ms=spread["median"],
         holdup_interval_ms=[1e3 * low, 1e3 * high],
         holdup_mean_ms=spread["mean"],
@@ -562,7 +573,10 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"median {m['publishing']:.2f} ms publishing, {m['after']:.2f} ms after it, "
             f"{m['clean']:.2f} ms neither; against the clean steps around them, the publishing "
             f"step {a['publishing_ms']['median']:+.2f} ms, the step after it "
-            f"{a['after_ms']['median']:+.2f} ms (medians)"
+            f"{a['after_ms']['median']:+.2f} ms (medians); D before FinishTrainStep "
+            f"{a['before_finish_ms']['mean']:+.2f} ± {a['before_finish_ms']['standard_error']:.2f}"
+            f" ms, in it {a['finish_ms']['mean']:+.2f} ± {a['finish_ms']['standard_error']:.2f} "
+            "ms (means)"
         )
         print(
             f"publication's hold-up of the loop, over {a['periods']} periods: "

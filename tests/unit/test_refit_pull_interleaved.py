@@ -43,6 +43,8 @@ def test_the_hold_up_counts_the_publishing_step_and_the_step_after_it() -> None:
     assert result["holdup_mean_ms"] == pytest.approx(4.5)
     assert result["publishing_ms"]["median"] == pytest.approx(3.0)
     assert result["after_ms"]["median"] == pytest.approx(1.5)
+    assert result["before_finish_ms"]["mean"] == pytest.approx(0.5)
+    assert result["finish_ms"]["mean"] == pytest.approx(4.0)
     medians = result["step_median_ms"]
     assert medians == pytest.approx(dict(publishing=153.0, after=151.5, clean=150.0))
 

@@ -119,9 +119,8 @@ class Slot:
     def _live(self) -> tuple[pb.PublishShardsRequest, list[tuple[str, Any]]]:
         """The report as sent, a copy of `report` whose version and checksums each request
         sets, and each of its parameters' name and first (only) shard record. Held once:
-        reaching a record through its parameter builds wrappers each time, which took most of
-        a report's Python work (0.18 against 0.03 ms for 165 parameters), on the reporter
-        thread while the next step launches its kernels."""
+        reaching a record through its parameter builds wrappers each time, most of a report's
+        Python work, done on the reporter thread while the next step launches its kernels."""
         live = pb.PublishShardsRequest()
         live.CopyFrom(self.report)
         return live, [(p.name, p.shards[0]) for p in live.parameters]
