@@ -160,8 +160,11 @@ for group in "$@"; do
             --direct --out "$OUT/sidecar_control_direct.json"
         ;;
     pull)
+        # $INTERLEAVED_STEPS: the steps of the trainer publishing every third version (the
+        # hold-up's periods are a third of them; the preset's 2,100 take about 4.5 minutes).
+        steps=(${INTERLEAVED_STEPS:+--interleaved-steps "$INTERLEAVED_STEPS"})
         run refit-pull python3 -m benchmarks.refit_pull --out "$OUT/refit_pull.json" \
-            --log-dir $logs/refit-pull
+            --log-dir $logs/refit-pull "${steps[@]}"
         ;;
     tests-refit)
         run gpu-tests-refit python3 -m pytest -p no:cacheprovider -m gpu -q -s \
