@@ -556,27 +556,27 @@ def print_summary(summary: dict[str, Any]) -> None:
     f = summary["finish_median_ms"]
     print(
         f"FinishTrainStep median: {f['publish']:.2f} ms publishing, {f['plain']:.2f} ms without "
-        f"(+{summary['publication_ms']:.2f} ms; device-local copy {summary['local_copy_ms']:.2f} "
+        f"({summary['publication_ms']:+.2f} ms; device-local copy {summary['local_copy_ms']:.2f} "
         "ms)"
     )
     h = summary["holdup_median_ms"]
     print(
         f"FinishTrainStep + next BeginTrainStep median: {h['publish']:.2f} ms publishing, "
-        f"{h['plain']:.2f} ms without (+{summary['publication_holdup_ms']:.2f} ms)"
+        f"{h['plain']:.2f} ms without ({summary['publication_holdup_ms']:+.2f} ms)"
     )
     a = summary["interleaved"]
     if a is not None:
         m = a["step_median_ms"]
         low, high = a["holdup_interval_ms"]
         print(
-            f"one trainer publishing every {a['every']} versions ({a['steps']} steps): step "
+            f"one trainer publishing the multiples of {a['every']} ({a['steps']} steps): step "
             f"median {m['publishing']:.2f} ms publishing, {m['after']:.2f} ms after it, "
             f"{m['clean']:.2f} ms neither; against the clean steps around them, the publishing "
             f"step {a['publishing_ms']['median']:+.2f} ms, the step after it "
-            f"{a['after_ms']['median']:+.2f} ms (medians); D before FinishTrainStep "
-            f"{a['before_finish_ms']['mean']:+.2f} ± {a['before_finish_ms']['standard_error']:.2f}"
-            f" ms, in it {a['finish_ms']['mean']:+.2f} ± {a['finish_ms']['standard_error']:.2f} "
-            "ms (means)"
+            f"{a['after_ms']['median']:+.2f} ms (medians); of the hold-up, before the "
+            f"FinishTrainStep calls {a['before_finish_ms']['mean']:+.2f} ± "
+            f"{a['before_finish_ms']['standard_error']:.2f} ms, in them "
+            f"{a['finish_ms']['mean']:+.2f} ± {a['finish_ms']['standard_error']:.2f} ms (means)"
         )
         print(
             f"publication's hold-up of the loop, over {a['periods']} periods: "
