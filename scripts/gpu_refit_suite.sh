@@ -26,7 +26,7 @@
 #   control     sidecar_control: the control plane alone (tree and direct)
 #   pull        refit_pull: the NIXL pull against a peer copy, and what publication holds the
 #               next training step up (against a device-local copy of the rank's shards;
-#               between two trainer processes, and within one publishing every other version),
+#               between two trainer processes, and within one publishing every third version),
 #               about 300 s
 #   tests       the GPU-marked tests
 #   tests-refit the GPU-marked tests of the refit's checksums, check and install
