@@ -274,7 +274,7 @@ class ShardSource:
             raise ValueError("only a torch arena's device memory can be checksummed in place")
         from refit_sidecar.torch_wsum import group_sums  # a torch arena: torch is there
 
-        return [int(v) for v in group_sums(tensor, self._sum_plan)]
+        return group_sums(tensor, self._sum_plan).tolist()  # Python ints, as uint64 holds them
 
     @functools.cached_property
     def _sum_plan(self) -> SumPlan:

@@ -236,3 +236,39 @@ def test_a_snapshot_zeroes_the_words_then_names_each_piece_after_its_bytes() -> 
     assert _Watched.seen == [[0, 0], [5, 0]]
     assert words.tolist() == [5, 5]
     assert torch.equal(slot_bytes, parameter.data.view(torch.uint8))
+
+
+def test_a_slots_report_carries_each_versions_own_checksums() -> None:
+    # The slot keeps one report message and rewrites its version and checksums per request
+    # (the reporter sends it before the next): the second version's report must not carry
+    # the first's checksums.
+    from types import SimpleNamespace
+
+    from refit_sidecar.checksum import checksum
+    from refit_sidecar.manifest import MemType
+    from trainer_refit.v1 import refit_pb2 as pb
+
+    data = {"a": np.arange(16, dtype=np.uint8), "b": np.full(8, 7, dtype=np.uint8)}
+    source = SimpleNamespace(arena=SimpleNamespace(mem_type=MemType.DRAM), view=data.__getitem__)
+    report = pb.PublishShardsRequest(rank=0)
+    for name in data:
+        report.parameters.add(name=name).shards.add()
+    slot = Slot(source, [], report, None, None)  # type: ignore[arg-type]
+    first = slot.request(4)
+    assert first.version == 4
+    assert [p.shards[0].crc32 for p in first.parameters] == [
+        checksum(data["a"]),
+        checksum(data["b"]),
+    ]
+    sent = first.SerializeToString()
+    data["a"][3] ^= 0xFF
+    second = slot.request(6)
+    assert second.version == 6
+    assert [p.shards[0].crc32 for p in second.parameters] == [
+        checksum(data["a"]),
+        checksum(data["b"]),
+    ]
+    assert pb.PublishShardsRequest.FromString(sent).parameters[0].shards[0].crc32 != (
+        second.parameters[0].shards[0].crc32
+    )
+    assert not report.parameters[0].shards[0].HasField("crc32")  # the template stays bare

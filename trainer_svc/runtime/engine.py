@@ -253,6 +253,13 @@ class StepEngine:
             ) from exc
         return replace(command, slot=slot)
 
+    def _fence(self) -> None:
+        """Before the parameters change (the optimizer's update, a checkpoint's load), and
+        only then: the last version's snapshot copy reads them on its side stream while the
+        next step's passes, which only read them too, run beside it."""
+        if self.publisher is not None:
+            self.publisher.fence()
+
     def _publish(self, slot: int | None) -> None:
         """Publishes the current weights as `weights_version` into the reserved slot (none:
         a step that does not publish, `RefitConfig.publish_every`)."""
@@ -278,8 +285,6 @@ class StepEngine:
         return phase(self.topology, lambda: self._execute(command))
 
     def _execute(self, command: cmd.Command) -> Any:
-        if self.publisher is not None:
-            self.publisher.fence()
         match command:
             case cmd.BeginStep():
                 return self._begin(command)
@@ -294,6 +299,7 @@ class StepEngine:
             case cmd.SaveCheckpoint(path=path):
                 return self.checkpointer.save(path, self)
             case cmd.LoadCheckpoint(path=path, slot=slot):
+                self._fence()
                 self.checkpointer.load(path, self)
                 self.weights_version += 1
                 self._publish(slot)
@@ -424,6 +430,7 @@ class StepEngine:
             # later command runs on this stream after the update, and the publication's
             # snapshot copy waits for it on its own stream (`publication.snapshot`): the
             # version becomes readable once the update and the copy are done.
+            self._fence()
             _, grad_norm, _ = self.built.optimizer.step()
             if command.wait_for_update and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

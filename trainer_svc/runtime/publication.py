@@ -115,23 +115,33 @@ class Slot:
     are 0 from before a copy changes any byte until their piece landed, so a receiver that
     reads its version's word after its reads knows no copy had started under them."""
 
+    @functools.cached_property
+    def _live(self) -> tuple[pb.PublishShardsRequest, list[tuple[str, Any]]]:
+        """The report as sent, a copy of `report` whose version and checksums each request
+        sets, and each of its parameters' name and first (only) shard record. Held once:
+        reaching a record through its parameter builds wrappers each time, most of a report's
+        Python work, done on the reporter thread while the next step launches its kernels."""
+        live = pb.PublishShardsRequest()
+        live.CopyFrom(self.report)
+        return live, [(p.name, p.shards[0]) for p in live.parameters]
+
     def request(
         self, version: int, stream: torch.cuda.Stream | None = None
     ) -> pb.PublishShardsRequest:
         """The report of `version`, held in this slot, with its checksums: the CRC-32 of each
         shard of a host slot, the WSUM-64 of each shard of a device slot (computed on
-        `stream`, off the trainer's)."""
-        request = pb.PublishShardsRequest()
-        request.CopyFrom(self.report)
+        `stream`, off the trainer's). The slot's one report message, rewritten by the next
+        request: send it before asking again (the reporter thread does, one at a time)."""
+        request, shards = self._live
         request.version = version
         if self.source.arena.mem_type is MemType.DRAM:
-            for parameter in request.parameters:
-                parameter.shards[0].crc32 = checksum(self.source.view(parameter.name))
+            for name, shard in shards:
+                shard.crc32 = checksum(self.source.view(name))
         else:
             with torch.cuda.stream(stream):
                 sums = self.source.device_sums()
-            for parameter, value in zip(request.parameters, sums, strict=True):
-                parameter.shards[0].wsum64 = value
+            for (_, shard), value in zip(shards, sums, strict=True):
+                shard.wsum64 = value
         return request
 
 
