@@ -12,6 +12,11 @@ the engine through vLLM's own engine client, as an orchestrator would through th
    install the staged bytes), set vLLM's weight version to the version number, drop the KV
    cache computed with the old weights, resume. The generation stall is the install.
 
+Serving the newest version, the workers ask the sidecar for the next one ahead
+(``refit_expect``), and ask again every half ``visible_timeout_s`` while nothing newer is
+announced: an ask parked on the sidecar (the next version's slot not reserved yet) waits one
+``visible_timeout_s``, and a training step may take longer.
+
 A version whose prefetch or switch fails leaves every worker on the weights it serves; the
 follower tries it again after ``retry_interval_s`` and a newer version at once. vLLM labels each
 step's outputs with its weight version, so ``/inference/v1/generate`` reports for every
@@ -130,6 +135,8 @@ class AutoRefit:
         self.switches: collections.deque[Switch] = collections.deque(maxlen=_SWITCHES_KEPT)
         self._failed: dict[int, tuple[float, int]] = {}
         """Failed versions: when they failed last, and how many times."""
+        self._asked: tuple[int, float] | None = None
+        """The version the workers last asked for ahead, and when (monotonic)."""
         self._changed = asyncio.Event()
         self._stopping = threading.Event()
         self._client: SidecarClient | None = None
@@ -259,9 +266,12 @@ class AutoRefit:
             )
             if version is None:
                 self._changed.clear()
-                retry = self._next_retry()
+                waits = [w for w in (self._next_retry(), self._ask_again_in()) if w is not None]
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=retry)
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(waits, default=None))
+                again = self._ask_again_in()
+                if again is not None and again <= 0 and self.installed is not None:
+                    await self._expect(self.installed + 1)
                 continue
             try:
                 await self._refit(version)
@@ -269,6 +279,18 @@ class AutoRefit:
                 raise
             except Exception as e:  # the follower must outlive any one failure
                 self._fail(version, f"{type(e).__name__}: {e}")
+
+    def _ask_again_in(self) -> float | None:
+        """Seconds until the workers' ask for the next version is renewed (due at 0 or
+        less); None while the follower does not keep up or asked for nothing."""
+        asked = self._asked
+        if asked is None or self.installed is None or self.newest != self.installed:
+            return None
+        version, at = asked
+        every = self.target.options.visible_timeout_s / 2
+        if version != self.installed + 1 or every <= 0:
+            return None
+        return at + every - time.monotonic()
 
     def _next_retry(self) -> float | None:
         """Seconds until the earliest failed version may be tried again (None: none)."""
@@ -311,6 +333,7 @@ class AutoRefit:
         now, so it is leased (through the tree, with its sources) the moment it is published.
         A follower that is behind skips this (it fetches a version that is readable already,
         and an expected one it then skipped would be answered for nothing)."""
+        self._asked = (version, time.monotonic())
         try:
             await self.engine.collective_rpc("refit_expect", args=(version,))
         except Exception as e:  # an optimisation only: the prefetch asks as before

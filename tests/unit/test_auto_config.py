@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -220,3 +222,34 @@ def test_a_refused_install_resumes_on_the_old_version() -> None:
     asyncio.run(follower._refit(7))
     assert [c[0] for c in engine.calls] == ["refit_prefetch", "pause", "refit_to", "resume"]
     assert follower.installed is None and follower.switches == collections.deque()
+
+
+@pytest.mark.parametrize("keeping_up", [True, False])
+def test_a_follower_keeping_up_asks_again_before_its_ask_lapses(keeping_up: bool) -> None:
+    """A training step may outlast the sidecar's wait for the version asked ahead (one
+    visible_timeout_s): while nothing newer is announced, the follower asks for the next
+    version again every half of that wait; one that is behind does not."""
+    engine = RecordingEngine(["ready"])
+    options = RefitOptions(insecure=True, visible_timeout_s=0.2)
+    config = AutoRefitConfig(poll_interval_s=0.001)
+    follower = AutoRefit(engine, RefitTarget(sidecar="127.0.0.1:1", options=options), config)  # type: ignore[arg-type]
+    follower.newest = 7
+
+    async def follow_for(seconds: float) -> None:
+        await follower._refit(7)
+        if not keeping_up:
+            follower.newest = 9
+            follower._failed[9] = (time.monotonic() + 60, 1)  # not tried meanwhile
+        task = asyncio.create_task(follower._follow())
+        await asyncio.sleep(seconds)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(follow_for(1.0))
+    asks = [args for name, args in engine.calls if name == "refit_expect"]
+    if keeping_up:
+        assert asks[0] == (8,) and len(asks) >= 4, asks  # at 0, 0.1, 0.2, ... s
+        assert set(asks) == {(8,)}
+    else:
+        assert asks == [(8,)]  # the one after the switch, when it kept up
