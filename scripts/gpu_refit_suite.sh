@@ -163,7 +163,7 @@ for group in "$@"; do
         # $INTERLEAVED_STEPS: the steps of the trainer publishing every third version (the
         # hold-up's periods are a third of them; the preset's 2,100 take about 4.5 minutes);
         # $INTERLEAVED_SEQS: 512-token sequences in each of those steps (default 1: light
-        # steps, bound by the host; 16 keep the GPU busy for the whole step).
+        # steps, bound by the host; 16: heavier ones, more of their time on the GPU).
         steps=(${INTERLEAVED_STEPS:+--interleaved-steps "$INTERLEAVED_STEPS"})
         steps+=(${INTERLEAVED_SEQS:+--interleaved-seqs-per-microbatch "$INTERLEAVED_SEQS"})
         run refit-pull python3 -m benchmarks.refit_pull --out "$OUT/refit_pull.json" \

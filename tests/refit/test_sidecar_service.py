@@ -370,10 +370,11 @@ def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_pat
 
 
 def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp_path):
-    """`before_readable`: a version whose slot held a readable version (its manifest key known)
-    is leased as soon as it is reserved, pending, with that key and no checksums; the leased
-    slot is never handed on; GetChecksums answers once the version is readable, with the key.
-    A slot never read before gives a lease only once the version is readable."""
+    """`before_readable`: a version whose slot held a readable version (its manifest key known,
+    whether or not anyone read that version) is leased as soon as it is reserved, pending,
+    with that key and no checksums; the leased slot is never handed on; GetChecksums answers
+    once the version is readable, with the key. A slot that never held a readable version
+    gives a lease only once the version is readable."""
     with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
         stub = sidecar.stub(Role.TRAINER)
         _register(stub, world_size=1, slots=2)
@@ -396,8 +397,7 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
         assert not lease.pending and lease.checksums == ((11, None),)
         slot_key = lease.manifest_key
         client.release_lease(lease)
-        _publish_one_tensor(stub, 2, reserve(2), crc=22)
-        client.release_lease(client.acquire_lease(2, "r", ttl=30))
+        _publish_one_tensor(stub, 2, reserve(2), crc=22)  # slot 1; no one reads version 2
 
         # Slot 0 again: leased at its reservation, before any report.
         third = early(3)
@@ -414,8 +414,17 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
         got = asked.result(timeout=10)
         assert (got.version, got.checksums) == (3, ((33, None),))
         assert got.manifest_key == lease.manifest_key
+        # Slot 1 held version 2, which no one read: its key is known all the same.
+        fourth = early(4)
+        assert reserve(4) == 1
+        ahead = fourth.result(timeout=10)
+        assert ahead.pending and ahead.checksums is None
+        _publish_one_tensor(stub, 4, 1, crc=44)
+        after = client.acquire_lease(4, "r", ttl=30)
+        assert not after.pending and after.manifest_key == ahead.manifest_key != slot_key
+        client.release_lease(after)
+        client.release_lease(ahead)
         # Version 3's slot stays with it while the lease lasts, readable or not.
-        _publish_one_tensor(stub, 4, reserve(4), crc=44)
         assert reserve(5) == 1  # not slot 0: version 3 is leased
         client.release_lease(lease)
         with pytest.raises(UnknownVersion):
