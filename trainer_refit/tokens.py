@@ -97,6 +97,9 @@ class RoleTokens:
         self.required = frozenset(required)
         self._files = {role: TokenFile(directory / role.value) for role in Role}
         self._problems: dict[Role, str] = {}
+        self._digests: dict[Role, tuple[tuple[str, ...], tuple[bytes, ...]]] = {}
+        """Per role, its tokens as last read and their digests: computed again only when the
+        file's tokens change (a rotation), not on every call."""
 
     def _read(self, role: Role) -> tuple[str, ...] | None:
         """The role's tokens; None for an absent file of a role that is not required."""
@@ -135,10 +138,18 @@ class RoleTokens:
         presented = _digest(token)
         matches = []
         for role in Role:
-            known = [hmac.compare_digest(_digest(t), presented) for t in self._current(role)]
+            known = [hmac.compare_digest(d, presented) for d in self._digests_of(role)]
             if any(known):
                 matches.append(role)
         return matches[0] if len(matches) == 1 else None
+
+    def _digests_of(self, role: Role) -> tuple[bytes, ...]:
+        tokens = self._current(role)
+        cached = self._digests.get(role)
+        if cached is None or cached[0] is not tokens:  # a file read again gives a new tuple
+            cached = (tokens, tuple(_digest(t) for t in tokens))
+            self._digests[role] = cached
+        return cached[1]
 
     def _current(self, role: Role) -> tuple[str, ...]:
         try:

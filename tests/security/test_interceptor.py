@@ -342,3 +342,24 @@ def test_replaced_server_certificates_serve_new_connections(tokens: Tokens, tmp_
         assert _call(target, ClientAuth(token_file=token, tls_ca=second.ca), SAY) == [b"hi"]
         stale = ClientAuth(token_file=token, tls_ca=first.ca)
         assert _code(target, stale, SAY) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_known_tokens_are_digested_once_per_file_not_per_call(
+    tokens: Tokens, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_refit import tokens as token_module
+
+    digested: list[str] = []
+    digest = token_module._digest
+    monkeypatch.setattr(token_module, "_digest", lambda t: digested.append(t) or digest(t))
+    roles = token_module.RoleTokens(tokens.directory, [Role.ORCHESTRATOR])
+    mine = tokens.file(Role.ORCHESTRATOR).read_text().split()[0]
+    assert roles.role_of(mine) is Role.ORCHESTRATOR
+    first = len(digested)
+    assert roles.role_of(mine) is Role.ORCHESTRATOR
+    assert len(digested) == first + 1  # the presented token only
+    write_token_dir(tmp_path / "new", [Role.ORCHESTRATOR])
+    (tmp_path / "new" / Role.ORCHESTRATOR.value).replace(tokens.file(Role.ORCHESTRATOR))
+    assert roles.role_of(mine) is None  # rotated away: the new file's token is digested
+    rotated = tokens.file(Role.ORCHESTRATOR).read_text().split()[0]
+    assert roles.role_of(rotated) is Role.ORCHESTRATOR
