@@ -423,7 +423,7 @@ class Publisher:
             self._note(f"cannot reserve a slot for version {version}: {_describe(e)}")
             raise
         if retired is not None:
-            log.info("refit: version %d retired to make room for %d", retired, version)
+            log.debug("refit: version %d retired to make room for %d", retired, version)
         return slot
 
     def _reserve_ahead(self, version: int) -> tuple[int, int] | None:
