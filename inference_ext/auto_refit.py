@@ -136,7 +136,9 @@ class AutoRefit:
         self._failed: dict[int, tuple[float, int]] = {}
         """Failed versions: when they failed last, and how many times."""
         self._asked: tuple[int, float] | None = None
-        """The version the workers last asked for ahead, and when (monotonic)."""
+        """The version the workers were last asked to ask for ahead, and when (monotonic)."""
+        self._asking = False
+        """Whether every worker took that ask (none was busy pulling, the call went through)."""
         self._changed = asyncio.Event()
         self._stopping = threading.Event()
         self._client: SidecarClient | None = None
@@ -204,9 +206,17 @@ class AutoRefit:
             "ready": ready,
             "reason": reason,
             "last_error": self.last_error,
+            "asked_ahead": self.asked_ahead(),
             "config": self.config.to_dict(),
             "switches": [s.to_dict() for s in self.switches],
         }
+
+    def asked_ahead(self) -> int | None:
+        """The next version every worker has asked the sidecar for, while the follower keeps
+        up and nothing newer is announced; None otherwise."""
+        if not self._asking or self._asked is None or self._ask_again_in() is None:
+            return None
+        return self._asked[0]
 
     # -- the watch thread --------------------------------------------------------------------
 
@@ -333,11 +343,14 @@ class AutoRefit:
         now, so it is leased (through the tree, with its sources) the moment it is published.
         A follower that is behind skips this (it fetches a version that is readable already,
         and an expected one it then skipped would be answered for nothing)."""
-        self._asked = (version, time.monotonic())
+        asking = False
         try:
-            await self.engine.collective_rpc("refit_expect", args=(version,))
+            replies = await self.engine.collective_rpc("refit_expect", args=(version,))
+            asking = all(r.get("asking") for r in replies)
         except Exception as e:  # an optimisation only: the prefetch asks as before
             log.debug("auto-refit: asking ahead for version %d failed: %s", version, e)
+        finally:
+            self._asked, self._asking = (version, time.monotonic()), asking
 
     async def _switch(self, version: int, prefetch_s: float) -> None:
         mode = self.config.pause_mode

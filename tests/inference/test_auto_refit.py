@@ -121,6 +121,15 @@ def _wait_installed(server: VllmServer, version: int, timeout: float = 120.0) ->
     raise AssertionError(f"version {version} not installed after {timeout} s: {_status(server)}")
 
 
+def _wait_asked_ahead(server: VllmServer, version: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _status(server)["asked_ahead"] == version:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"version {version} not asked for ahead in {timeout} s: {_status(server)}")
+
+
 @dataclass(frozen=True)
 class Probe:
     version: str
@@ -278,9 +287,12 @@ def test_the_server_follows_the_trainer_by_itself(stack: Stack, record_property:
     # Reading before the report replays the plan of a version read from the same slot, so the
     # server first follows one more version, into the other of the trainer's two slots (a
     # loaded machine may have let it skip every version of that slot above).
+    # The next step then starts once every worker has asked for its version (the status
+    # shows the version installed a moment before the follower asks).
     bridge = train_step(stack.trainer, "auto-bridge", seed=7)
     stack.truth[str(bridge)] = trainer_logprobs(stack.trainer)
     _wait_installed(server, bridge)
+    _wait_asked_ahead(server, bridge + 1)
     following = train_step(stack.trainer, "auto-ahead", seed=6)
     stack.truth[str(following)] = trainer_logprobs(stack.trainer)
     switch = _wait_installed(server, following)["switches"][-1]

@@ -202,9 +202,37 @@ def test_a_follower_keeping_up_asks_ahead_for_the_next_version(newest: int) -> N
     if newest == 7:
         assert engine.calls[-1] == ("refit_expect", (8,))
         assert names.index("refit_expect") > names.index("resume")
+        assert follower.status()["asked_ahead"] == 8
+        follower.newest = 8  # announced: the ask is answered, none stands
+        assert follower.status()["asked_ahead"] is None
     else:
         assert "refit_expect" not in names
+        assert follower.status()["asked_ahead"] is None
     assert follower.switches[-1].expected  # the workers' refit_to said so
+
+
+def test_asked_ahead_names_only_an_ask_every_worker_took() -> None:
+    """A worker busy pulling does not ask (``asking: False``); a failed call asks nothing:
+    the status then names no version asked ahead."""
+
+    class Busy(RecordingEngine):
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            if method == "refit_expect":
+                self.calls.append((method, args))
+                return [{"tp_rank": 0, "asking": True}, {"tp_rank": 1, "asking": False}]
+            return await super().collective_rpc(method, timeout, args, kwargs)
+
+    class Failing(RecordingEngine):
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            if method == "refit_expect":
+                raise RuntimeError("the engine is gone")
+            return await super().collective_rpc(method, timeout, args, kwargs)
+
+    for engine in (Busy(["ready"]), Failing(["ready"])):
+        follower = _follower(engine, PauseMode.KEEP)
+        follower.newest = 7
+        asyncio.run(follower._refit(7))
+        assert follower.installed == 7 and follower.status()["asked_ahead"] is None
 
 
 def test_a_failed_prefetch_never_pauses_generation() -> None:
