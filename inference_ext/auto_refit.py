@@ -280,8 +280,8 @@ class AutoRefit:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=min(waits, default=None))
                 again = self._ask_again_in()
-                if again is not None and again <= 0 and self.installed is not None:
-                    await self._expect(self.installed + 1)
+                if again is not None and again <= 0 and self._asked is not None:
+                    await self._expect(self._asked[0])  # installed + 1, still not announced
                 continue
             try:
                 await self._refit(version)

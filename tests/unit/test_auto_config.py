@@ -137,8 +137,10 @@ class RecordingEngine:
         return True
 
 
-def _follower(engine: RecordingEngine, mode: PauseMode) -> AutoRefit:
-    target = RefitTarget(sidecar="127.0.0.1:1", options=RefitOptions(insecure=True))
+def _follower(
+    engine: RecordingEngine, mode: PauseMode, options: RefitOptions | None = None
+) -> AutoRefit:
+    target = RefitTarget(sidecar="127.0.0.1:1", options=options or RefitOptions(insecure=True))
     config = AutoRefitConfig(pause_mode=mode, poll_interval_s=0.001)
     return AutoRefit(engine, target, config)  # type: ignore[arg-type]
 
@@ -259,8 +261,7 @@ def test_a_follower_keeping_up_asks_again_before_its_ask_lapses(keeping_up: bool
     version again every half of that wait; one that is behind does not."""
     engine = RecordingEngine(["ready"])
     options = RefitOptions(insecure=True, visible_timeout_s=0.2)
-    config = AutoRefitConfig(poll_interval_s=0.001)
-    follower = AutoRefit(engine, RefitTarget(sidecar="127.0.0.1:1", options=options), config)  # type: ignore[arg-type]
+    follower = _follower(engine, PauseMode.KEEP, options)
     follower.newest = 7
 
     async def follow_for(seconds: float) -> None:
