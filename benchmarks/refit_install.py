@@ -665,6 +665,7 @@ _PHASES = (
     "plan_s",
     "pull_s",
     "gated_s",
+    "gate_first_s",
     "lag_s",
     "checksums_wait_s",
     "check_s",
@@ -707,6 +708,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         in_place_bytes=timed[-1]["refit"]["stats"].get("in_place_bytes", 0),
         finish_median_ms=1e3 * statistics.median(r["step"]["finish_s"] for r in timed),
         step_median_ms=1e3 * statistics.median(r["step"]["step_s"] for r in timed),
+        gate_first_pieces=[r["refit"]["stats"].get("gate_first_pieces", 0) for r in timed],
+        gate_rounds=[r["refit"]["stats"].get("gate_rounds", 0) for r in timed],
     )
 
 
@@ -721,7 +724,7 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
     print(
         f"  latency {m['latency']:.3f} ms; phases: notify {m['notify']:.3f}, fetch "
         f"{m['fetch']:.3f} (plan {m['plan']:.3f}, pull {m['pull']:.3f} (first request after "
-        f"{m['gated']:.3f}), lag "
+        f"{m['gated']:.3f}, first look at the pieces after {m['gate_first']:.3f}), lag "
         f"{m['lag']:.3f}, checksums wait {m['checksums_wait']:.3f}, check {m['check']:.3f}), "
         f"translate {m['translate']:.3f}, install {m['install']:.3f} ms; "
         f"{summary['in_place_bytes']:,} bytes pulled straight into the model's tensors"
@@ -742,6 +745,13 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
         + ", ".join(f"{v:.1f}" for v in summary["warmup_latency_ms"])
         + " ms"
     )
+    if any(summary["gate_rounds"]):
+        print(
+            "pieces holding the version at each refit's first look: "
+            + " ".join(map(str, summary["gate_first_pieces"]))
+            + "; looks per pull: "
+            + " ".join(map(str, summary["gate_rounds"]))
+        )
     print(
         f"FinishTrainStep median {summary['finish_median_ms']:.2f} ms, "
         f"step {summary['step_median_ms']:.1f} ms"

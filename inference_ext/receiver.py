@@ -299,6 +299,13 @@ class RefitStats:
     """Then seconds waiting for checksums published after the pull started."""
     check_s: float = 0.0
     """Then seconds to the checksums compared."""
+    gate_first_s: float = 0.0
+    """Direct path reading behind the copy: seconds of `pull_s` until its first look at the
+    sources' pieces landed (`PullStats.gate_first_s`)."""
+    gate_first_pieces: int = 0
+    """The pieces that held the version at that first look."""
+    gate_rounds: int = 0
+    """Looks at the sources' pieces during the pull."""
     in_place_bytes: int = 0
     """Bytes the pull landed straight in the engine's tensors (`fetch(..., in_place=...)`,
     inference_ext/in_place.py): nothing was copied for them after it."""
@@ -949,6 +956,9 @@ class Receiver:
             lag_s=stats.lag_s,
             checksums_wait_s=stats.checksums_wait_s,
             check_s=stats.check_s,
+            gate_first_s=stats.gate_first_s,
+            gate_first_pieces=stats.gate_first_pieces,
+            gate_rounds=stats.gate_rounds,
             in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
             lease_held_by=fetched.held_by,
         )

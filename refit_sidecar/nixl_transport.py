@@ -441,6 +441,13 @@ class Posted:
 class Gate(Protocol):
     """Which READ requests of a pull may be posted yet (`piece_gate.PieceGate`)."""
 
+    rounds: int
+    """Looks at the sources that landed (reads of their words)."""
+    first_seen: tuple[float, int] | None
+    """The first look's time (time.perf_counter()) and what it let go (pieces holding the
+    version), None before it: with `rounds`, whether a pull's first request waited for the
+    sources' copies or for its own looks (`PullStats.gate_first_s`)."""
+
     def need(self, agent: str, remote: np.ndarray) -> int:
         """What a request of `agent` reading `remote` (N×3 address, length, device) waits
         for, in terms `ready` understands."""
@@ -559,7 +566,17 @@ class PendingPull:
         self._end()
         seconds, xfers = time.perf_counter() - self.begin, self.xfers
         nbytes, reads = sum(x.nbytes for x in xfers), sum(x.reads for x in xfers)
-        return PullStats(nbytes, seconds, reads, len(xfers), self.reposted, gated_s=self.gated_s)
+        stats = PullStats(nbytes, seconds, reads, len(xfers), self.reposted, gated_s=self.gated_s)
+        seen = None if self.gate is None else self.gate.first_seen
+        if seen is None:
+            return stats
+        assert self.gate is not None
+        return replace(
+            stats,
+            gate_first_s=seen[0] - self.begin,
+            gate_first_pieces=seen[1],
+            gate_rounds=self.gate.rounds,
+        )
 
     def _post_queued(self, waiting: list[_Xfer]) -> bool:
         """Posts queued requests, in order, while the window has room and the gate lets the

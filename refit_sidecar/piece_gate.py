@@ -66,6 +66,9 @@ class PieceGate:
         self._reading: dict[str, Posted] = {}
         self.rounds = 0
         """Reads of the words that landed."""
+        self.first_seen: tuple[float, int] | None = None
+        """When the first read of words landed (time.perf_counter()) and how many pieces,
+        over every source, held the version then (`Gate.first_seen`)."""
 
     @classmethod
     def applies(cls, agents: Iterable[AgentRecord]) -> bool:
@@ -141,6 +144,8 @@ class PieceGate:
             )
         holds = seen == self._version
         self._landed[name] = count if holds.all() else int(np.argmin(holds))
+        if self.first_seen is None:
+            self.first_seen = (time.perf_counter(), sum(self._landed.values()))
 
     def settle(self) -> None:
         """Waits for the reads of words still in flight (their memory is read again by the

@@ -73,6 +73,14 @@ class PullStats:
     gated_s: float = 0.0
     """Seconds from the pull's start until its first request was posted, when its requests
     waited for the pieces of the sources' snapshot copies (`piece_gate`); 0 otherwise."""
+    gate_first_s: float = 0.0
+    """With such a gate: seconds from the pull's start until its first look at the sources'
+    pieces landed (a small read of their words)."""
+    gate_first_pieces: int = 0
+    """The pieces, over every source, that held the version at that first look: none means
+    the first request waited for the sources' copies, some means for the pull's own work."""
+    gate_rounds: int = 0
+    """Looks at the sources' pieces during the pull."""
 
     @property
     def gib_per_s(self) -> float:

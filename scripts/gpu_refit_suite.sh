@@ -11,7 +11,8 @@
 #               snapshot copy (the default) and once the whole copy landed (--not-behind-copy)
 #   goal        refit_install, 1b and 3b, reading behind the copy (the default), checksums on
 #               and off: the latency figures of the refit-in-peer-copy-time goal
-#               (docs/refit.md), about 330 s; `pull` gives its hold-up figure
+#               (docs/refit.md), about 330 s; `pull` gives its hold-up figure. $GOAL_PRESETS:
+#               the presets (default "1b 3b"); $GOAL_STEPS: timed refits per run (default 10)
 #   install-window  refit_install, 1b, the direct pull's READ requests in flight at once
 #               ($WINDOWS: the counts, default "0 2", 0 for all; the receivers' default: 4)
 #   install-taper  refit_install, 1b, the direct pull's first and last requests and check
@@ -89,14 +90,15 @@ for group in "$@"; do
         ;;
     goal)
         memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
-        for preset in 1b 3b; do
+        steps=(${GOAL_STEPS:+--steps "$GOAL_STEPS"})
+        for preset in ${GOAL_PRESETS:-1b 3b}; do
             slots=2
             [ $preset = 3b ] && [ "$memory" -lt 100000 ] && slots=1
             run "goal-$preset" python3 -m benchmarks.refit_install --preset $preset \
-                --device cuda --dest-gpu 1 --slots $slots \
+                --device cuda --dest-gpu 1 --slots $slots "${steps[@]}" \
                 --out "$OUT/refit_install_${preset}.json" --log-dir "$logs/goal-$preset"
             run "goal-$preset-nc" python3 -m benchmarks.refit_install --preset $preset \
-                --device cuda --dest-gpu 1 --slots $slots --no-checksums \
+                --device cuda --dest-gpu 1 --slots $slots --no-checksums "${steps[@]}" \
                 --out "$OUT/refit_install_${preset}_no_checksums.json" \
                 --log-dir "$logs/goal-$preset-nc"
         done

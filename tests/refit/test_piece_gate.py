@@ -229,6 +229,9 @@ def test_requests_wait_for_their_pieces_and_read_the_version_behind_the_copy(
         assert np.array_equal(dest, _expected(_plan(slot), truth, slot.bytes.ctypes.data))
         assert stats.gated_s >= pause_s  # nothing was posted before the first piece
         assert gate.open and gate.rounds >= 2
+        # The first look came before the copy's pause was over and found no piece.
+        assert 0 < stats.gate_first_s < stats.gated_s
+        assert stats.gate_first_pieces == 0 and stats.gate_rounds == gate.rounds
 
 
 def test_a_newer_piece_fails_the_pull_and_missing_pieces_time_out(
@@ -287,5 +290,8 @@ def test_a_pull_whose_pieces_landed_posts_its_first_requests_during_its_set_up(
     pending = puller.start(plan, Region.of_array(dest), gate)
     # The first look at the words, checked back to back, let the requests go at once.
     assert pending.gated_s > 0 and gate.open
-    pending.wait()
+    stats = pending.wait()
     assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
+    # Every piece held the version at the first look, before the first request went.
+    assert stats.gate_first_pieces == len(ENDS) and stats.gate_rounds == 1
+    assert 0 < stats.gate_first_s <= stats.gated_s
