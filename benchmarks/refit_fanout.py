@@ -386,12 +386,6 @@ def build_parser() -> argparse.ArgumentParser:
         "baseline, may not",
     )
     fan.add_argument(
-        "--trace",
-        action="store_true",
-        help="receivers record each pull's timeline: per tree round, when each level saw its "
-        "parent's last fill after the parent stored it",
-    )
-    fan.add_argument(
         "--chunk-taper",
         type=int,
         default=0,

@@ -148,6 +148,8 @@ class RunConfig:
     """The direct receiver's `RefitOptions.request_taper`."""
     install: str
     """How the direct receiver installs (`INSTALLS`)."""
+    trace: bool
+    """The receivers record each pull's timeline (`RefitOptions.trace_pull`)."""
     before_readable: bool
     """Asked ahead, the lease comes at the slot's reservation and the pull starts on the
     trainer's version words (`RefitOptions.read_before_readable`)."""
@@ -210,7 +212,7 @@ class ReceiverSettings:
     check_part_bytes: int = DEFAULT_PART_BYTES
     """The tree receiver's bytes per part of its running check."""
     trace: bool = False
-    """The tree receiver records each pull's timeline (`RefitOptions.trace_pull`)."""
+    """The receivers record each pull's timeline (`RefitOptions.trace_pull`)."""
     checksums: bool = True
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
     before_readable: bool = True
@@ -323,6 +325,7 @@ class InstallEndpoint:
             read_behind_copy=settings.behind_copy,
             requests_in_flight=settings.requests_in_flight,
             request_taper=settings.request_taper,
+            trace_pull=settings.trace,
         )
         self.receivers = {
             "direct": Receiver(
@@ -708,9 +711,31 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         in_place_bytes=timed[-1]["refit"]["stats"].get("in_place_bytes", 0),
         finish_median_ms=1e3 * statistics.median(r["step"]["finish_s"] for r in timed),
         step_median_ms=1e3 * statistics.median(r["step"]["step_s"] for r in timed),
+        trace_ms=_trace_medians(timed),
         gate_first_pieces=[r["refit"]["stats"].get("gate_first_pieces", 0) for r in timed],
         gate_rounds=[r["refit"]["stats"].get("gate_rounds", 0) for r in timed],
     )
+
+
+_TRACED = ("prepared", "saw", "posted", "landed", "verified")
+"""The events of a direct pull's timeline (`pull_trace.TraceEvent`) the summary times: the
+first of each, and the last landing."""
+
+
+def _trace_medians(timed: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over the refits recorded with `--trace`: ms from the pull's start to the first
+    of each event of `_TRACED` (to the last landing for "landed")."""
+    times: dict[str, list[float]] = {name: [] for name in _TRACED}
+    for record in timed:
+        events = record["refit"]["stats"].get("trace") or []
+        began = next((t for t, name, _, _ in events if name == "began"), None)
+        if began is None:
+            continue
+        for name in _TRACED:
+            at = [t for t, event, _, _ in events if event == name]
+            if at:
+                times[name].append(1e3 * ((at[-1] if name == "landed" else at[0]) - began))
+    return {name: statistics.median(v) for name, v in times.items() if v}
 
 
 def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None:
@@ -745,6 +770,11 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
         + ", ".join(f"{v:.1f}" for v in summary["warmup_latency_ms"])
         + " ms"
     )
+    if summary["trace_ms"]:
+        print(
+            "pull timeline, ms from its start (medians): "
+            + ", ".join(f"{name} {ms:.3f}" for name, ms in summary["trace_ms"].items())
+        )
     if any(summary["gate_rounds"]):
         print(
             "pieces holding the version at each refit's first look: "
@@ -835,6 +865,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="halvings of a direct pull's last (and first) requests and check parts",
+    )
+    run.add_argument(
+        "--trace",
+        action="store_true",
+        help="receivers record each pull's timeline (diagnosis): where a direct pull's set-up "
+        "went; through the tree (refit_fanout), when each level saw its parent's last fill",
     )
     run.add_argument(
         "--install",
@@ -954,6 +990,7 @@ def receiver_settings(
         requests_in_flight=config.requests_in_flight,
         install=config.install,
         request_taper=config.request_taper,
+        trace=config.trace,
     )
 
 

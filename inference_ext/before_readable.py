@@ -103,6 +103,9 @@ class BeforeReadable:
         if behind_copy and PieceGate.applies(agents):
             named = {a.name: a for a in agents}
             gate = PieceGate(self._transport, self._words, named, version, deadline)
+            # The first look at the sources' pieces goes out now: it lands while the rest of
+            # the refit's set-up runs, and the pull's first requests need not wait for it.
+            gate.poll(named)
         if asked is None and (verify or not by_words):
             wait = max(deadline - time.monotonic(), 0.0)
             asked = self._client.checksums_later(version, wait_s=wait)

@@ -52,7 +52,7 @@ from refit_sidecar.plan import (
     with_checksums,
 )
 from refit_sidecar.progress_file import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
-from refit_sidecar.pull_trace import Event
+from refit_sidecar.pull_trace import Event, PullTrace
 from refit_sidecar.running_check import DEFAULT_PART_BYTES
 from refit_sidecar.torch_arena import TorchWords
 from refit_sidecar.transport import PullStats, Region
@@ -143,7 +143,8 @@ class RefitOptions:
     """Fan-out: bytes per part of the running check; a part's sums start once all of it
     landed, the last after the pull (each part costs kernel launches)."""
     trace_pull: bool = False
-    """Fan-out: record each pull's timeline into its stats (`RefitStats.trace`; diagnosis)."""
+    """Record each pull's timeline into its stats (`RefitStats.trace`; diagnosis), through
+    the tree and on the direct path."""
     progress_dir: str = DEFAULT_PROGRESS_DIR
     """Fan-out: a directory of shared memory where this receiver mirrors its progress word
     for receivers on its host (refit_sidecar/progress_file.py); "" for none."""
@@ -310,7 +311,7 @@ class RefitStats:
     """Bytes the pull landed straight in the engine's tensors (`fetch(..., in_place=...)`,
     inference_ext/in_place.py): nothing was copied for them after it."""
     trace: tuple[Event, ...] = ()
-    """Fan-out with `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
+    """With `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
     lease_held_by: HeldBy | None = None
     """How the refit knew its lease held the version's slot for the whole pull."""
 
@@ -708,6 +709,8 @@ class Receiver:
                 self._tree.abandon()  # when the pull did not take the answer asked ahead
             if early is not None and early.asked is not None:
                 early.asked.cancel()
+            if early is not None and early.gate is not None:
+                early.gate.settle()  # its look may be in flight if the pull never started
             self._keeper.take_back(wait=False)
             self._releases.submit(self.client.end_lease, lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
@@ -790,6 +793,7 @@ class Receiver:
             verify=self._verifies,
             checksums_later=None if early is None else early.checksums,
             gate=None if early is None else early.gate,
+            trace=PullTrace() if self.options.trace_pull else None,
         )
         counted, by_source = self._by_source
         if counted is not plan.reads:
@@ -800,7 +804,16 @@ class Receiver:
             self._by_source = (plan.reads, by_source)
         if on_progress is not None:
             on_progress(plan.nbytes, plan.nbytes)
-        return _Pulled(stats, dict(by_source), started, time.time(), 0, 0.0, gated_s=stats.gated_s)
+        return _Pulled(
+            stats,
+            dict(by_source),
+            started,
+            time.time(),
+            0,
+            0.0,
+            gated_s=stats.gated_s,
+            trace=stats.trace,
+        )
 
     def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
         """The leased version's plan, whether it was planned anew, and whether it was replayed

@@ -35,6 +35,7 @@ from refit_sidecar.manifest import AgentRecord, MemType
 from refit_sidecar.nixl_network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.plan import Checksums, PullPlan
 from refit_sidecar.progress_publisher import ProgressPublisher
+from refit_sidecar.pull_trace import PullTrace, TraceEvent
 from refit_sidecar.running_check import RunningCheck
 from refit_sidecar.transport import PullStats, Region, SourceLost
 
@@ -118,7 +119,7 @@ class NixlTransport:
         self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
         self._dests: dict[Region, Any] = {}  # registered destinations
         self._xfers: OrderedDict[bytes, _Xfer] = OrderedDict()  # LRU of ready requests
-        self._cut: OrderedDict[tuple[Any, ...], tuple[Any, list[_Request]]] = OrderedDict()
+        self._cut: OrderedDict[tuple[Any, ...], tuple[Any, list[_Cut]]] = OrderedDict()
         """A pull's requests by its plan's reads (kept, so their id is not reused) and
         destination: a plan replayed for each version of a slot is cut once, not at the start
         of every pull, where cutting it (a pass over every read) came before the first
@@ -175,46 +176,62 @@ class NixlTransport:
         verify: bool = False,
         checksums_later: Callable[[], Sequence[Checksums]] | None = None,
         gate: Gate | None = None,
+        trace: PullTrace | None = None,
     ) -> PullStats:
         """Read the plan into `dest`; with `verify`, check it against the plan's checksums,
         in device memory while the requests land (`running_check.RunningCheck`, its parts
         started from a thread of their own so that polling the requests never waits on them).
         `checksums_later`: the checksums come after the pull started; called once the bytes
         have landed, it returns each read's (`plan`'s own then only say which reads are
-        checked). `gate`: which requests may be posted yet (`piece_gate.PieceGate`)."""
+        checked). `gate`: which requests may be posted yet (`piece_gate.PieceGate`). `trace`:
+        records the pull's timeline into its stats."""
         if not verify:
-            return self.start(plan, dest, gate).wait()
+            return _traced(self.start(plan, dest, gate, trace).wait(), trace)
         check = RunningCheck(plan, dest, taper=self._config.request_taper)
         if not check.runs_ahead:  # host memory: checked whole at the end
-            stats = self.start(plan, dest, gate).wait()
+            stats = self.start(plan, dest, gate, trace).wait()
         else:
-            stats = self._wait_reporting(plan, dest, check.advance, gate)
+            stats = self._wait_reporting(plan, dest, check.advance, gate, trace)
         begin = time.perf_counter()
         final = None if checksums_later is None else checksums_later()
         waited = time.perf_counter()
         verified = check.finish(final)
-        return replace(
+        if trace is not None:
+            trace.add(TraceEvent.VERIFIED, value=verified)
+        stats = replace(
             stats,
             verified_shards=verified,
             checksums_wait_s=waited - begin,
             check_s=time.perf_counter() - waited,
         )
+        return _traced(stats, trace)
 
     def _wait_reporting(
-        self, plan: PullPlan, dest: Region, listener: Callable[[int], None], gate: Gate | None
+        self,
+        plan: PullPlan,
+        dest: Region,
+        listener: Callable[[int], None],
+        gate: Gate | None,
+        trace: PullTrace | None,
     ) -> PullStats:
         """Start and wait for the pull, telling `listener` of each landed prefix of device
         memory from a lane of its own (host memory: nothing until the end)."""
         if dest.mem_type is MemType.DRAM:
-            return self.start(plan, dest, gate).wait()
+            return self.start(plan, dest, gate, trace).wait()
         with ProgressPublisher(None, lambda prefix, _: listener(prefix)) as publisher:
-            stats = self.start(plan, dest, gate).wait(
+            stats = self.start(plan, dest, gate, trace).wait(
                 on_landed=lambda prefix: publisher.offer(prefix, dest.nbytes)
             )
             landed = time.perf_counter()
         return replace(stats, lag_s=time.perf_counter() - landed)
 
-    def start(self, plan: PullPlan, dest: Region, gate: Gate | None = None) -> PendingPull:
+    def start(
+        self,
+        plan: PullPlan,
+        dest: Region,
+        gate: Gate | None = None,
+        trace: PullTrace | None = None,
+    ) -> PendingPull:
         """Post the plan's reads: requests of about `NixlConfig.request_bytes` per source
         agent and memory type, in destination order, `NixlConfig.requests_in_flight` at a time
         (the rest as earlier ones complete, in `wait`), each once `gate` lets it; the caller
@@ -224,6 +241,8 @@ class NixlTransport:
         temporary = dest not in self._dests
         self.register(dest)
         begin = time.perf_counter()
+        if trace is not None:
+            trace.add(TraceEvent.BEGAN)
         config = self._config
         requests = self._requests_of(plan, dest)
         window = self._config.requests_in_flight or len(requests)
@@ -236,21 +255,28 @@ class NixlTransport:
             window,
             gate,
             _LONGEST_PAUSE_S[dest.mem_type],
+            trace=trace,
         )
         if gate is not None:  # the first reads of what the gate waits on, beside the set-up
             try:
-                gate.poll({agent for (agent, _), _ in requests})
+                gate.poll({request.agent for request in requests})
             except (SourceLost, TimeoutError) as e:
-                pending.fail(getattr(e, "agent", None) or requests[0][0][0], e)
-        for (agent, mem_type), (remote, local) in requests:
+                pending.fail(getattr(e, "agent", None) or requests[0].agent, e)
+        for request in requests:
+            agent = request.agent
             try:
-                xfer, cached = self._xfer(plan.agents[agent], mem_type, remote, local, dest)
-                pending.spans.append(
-                    (local[:, 0].astype(np.int64) - dest.address, len(pending.xfers))
+                xfer, cached = self._xfer(
+                    plan.agents[agent],
+                    request.mem_type,
+                    request.remote,
+                    request.local,
+                    dest,
+                    key=request.key,
                 )
+                pending.spans.append((request.starts, len(pending.xfers)))
                 pending.xfers.append(xfer)
                 pending.reposted += cached
-                need = 0 if gate is None else gate.need(agent, remote)
+                need = 0 if gate is None else gate.need(agent, request.end)
                 if len(pending.xfers) <= window and (gate is None or gate.ready(agent, need)):
                     pending.post(xfer)
                     if gate is not None and not pending.gated_s:
@@ -259,25 +285,42 @@ class NixlTransport:
                     pending.queued.append((xfer, need))
             except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
                 pending.fail(agent, e)
+        if trace is not None:
+            trace.add(TraceEvent.PREPARED, value=len(pending.xfers))
         if gate is not None and pending.queued:
             try:
                 gate.first_look()
             except (SourceLost, TimeoutError) as e:
                 pending.fail(getattr(e, "agent", None) or pending.queued[0][0].agent, e)
             pending._post_queued(pending.posted)  # what the first look let go
+        if trace is not None and gate is not None and gate.first_seen is not None:
+            seen, pieces = gate.first_seen
+            trace.add(TraceEvent.SAW, value=pieces, at=time.time() - time.perf_counter() + seen)
         return pending
 
-    def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Request]:
+    def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Cut]:
         """The plan's requests into `dest`, in destination order (`_requests`), cut once per
-        plan and destination."""
+        plan and destination, with what each pull's set-up would otherwise compute again."""
         key = (id(plan.reads), dest.address, dest.nbytes, dest.device_id, dest.mem_type)
         kept = self._cut.get(key)
         if kept is not None and kept[0] is plan.reads:
             self._cut.move_to_end(key)
             return kept[1]
         config = self._config
-        requests = _requests(plan, dest, config.request_bytes, config.request_taper)
-        requests.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
+        cut = _requests(plan, dest, config.request_bytes, config.request_taper)
+        cut.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
+        requests = [
+            _Cut(
+                agent,
+                mem_type,
+                remote,
+                local,
+                _xfer_key(agent, mem_type, remote, local, dest),
+                local[:, 0].astype(np.int64) - dest.address,
+                int((remote[:, 0] + remote[:, 1]).max()) if len(remote) else 0,
+            )
+            for (agent, mem_type), (remote, local) in cut
+        ]
         self._cut[key] = (plan.reads, requests)
         while len(self._cut) > _CUTS_KEPT:
             self._cut.popitem(last=False)
@@ -332,12 +375,15 @@ class NixlTransport:
         remote: np.ndarray,
         local: np.ndarray,
         dest: Region,
+        *,
+        key: bytes | None = None,
     ) -> tuple[_Xfer, bool]:
+        """The prepared request reading `remote` into `local` (of `dest`) from `record`, and
+        whether it came from the cache; `key`: `_xfer_key` of them, when known."""
         if self._metadata.get(record.name) not in (None, record.metadata):
             self._forget_agent(record.name)  # a new incarnation of the source: reconnect
-        digest = hashlib.blake2b(remote.tobytes() + local.tobytes(), digest_size=16)
-        digest.update(f"{record.name}|{mem_type.value}|{dest}".encode())
-        key = digest.digest()
+        if key is None:
+            key = _xfer_key(record.name, mem_type, remote, local, dest)
         cached = self._xfers.get(key)
         if cached is not None:
             self._xfers.move_to_end(key)
@@ -448,9 +494,9 @@ class Gate(Protocol):
     version), None before it: with `rounds`, whether a pull's first request waited for the
     sources' copies or for its own looks (`PullStats.gate_first_s`)."""
 
-    def need(self, agent: str, remote: np.ndarray) -> int:
-        """What a request of `agent` reading `remote` (N×3 address, length, device) waits
-        for, in terms `ready` understands."""
+    def need(self, agent: str, end: int) -> int:
+        """What a request of `agent` reading its memory up to address `end` (one past its
+        last byte) waits for, in terms `ready` understands."""
         ...
 
     def ready(self, agent: str, need: int) -> bool: ...
@@ -506,10 +552,15 @@ class PendingPull:
     """Requests posted and not seen done."""
     gated_s: float = 0.0
     """With a gate: seconds from the start until its first request was posted."""
+    trace: PullTrace | None = None
 
     def post(self, xfer: _Xfer) -> None:
         """Posts a prepared request (NIXL errors are the caller's)."""
         xfer.done = self.transport._agent.transfer(xfer.handle) == "DONE"
+        if self.trace is not None:
+            self.trace.add(TraceEvent.POSTED, xfer.agent, xfer.nbytes)
+            if xfer.done:  # done when posted (host memory, read in the call)
+                self.trace.add(TraceEvent.LANDED, xfer.agent, xfer.nbytes)
         if not xfer.done:
             self.posted.append(xfer)
 
@@ -538,6 +589,8 @@ class PendingPull:
                     xfer.done = True
                     waiting.remove(xfer)
                     pause = 0.0
+                    if self.trace is not None:
+                        self.trace.add(TraceEvent.LANDED, xfer.agent, xfer.nbytes)
             held = self._post_queued(waiting)
             if landed is not None:
                 landed.report()
@@ -567,6 +620,7 @@ class PendingPull:
         seconds, xfers = time.perf_counter() - self.begin, self.xfers
         nbytes, reads = sum(x.nbytes for x in xfers), sum(x.reads for x in xfers)
         stats = PullStats(nbytes, seconds, reads, len(xfers), self.reposted, gated_s=self.gated_s)
+        stats = _traced(stats, self.trace)
         seen = None if self.gate is None else self.gate.first_seen
         if seen is None:
             return stats
@@ -620,6 +674,10 @@ class PendingPull:
             self.transport.deregister(self.dest)
 
 
+def _traced(stats: PullStats, trace: PullTrace | None) -> PullStats:
+    return stats if trace is None else replace(stats, trace=tuple(sorted(trace.events)))
+
+
 class _Landed:
     """How far from its start a pull's destination holds every byte the pull writes: up to
     the first read whose request is not done (bytes no read covers count as landed)."""
@@ -650,6 +708,36 @@ class _Landed:
 
 _Request = tuple[tuple[str, MemType], tuple[np.ndarray, np.ndarray]]
 """A READ request: (source agent, its memory type), (remote, local) N×3 descriptors."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Cut:
+    """A READ request of a plan into a destination (`NixlTransport._requests_of`), with what
+    each pull's set-up needs of it computed once: on a GPU host the set-up lies between the
+    receiver's start and its first request."""
+
+    agent: str
+    mem_type: MemType
+    remote: np.ndarray
+    local: np.ndarray
+    """N×3 uint64 descriptors (address, length, device) of the source's memory and the
+    destination's."""
+    key: bytes
+    """Its prepared request's key in the transport's cache (`_xfer_key`)."""
+    starts: np.ndarray
+    """Where its reads start in the destination (int64 offsets)."""
+    end: int
+    """One past the last byte it reads of the source's memory (what `Gate.need` takes)."""
+
+
+def _xfer_key(
+    agent: str, mem_type: MemType, remote: np.ndarray, local: np.ndarray, dest: Region
+) -> bytes:
+    """A prepared request's key: the same descriptors of the same source and destination."""
+    digest = hashlib.blake2b(remote.tobytes() + local.tobytes(), digest_size=16)
+    digest.update(f"{agent}|{mem_type.value}|{dest}".encode())
+    return digest.digest()
+
 
 _CUTS_KEPT = 8
 """Plans whose requests a transport keeps (a few slots' worth)."""

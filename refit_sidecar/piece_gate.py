@@ -77,11 +77,10 @@ class PieceGate:
         agents = list(agents)
         return bool(agents) and all(a.pieces is not None for a in agents)
 
-    def need(self, agent: str, remote: np.ndarray) -> int:
-        """The last piece a READ request of `agent` reads from (`remote`: N×3 uint64 address,
-        length, device); ValueError when it reads outside the slot."""
-        ends = remote[:, 0] + remote[:, 1]
-        return self._pieces[agent].piece_of(int(ends.max()))
+    def need(self, agent: str, end: int) -> int:
+        """The last piece a READ request of `agent` reading up to address `end` (one past its
+        last byte) reads from; ValueError when it reads outside the slot."""
+        return self._pieces[agent].piece_of(end)
 
     def ready(self, agent: str, need: int) -> bool:
         """Whether every piece of `agent` up to `need` holds the version (pieces land in

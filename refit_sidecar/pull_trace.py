@@ -22,12 +22,16 @@ class TraceEvent(enum.Enum):
     """The sidecar's answer (sources) was in hand ("", 0)."""
     RESET = "reset"
     """This receiver's own copy was reset for the version, before its first read ("", 0)."""
+    PREPARED = "prepared"
+    """Direct pull: its requests were prepared, none posted yet ("", requests)."""
     POSTED = "posted"
     """A chunk request was posted (source, bytes)."""
     LANDED = "landed"
     """A chunk request landed (source, bytes)."""
     SAW = "saw"
-    """A look at a peer's progress showed more of its copy (peer, bytes filled)."""
+    """A look at a peer's progress showed more of its copy (peer, bytes filled); direct pull
+    behind the trainer's snapshot copy: the first look at the sources' pieces landed ("",
+    pieces holding the version)."""
     FILLED = "filled"
     """This receiver began storing its own fill for its children ("", bytes filled)."""
     CHECK_TOLD = "check_told"
@@ -47,6 +51,9 @@ class PullTrace:
     def __init__(self) -> None:
         self.events: list[Event] = []
 
-    def add(self, event: TraceEvent, source: str = "", value: int = 0) -> None:
-        """Safe from any thread (one list append)."""
-        self.events.append((time.time(), event.value, source, value))
+    def add(
+        self, event: TraceEvent, source: str = "", value: int = 0, *, at: float | None = None
+    ) -> None:
+        """Safe from any thread (one list append). `at`: when it happened (time.time()),
+        if not now; the events then need sorting by time."""
+        self.events.append((time.time() if at is None else at, event.value, source, value))

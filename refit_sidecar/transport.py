@@ -22,6 +22,7 @@ import numpy as np
 from refit_sidecar.checksum import verify_checksums
 from refit_sidecar.manifest import MemType
 from refit_sidecar.plan import PullPlan
+from refit_sidecar.pull_trace import Event
 
 
 class SourceLost(RuntimeError):
@@ -81,6 +82,8 @@ class PullStats:
     the first request waited for the sources' copies, some means for the pull's own work."""
     gate_rounds: int = 0
     """Looks at the sources' pieces during the pull."""
+    trace: tuple[Event, ...] = ()
+    """The pull's timeline, when asked for (`pull_trace.PullTrace`)."""
 
     @property
     def gib_per_s(self) -> float:

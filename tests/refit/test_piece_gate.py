@@ -27,6 +27,7 @@ from refit_sidecar.manifest import (
 from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.piece_gate import PieceGate
 from refit_sidecar.plan import PullPlan, Want, plan_pull
+from refit_sidecar.pull_trace import PullTrace
 from refit_sidecar.snapshot_layout import Region as Copy
 from refit_sidecar.snapshot_layout import cut_into_pieces, piece_ends
 from refit_sidecar.transport import PullStats, Region, SourceLost
@@ -287,10 +288,20 @@ def test_a_pull_whose_pieces_landed_posts_its_first_requests_during_its_set_up(
     truth = _truth(12)
     slot.copy(12, truth, 0.0)
     gate = PieceGate(puller, words, slot.manifest.agents, 12, time.monotonic() + 20)
-    pending = puller.start(plan, Region.of_array(dest), gate)
+    trace = PullTrace()
+    pending = puller.start(plan, Region.of_array(dest), gate, trace)
     # The first look at the words, checked back to back, let the requests go at once.
     assert pending.gated_s > 0 and gate.open
     stats = pending.wait()
+    # The timeline: set up, looked (every piece there), then each request posted and landed.
+    events = [(name, value) for _, name, _, value in stats.trace]
+    requests = len(pending.xfers)
+    assert events[:3] == [("began", 0), ("prepared", requests), ("saw", len(ENDS))]
+    assert sorted(events[3:]) == sorted(
+        [("landed", x.nbytes) for x in pending.xfers]
+        + [("posted", x.nbytes) for x in pending.xfers]
+    )
+    assert stats.trace == tuple(sorted(trace.events))
     assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
     # Every piece held the version at the first look, before the first request went.
     assert stats.gate_first_pieces == len(ENDS) and stats.gate_rounds == 1
