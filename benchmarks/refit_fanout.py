@@ -432,7 +432,6 @@ def main(argv: list[str] | None = None) -> None:
             "receiver_gpus",
             "chunk_taper",
             "check_part_bytes",
-            "trace",
             "rounds",
             "hold_parents_seconds",
             "sidecar_log_level",
@@ -440,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     for key in fan:
         delattr(args, key)
+    fan["trace"] = args.trace  # the harness's option, read by both
     config = ri.resolve(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [bench] %(levelname)s %(message)s")
