@@ -306,3 +306,32 @@ def test_a_pull_whose_pieces_landed_posts_its_first_requests_during_its_set_up(
     # Every piece held the version at the first look, before the first request went.
     assert stats.gate_first_pieces == len(ENDS) and stats.gate_rounds == 1
     assert 0 < stats.gate_first_s <= stats.gated_s
+
+
+def test_a_look_posted_before_the_pull_is_the_one_it_takes(
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot, words: VersionWords
+) -> None:
+    """What `BeforeReadable.start` does: the gate's first look goes out when the early pull
+    is planned, and the pull's set-up takes it instead of posting its own."""
+    _, puller = agents
+    plan = _plan(slot)
+    dest = np.zeros(plan.nbytes, np.uint8)
+    truth = _truth(13)
+    slot.copy(13, truth, 0.0)
+    gate = PieceGate(puller, words, slot.manifest.agents, 13, time.monotonic() + 20)
+    gate.poll(slot.manifest.agents)  # in flight, not taken yet
+    assert gate.rounds == 0 and gate.first_seen is None
+    stats = puller.start(plan, Region.of_array(dest), gate).wait()
+    assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
+    assert gate.open and stats.gate_rounds == 1 and stats.gate_first_pieces == len(ENDS)
+
+    # A look left in flight by a pull that never started is waited for, and the next gate
+    # on the same memory reads the words again.
+    slot.copy(14, _truth(14), 0.0)
+    gate = PieceGate(puller, words, slot.manifest.agents, 14, time.monotonic() + 20)
+    gate.poll(slot.manifest.agents)
+    gate.settle()
+    assert gate.rounds == 0
+    gate = PieceGate(puller, words, slot.manifest.agents, 14, time.monotonic() + 20)
+    stats = puller.start(plan, Region.of_array(dest), gate).wait()
+    assert gate.open and stats.gate_rounds == 1

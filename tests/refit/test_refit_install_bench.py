@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_an_in_place_refit_with_cast_norms_equals_export_and_forward(tmp_path: Path) -> None:
     out, logs = tmp_path / "install.json", tmp_path / "logs"
     command = [sys.executable, "-m", "benchmarks.refit_install", "--preset", "tiny"]
-    command += ["--device", "cpu", "--params-dtype", "bfloat16", "--steps", "2"]
+    command += ["--device", "cpu", "--params-dtype", "bfloat16", "--steps", "2", "--trace"]
     command += ["--out", str(out), "--log-dir", str(logs), "--work-dir", str(tmp_path / "work")]
     done = subprocess.run(
         command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False
@@ -34,6 +34,15 @@ def test_an_in_place_refit_with_cast_norms_equals_export_and_forward(tmp_path: P
     for stats in timed:
         assert stats["in_place_bytes"] > 0, stats
         assert stats["lease_held_by"] == "checksums", stats  # every read verified
+        # --trace: the pull's timeline, from its start to its check's end, in time order;
+        # behind the copy, the gate's first look is in it and in the stats.
+        events = [name for _, name, _, _ in stats["trace"]]
+        assert events[0] == "began" and events[-1] == "verified", events
+        assert {"prepared", "saw", "posted", "landed"} <= set(events), events
+        times = [at for at, *_ in stats["trace"]]
+        assert times == sorted(times)
+        assert stats["gate_rounds"] >= 1 and 0 < stats["gate_first_s"] < stats["pull_s"], stats
+    assert set(result["summary"]["trace_ms"]) == {"prepared", "saw", "posted", "landed", "verified"}
     # Every cast tensor lives in the one arena its fp32 slices' span maps to.
     adopted = re.findall(
         r"(\d+) cast in, (\d+) of them from (\d+) arenas", (logs / "receiver.log").read_text()
