@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 from trainer_svc.cli import parse_config
 from trainer_svc.config import TrainerConfig
+
+
+@contextlib.contextmanager
+def work_dir(config: TrainerConfig) -> Iterator[Path]:
+    """The work dir in use: `config.work_dir`, else a scratch directory removed on exit. None
+    is made when one is given (a rank of a local world gets its launcher's), so a process
+    killed without cleanup leaves nothing behind."""
+    if config.work_dir is not None:
+        yield config.work_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="trainer-svc-") as scratch:
+        yield Path(scratch)
 
 
 def _model_dir(config: TrainerConfig, work: Path) -> Path:
@@ -55,10 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         # optional fused kernels it cannot find; keep the service's own lines readable.
         logging.getLogger("megatron").setLevel(logging.WARNING)
         warnings.filterwarnings("ignore", module=r"megatron\.")
-    with tempfile.TemporaryDirectory(prefix="trainer-svc-") as scratch:
+    with work_dir(config) as work:
         # The work dir in use is the default path root (`TrainerConfig.checkpoint_roots`);
         # the ranks of a local world share the launcher's.
-        work = config.work_dir or Path(scratch)
         config = replace(config, work_dir=work)
         model_dir = _model_dir(config, work)
         _check_layout(config, model_dir)

@@ -127,3 +127,23 @@ def test_non_finite_optimizer_values_exit_with_a_usage_error(argv: list[str]) ->
     with pytest.raises(SystemExit) as info:
         parse_config(["--insecure", *argv])
     assert info.value.code == 2
+
+
+def test_a_given_work_dir_is_used_and_no_scratch_dir_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank gets its launcher's work dir: it makes no scratch directory, so one killed
+    without cleanup leaves none behind; without one, a scratch directory lives for the run."""
+    from trainer_svc.__main__ import work_dir
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    given, _ = parse_config(["--insecure", "--work-dir", str(tmp_path / "work")])
+    with work_dir(given) as work:
+        assert work == tmp_path / "work"
+        assert list(scratch.iterdir()) == []
+    default, _ = parse_config(["--insecure"])
+    with work_dir(default) as work:
+        assert work.parent == scratch and work.name.startswith("trainer-svc-") and work.is_dir()
+    assert not work.exists()
