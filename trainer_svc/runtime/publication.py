@@ -60,6 +60,13 @@ from trainer_svc.runtime.weights import local_parameters
 
 log = logging.getLogger(__name__)
 
+SIDECAR_CHECK_TIMEOUT_S = 3.0
+"""How long the sidecar's health check may take before the sidecar counts as unreachable
+(`Publisher.check_sidecar`). A second, as before, was missed by a sidecar that was fine on a
+loaded two-core host: the trainer logged it as down and back, and the next step reserved its
+slot again. A sidecar that is gone refuses at once or after this long; one restarted within
+it is still seen, from the reservation it lost (docs/refit.md, "Publication health")."""
+
 _DTYPES = {
     torch.float32: DType.FLOAT32,
     torch.bfloat16: DType.BFLOAT16,
@@ -379,9 +386,10 @@ class Publisher:
 
     def check_sidecar(self) -> None:
         """Updates `unreachable`: set when the sidecar's health service does not answer
-        SERVING within a second (blocking; the trainer's health watcher calls it)."""
+        SERVING within `SIDECAR_CHECK_TIMEOUT_S` (blocking; the trainer's health watcher calls
+        it)."""
         try:
-            self.client.wait_ready(timeout=1.0)
+            self.client.wait_ready(timeout=SIDECAR_CHECK_TIMEOUT_S)
         except Exception as e:
             self.unreachable = f"the refit sidecar does not answer: {_describe(e)}"
             self._ahead_suspect = True
