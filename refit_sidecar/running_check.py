@@ -92,8 +92,11 @@ class RunningCheck:
             return
         try:
             parts = self._cut()
-            while self._next < len(parts) and parts[self._next].end <= prefix:
-                self._start(parts[self._next])
+            stop = self._next
+            while stop < len(parts) and parts[stop].end <= prefix:
+                stop += 1
+            if stop > self._next:
+                self._start(stop)
         except Exception:
             log.warning(
                 "a running check could not start; the pull is checked at its end", exc_info=True
@@ -119,8 +122,8 @@ class RunningCheck:
         if not parts or self._whole:
             plan = self._plan if published is None else with_read_checksums(self._plan, published)
             return verify_pulled(plan, self._dest)
-        while self._next < len(parts):
-            self._start(parts[self._next])
+        if self._next < len(parts):
+            self._start(len(parts))
         with self._on_stream():
             sums = None if published is None else [c.sum64 for c in published]
             count: int = self._sums.check(sums)
@@ -131,15 +134,17 @@ class RunningCheck:
             self._parts = _parts(self._plan, self._part_bytes, self._taper)
         return self._parts
 
-    def _start(self, part: _Part) -> None:
+    def _start(self, stop: int) -> None:
+        """Starts the parts not started yet up to `stop` (exclusive), together: the requests
+        in flight land together, and so do the parts they fill."""
         from refit_sidecar.torch_wsum import PartedSums  # device memory: torch is there
 
         with self._on_stream():
             if self._sums is None:
                 parts = self._cut()
                 self._sums = PartedSums(self._plan, self._dest, [p.reads for p in parts])
-            self._sums.start(self._next)
-        self._next += 1
+            self._sums.start(self._next, stop)
+        self._next = stop
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:

@@ -226,9 +226,47 @@ def test_parted_sums_are_laid_out_once_per_layout_and_compare_only_when_all_star
         again.start(part)
     with pytest.raises(ChecksumMismatch, match=f"{plan.reads[2].parameter} shard 0"):
         again.check()
+    with pytest.raises(ValueError, match="no parts"):
+        again.start(2, 4)
     small = staging[:16]
     with pytest.raises(ValueError, match="outside the buffer"):
         PartedSums(plan, Region(small.data_ptr(), 16, MemType.VRAM, 0, owner=small), parts)
     odd = staging[1:17]
     with pytest.raises(ValueError, match="whole, aligned 16-bit units"):
         PartedSums(plan, Region(odd.data_ptr(), 16, MemType.VRAM, 0, owner=odd), parts)
+
+
+LARGE = [(256, 256), (16,), (512, 128), (40,), (256, 256), (300, 7)]
+"""Shards of whole aligned WSUM blocks and of masked ones, in every part below."""
+
+
+def test_consecutive_parts_start_together_as_one_run_of_each_kind_of_block() -> None:
+    """The requests in flight at a pull's end land together: `advance` starts every part
+    they filled at once (two launches on a GPU), with the same sums as part by part."""
+    plan, staging, region, _ = _pulled(MemType.VRAM, shapes=LARGE)
+    parts = [[0, 1], [2, 3], [4, 5]]
+    together, apart = PartedSums(plan, region, parts), PartedSums(plan, region, parts)
+    layout = together._layout
+    assert all(hi > lo for lo, hi in layout.whole) and any(hi > lo for lo, hi in layout.rest)
+    together.start(0, 2)
+    with pytest.raises(RuntimeError, match="never started"):
+        together.check()
+    together.start(2, 3)
+    for part in range(3):
+        apart.start(part)
+    assert together.check() == apart.check() == len(LARGE)
+    assert torch.equal(together._partial, apart._partial)
+    flipped = int(plan.reads[4].dest_offsets[0]) + 40_000  # in a whole block
+    staging[flipped] ^= 0x01
+    again = PartedSums(plan, region, parts)
+    again.start(0, 3)
+    with pytest.raises(ChecksumMismatch, match=f"{plan.reads[4].parameter} shard 0"):
+        again.check()
+    staging[flipped] ^= 0x01
+
+    check = RunningCheck(plan, region, part_bytes=plan.nbytes // 4)
+    check.advance(plan.nbytes // 2)
+    first = check.started
+    check.advance(plan.nbytes)  # the rest landed at once
+    assert 0 < first < check.started == len(check._cut()) >= 3
+    assert check.finish() == len(LARGE)

@@ -37,7 +37,7 @@ def test_the_kernel_passes_under_the_interpreter() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "3 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
+    assert "4 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
 
 
 @inside
@@ -68,3 +68,27 @@ def test_the_kernel_gives_the_reference_sums(block: int, monkeypatch) -> None:
     torch_wsum._launch(kernel, units, blocks[full:], partial[full:], False)
     sums = torch.zeros(3, dtype=torch.int64).index_add_(0, groups, partial)
     assert sums.numpy().view(np.uint64).tolist() == expected
+
+
+@inside
+def test_parted_sums_launch_the_kernel_over_runs_of_consecutive_parts() -> None:
+    """`PartedSums.start(first, stop)`: every part's whole blocks, then every part's other
+    blocks, as two runs of its table, summed by the kernel as the torch reference sums them
+    part by part."""
+    from refit_sidecar import torch_wsum
+    from refit_sidecar.manifest import MemType
+    from tests.refit.test_running_check import LARGE, _pulled
+
+    plan, _, region, _ = _pulled(MemType.VRAM, shapes=LARGE)
+    parts = [[0, 1], [2, 3], [4, 5]]
+    kernel = torch_wsum._kernel()
+    assert kernel is not None
+    together = torch_wsum.PartedSums(plan, region, parts)
+    together._kernel = kernel  # on a CUDA buffer it would be chosen; here it runs interpreted
+    together.start(0, 2)
+    together.start(2, 3)
+    reference = torch_wsum.PartedSums(plan, region, parts)
+    for part in range(3):
+        reference.start(part)
+    assert torch.equal(together._partial, reference._partial)
+    assert together.check() == reference.check() == len(LARGE)
