@@ -186,7 +186,7 @@ class NixlTransport:
         checked). `gate`: which requests may be posted yet (`piece_gate.PieceGate`). `trace`:
         records the pull's timeline into its stats."""
         if not verify:
-            return _traced(self.start(plan, dest, gate, trace).wait(), trace)
+            return self.start(plan, dest, gate, trace).wait()  # its stats carry the trace
         check = RunningCheck(plan, dest, taper=self._config.request_taper)
         if not check.runs_ahead:  # host memory: checked whole at the end
             stats = self.start(plan, dest, gate, trace).wait()

@@ -279,15 +279,23 @@ def test_after_a_pull_the_version_words_say_whether_a_copy_began_under_it(
     assert not words.still(no_words, 11)  # nothing to tell by: the sidecar is asked
 
 
+def _copied(
+    puller: NixlTransport, words: VersionWords, slot: Slot, version: int
+) -> tuple[PullPlan, np.ndarray, np.ndarray, PieceGate]:
+    """The slot holding `version` whole (every piece's word set), a destination for its plan
+    and a gate on that version: (plan, destination, the version's bytes, gate)."""
+    plan = _plan(slot)
+    truth = _truth(version)
+    slot.copy(version, truth, 0.0)
+    gate = PieceGate(puller, words, slot.manifest.agents, version, time.monotonic() + 20)
+    return plan, np.zeros(plan.nbytes, np.uint8), truth, gate
+
+
 def test_a_pull_whose_pieces_landed_posts_its_first_requests_during_its_set_up(
     agents: tuple[NixlTransport, NixlTransport], slot: Slot, words: VersionWords
 ) -> None:
     _, puller = agents
-    plan = _plan(slot)
-    dest = np.zeros(plan.nbytes, np.uint8)
-    truth = _truth(12)
-    slot.copy(12, truth, 0.0)
-    gate = PieceGate(puller, words, slot.manifest.agents, 12, time.monotonic() + 20)
+    plan, dest, truth, gate = _copied(puller, words, slot, 12)
     trace = PullTrace()
     pending = puller.start(plan, Region.of_array(dest), gate, trace)
     # The first look at the words, checked back to back, let the requests go at once.
@@ -314,11 +322,7 @@ def test_a_look_posted_before_the_pull_is_the_one_it_takes(
     """What `BeforeReadable.start` does: the gate's first look goes out when the early pull
     is planned, and the pull's set-up takes it instead of posting its own."""
     _, puller = agents
-    plan = _plan(slot)
-    dest = np.zeros(plan.nbytes, np.uint8)
-    truth = _truth(13)
-    slot.copy(13, truth, 0.0)
-    gate = PieceGate(puller, words, slot.manifest.agents, 13, time.monotonic() + 20)
+    plan, dest, truth, gate = _copied(puller, words, slot, 13)
     gate.poll(slot.manifest.agents)  # in flight, not taken yet
     assert gate.rounds == 0 and gate.first_seen is None
     stats = puller.start(plan, Region.of_array(dest), gate).wait()
