@@ -47,6 +47,11 @@ class Pending(Generic[T]):
         (or failure) had arrived, which `result` then gives."""
         return bool(self._future.cancel())
 
+    def answered(self) -> bool:
+        """Whether the call has come back without an error; never waits, converts nothing."""
+        future = self._future
+        return bool(future.done()) and not future.cancelled() and future.exception() is None
+
     def result(self, timeout: float | None = None) -> T:
         value, error = self._settle(timeout)
         if error is not None:

@@ -18,7 +18,7 @@ compared once they landed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -44,7 +44,12 @@ class PieceGate:
         agents: Mapping[str, AgentRecord],
         version: int,
         deadline: float,
+        *,
+        readable: Callable[[], bool] | None = None,
     ) -> None:
+        """`readable()`: whether the sidecar has said the version is readable (every rank's
+        copy landed): the gate then opens without a look, or without waiting for the look in
+        flight, whichever is first."""
         if not agents or any(a.pieces is None for a in agents.values()):
             raise ValueError("every source needs its snapshot's pieces")
         self._transport = transport
@@ -52,6 +57,7 @@ class PieceGate:
         self._agents = dict(agents)
         self._version = version
         self._deadline = deadline
+        self._readable = readable
         self._pieces: dict[str, SnapshotPieces] = {}
         self._offsets: dict[str, int] = {}
         at = 0
@@ -66,6 +72,8 @@ class PieceGate:
         self._reading: dict[str, Posted] = {}
         self.rounds = 0
         """Reads of the words that landed."""
+        self.by_sidecar = False
+        """The gate opened on the sidecar's word, not on a look."""
         self.first_seen: tuple[float, int] | None = None
         """When the first read of words landed (time.perf_counter()) and how many pieces,
         over every source, held the version then (`Gate.first_seen`)."""
@@ -98,6 +106,8 @@ class PieceGate:
         source cannot be read or names a newer version; WordTimeout when a read that landed
         past the deadline still finds pieces missing (a deadline past already at the first
         read still reads the words once)."""
+        if self._sidecar_says():
+            return
         check = self._transport.check
         for name in waiting:
             reading = self._reading.get(name)
@@ -126,10 +136,20 @@ class PieceGate:
         give_up = time.monotonic() + FIRST_LOOK_S
         for name, reading in list(self._reading.items()):
             while not check(reading):
-                if time.monotonic() > give_up:
+                if time.monotonic() > give_up or self._sidecar_says():
                     return
             del self._reading[name]
             self._take(name)
+
+    def _sidecar_says(self) -> bool:
+        """Opens the gate when the sidecar has said the version is readable (True then)."""
+        if self.by_sidecar:
+            return True
+        if self._readable is None or self.open or not self._readable():
+            return False
+        self._landed = {name: len(pieces.ends) for name, pieces in self._pieces.items()}
+        self.by_sidecar = True
+        return True
 
     def _take(self, name: str) -> None:
         self.rounds += 1

@@ -57,6 +57,12 @@ class _Answered:
         assert self._value is not None
         return self._value
 
+    def done(self) -> bool:
+        return True
+
+    def answered(self) -> bool:
+        return self._error is None
+
     def cancel(self) -> bool:
         return False
 
@@ -97,7 +103,8 @@ def test_sources_without_version_words_are_waited_for_on_the_sidecar() -> None:
     early = early_reader.start(lease, plan, order, verify=True, deadline=time.monotonic() + 5)
     assert asked == [3] and early.plan.version == 3  # no word read: it has no transport
     assert early.checksums is not None
-    assert early.checksums() == [Checksums(r.crc32, None) for r in plan.reads]
+    assert early.checksums.prepare()  # the answer is in: converted now
+    assert early.checksums.result() == [Checksums(r.crc32, None) for r in plan.reads]
     # Five of the six shards are read (the replicated norm once), so positions are not 0..n.
     assert len({(r.parameter, r.shard) for r in plan.reads}) == len(flat) - 1 == 5
     unverified = early_reader.start(lease, plan, order, verify=False, deadline=time.monotonic())
@@ -105,8 +112,9 @@ def test_sources_without_version_words_are_waited_for_on_the_sidecar() -> None:
     sidecar.key = b"another slot"
     moved = early_reader.start(lease, plan, order, verify=True, deadline=time.monotonic() + 5)
     assert moved.checksums is not None
+    assert moved.checksums.prepare()  # its error waits for `result`, on the pull's path
     with pytest.raises(ManifestChanged, match="not the one its lease named"):
-        moved.checksums()
+        moved.checksums.result()
 
 
 @in_child_process

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,7 +32,7 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.nixl_transport import NixlConfig, NixlTransport, PendingPull, _Xfer
 from refit_sidecar.plan import PullPlan, Want, plan_pull, whole
 from refit_sidecar.source import SourceConfig
 from refit_sidecar.transport import Region, SourceLost
@@ -305,6 +306,39 @@ def test_a_pull_says_how_far_its_destination_has_landed(source: Source) -> None:
         assert np.array_equal(array, expected)
     finally:
         transport.close()
+
+
+def test_a_pull_does_its_idle_work_while_its_requests_are_in_flight() -> None:
+    """`PendingPull.wait(idle=...)`: called at the turns where the pull would pause (a request
+    in flight) until it returns True, and never after; each request is still seen to land.
+    (NIXL completes reads over shared memory inside `transfer()`, so the turns are those of
+    a request that an agent says is in flight five times.)"""
+
+    class Agent:
+        looks = 0
+
+        def check_xfer_state(self, handle: object) -> str:
+            self.looks += 1
+            return "DONE" if self.looks > 5 else "PROC"
+
+    agent = Agent()
+    transport = dataclasses.make_dataclass("Transport", [("_agent", Agent)])(agent)
+    array = np.zeros(8, np.uint8)
+    dest = Region.of_array(array)
+    xfer = _Xfer(b"key", "source", dest, None, (), reads=1, nbytes=8)
+    now = time.perf_counter()
+    pending = PendingPull(transport, now + 10, now, False, dest, window=1)  # type: ignore[arg-type]
+    pending.xfers.append(xfer)
+    pending.posted.append(xfer)
+    seen: list[int] = []
+
+    def idle() -> bool:
+        seen.append(agent.looks)
+        return len(seen) == 2
+
+    stats = pending.wait(idle=idle)
+    assert seen == [1, 2]  # two turns with the request in flight; done after the second
+    assert agent.looks == 6 and xfer.done and stats.nbytes == 8
 
 
 def test_metadata_fetched_from_the_source_listener(source: Source) -> None:

@@ -339,3 +339,32 @@ def test_a_look_posted_before_the_pull_is_the_one_it_takes(
     gate = PieceGate(puller, words, slot.manifest.agents, 14, time.monotonic() + 20)
     stats = puller.start(plan, Region.of_array(dest), gate).wait()
     assert gate.open and stats.gate_rounds == 1
+
+
+def test_a_gate_opens_on_the_sidecars_word_without_looking(
+    agents: tuple[NixlTransport, NixlTransport], slot: Slot, words: VersionWords
+) -> None:
+    """`readable`: once the sidecar has said the version is readable (every rank's copy
+    landed), the gate opens without reading the words. Until then it looks as before."""
+    _, puller = agents
+    plan = _plan(slot)
+    truth = _truth(15)
+    slot.copy(15, truth, 0.0)
+    said = [True]
+    gate = PieceGate(
+        puller, words, slot.manifest.agents, 15, time.monotonic() + 20, readable=lambda: said[0]
+    )
+    dest = np.zeros(plan.nbytes, np.uint8)
+    gate.poll(slot.manifest.agents)  # no look posted: the answer is in
+    stats = puller.start(plan, Region.of_array(dest), gate).wait()
+    assert gate.open and gate.by_sidecar and stats.gate_rounds == 0
+    assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
+
+    said[0] = False  # not answered yet: the gate looks, and opens on its look
+    gate = PieceGate(
+        puller, words, slot.manifest.agents, 15, time.monotonic() + 20, readable=lambda: said[0]
+    )
+    dest[:] = 0
+    stats = puller.start(plan, Region.of_array(dest), gate).wait()
+    assert gate.open and not gate.by_sidecar and stats.gate_rounds == 1
+    assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
