@@ -409,9 +409,10 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
         assert lease.manifest_key == slot_key
         asked = client.checksums_later(3, wait_s=20)
         time.sleep(0.2)
-        assert not asked.done()
+        assert not asked.done() and not asked.answered()
         _publish_one_tensor(stub, 3, 0, crc=33)
         got = asked.result(timeout=10)
+        assert asked.answered()  # readable: what a piece gate may open on
         assert (got.version, got.checksums) == (3, ((33, None),))
         assert got.manifest_key == lease.manifest_key
         # Slot 1 held version 2, which no one read: its key is known all the same.
@@ -427,8 +428,10 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
         # Version 3's slot stays with it while the lease lasts, readable or not.
         assert reserve(5) == 1  # not slot 0: version 3 is leased
         client.release_lease(lease)
+        unknown = client.checksums_later(99, wait_s=0.2)
         with pytest.raises(UnknownVersion):
-            client.checksums_later(99, wait_s=0.2).result()
+            unknown.result()
+        assert unknown.done() and not unknown.answered()  # refused: not readable
 
 
 def test_malformed_requests_are_refused_at_the_edge(tmp_path):
