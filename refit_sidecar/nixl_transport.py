@@ -303,6 +303,8 @@ class NixlTransport:
         if trace is not None and gate is not None and gate.first_seen is not None:
             seen, pieces = gate.first_seen
             trace.add(TraceEvent.SAW, value=pieces, at=time.time() - time.perf_counter() + seen)
+        elif trace is not None and gate is not None and gate.told is not None:
+            trace.add(TraceEvent.READABLE, at=time.time() - time.perf_counter() + gate.told)
         return pending
 
     def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Cut]:
@@ -514,6 +516,9 @@ class Gate(Protocol):
     """The first look's time (time.perf_counter()) and what it let go (pieces holding the
     version), None before it: with `rounds`, whether a pull's first request waited for the
     sources' copies or for its own looks (`PullStats.gate_first_s`)."""
+    told: float | None
+    """When the gate opened on the sidecar's word that the version is readable, before any
+    look let it (time.perf_counter()); None if it did not."""
 
     def need(self, agent: str, end: int) -> int:
         """What a request of `agent` reading its memory up to address `end` (one past its

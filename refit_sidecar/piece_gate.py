@@ -72,8 +72,9 @@ class PieceGate:
         self._reading: dict[str, Posted] = {}
         self.rounds = 0
         """Reads of the words that landed."""
-        self.by_sidecar = False
-        """The gate opened on the sidecar's word, not on a look."""
+        self.told: float | None = None
+        """When the gate opened on the sidecar's word, not on a look (time.perf_counter());
+        None if it did not (`Gate.told`)."""
         self.first_seen: tuple[float, int] | None = None
         """When the first read of words landed (time.perf_counter()) and how many pieces,
         over every source, held the version then (`Gate.first_seen`)."""
@@ -143,12 +144,12 @@ class PieceGate:
 
     def _sidecar_says(self) -> bool:
         """Opens the gate when the sidecar has said the version is readable (True then)."""
-        if self.by_sidecar:
+        if self.told is not None:
             return True
         if self._readable is None or self.open or not self._readable():
             return False
         self._landed = {name: len(pieces.ends) for name, pieces in self._pieces.items()}
-        self.by_sidecar = True
+        self.told = time.perf_counter()
         return True
 
     def _take(self, name: str) -> None:

@@ -32,6 +32,9 @@ class TraceEvent(enum.Enum):
     """A look at a peer's progress showed more of its copy (peer, bytes filled); direct pull
     behind the trainer's snapshot copy: the first look at the sources' pieces landed ("",
     pieces holding the version)."""
+    READABLE = "readable"
+    """Direct pull behind the trainer's snapshot copy: its gate opened on the sidecar's word
+    that the version is readable, before a look at the pieces did ("", 0)."""
     FILLED = "filled"
     """This receiver began storing its own fill for its children ("", bytes filled)."""
     CHECK_TOLD = "check_told"

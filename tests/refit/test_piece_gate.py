@@ -356,8 +356,10 @@ def test_a_gate_opens_on_the_sidecars_word_without_looking(
     )
     dest = np.zeros(plan.nbytes, np.uint8)
     gate.poll(slot.manifest.agents)  # no look posted: the answer is in
-    stats = puller.start(plan, Region.of_array(dest), gate).wait()
-    assert gate.open and gate.by_sidecar and stats.gate_rounds == 0
+    stats = puller.start(plan, Region.of_array(dest), gate, PullTrace()).wait()
+    assert gate.open and gate.told is not None and stats.gate_rounds == 0
+    events = [name for _, name, _, _ in stats.trace]
+    assert "readable" in events and "saw" not in events, events
     assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))
 
     said[0] = False  # not answered yet: the gate looks, and opens on its look
@@ -366,5 +368,5 @@ def test_a_gate_opens_on_the_sidecars_word_without_looking(
     )
     dest[:] = 0
     stats = puller.start(plan, Region.of_array(dest), gate).wait()
-    assert gate.open and not gate.by_sidecar and stats.gate_rounds == 1
+    assert gate.open and gate.told is None and stats.gate_rounds == 1
     assert np.array_equal(dest, _expected(plan, truth, slot.bytes.ctypes.data))

@@ -34,15 +34,22 @@ def test_an_in_place_refit_with_cast_norms_equals_export_and_forward(tmp_path: P
     for stats in timed:
         assert stats["in_place_bytes"] > 0, stats
         assert stats["lease_held_by"] == "checksums", stats  # every read verified
-        # --trace: the pull's timeline, from its start to its check's end, in time order;
-        # behind the copy, the gate's first look is in it and in the stats.
+        # --trace: the pull's timeline, from its start to its check's end, in time order.
+        # Behind the copy, the gate opened on its first look (in the trace and the stats) or,
+        # when the sidecar's answer came first, on its word that the version is readable.
         events = [name for _, name, _, _ in stats["trace"]]
         assert events[0] == "began" and events[-1] == "verified", events
-        assert {"prepared", "saw", "posted", "landed"} <= set(events), events
+        assert {"prepared", "posted", "landed"} <= set(events), events
         times = [at for at, *_ in stats["trace"]]
         assert times == sorted(times)
-        assert stats["gate_rounds"] >= 1 and 0 < stats["gate_first_s"] < stats["pull_s"], stats
-    assert set(result["summary"]["trace_ms"]) == {"prepared", "saw", "posted", "landed", "verified"}
+        if "saw" in events:
+            assert stats["gate_rounds"] >= 1 and 0 < stats["gate_first_s"] < stats["pull_s"]
+        else:
+            assert "readable" in events and stats["gate_rounds"] == 0, (events, stats)
+    traced = set(result["summary"]["trace_ms"])
+    assert {"prepared", "posted", "landed", "verified"} <= traced
+    assert traced & {"saw", "readable"}, traced
+    assert traced <= {"prepared", "saw", "readable", "posted", "landed", "verified"}, traced
     # Every cast tensor lives in the one arena its fp32 slices' span maps to.
     adopted = re.findall(
         r"(\d+) cast in, (\d+) of them from (\d+) arenas", (logs / "receiver.log").read_text()
