@@ -34,7 +34,8 @@ class TraceEvent(enum.Enum):
     pieces holding the version)."""
     READABLE = "readable"
     """Direct pull behind the trainer's snapshot copy: its gate opened on the sidecar's word
-    that the version is readable, before a look at the pieces did ("", 0)."""
+    that the version is readable, before a look at the pieces did ("", 0); that may be while
+    the early pull was planned, before it began."""
     FILLED = "filled"
     """This receiver began storing its own fill for its children ("", bytes filled)."""
     CHECK_TOLD = "check_told"
