@@ -6,9 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # The default run spreads its test modules over worker processes (pytest-xdist; a module's
-# tests stay in one worker and share its fixtures). Its multi-process tests leave a 2-core
-# machine's second core idle about a third of the time in one process: two workers took the
-# run from 27 to 20.5 minutes there. Modules go out in collection order, the demo's (the
+# tests stay in one worker and share its fixtures). In one process its multi-process tests
+# leave a 2-core machine's second core idle much of the time: two workers took the run from
+# 27 to 20.5 minutes there. Modules go out in collection order, the demo's (the
 # longest) first: ordered by their number of tests (xdist's default) it started eight
 # minutes in, and the run took 21:05 against 20:21. PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2

@@ -72,8 +72,9 @@ RELEASE_AFTER_S = 0.005
 """A pull whose bytes need no word from the sidecar (all verified, or the version words still
 name the version) ends its lease this long after the fetch, when the refit's install is
 through: a receiver's threads share one interpreter, and the release's call, sent at the
-fetch's end, took it from the install for 0.2-0.3 ms on GPU hosts. The slot it frees is wanted
-by the trainer's next step, a hundred milliseconds or more later."""
+fetch's end, took it from the install (BENCHMARKS.md, "The receiver's own threads off the
+refit's path"). The slot it frees is wanted by the trainer's next step, a hundred milliseconds
+or more later."""
 
 _KNOWN_MANIFESTS = 16
 """Plans kept by manifest key: one per snapshot slot of the trainers met lately."""

@@ -185,7 +185,8 @@ class NixlTransport:
         say which reads are checked); they are prepared on this thread while the bytes are in
         flight, and waited for once they have landed. A receiver's threads share one
         interpreter: prepared on a thread of its own, a version's checksums took it from the
-        pull's set-up for 0.2-0.4 ms on GPU hosts, delaying the first request. `gate`: which
+        pull's set-up, delaying the first request (BENCHMARKS.md, "The receiver's own threads
+        off the refit's path"). `gate`: which
         requests may be posted yet (`piece_gate.PieceGate`). `trace`: records the pull's
         timeline into its stats."""
         if not verify:
@@ -300,11 +301,13 @@ class NixlTransport:
             except (SourceLost, TimeoutError) as e:
                 pending.fail(getattr(e, "agent", None) or pending.queued[0][0].agent, e)
             pending._post_queued(pending.posted)  # what the first look let go
-        if trace is not None and gate is not None and gate.first_seen is not None:
-            seen, pieces = gate.first_seen
-            trace.add(TraceEvent.SAW, value=pieces, at=time.time() - time.perf_counter() + seen)
-        elif trace is not None and gate is not None and gate.told is not None:
-            trace.add(TraceEvent.READABLE, at=time.time() - time.perf_counter() + gate.told)
+        if trace is not None and gate is not None:
+            wall = time.time() - time.perf_counter()  # the gate's times are perf_counter()'s
+            if gate.first_seen is not None:
+                seen, pieces = gate.first_seen
+                trace.add(TraceEvent.SAW, value=pieces, at=wall + seen)
+            elif gate.told is not None:
+                trace.add(TraceEvent.READABLE, at=wall + gate.told)
         return pending
 
     def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Cut]:
