@@ -5,13 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# The default run spreads its test modules over worker processes (pytest-xdist; a module's
-# tests stay in one worker and share its fixtures). In one process its multi-process tests
-# leave a 2-core machine's second core idle much of the time: two workers took the run from
-# 27 to 20.5 minutes there. Modules go out in collection order, the demo's (the
-# longest) first: ordered by their number of tests (xdist's default) it started eight
-# minutes in, and the run took 21:05 against 20:21. PYTEST_WORKERS=0 runs it in one process.
-PYTEST_WORKERS ?= 2
+# PYTEST_WORKERS=2 spreads the test modules over two worker processes (pytest-xdist; a
+# module's tests stay in one worker and share its fixtures, the demo's, the longest, first):
+# on an idle 2-core machine that took the run from 27 to about 20.5 minutes. It is not the
+# default: in one of four such runs the two workers' stacks starved the demo's trainer ranks
+# of the CPU past their 10 s liveness limit and the world ended. 0 runs one process.
+PYTEST_WORKERS ?= 0
 
 .PHONY: demo test lint typecheck protos venv clean
 
