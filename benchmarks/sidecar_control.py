@@ -349,7 +349,7 @@ def run(config: Config, work: Path) -> dict[str, Any]:
         ) as trainer,
         receivers(config, sidecar, tokens) as conns,
     ):
-        trainer.register_trainer(TrainerLayout(), config.slots)
+        trainer.register_trainer(TrainerLayout(), config.slots, owner="benchmark")
         agent = "trainer-rank0"
         cpu_start = 0.0
         for index in range(config.warmup + config.versions):
@@ -364,6 +364,7 @@ def run(config: Config, work: Path) -> dict[str, Any]:
             time.sleep(0.05)  # the calls reach the sidecar and wait there
             # Built ahead, as a trainer rank does (`publication.py`): the call alone is timed.
             report = publish_request(version, 0, trainer_part(config, version, agent))
+            report.generation = trainer.generation
             start = time.monotonic()
             assert trainer.send_publication(report)
             published = time.monotonic()

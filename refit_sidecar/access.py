@@ -13,6 +13,7 @@ METHOD_ROLES: MethodRoles = method_roles(
     SERVICE,
     {
         "RegisterTrainer": [Role.TRAINER],
+        "RenewRegistration": [Role.TRAINER],
         "ReserveSlot": [Role.TRAINER],
         "PublishShards": [Role.TRAINER],
         "GetLatestVersion": [Role.RECEIVER],

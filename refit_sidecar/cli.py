@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=RegistryConfig.publish_timeout_seconds,
         help="how long a slot reservation waits for every rank to report the previous version",
     )
+    parser.add_argument(
+        "--trainer-ttl-seconds",
+        type=float,
+        default=RegistryConfig.trainer_ttl_seconds,
+        help=(
+            "how long a trainer's registration lives without a renewal; while it lives, "
+            "another trainer's registration is refused unless it takes over"
+        ),
+    )
     tree = TreeConfig()
     parser.add_argument(
         "--max-children",
@@ -120,6 +129,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, str]
                 max_wait_seconds=args.max_wait_seconds,
                 max_lease_seconds=args.max_lease_seconds,
                 publish_timeout_seconds=args.publish_timeout_seconds,
+                trainer_ttl_seconds=args.trainer_ttl_seconds,
             ),
             tree=TreeConfig(
                 max_children=args.max_children,

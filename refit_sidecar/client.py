@@ -3,7 +3,8 @@
 Status codes come back as the registry's domain errors: NOT_FOUND as `UnknownVersion` (calls
 naming a version) or `UnknownLease` (calls naming a lease), RESOURCE_EXHAUSTED as
 `SlotsExhausted`, FAILED_PRECONDITION as `PublicationPending`, ABORTED as `NotRegistered` (the
-sidecar restarted: register again), INVALID_ARGUMENT as `InvalidRequest` (a ValueError; its
+sidecar restarted, or another trainer registered since), ALREADY_EXISTS as `RegistrationHeld`
+(another trainer's registration is alive), INVALID_ARGUMENT as `InvalidRequest` (a ValueError; its
 `field` names the request field at fault when the sidecar named one).
 The tree fan-out calls (`get_sources`, `release_sources`, `list_tree`) raise NOT_FOUND as
 `UnknownVersion`, RESOURCE_EXHAUSTED as `NoSourceFree` (retry once a pull ends) and an
@@ -36,7 +37,10 @@ from refit_sidecar.pending import Pending
 from refit_sidecar.plan import Checksums, Want
 from refit_sidecar.registry import (
     NotRegistered,
+    PendingVersion,
     PublicationPending,
+    RegistrationHeld,
+    RegistrationStatus,
     SlotsExhausted,
     UnknownLease,
     UnknownVersion,
@@ -66,6 +70,8 @@ __all__ = [
     "NoSourceFree",
     "NotRegistered",
     "PublicationPending",
+    "RegistrationHeld",
+    "RegistrationStatus",
     "SidecarClient",
     "SlotsExhausted",
     "TrainerLayout",
@@ -177,6 +183,8 @@ class SidecarClient:
         self._channel = open_channel(target, auth, options=_RECONNECT, bearer=False)
         self._metadata = call_metadata(auth)
         self._stub = pb_grpc.RefitServiceStub(self._channel)
+        self.generation = 0
+        """The registration this client made (`register_trainer`); 0: none."""
 
     def __enter__(self) -> SidecarClient:
         return self
@@ -242,28 +250,81 @@ class SidecarClient:
 
     # -- trainer side -------------------------------------------------------------------------
 
-    def register_trainer(self, layout: TrainerLayout, num_slots: int) -> None:
-        """Start a new trainer generation (retires every earlier version and lease)."""
-        request = pb.RegisterTrainerRequest(layout=layout.to_proto(), num_slots=num_slots)
-        self._call(self._stub.RegisterTrainer, request)
+    def register_trainer(
+        self,
+        layout: TrainerLayout,
+        num_slots: int,
+        *,
+        owner: str,
+        take_over: bool = False,
+        generation: int = 0,
+    ) -> int:
+        """Start a new trainer generation held by `owner` (retires every earlier version and
+        lease) and return it; this client's trainer-side calls present it from then on.
+        `RegistrationHeld` while another owner's registration is alive, unless `take_over`
+        or `generation` is the current one."""
+        request = pb.RegisterTrainerRequest(
+            layout=layout.to_proto(),
+            num_slots=num_slots,
+            owner=owner,
+            take_over=take_over,
+            generation=generation,
+        )
+        self.generation = self._call(self._stub.RegisterTrainer, request).generation
+        return self.generation
 
-    def reserve_slot(self, version: int, *, ahead: bool = False) -> tuple[int, int | None]:
+    def renew_registration(
+        self, generation: int | None = None, *, wait_version: int = 0, wait_s: float = 0.0
+    ) -> RegistrationStatus:
+        """Keeps the registration alive; `NotRegistered` when it is not the sidecar's current
+        one (the sidecar restarted, or another trainer registered since). With `wait_version`,
+        answers once that version is no longer being published, or after `wait_s`."""
+        request = pb.RenewRegistrationRequest(
+            generation=self._generation(generation), wait_version=wait_version, wait_seconds=wait_s
+        )
+        reply = self._call(self._stub.RenewRegistration, request, extra_s=wait_s)
+        return RegistrationStatus(
+            reply.generation,
+            tuple(PendingVersion(p.version, tuple(p.missing_ranks)) for p in reply.pending),
+            reply.latest or None,
+        )
+
+    def _generation(self, generation: int | None) -> int:
+        return self.generation if generation is None else generation
+
+    def reserve_slot(
+        self,
+        version: int,
+        *,
+        ahead: bool = False,
+        abandoned: Sequence[int] = (),
+        generation: int | None = None,
+    ) -> tuple[int, int | None]:
         """(slot for `version`, the version retired to free it, or None). `ahead`: before the
         step that makes `version`; keeps the latest version readable and never waits for a
-        lease (SlotsExhausted instead)."""
+        lease (SlotsExhausted instead). `abandoned`: versions being published that will never
+        be complete. `generation`: the registration (None: the one this client made)."""
         if version < 1:
             raise ValueError(f"versions start at 1, got {version}")
-        request = pb.ReserveSlotRequest(version=version, ahead=ahead)
+        request = pb.ReserveSlotRequest(
+            version=version,
+            ahead=ahead,
+            generation=self._generation(generation),
+            abandoned=abandoned,
+        )
         reply = self._call(self._stub.ReserveSlot, request)
         return reply.slot, reply.retired_version or None
 
     def publish(self, version: int, rank: int, partial: Manifest) -> bool:
         """Publish `rank`'s part of `version` (one agent, with its metadata blob, and its
-        shards); True when this made the version readable."""
-        return self.send_publication(publish_request(version, rank, partial))
+        shards) in this client's registration; True when this made the version readable."""
+        request = publish_request(version, rank, partial)
+        request.generation = self.generation
+        return self.send_publication(request)
 
     def send_publication(self, request: pb.PublishShardsRequest) -> bool:
-        """`publish` for a request built ahead (`wire.publish_request`)."""
+        """`publish` for a request built ahead (`wire.publish_request`), which names its
+        registration's generation."""
         return self._call(self._stub.PublishShards, request).visible
 
     # -- receiver side ------------------------------------------------------------------------
@@ -541,6 +602,8 @@ def _domain_error(error: grpc.RpcError, not_found: type[LookupError]) -> Excepti
         return PublicationPending(details)
     if code == grpc.StatusCode.ABORTED:
         return NotRegistered(details)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return RegistrationHeld(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details, field=violated_field(error))
     return None

@@ -10,6 +10,14 @@ published (``PublicationPending``), which also keeps the latest readable version
 retired before its successor is readable. Leases expire after their TTL, so a dead receiver
 cannot pin a slot for ever. Lease ids are unguessable, and only a lease's holder (the receiver
 id that acquired it) may renew or release it: to anyone else it does not exist.
+
+One trainer owns the registry at a time. A registration carries its owner's identity and a
+generation, a fencing token every reservation and report of the trainer presents: a second
+trainer cannot register while the owner renews its registration (`RegistrationHeld`) unless it
+takes over, and once one has, the replaced trainer's calls are refused (`Superseded`), so its
+ranks can never complete a version of the new registration's world with their shards. The
+token is only as strong as the trainer role's credential: a caller holding it may take over on
+purpose (docs/security.md).
 """
 
 from __future__ import annotations
@@ -39,6 +47,16 @@ class UnknownLease(LookupError):
 class NotRegistered(RuntimeError):
     """No trainer has registered in this sidecar's life (it started, or restarted, since):
     the trainer registers again and retries (maps to ABORTED)."""
+
+
+class Superseded(NotRegistered):
+    """The caller's generation is not the current registration: another trainer registered
+    since (maps to ABORTED, as NotRegistered; the caller's ranks stop publishing here)."""
+
+
+class RegistrationHeld(RuntimeError):
+    """Another owner's registration is alive: a trainer registering would take its place
+    (maps to ALREADY_EXISTS)."""
 
 
 class SlotsExhausted(RuntimeError):
@@ -73,12 +91,17 @@ class RegistryConfig:
     max_lease_seconds: float = 600.0
     publish_timeout_seconds: float = 60.0
     """How long a slot reservation waits for the previous version's ranks to report."""
+    trainer_ttl_seconds: float = 10.0
+    """A registration not renewed (RenewRegistration, or any call of its trainer) for this
+    long is no longer alive: another trainer may register without taking over."""
 
     def __post_init__(self) -> None:
         if self.max_wait_seconds < 0 or self.max_lease_seconds <= 0:
             raise ValueError("max_wait_seconds must be >= 0 and max_lease_seconds > 0")
         if self.publish_timeout_seconds <= 0:
             raise ValueError("publish_timeout_seconds must be > 0")
+        if self.trainer_ttl_seconds <= 0:
+            raise ValueError("trainer_ttl_seconds must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +119,22 @@ class TrainerShape:
             raise InvalidRequest(
                 f"world_size must be >= 1, got {self.world_size}", field="layout.world_size"
             )
+
+
+@dataclass(frozen=True)
+class PendingVersion:
+    version: int
+    missing_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RegistrationStatus:
+    """What a renewal tells the owner: its generation, the versions it is still publishing
+    and the newest readable one (None: none)."""
+
+    generation: int
+    pending: tuple[PendingVersion, ...]
+    latest: int | None
 
 
 @dataclass
@@ -127,36 +166,103 @@ class Registry:
         self._newest = 0
         """The highest version ever reserved in this generation: numbers only grow."""
         self.trainer: TrainerShape | None = None
-        self.generation = 0
-        """Counts trainer registrations: a new trainer numbers its versions afresh."""
+        self.owner = ""
+        self._owner_seen = 0.0
+        """When the registration's owner last called (renewals, reservations, reports)."""
+        self.generation = secrets.randbits(48)
+        """The current registration's fencing token: one more per registration, from a random
+        start in each life of the sidecar, so a token from an earlier life is never current.
+        A new trainer numbers its versions afresh."""
 
-    def register_trainer(self, trainer: TrainerShape) -> None:
-        """Starts a new trainer generation: earlier versions and their leases are gone."""
+    def register_trainer(
+        self,
+        trainer: TrainerShape,
+        owner: str = "",
+        *,
+        take_over: bool = False,
+        generation: int = 0,
+    ) -> int:
+        """Starts a new generation held by `owner`, and returns it: earlier versions and their
+        leases are gone. Refused (`RegistrationHeld`) while another owner's registration is
+        alive, unless `take_over` or `generation` is the current one."""
+        if self.trainer is not None and owner != self.owner:
+            alive_for = self._owner_seen + self.config.trainer_ttl_seconds - self._clock()
+            if alive_for > 0 and not take_over and generation != self.generation:
+                raise RegistrationHeld(
+                    f"this sidecar is registered to trainer {self.owner!r} (generation "
+                    f"{self.generation}, world size {self.trainer.world_size}), which renewed "
+                    f"its registration {self.config.trainer_ttl_seconds - alive_for:.1f} s ago; "
+                    "a sidecar serves one trainer: point this one at its own sidecar, or take "
+                    "over once the other is gone"
+                )
+            log.warning(
+                "trainer %r replaces the registration of trainer %r (generation %d)%s",
+                owner,
+                self.owner,
+                self.generation,
+                " by taking over" if alive_for > 0 else ", which stopped renewing it",
+            )
         self.trainer = trainer
+        self.owner = owner
+        self._owner_seen = self._clock()
         self.generation += 1
         self._versions.clear()
         self._slot_owner.clear()
         self._leases.clear()
         self._newest = 0
+        return self.generation
 
-    def _shape(self) -> TrainerShape:
+    def _shape(self, generation: int | None = None) -> TrainerShape:
+        """The registered trainer; with `generation` (a trainer's call), only when that is the
+        current registration, which the call keeps alive."""
         if self.trainer is None:
             raise NotRegistered(
                 "no trainer has registered with this sidecar (it started or restarted since)"
             )
+        if generation is not None:
+            if generation != self.generation:
+                raise Superseded(
+                    f"generation {generation} is not this sidecar's registration: trainer "
+                    f"{self.owner!r} registered generation {self.generation} since; the "
+                    "caller no longer publishes here"
+                )
+            self._owner_seen = self._clock()
         return self.trainer
+
+    def renew(self, generation: int) -> RegistrationStatus:
+        """The owner's heartbeat: keeps its registration alive, and says what it is still
+        publishing."""
+        shape = self._shape(generation)
+        pending = tuple(
+            PendingVersion(
+                v,
+                tuple(sorted(set(range(shape.world_size)) - set(self._versions[v].shards_by_rank))),
+            )
+            for v in self._publishing()
+        )
+        return RegistrationStatus(self.generation, pending, self.latest)
 
     # -- trainer side -----------------------------------------------------------------------
 
-    def reserve_slot(self, version: int, *, ahead: bool = False) -> tuple[int, int | None]:
+    def reserve_slot(
+        self,
+        version: int,
+        *,
+        ahead: bool = False,
+        generation: int | None = None,
+        abandoned: tuple[int, ...] = (),
+    ) -> tuple[int, int | None]:
         """Chooses the slot that will hold ``version`` and retires the version it held (returned
         second). Raises SlotsExhausted when all are leased (the caller applies the wait policy)
         and PublicationPending while an earlier version is being published (the caller waits).
         Reserving again a version no rank has published yet (its step failed before
         publication) returns the same slot. `ahead`: reserved before the step that makes
-        `version`, so the latest readable version is not a candidate.
+        `version`, so the latest readable version is not a candidate. `generation`: the
+        trainer's registration (None: a caller in this process). `abandoned`: versions still
+        being published that the trainer gave up on, retired first (`abandon`).
         """
-        shape = self._shape()
+        shape = self._shape(generation)
+        self.abandon(abandoned)
         record = self._versions.get(version)
         if record is not None:
             if record.state is VersionState.PUBLISHING and not record.shards_by_rank:
@@ -190,6 +296,24 @@ class Registry:
         self._newest = version
         return slot, previous
 
+    def abandon(self, versions: tuple[int, ...]) -> None:
+        """Retires each of `versions` still being published: it will never be readable, its
+        slot is free, and leases taken on it before it was readable end."""
+        for version in versions:
+            record = self._versions.get(version)
+            if record is None or record.state is not VersionState.PUBLISHING:
+                continue
+            log.warning(
+                "version %d abandoned by its trainer: ranks %s had reported it",
+                version,
+                sorted(record.shards_by_rank),
+            )
+            del self._versions[version]
+            del self._slot_owner[record.slot]
+            for lease_id, lease in list(self._leases.items()):
+                if lease.version == version:
+                    del self._leases[lease_id]
+
     def _publishing(self) -> list[int]:
         return sorted(v for v, r in self._versions.items() if r.state is VersionState.PUBLISHING)
 
@@ -211,12 +335,17 @@ class Registry:
         ]
         return min(candidates)[1] if candidates else None
 
-    def publish(self, version: int, rank: int, shards: Any) -> bool:
-        """Records one rank's shards of ``version``; True when this made the version visible."""
+    def publish(
+        self, version: int, rank: int, shards: Any, *, generation: int | None = None
+    ) -> bool:
+        """Records one rank's shards of ``version``; True when this made the version visible
+        (every rank of the registered world has reported). `generation` as `reserve_slot`."""
+        world_size = self._shape(generation).world_size
         record = self._versions.get(version)
         if record is None or record.state is not VersionState.PUBLISHING:
+            if record is not None and rank in record.shards_by_rank:
+                return False  # a report sent again after its answer was lost: it counted
             raise UnknownVersion(f"version {version} has no reserved slot being published")
-        world_size = self._shape().world_size
         if not 0 <= rank < world_size:
             raise InvalidRequest(f"rank {rank} is outside the world of {world_size}", field="rank")
         record.shards_by_rank[rank] = shards

@@ -19,6 +19,7 @@ from refit_sidecar.registry import (
     FullPolicy,
     NotRegistered,
     PublicationPending,
+    RegistrationHeld,
     Registry,
     SlotsExhausted,
     TrainerShape,
@@ -56,6 +57,7 @@ _grpc_errors = status_codes(
         (NoSourceFree, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (NoLiveSource, grpc.StatusCode.UNAVAILABLE),
         (NotRegistered, grpc.StatusCode.ABORTED),
+        (RegistrationHeld, grpc.StatusCode.ALREADY_EXISTS),
         (PublicationPending, grpc.StatusCode.FAILED_PRECONDITION),
         (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     ]
@@ -148,17 +150,43 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     @_grpc_errors
     async def RegisterTrainer(self, request: pb.RegisterTrainerRequest, context: Any) -> Any:
         layout = request.layout
-        self.registry.register_trainer(
-            TrainerShape(world_size=layout.world_size, num_slots=request.num_slots)
+        if not request.owner:
+            raise InvalidRequest("a registration needs its owner's identity", field="owner")
+        generation = self.registry.register_trainer(
+            TrainerShape(world_size=layout.world_size, num_slots=request.num_slots),
+            request.owner,
+            take_over=request.take_over,
+            generation=request.generation,
         )
         self._layout = layout
         self._manifests.clear()
         self._slot_keys.clear()
         log.info(
-            "trainer registered: world size %d, %d slots", layout.world_size, request.num_slots
+            "trainer %r registered (generation %d): world size %d, %d slots",
+            request.owner,
+            generation,
+            layout.world_size,
+            request.num_slots,
         )
         self._notify()
-        return pb.RegisterTrainerResponse()
+        return pb.RegisterTrainerResponse(generation=generation)
+
+    @_grpc_errors
+    async def RenewRegistration(self, request: pb.RenewRegistrationRequest, context: Any) -> Any:
+        self.registry.renew(request.generation)  # refused at once when not current
+        wait = self._seconds(request.wait_seconds, "wait_seconds")
+        if request.wait_version and wait > 0:
+            version = request.wait_version
+            await self._until(lambda: not self.registry.reserved(version), time.monotonic() + wait)
+        status = self.registry.renew(request.generation)
+        return pb.RegistrationStatus(
+            generation=status.generation,
+            pending=[
+                pb.PendingVersion(version=p.version, missing_ranks=p.missing_ranks)
+                for p in status.pending
+            ],
+            latest=status.latest or 0,
+        )
 
     @_grpc_errors
     async def ReserveSlot(self, request: pb.ReserveSlotRequest, context: Any) -> Any:
@@ -170,7 +198,12 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         publish_deadline = now + config.publish_timeout_seconds
         while True:
             try:
-                slot, retired = self.registry.reserve_slot(request.version, ahead=request.ahead)
+                slot, retired = self.registry.reserve_slot(
+                    request.version,
+                    ahead=request.ahead,
+                    generation=request.generation,
+                    abandoned=tuple(request.abandoned),
+                )
                 self._notify()  # leases asked before the version is readable can be granted
                 return pb.ReserveSlotResponse(slot=slot, retired_version=retired or 0)
             except PublicationPending as pending:
@@ -194,7 +227,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
     @_grpc_errors
     async def PublishShards(self, request: pb.PublishShardsRequest, context: Any) -> Any:
         self._check_report(request)
-        visible = self.registry.publish(request.version, request.rank, request)
+        visible = self.registry.publish(
+            request.version, request.rank, request, generation=request.generation
+        )
         if visible:
             log.info("version %d is readable", request.version)
             self._readable_at[request.version] = readable_at = time.time()

@@ -241,6 +241,8 @@ def manifest_key(manifest: pb.Manifest | pb.PublishShardsRequest) -> bytes:
     bare = type(manifest)()
     bare.CopyFrom(manifest)
     bare.version = 0
+    if isinstance(bare, pb.PublishShardsRequest):
+        bare.generation = 0
     for parameter in bare.parameters:
         for shard in parameter.shards:
             shard.ClearField("crc32")

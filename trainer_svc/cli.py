@@ -116,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
         "every K optimizer steps); loaded checkpoints are always published",
     )
     refit.add_argument(
+        "--refit-take-over",
+        action="store_true",
+        help="register with the sidecar even while another trainer's registration is alive "
+        "(that trainer publishes nothing more there); default: wait for it to lapse, bounded",
+    )
+    refit.add_argument(
+        "--refit-report-deadline-seconds",
+        type=float,
+        default=RefitConfig.report_deadline_s,
+        help="how long the ranks retry a version's failed reports, and rank 0 waits for every "
+        "rank's, before the version counts as failed (never readable)",
+    )
+    refit.add_argument(
         "--nixl-host",
         default=RefitConfig.nixl_host,
         help="an IP address of the network interface the ranks' NIXL endpoints listen on for "
@@ -192,6 +205,8 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             slots=args.refit_slots,
             first_piece_bytes=args.refit_first_piece_bytes,
             publish_every=args.refit_publish_every,
+            take_over=args.refit_take_over,
+            report_deadline_s=args.refit_report_deadline_seconds,
             auth=auth_flags.client_auth(args, "sidecar", used=args.sidecar is not None),
             nixl_host=args.nixl_host,
             nixl_net_devices=tuple(args.nixl_net_devices),

@@ -35,6 +35,7 @@ from trainer_svc.domain import (
     LossConfig,
     LossTerms,
     OptimizerOverrides,
+    Publication,
     SequenceBatch,
     StepCounts,
     StepMetrics,
@@ -43,6 +44,7 @@ from trainer_svc.wire_enums import (
     FORWARD_OUTPUTS_TO_PROTO,
     LOSS_KINDS_TO_PROTO,
     NORMALIZATIONS_TO_PROTO,
+    PUBLICATION_STATES,
 )
 
 _MAX_MESSAGE = 256 * 1024 * 1024
@@ -62,6 +64,8 @@ class MicrobatchReceipt:
 class StepResult:
     metrics: StepMetrics
     weights_version: int
+    publication: Publication | None = None
+    """The version's publication as the answer left (None: the trainer publishes nowhere)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,21 @@ def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
             counts=_counts(m.counts),
         ),
         weights_version=reply.weights_version,
+        publication=_publication(reply.publication) if reply.HasField("publication") else None,
     )
+
+
+def _publication(message: pb.Publication) -> Publication:
+    return Publication(
+        weights_version=message.weights_version,
+        state=PUBLICATION_STATES[message.state],
+        reason=message.reason,
+    )
+
+
+def publications(status: pb.GetStatusResponse) -> list[Publication]:
+    """GetStatus's publications, oldest first."""
+    return [_publication(p) for p in status.publications]
 
 
 def forward_result(reply: pb.ForwardResponse, num_tokens: int) -> ForwardResult:
@@ -227,11 +245,18 @@ class TrainerClient:
         reply = self._call("TrainMicrobatch", microbatch_request(step_id, request_id, batch))
         return MicrobatchReceipt(reply.duplicate, _counts(reply.accumulated))
 
-    def finish_step(self, step_id: str, *, wait_for_update: bool = False) -> StepResult:
+    def finish_step(
+        self, step_id: str, *, wait_for_update: bool = False, wait_for_publication: bool = False
+    ) -> StepResult:
         """Applies the step. It answers once the update is queued on the devices (every later
         call sees it; receivers see the version once it is published); `wait_for_update`
-        answers once it is applied."""
-        request = pb.FinishTrainStepRequest(step_id=step_id, wait_for_update=wait_for_update)
+        answers once it is applied, `wait_for_publication` once the version is readable or
+        its publication failed (`StepResult.publication` says which)."""
+        request = pb.FinishTrainStepRequest(
+            step_id=step_id,
+            wait_for_update=wait_for_update,
+            wait_for_publication=wait_for_publication,
+        )
         return step_result(self._call("FinishTrainStep", request))
 
     def abort_step(self, step_id: str) -> bool:
@@ -296,9 +321,15 @@ class AsyncTrainerClient:
         reply = await self._call("TrainMicrobatch", microbatch_request(step_id, request_id, batch))
         return MicrobatchReceipt(reply.duplicate, _counts(reply.accumulated))
 
-    async def finish_step(self, step_id: str, *, wait_for_update: bool = False) -> StepResult:
+    async def finish_step(
+        self, step_id: str, *, wait_for_update: bool = False, wait_for_publication: bool = False
+    ) -> StepResult:
         """As `TrainerClient.finish_step`."""
-        request = pb.FinishTrainStepRequest(step_id=step_id, wait_for_update=wait_for_update)
+        request = pb.FinishTrainStepRequest(
+            step_id=step_id,
+            wait_for_update=wait_for_update,
+            wait_for_publication=wait_for_publication,
+        )
         return step_result(await self._call("FinishTrainStep", request))
 
     async def abort_step(self, step_id: str) -> bool:

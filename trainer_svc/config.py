@@ -156,8 +156,16 @@ class RefitConfig:
     step; k, the last of every k optimizer steps (a loop that updates k times per rollout
     batch). A loaded checkpoint is always published. Receivers that ask for a version before
     it exists (`Receiver.expect`) must ask for published ones."""
+    take_over: bool = False
+    """Register with the sidecar even while another trainer's registration is alive (that
+    trainer's ranks are refused from then on). Off: wait for it to lapse, bounded."""
+    report_deadline_s: float = 60.0
+    """How long the ranks send a version's reports again after failures (the sidecar
+    unreachable), and rank 0 waits for every rank's, before the version counts as failed."""
 
     def __post_init__(self) -> None:
+        if self.report_deadline_s <= 0:
+            raise ValueError(f"the report deadline must be > 0 s, got {self.report_deadline_s}")
         if self.slots < 1:
             raise ValueError(f"refit slots must be >= 1, got {self.slots}")
         if self.publish_every < 1:

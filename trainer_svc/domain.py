@@ -267,6 +267,33 @@ class ForwardResult:
     weights_version: int = 0
 
 
+class PublicationState(enum.Enum):
+    """Where a weights version stands on its way to the refit sidecar."""
+
+    PENDING = "pending"
+    """The ranks are reporting it."""
+    RETRYING = "retrying"
+    """A report failed and is being sent again."""
+    READABLE = "readable"
+    """Every rank reported it: receivers can read it."""
+    FAILED = "failed"
+    """It will never be readable; receivers follow the next version."""
+    NOT_PUBLISHED = "not_published"
+    """Made by a step that does not publish (`RefitConfig.publish_every`)."""
+
+    @property
+    def settled(self) -> bool:
+        return self not in (PublicationState.PENDING, PublicationState.RETRYING)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Publication:
+    weights_version: int
+    state: PublicationState
+    reason: str = ""
+    """Why it is RETRYING or FAILED."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class OpenStepInfo:
     step_id: str

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainer_refit.v1 import trainer_pb2 as pb
-from trainer_svc.domain import ForwardOutput, LossKind, Normalization
+from trainer_svc.domain import ForwardOutput, LossKind, Normalization, PublicationState
 
 LOSS_KINDS = {
     pb.LOSS_KIND_CROSS_ENTROPY: LossKind.CROSS_ENTROPY,
@@ -18,6 +18,14 @@ FORWARD_OUTPUTS = {
     pb.FORWARD_OUTPUT_TOP_K: ForwardOutput.TOP_K,
     pb.FORWARD_OUTPUT_ENTROPY: ForwardOutput.ENTROPY,
 }
+PUBLICATION_STATES = {
+    pb.PUBLICATION_STATE_PENDING: PublicationState.PENDING,
+    pb.PUBLICATION_STATE_RETRYING: PublicationState.RETRYING,
+    pb.PUBLICATION_STATE_READABLE: PublicationState.READABLE,
+    pb.PUBLICATION_STATE_FAILED: PublicationState.FAILED,
+    pb.PUBLICATION_STATE_NOT_PUBLISHED: PublicationState.NOT_PUBLISHED,
+}
 LOSS_KINDS_TO_PROTO = {v: k for k, v in LOSS_KINDS.items()}
 NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}
 FORWARD_OUTPUTS_TO_PROTO = {v: k for k, v in FORWARD_OUTPUTS.items()}
+PUBLICATION_STATES_TO_PROTO = {v: k for k, v in PUBLICATION_STATES.items()}

@@ -64,7 +64,9 @@ def publisher(
         partials = [source.manifest(1) for source in sources]
         with sidecar.client(Role.TRAINER, timeout=30) as client:
             client.wait_ready()
-            client.register_trainer(TrainerLayout(tensor_parallel=len(ranks)), num_slots=1)
+            client.register_trainer(
+                TrainerLayout(tensor_parallel=len(ranks)), num_slots=1, owner="test"
+            )
             slot, retired = client.reserve_slot(1)
             visible = [
                 client.publish(1, source.config.rank, partial)
@@ -73,7 +75,7 @@ def publisher(
     except Exception as error:
         conn.send(f"publisher failed: {error!r}")
         raise
-    conn.send((slot, retired, visible, partials))
+    conn.send((slot, retired, visible, partials, client.generation))
     with contextlib.suppress(EOFError):
         conn.recv()
     for source in sources:
@@ -111,8 +113,9 @@ def test_publish_then_pull_through_the_client(sidecar: Sidecar) -> None:
             assert conn.poll(60), "the source process did not publish"
             published = conn.recv()
             assert not isinstance(published, str), published
-            slot, retired, visible, partials = published
+            slot, retired, visible, partials, generation = published
             assert (slot, retired, visible) == (0, None, [False, True])
+            trainer.generation = generation  # the registration the publisher made
 
             assert client.latest_version() == 1
             watch = client.watch(0)

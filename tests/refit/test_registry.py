@@ -6,10 +6,13 @@ import pytest
 
 from refit_sidecar.registry import (
     NotRegistered,
+    PendingVersion,
     PublicationPending,
+    RegistrationHeld,
     Registry,
     RegistryConfig,
     SlotsExhausted,
+    Superseded,
     TrainerShape,
     UnknownLease,
     UnknownVersion,
@@ -237,3 +240,81 @@ def test_only_its_holder_renews_or_releases_a_lease_and_ids_are_unguessable():
     assert registry.renew_lease(lease.lease_id, ttl_seconds=10, receiver_id="receiver-a")
     registry.release_lease(lease.lease_id, receiver_id="receiver-a")
     assert registry.next_expiry() is None
+
+
+def test_one_owner_at_a_time_and_a_replaced_trainer_is_fenced_off():
+    clock = Clock()
+    registry = Registry(RegistryConfig(trainer_ttl_seconds=10), clock)
+    first = registry.register_trainer(TrainerShape(world_size=2, num_slots=2), "trainer-a")
+    registry.reserve_slot(1, generation=first)
+    registry.publish(1, 0, "rank 0 of a", generation=first)
+    # A second trainer (here: a world of one) is refused while the first renews.
+    with pytest.raises(RegistrationHeld, match="registered to trainer 'trainer-a'"):
+        registry.register_trainer(TrainerShape(world_size=1, num_slots=1), "stranger")
+    clock.now += 9
+    registry.renew(first)
+    clock.now += 9
+    with pytest.raises(RegistrationHeld):
+        registry.register_trainer(TrainerShape(world_size=1, num_slots=1), "stranger")
+    assert registry.reserved(1) and registry.generation == first  # nothing changed
+    # The same owner may register again at any time (a new generation).
+    again = registry.register_trainer(TrainerShape(world_size=2, num_slots=2), "trainer-a")
+    assert again == first + 1
+    # Taking over replaces it: the first trainer's calls are refused from then on, so its
+    # ranks can never complete a version of the new world with their shards.
+    second = registry.register_trainer(
+        TrainerShape(world_size=1, num_slots=1), "stranger", take_over=True
+    )
+    registry.reserve_slot(1, generation=second)
+    for call in (
+        lambda: registry.publish(1, 0, "rank 0 of a", generation=again),
+        lambda: registry.reserve_slot(2, generation=again),
+        lambda: registry.renew(again),
+    ):
+        with pytest.raises(Superseded, match="registered generation"):
+            call()
+    assert registry.reserved(1) and registry.latest is None
+    # Presenting the current generation replaces it too; an owner that stopped renewing
+    # lapses after the TTL.
+    third = registry.register_trainer(
+        TrainerShape(world_size=2, num_slots=2), "operator", generation=second
+    )
+    clock.now += 10
+    fourth = registry.register_trainer(TrainerShape(world_size=2, num_slots=2), "trainer-a")
+    assert (third, fourth) == (second + 1, second + 2)
+
+
+def test_generations_start_anew_in_each_life_of_the_sidecar():
+    # A token from an earlier life of the sidecar (before a restart) is never current.
+    first = Registry(RegistryConfig()).register_trainer(TrainerShape(world_size=1, num_slots=1))
+    second = Registry(RegistryConfig()).register_trainer(TrainerShape(world_size=1, num_slots=1))
+    assert first != second
+
+
+def test_renewal_lists_the_ranks_each_pending_version_misses_and_abandoning_frees_its_slot():
+    registry = make(world_size=3, num_slots=1)
+    generation = registry.generation
+    registry.reserve_slot(1, generation=generation)
+    registry.publish(1, 1, "rank 1", generation=generation)
+    lease = registry.acquire_lease(1, "early", ttl_seconds=5, before_readable=True)
+    status = registry.renew(generation)
+    assert status.pending == (PendingVersion(1, (0, 2)),) and status.latest is None
+    with pytest.raises(PublicationPending):
+        registry.reserve_slot(2, generation=generation)
+    # The trainer gave up on version 1: it is retired, never readable, its early lease ends.
+    assert registry.reserve_slot(2, generation=generation, abandoned=(1,)) == (0, None)
+    assert not registry.reserved(1)
+    with pytest.raises(UnknownLease):
+        registry.release_lease(lease.lease_id, receiver_id="early")
+    with pytest.raises(UnknownVersion):
+        registry.publish(1, 0, "late", generation=generation)
+
+
+def test_a_report_sent_again_after_the_version_became_readable_counts_once():
+    registry = make(world_size=2)
+    registry.reserve_slot(1)
+    registry.publish(1, 0, "rank 0")
+    assert registry.publish(1, 1, "rank 1") is True
+    assert registry.publish(1, 1, "rank 1") is False  # its answer was lost; sent again
+    assert registry.latest == 1
+

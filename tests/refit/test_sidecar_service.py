@@ -9,7 +9,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import pytest
@@ -26,8 +26,50 @@ from trainer_refit.v1 import refit_pb2 as pb
 from trainer_refit.v1 import refit_pb2_grpc as pb_grpc
 
 
+class _Fenced:
+    """A trainer-side method that presents the registration's generation when the request
+    names none, as the trainer's own client does."""
+
+    def __init__(self, trainer: TrainerStub, method: Any) -> None:
+        self._trainer = trainer
+        self._method = method
+
+    def _fill(self, request: Any) -> Any:
+        if not request.generation:
+            request.generation = self._trainer.generation
+        return request
+
+    def __call__(self, request: Any, **kwargs: Any) -> Any:
+        return self._method(self._fill(request), **kwargs)
+
+    def future(self, request: Any, **kwargs: Any) -> Any:
+        return self._method.future(self._fill(request), **kwargs)
+
+
+class TrainerStub:
+    """The trainer role's stub: registers as one owner and presents its last registration's
+    generation in reservations, reports and renewals."""
+
+    def __init__(self, stub: pb_grpc.RefitServiceStub) -> None:
+        self._stub = stub
+        self.generation = 0
+
+    def RegisterTrainer(self, request: pb.RegisterTrainerRequest, **kwargs: Any) -> Any:
+        if not request.owner:
+            request.owner = "test-trainer"
+        reply = self._stub.RegisterTrainer(request, **kwargs)
+        self.generation = reply.generation
+        return reply
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        if name in ("ReserveSlot", "PublishShards", "RenewRegistration"):
+            return _Fenced(self, method)
+        return method
+
+
 class Stubs(NamedTuple):
-    trainer: pb_grpc.RefitServiceStub
+    trainer: TrainerStub
     receiver: pb_grpc.RefitServiceStub
 
 
@@ -46,7 +88,9 @@ def start_sidecar(tmp_path):
             assert health.Check(health_pb2.HealthCheckRequest()).status == (
                 health_pb2.HealthCheckResponse.SERVING
             )
-            return Stubs(pb_grpc.RefitServiceStub(trainer), pb_grpc.RefitServiceStub(receiver))
+            return Stubs(
+                TrainerStub(pb_grpc.RefitServiceStub(trainer)), pb_grpc.RefitServiceStub(receiver)
+            )
 
         yield start
 
@@ -221,7 +265,7 @@ def test_a_reservation_waits_for_the_last_report_of_the_previous_version(start_s
 
 def test_wait_visible_returns_when_the_last_rank_reports(tmp_path):
     with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
-        stub = sidecar.stub(Role.TRAINER)
+        stub = TrainerStub(sidecar.stub(Role.TRAINER))
         _register(stub, world_size=2, slots=2)
         stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
         _publish(stub, 1, rank=0)
@@ -242,7 +286,7 @@ def test_a_lease_call_waits_for_the_version_and_carries_its_checksums(tmp_path):
     not readable in time, is NOT_FOUND; a bad wait is INVALID_ARGUMENT. With with_checksums
     the lease carries every shard's checksums in GetManifest's order."""
     with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
-        stub = sidecar.stub(Role.TRAINER)
+        stub = TrainerStub(sidecar.stub(Role.TRAINER))
         _register(stub, world_size=2, slots=2)
         stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
         _publish(stub, 1, rank=0, crc32=10)
@@ -291,7 +335,7 @@ def test_a_lease_asked_later_is_answered_when_the_version_comes_or_cancelled(tmp
     nothing once the version comes."""
     fail = ("--when-all-slots-leased", "fail")
     with running_sidecar(tmp_path / "sidecar", *fail) as sidecar, sidecar.client() as client:
-        stub = sidecar.stub(Role.TRAINER)
+        stub = TrainerStub(sidecar.stub(Role.TRAINER))
         _register(stub, world_size=1, slots=1)
         with pytest.raises(UnknownVersion, match="version 1 is not readable"):
             client.lease_later(1, "r", 30, wait_s=0.2).result(timeout=10)
@@ -351,7 +395,7 @@ def _publish_one_tensor(stub, version: int, slot: int, crc: int) -> None:
 
 def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_path):
     with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
-        stub = sidecar.stub(Role.TRAINER)
+        stub = TrainerStub(sidecar.stub(Role.TRAINER))
         _register(stub, world_size=1, slots=2)
 
         def publish(version: int, crc: int) -> bytes:
@@ -376,7 +420,7 @@ def test_a_lease_before_readable_comes_at_the_reservation_and_holds_the_slot(tmp
     once the version is readable, with the key. A slot that never held a readable version
     gives a lease only once the version is readable."""
     with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
-        stub = sidecar.stub(Role.TRAINER)
+        stub = TrainerStub(sidecar.stub(Role.TRAINER))
         _register(stub, world_size=1, slots=2)
 
         def reserve(version: int) -> int:
@@ -456,7 +500,7 @@ def test_malformed_requests_are_refused_at_the_edge(tmp_path):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
         with pytest.raises(InvalidRequest, match="num_slots") as refused:
-            trainer.register_trainer(TrainerLayout(), num_slots=0)
+            trainer.register_trainer(TrainerLayout(), num_slots=0, owner="test")
         assert isinstance(refused.value, ValueError) and refused.value.field == "num_slots"
 
         request_v1, response_v1 = v1_messages()

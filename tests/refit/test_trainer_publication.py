@@ -254,16 +254,16 @@ def test_a_slots_report_carries_each_versions_own_checksums() -> None:
     for name in data:
         report.parameters.add(name=name).shards.add()
     slot = Slot(source, [], report, None, None)  # type: ignore[arg-type]
-    first = slot.request(4)
-    assert first.version == 4
+    first = slot.request(4, generation=11)
+    assert (first.version, first.generation) == (4, 11)
     assert [p.shards[0].crc32 for p in first.parameters] == [
         checksum(data["a"]),
         checksum(data["b"]),
     ]
     sent = first.SerializeToString()
     data["a"][3] ^= 0xFF
-    second = slot.request(6)
-    assert second.version == 6
+    second = slot.request(6, generation=12)
+    assert (second.version, second.generation) == (6, 12)
     assert [p.shards[0].crc32 for p in second.parameters] == [
         checksum(data["a"]),
         checksum(data["b"]),

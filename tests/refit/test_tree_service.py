@@ -150,7 +150,9 @@ class Fleet:
             self.trainer.publish(version, rank, _rank_part(version, rank))
 
     def register(self, slots: int = 2) -> None:
-        self.trainer.register_trainer(TrainerLayout(tensor_parallel=2), num_slots=slots)
+        self.trainer.register_trainer(
+            TrainerLayout(tensor_parallel=2), num_slots=slots, owner="fleet"
+        )
 
     def nodes(self, version: int = 1) -> dict[str, NodeInfo]:
         return {n.node_id: n for n in self.client.list_tree(version).nodes}

@@ -237,24 +237,64 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterTrainerRequest(_message.Message):
-    __slots__ = ("layout", "num_slots")
+    __slots__ = ("layout", "num_slots", "owner", "take_over", "generation")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.ParallelLayout
     num_slots: int
-    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    owner: str
+    take_over: bool
+    generation: int
+    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., num_slots: _Optional[int] = ..., owner: _Optional[str] = ..., take_over: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RegisterTrainerResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class RenewRegistrationRequest(_message.Message):
+    __slots__ = ("generation", "wait_version", "wait_seconds")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    wait_version: int
+    wait_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., wait_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class RegistrationStatus(_message.Message):
+    __slots__ = ("generation", "pending", "latest")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    pending: _containers.RepeatedCompositeFieldContainer[PendingVersion]
+    latest: int
+    def __init__(self, generation: _Optional[int] = ..., pending: _Optional[_Iterable[_Union[PendingVersion, _Mapping]]] = ..., latest: _Optional[int] = ...) -> None: ...
+
+class PendingVersion(_message.Message):
+    __slots__ = ("version", "missing_ranks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., missing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveSlotRequest(_message.Message):
-    __slots__ = ("version", "ahead")
+    __slots__ = ("version", "ahead", "generation", "abandoned")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     version: int
     ahead: bool
-    def __init__(self, version: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    generation: int
+    abandoned: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., ahead: _Optional[bool] = ..., generation: _Optional[int] = ..., abandoned: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveSlotResponse(_message.Message):
     __slots__ = ("slot", "retired_version")
@@ -265,16 +305,18 @@ class ReserveSlotResponse(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., retired_version: _Optional[int] = ...) -> None: ...
 
 class PublishShardsRequest(_message.Message):
-    __slots__ = ("version", "rank", "agent", "parameters")
+    __slots__ = ("version", "rank", "agent", "parameters", "generation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     rank: int
     agent: SourceAgent
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterRecord]
-    def __init__(self, version: _Optional[int] = ..., rank: _Optional[int] = ..., agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, version: _Optional[int] = ..., rank: _Optional[int] = ..., agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PublishShardsResponse(_message.Message):
     __slots__ = ("visible",)

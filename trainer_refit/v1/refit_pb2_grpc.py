@@ -85,6 +85,11 @@ class RefitServiceStub:
                 request_serializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerRequest.SerializeToString,
                 response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerResponse.FromString,
                 _registered_method=True)
+        self.RenewRegistration = channel.unary_unary(
+                '/trainer_refit.v1.RefitService/RenewRegistration',
+                request_serializer=trainer__refit_dot_v1_dot_refit__pb2.RenewRegistrationRequest.SerializeToString,
+                response_deserializer=trainer__refit_dot_v1_dot_refit__pb2.RegistrationStatus.FromString,
+                _registered_method=True)
         self.ReserveSlot = channel.unary_unary(
                 '/trainer_refit.v1.RefitService/ReserveSlot',
                 request_serializer=trainer__refit_dot_v1_dot_refit__pb2.ReserveSlotRequest.SerializeToString,
@@ -185,9 +190,22 @@ class RefitServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterTrainer(self, request, context):
-        """Trainer side, once at start: its layout and snapshot slots per rank. Retires every version
-        of an earlier trainer (its sources are gone). INVALID_ARGUMENT when layout.world_size or
-        num_slots is 0.
+        """Trainer side, once at start: its layout and snapshot slots per rank. Starts a new
+        registration generation held by `owner` and retires every version of an earlier trainer
+        (its sources are gone). One owner at a time: ALREADY_EXISTS while another owner's
+        registration is alive (renewed within the sidecar's --trainer-ttl-seconds), unless the
+        request presents the current generation or sets `take_over`. INVALID_ARGUMENT when
+        layout.world_size or num_slots is 0, or `owner` is empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewRegistration(self, request, context):
+        """Trainer side, every second or so: keeps the registration of `generation` alive and says
+        which versions it is still publishing. ABORTED when `generation` is not this sidecar's
+        current registration (none since it started, or another owner's since): the caller no
+        longer publishes here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,16 +218,17 @@ class RefitServiceServicer:
         it is that one, reserved and not yet published by any rank: its slot again);
         RESOURCE_EXHAUSTED when every slot holds a leased version; FAILED_PRECONDITION when the
         previous version's ranks did not all report in time; ABORTED when no trainer registered
-        since the sidecar started (register again).
+        since the sidecar started (register again) or `generation` is not the current
+        registration's (another owner took over: stop publishing here).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PublishShards(self, request, context):
-        """Trainer side: one rank's shards of `version`; visible once every rank has published.
-        NOT_FOUND when `version` has no reserved slot being published; INVALID_ARGUMENT for a rank
-        outside the world; ABORTED as ReserveSlot.
+        """Trainer side: one rank's shards of `version`; visible once every rank of the registered
+        world has published. NOT_FOUND when `version` has no reserved slot being published;
+        INVALID_ARGUMENT for a rank outside the world; ABORTED as ReserveSlot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -292,6 +311,11 @@ def add_RefitServiceServicer_to_server(servicer, server):
                     servicer.RegisterTrainer,
                     request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerRequest.FromString,
                     response_serializer=trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerResponse.SerializeToString,
+            ),
+            'RenewRegistration': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewRegistration,
+                    request_deserializer=trainer__refit_dot_v1_dot_refit__pb2.RenewRegistrationRequest.FromString,
+                    response_serializer=trainer__refit_dot_v1_dot_refit__pb2.RegistrationStatus.SerializeToString,
             ),
             'ReserveSlot': grpc.unary_unary_rpc_method_handler(
                     servicer.ReserveSlot,
@@ -546,6 +570,33 @@ class RefitService:
             '/trainer_refit.v1.RefitService/RegisterTrainer',
             trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerRequest.SerializeToString,
             trainer__refit_dot_v1_dot_refit__pb2.RegisterTrainerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewRegistration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainer_refit.v1.RefitService/RenewRegistration',
+            trainer__refit_dot_v1_dot_refit__pb2.RenewRegistrationRequest.SerializeToString,
+            trainer__refit_dot_v1_dot_refit__pb2.RegistrationStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,15 @@ class Normalization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NORMALIZATION_TOKEN: _ClassVar[Normalization]
     NORMALIZATION_SEQUENCE: _ClassVar[Normalization]
 
+class PublicationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUBLICATION_STATE_UNSPECIFIED: _ClassVar[PublicationState]
+    PUBLICATION_STATE_PENDING: _ClassVar[PublicationState]
+    PUBLICATION_STATE_RETRYING: _ClassVar[PublicationState]
+    PUBLICATION_STATE_READABLE: _ClassVar[PublicationState]
+    PUBLICATION_STATE_FAILED: _ClassVar[PublicationState]
+    PUBLICATION_STATE_NOT_PUBLISHED: _ClassVar[PublicationState]
+
 class ForwardOutput(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FORWARD_OUTPUT_UNSPECIFIED: _ClassVar[ForwardOutput]
@@ -32,6 +41,12 @@ LOSS_KIND_PPO: LossKind
 NORMALIZATION_UNSPECIFIED: Normalization
 NORMALIZATION_TOKEN: Normalization
 NORMALIZATION_SEQUENCE: Normalization
+PUBLICATION_STATE_UNSPECIFIED: PublicationState
+PUBLICATION_STATE_PENDING: PublicationState
+PUBLICATION_STATE_RETRYING: PublicationState
+PUBLICATION_STATE_READABLE: PublicationState
+PUBLICATION_STATE_FAILED: PublicationState
+PUBLICATION_STATE_NOT_PUBLISHED: PublicationState
 FORWARD_OUTPUT_UNSPECIFIED: ForwardOutput
 FORWARD_OUTPUT_LOGPROBS: ForwardOutput
 FORWARD_OUTPUT_TOP_K: ForwardOutput
@@ -136,12 +151,14 @@ class TrainMicrobatchResponse(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
 
 class FinishTrainStepRequest(_message.Message):
-    __slots__ = ("step_id", "wait_for_update")
+    __slots__ = ("step_id", "wait_for_update", "wait_for_publication")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_PUBLICATION_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     wait_for_update: bool
-    def __init__(self, step_id: _Optional[str] = ..., wait_for_update: _Optional[bool] = ...) -> None: ...
+    wait_for_publication: bool
+    def __init__(self, step_id: _Optional[str] = ..., wait_for_update: _Optional[bool] = ..., wait_for_publication: _Optional[bool] = ...) -> None: ...
 
 class LossTerms(_message.Message):
     __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio")
@@ -170,14 +187,26 @@ class StepMetrics(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
 
 class FinishTrainStepResponse(_message.Message):
-    __slots__ = ("step_id", "metrics", "weights_version")
+    __slots__ = ("step_id", "metrics", "weights_version", "publication")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATION_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     metrics: StepMetrics
     weights_version: int
-    def __init__(self, step_id: _Optional[str] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    publication: Publication
+    def __init__(self, step_id: _Optional[str] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., weights_version: _Optional[int] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ...) -> None: ...
+
+class Publication(_message.Message):
+    __slots__ = ("weights_version", "state", "reason")
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    weights_version: int
+    state: PublicationState
+    reason: str
+    def __init__(self, weights_version: _Optional[int] = ..., state: _Optional[_Union[PublicationState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AbortTrainStepRequest(_message.Message):
     __slots__ = ("step_id",)
@@ -308,7 +337,7 @@ class OpenStep(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device", "sidecar", "refit_snapshot_bytes", "pass_token_budget")
+    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device", "sidecar", "refit_snapshot_bytes", "pass_token_budget", "publications")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +347,7 @@ class GetStatusResponse(_message.Message):
     SIDECAR_FIELD_NUMBER: _ClassVar[int]
     REFIT_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATIONS_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.ParallelLayout
     model: ModelInfo
     weights_version: int
@@ -327,4 +357,5 @@ class GetStatusResponse(_message.Message):
     sidecar: str
     refit_snapshot_bytes: int
     pass_token_budget: int
-    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ..., sidecar: _Optional[str] = ..., refit_snapshot_bytes: _Optional[int] = ..., pass_token_budget: _Optional[int] = ...) -> None: ...
+    publications: _containers.RepeatedCompositeFieldContainer[Publication]
+    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ..., sidecar: _Optional[str] = ..., refit_snapshot_bytes: _Optional[int] = ..., pass_token_budget: _Optional[int] = ..., publications: _Optional[_Iterable[_Union[Publication, _Mapping]]] = ...) -> None: ...

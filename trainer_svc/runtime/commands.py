@@ -23,11 +23,20 @@ class TrainMicrobatch:
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """A refit snapshot slot reserved by rank 0 for a new version, in the sidecar
+    registration (`generation`) every rank's report of it presents."""
+
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True)
 class FinishStep:
     step_id: str
     wait_for_update: bool = False
     """Answer once the update is applied on the device, not once it is queued."""
-    slot: int | None = None
+    slot: Reservation | None = None
     """Refit snapshot slot for the new version, reserved by rank 0 before the broadcast."""
 
 
@@ -51,7 +60,7 @@ class SaveCheckpoint:
 @dataclass(frozen=True)
 class LoadCheckpoint:
     path: Path
-    slot: int | None = None
+    slot: Reservation | None = None
     """Refit snapshot slot for the loaded weights' version, reserved like FinishStep's."""
 
 

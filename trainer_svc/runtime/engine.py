@@ -242,7 +242,7 @@ class StepEngine:
         ):
             return command
         try:
-            slot = self.publisher.reserve(self.weights_version + 1)
+            slot = cmd.Reservation(*self.publisher.reserve(self.weights_version + 1))
         except (SlotsExhausted, PublicationPending) as exc:
             raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
         except Exception as exc:  # the sidecar is unreachable or failed: nothing changed
@@ -260,7 +260,7 @@ class StepEngine:
         if self.publisher is not None:
             self.publisher.fence()
 
-    def _publish(self, slot: int | None) -> None:
+    def _publish(self, slot: cmd.Reservation | None) -> None:
         """Publishes the current weights as `weights_version` into the reserved slot (none:
         a step that does not publish, `RefitConfig.publish_every`)."""
         if self.publisher is None:
@@ -269,11 +269,11 @@ class StepEngine:
             self.publisher.made(self.weights_version)
             return
         start = time.perf_counter()
-        self.publisher.publish(self.weights_version, slot)
+        self.publisher.publish(self.weights_version, slot.slot, slot.generation)
         log.debug(
             "refit: version %d queued for slot %d in %.3f ms",
             self.weights_version,
-            slot,
+            slot.slot,
             1e3 * (time.perf_counter() - start),
         )
 

@@ -15,13 +15,22 @@ kernel over the slot on the side stream) and sends the rank's report, which was 
 slot. The version becomes readable a moment after the update that made it is applied (on a GPU
 FinishTrainStep answers once the update is queued, so possibly after the answer); receivers
 wait for it (`SidecarClient.wait_visible`).
+
+A report that fails for want of the sidecar is sent again until `report_deadline_s`; rank 0
+then waits for every rank's report and writes the outcome in its `PublicationBook`, so a
+version no rank could publish is answered FAILED, never silently lost. Every reservation and
+report presents the registration's generation: a trainer whose registration another took
+over is refused by the sidecar and publishes nothing more there.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
+import socket
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -34,11 +43,14 @@ from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.checksum import checksum
 from refit_sidecar.client import (
+    InvalidRequest,
     NotRegistered,
     PublicationPending,
+    RegistrationHeld,
     SidecarClient,
     SlotsExhausted,
     TrainerLayout,
+    UnknownVersion,
 )
 from refit_sidecar.layout import ShardSpec, placement_spec
 from refit_sidecar.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
@@ -55,6 +67,7 @@ from refit_sidecar.torch_arena import TorchArena
 from refit_sidecar.wire import location_to_proto, publish_request
 from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import refit_pb2 as pb
+from trainer_svc.runtime.publication_book import PublicationBook
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import local_parameters
 
@@ -66,6 +79,21 @@ SIDECAR_CHECK_TIMEOUT_S = 3.0
 loaded two-core host: the trainer logged it as down and back, and the next step reserved its
 slot again. A sidecar that is gone refuses at once or after this long; one restarted within
 it is still seen, from the reservation it lost (docs/refit.md, "Publication health")."""
+
+REGISTER_WAIT_S = 30.0
+"""How long a starting trainer waits for another trainer's live registration to lapse (a
+trainer restarted after a crash finds its predecessor's) before it gives up."""
+
+_RETRY_PAUSES_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+"""Pauses between a report's attempts (the last repeats)."""
+
+_FOLLOW_WAIT_S = 1.0
+"""Rank 0 waits for the other ranks' reports in calls this long (the sidecar answers as soon
+as the version is readable), so a trainer shutting down is not held by a longer one."""
+
+_DEFINITIVE = (NotRegistered, UnknownVersion, InvalidRequest)
+"""A report refused for these never succeeds when sent again: the registration is gone or
+replaced, the version's reservation is gone, or the report is wrong."""
 
 _DTYPES = {
     torch.float32: DType.FLOAT32,
@@ -133,7 +161,7 @@ class Slot:
         return live, [(p.name, p.shards[0]) for p in live.parameters]
 
     def request(
-        self, version: int, stream: torch.cuda.Stream | None = None
+        self, version: int, generation: int, stream: torch.cuda.Stream | None = None
     ) -> pb.PublishShardsRequest:
         """The report of `version`, held in this slot, with its checksums: the CRC-32 of each
         shard of a host slot, the WSUM-64 of each shard of a device slot (computed on
@@ -141,6 +169,7 @@ class Slot:
         request: send it before asking again (the reporter thread does, one at a time)."""
         request, shards = self._live
         request.version = version
+        request.generation = generation
         if self.source.arena.mem_type is MemType.DRAM:
             for name, shard in shards:
                 shard.crc32 = checksum(self.source.view(name))
@@ -261,13 +290,22 @@ class Publisher:
     every: int = 1
     """A finished step publishes versions that are multiples of this
     (`RefitConfig.publish_every`)."""
+    owner: str = ""
+    """This trainer's identity at the sidecar (drawn at start, the same on every rank)."""
+    take_over: bool = False
+    """Register even while another trainer's registration is alive (`RefitConfig.take_over`)."""
+    report_deadline_s: float = 60.0
+    """`RefitConfig.report_deadline_s`."""
+    book: PublicationBook = field(default_factory=PublicationBook)
+    """Rank 0: each version's publication as it stands."""
+    _stopping: threading.Event = field(default_factory=threading.Event)
     _reporter: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="refit-report")
     )
     _copied: torch.cuda.Event | None = None
-    _ahead: Future[tuple[int, int] | None] | None = None
-    """Rank 0: the (version, slot) reserved for the next version once the last one was
-    reported, or None when no slot could be reserved ahead."""
+    _ahead: Future[tuple[int, int, int] | None] | None = None
+    """Rank 0: the (version, slot, generation) reserved for the next version once the last
+    one was reported, or None when no slot could be reserved ahead."""
     _addresses: tuple[int, ...] = ()
     """Where each parameter lived when the slots were laid out."""
     problem: str | None = None
@@ -296,11 +334,14 @@ class Publisher:
         nixl_net_devices: tuple[str, ...],
         first_piece_bytes: int = DEFAULT_FIRST_PIECE_BYTES,
         every: int = 1,
+        take_over: bool = False,
+        report_deadline_s: float = 60.0,
     ) -> Publisher:
         """`nixl_host`, `nixl_net_devices`: where the rank's NIXL agent listens for receivers
         (`SourceConfig.host`, `SourceConfig.net_devices`); `first_piece_bytes`: the snapshot
         copy's first piece (`snapshot_layout.piece_ends`; 0: one piece); `every`: which
-        finished steps publish (`RefitConfig.publish_every`)."""
+        finished steps publish (`RefitConfig.publish_every`); `take_over`,
+        `report_deadline_s`: as `RefitConfig`."""
         parameters = published_parameters(model, spec, topology)
         specs = shard_specs(parameters, topology)
         config = SourceConfig(
@@ -349,10 +390,22 @@ class Publisher:
             # Compiles the checksum kernel now, not in the first version's report.
             with torch.cuda.stream(stream):
                 filled[0].source.device_sums()
-        publisher = cls(client, filled, parameters, topology, device, stream, agent, every)
+        publisher = cls(
+            client,
+            filled,
+            parameters,
+            topology,
+            device,
+            stream,
+            agent,
+            every,
+            owner=f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}",
+            take_over=take_over,
+            report_deadline_s=report_deadline_s,
+        )
         if topology.is_leader:
             client.wait_ready()
-            publisher.register()
+            publisher.register(wait_s=REGISTER_WAIT_S)
         arena = filled[0].source.arena
         log.info(
             "refit: %d snapshot slots of %d bytes each in %s (device %d)",
@@ -368,16 +421,22 @@ class Publisher:
         """Memory this rank's slots take (host or device, where the parameters are)."""
         return sum(slot.source.arena.nbytes for slot in self.slots)
 
-    def reserve(self, version: int) -> int:
-        """Rank 0, before the weights change: the slot the new version goes to. Usually
-        reserved already, ahead of the step (`_reserve_ahead`); else reserved now."""
+    def reserve(self, version: int) -> tuple[int, int]:
+        """Rank 0, before the weights change: the slot the new version goes to and the
+        registration's generation its reports present. Usually reserved already, ahead of
+        the step (`_reserve_ahead`); else reserved now."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             reserved = ahead.result()
             suspect, self._ahead_suspect = self._ahead_suspect, False
-            if reserved is not None and reserved[0] == version and not suspect:
-                return reserved[1]
-        return self._reserve(version, ahead=False)
+            if (
+                reserved is not None
+                and reserved[0] == version
+                and reserved[2] == self.client.generation
+                and not suspect
+            ):
+                return reserved[1], reserved[2]
+        return self._reserve(version, ahead=False), self.client.generation
 
     @property
     def health_problem(self) -> str | None:
@@ -385,11 +444,19 @@ class Publisher:
         return self.problem or self.unreachable
 
     def check_sidecar(self) -> None:
-        """Updates `unreachable`: set when the sidecar's health service does not answer
-        SERVING within `SIDECAR_CHECK_TIMEOUT_S` (blocking; the trainer's health watcher calls
-        it)."""
+        """Rank 0's heartbeat (blocking; the trainer's health watcher calls it every second):
+        renews the registration, so no other trainer can take the sidecar while this one
+        lives. Sets `unreachable` when the sidecar does not answer within
+        `SIDECAR_CHECK_TIMEOUT_S` or no longer holds this trainer's registration."""
         try:
             self.client.wait_ready(timeout=SIDECAR_CHECK_TIMEOUT_S)
+            if self.client.generation:
+                self.client.renew_registration()
+        except NotRegistered as e:
+            # Restarted (the next reservation registers again) or taken over by another
+            # trainer (registering again then says by whom).
+            self.unreachable = f"the refit sidecar no longer holds this trainer's registration: {e}"
+            self._ahead_suspect = True
         except Exception as e:
             self.unreachable = f"the refit sidecar does not answer: {_describe(e)}"
             self._ahead_suspect = True
@@ -400,27 +467,49 @@ class Publisher:
         self.problem = problem
         self._ahead_suspect = True
 
-    def register(self) -> None:
-        """Rank 0: start a trainer generation at the sidecar (this world's layout and slots)."""
+    def register(self, wait_s: float = 0.0) -> None:
+        """Rank 0: start a trainer generation at the sidecar (this world's layout and slots).
+        While another trainer's registration is alive, waits up to `wait_s` for it to lapse
+        (unless taking over), then raises `RegistrationHeld`."""
         layout = self.topology.layout
-        self.client.register_trainer(
-            TrainerLayout(
-                tensor_parallel=layout.tensor_parallel,
-                pipeline_parallel=layout.pipeline_parallel,
-                data_parallel=layout.data_parallel,
-            ),
-            len(self.slots),
-        )
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                generation = self.client.register_trainer(
+                    TrainerLayout(
+                        tensor_parallel=layout.tensor_parallel,
+                        pipeline_parallel=layout.pipeline_parallel,
+                        data_parallel=layout.data_parallel,
+                    ),
+                    len(self.slots),
+                    owner=self.owner,
+                    take_over=self.take_over,
+                )
+            except RegistrationHeld as held:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("refit: waiting for the sidecar to be free: %s", held)
+                time.sleep(1.0)
+                continue
+            log.info("refit: registered as %r (generation %d)", self.owner, generation)
+            return
 
     def _reserve_registered(self, version: int, *, ahead: bool) -> tuple[int, int | None]:
+        abandoned = self.book.take_abandoned()
         try:
-            return self.client.reserve_slot(version, ahead=ahead)
-        except NotRegistered:
-            # The sidecar restarted: versions it served are gone, so start a new generation
-            # (its receivers' leases are gone too; they fail closed on release).
-            log.warning("refit: the sidecar lost its trainer registration; registering again")
-            self.register()
-            return self.client.reserve_slot(version, ahead=ahead)
+            try:
+                return self.client.reserve_slot(version, ahead=ahead, abandoned=abandoned)
+            except NotRegistered:
+                # The sidecar restarted (versions it served are gone, and its receivers'
+                # leases: they fail closed on release) or another trainer took over
+                # (registering again is refused while it lives).
+                log.warning("refit: the sidecar lost this trainer's registration; registering")
+                self.register()
+                abandoned = ()  # a new registration holds none of them
+                return self.client.reserve_slot(version, ahead=ahead)
+        except BaseException:
+            self.book.give_back(abandoned)
+            raise
 
     def _reserve(self, version: int, *, ahead: bool) -> int:
         try:
@@ -434,13 +523,14 @@ class Publisher:
             log.debug("refit: version %d retired to make room for %d", retired, version)
         return slot
 
-    def _reserve_ahead(self, version: int) -> tuple[int, int] | None:
+    def _reserve_ahead(self, version: int) -> tuple[int, int, int] | None:
         """On the reporter thread of rank 0, after its report of `version - 1` (when that one
         was published): the slot of `version`, unless the sidecar has none to give without
         retiring the latest version or waiting for a lease (the step then reserves, with the
         sidecar's policy)."""
         try:
-            return version, self._reserve(version, ahead=True)
+            slot = self._reserve(version, ahead=True)
+            return version, slot, self.client.generation
         except SlotsExhausted as e:
             log.debug("refit: %s", e)
             return None
@@ -482,33 +572,46 @@ class Publisher:
                 target.words[i].fill_(version)
             return stream.record_event()
 
-    def publish(self, version: int, slot: int) -> None:
+    def publish(self, version: int, slot: int, generation: int) -> None:
         """Snapshots the parameters as `version` into the reserved `slot` and hands the report
-        to the reporter thread (reports leave in order)."""
+        (in registration `generation`) to the reporter thread (reports leave in order)."""
         copied = self.snapshot(slot, version)
         self._copied = copied
-        self._reporter.submit(self._send, version, slot, copied)
-        self.made(version)
+        if self.topology.is_leader:
+            self.book.pending(version)
+        self._reporter.submit(self._send, version, slot, copied, generation)
+        self._reserve_next(version)
 
     def publishes(self, version: int) -> bool:
         """Whether the finished step that makes `version` publishes it."""
         return version % self.every == 0
 
     def made(self, version: int) -> None:
+        """`version` was made by a step that does not publish it."""
+        if self.topology.is_leader:
+            self.book.not_published(version)
+        self._reserve_next(version)
+
+    def _reserve_next(self, version: int) -> None:
         """After `version` was made, published or not: rank 0 reserves the next version's slot
         ahead, behind the reports queued so far, when the next step will publish it."""
         if self.topology.is_leader and self.publishes(version + 1):
             self._ahead = self._reporter.submit(self._reserve_ahead, version + 1)
 
-    def _send(self, version: int, slot: int, copied: torch.cuda.Event | None) -> None:
+    def _send(
+        self, version: int, slot: int, copied: torch.cuda.Event | None, generation: int
+    ) -> None:
+        """Reports this rank's shards of `version`, again after a failure until the deadline;
+        rank 0 then follows the version until every rank's report is in."""
         start = time.perf_counter()
+        deadline = time.monotonic() + self.report_deadline_s
         try:
             if copied is not None:
                 copied.synchronize()
             copy_done = time.perf_counter()
-            request = self.slots[slot].request(version, self.stream)
+            request = self.slots[slot].request(version, generation, self.stream)
             summed = time.perf_counter()
-            visible = self.client.send_publication(request)
+            visible = self._report(request, deadline)
             self.problem = None
             log.debug(
                 "refit: version %d reported (copy waited %.3f ms, checksums %.3f ms, "
@@ -520,11 +623,65 @@ class Publisher:
                 visible,
             )
         except Exception as e:
-            self._note(
+            problem = (
                 f"rank {self.topology.rank} could not report version {version}: {_describe(e)}"
             )
-            log.warning("refit: %s", self.problem)
-            raise
+            self._note(problem)
+            log.warning("refit: %s", problem)
+            if self.topology.is_leader:
+                self.book.failed(version, problem)
+            return
+        if self.topology.is_leader:
+            self._follow(version, visible, deadline)
+
+    def _report(self, request: pb.PublishShardsRequest, deadline: float) -> bool:
+        """Sends the report until the sidecar takes it, refuses it for good (`_DEFINITIVE`),
+        or the deadline passes; True when it made the version readable."""
+        for attempt in range(1_000_000):
+            try:
+                return self.client.send_publication(request)
+            except _DEFINITIVE:
+                raise
+            except Exception as e:
+                pause = _RETRY_PAUSES_S[min(attempt, len(_RETRY_PAUSES_S) - 1)]
+                if self._stopping.is_set() or time.monotonic() + pause >= deadline:
+                    raise
+                reason = f"rank {self.topology.rank}'s report failed ({_describe(e)}); retrying"
+                if attempt == 0:
+                    log.warning("refit: version %d: %s", request.version, reason)
+                if self.topology.is_leader:
+                    self.book.retrying(request.version, reason)
+                self._stopping.wait(pause)
+        raise AssertionError("unreachable")
+
+    def _follow(self, version: int, visible: bool, deadline: float) -> None:
+        """Rank 0, after its own report: waits until every rank's report is in and books the
+        version READABLE, or FAILED once the deadline passes (the next reservation abandons
+        it at the sidecar)."""
+        try:
+            while not visible:
+                left = deadline - time.monotonic()
+                status = self.client.renew_registration(
+                    wait_version=version, wait_s=min(max(left, 0.0), _FOLLOW_WAIT_S)
+                )
+                missing = next(
+                    (p.missing_ranks for p in status.pending if p.version == version), None
+                )
+                if missing is None:
+                    if status.latest is not None and status.latest >= version:
+                        break
+                    raise UnknownVersion(f"the sidecar no longer holds version {version}")
+                if self._stopping.is_set() or time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"ranks {list(missing)} did not report version {version} within "
+                        f"{self.report_deadline_s:g} s"
+                    )
+        except Exception as e:
+            reason = f"version {version} will not be readable: {_describe(e)}"
+            log.warning("refit: %s", reason)
+            self.book.failed(version, reason)
+            return
+        self.book.readable(version)
 
     def fence(self) -> None:
         """Before the parameters change: the trainer's stream waits for the last snapshot
@@ -534,6 +691,7 @@ class Publisher:
             self._copied = None
 
     def close(self) -> None:
+        self._stopping.set()
         self._reporter.shutdown(wait=True)
         for slot in self.slots:
             slot.source.close()

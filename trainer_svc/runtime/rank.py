@@ -163,6 +163,8 @@ def build_engine(
             nixl_net_devices=config.refit.nixl_net_devices,
             first_piece_bytes=config.refit.first_piece_bytes,
             every=config.refit.publish_every,
+            take_over=config.refit.take_over,
+            report_deadline_s=config.refit.report_deadline_s,
         )
     snapshot_bytes = publisher.snapshot_bytes if publisher else 0
     # The smallest budget of any rank, so the ranks of a replica cut a request alike.

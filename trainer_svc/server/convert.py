@@ -15,6 +15,7 @@ from trainer_svc.domain import (
     LossConfig,
     OpenStepInfo,
     OptimizerOverrides,
+    Publication,
     SequenceBatch,
     StepCounts,
     StepMetrics,
@@ -25,6 +26,7 @@ from trainer_svc.wire_enums import (
     LOSS_KINDS_TO_PROTO,
     NORMALIZATIONS,
     NORMALIZATIONS_TO_PROTO,
+    PUBLICATION_STATES_TO_PROTO,
 )
 
 
@@ -155,3 +157,11 @@ def path(value: str, field: str) -> Path:
     if not value:
         raise InvalidArgument(f"{field} must name a directory", field=field)
     return Path(value)
+
+
+def publication_to_proto(publication: Publication) -> pb.Publication:
+    return pb.Publication(
+        weights_version=publication.weights_version,
+        state=PUBLICATION_STATES_TO_PROTO[publication.state],
+        reason=publication.reason,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from trainer_svc.domain import (
     Internal,
     InvalidArgument,
     PathNotAllowed,
+    Publication,
 )
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime.control import Leader, WorldLost
@@ -79,11 +81,28 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         result = await self.leader.submit(
             cmd.FinishStep(step_id=request.step_id, wait_for_update=request.wait_for_update)
         )
-        return pb.FinishTrainStepResponse(
+        response = pb.FinishTrainStepResponse(
             step_id=result.step_id,
             metrics=convert.metrics_to_proto(result.metrics),
             weights_version=result.weights_version,
         )
+        publication = await self._publication(
+            result.weights_version, wait=request.wait_for_publication
+        )
+        if publication is not None:
+            response.publication.CopyFrom(convert.publication_to_proto(publication))
+        return response
+
+    async def _publication(self, version: int, *, wait: bool) -> Publication | None:
+        """How `version`'s publication stands; with `wait`, once settled (bounded by the
+        reports' deadline and a margin for rank 0's last call)."""
+        publisher = self.leader.engine.publisher
+        if publisher is None:
+            return None
+        if not wait:
+            return publisher.book.get(version)
+        timeout = publisher.report_deadline_s + 5.0
+        return await asyncio.to_thread(publisher.book.wait, version, timeout)
 
     @_grpc_errors
     async def AbortTrainStep(self, request: pb.AbortTrainStepRequest, context: Any) -> Any:
@@ -146,4 +165,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         open_step = self.leader.open_step_info()
         if open_step is not None:
             response.open_step.CopyFrom(convert.open_step_to_proto(open_step))
+        if engine.publisher is not None:
+            response.publications.extend(
+                convert.publication_to_proto(p) for p in engine.publisher.book.recent()
+            )
         return response
