@@ -505,7 +505,7 @@ def trainer_specs(context: TrainerContext) -> list[MethodSpec]:
 
 # -- the sidecar ------------------------------------------------------------------------------
 
-TRAINER_SIDE = frozenset({"RegisterTrainer", "ReserveSlot", "PublishShards"})
+TRAINER_SIDE = frozenset({"RegisterTrainer", "RenewRegistration", "ReserveSlot", "PublishShards"})
 """Methods called with the trainer role's token; the others with the receiver's."""
 
 
@@ -569,25 +569,31 @@ def sidecar_specs(latest: int, max_lease_seconds: float) -> list[MethodSpec]:
             refused,
             rpb.ReleaseLeaseRequest(lease_id="lease-1", receiver_id="fuzz"),
         ),
+        # The trainer holds the registration (it renews it every second): another owner's
+        # is refused unless it takes over, and a generation the fuzz makes up is not current.
         MethodSpec(
             "RegisterTrainer",
             rpb.RegisterTrainerRequest,
-            frozenset({C.INVALID_ARGUMENT}),
-            rpb.RegisterTrainerRequest(num_slots=0),
-            applies=lambda r: r.layout.world_size >= 1 and r.num_slots >= 1,
+            frozenset({C.INVALID_ARGUMENT, C.ALREADY_EXISTS}),
+            rpb.RegisterTrainerRequest(num_slots=0, owner="fuzz"),
+            applies=lambda r: r.layout.world_size >= 1 and r.num_slots >= 1 and r.take_over,
+        ),
+        MethodSpec(
+            "RenewRegistration",
+            rpb.RenewRegistrationRequest,
+            frozenset({C.ABORTED, C.INVALID_ARGUMENT}),
+            rpb.RenewRegistrationRequest(generation=1, wait_version=latest, wait_seconds=1.0),
         ),
         MethodSpec(
             "ReserveSlot",
             rpb.ReserveSlotRequest,
-            frozenset({C.INVALID_ARGUMENT}),
-            rpb.ReserveSlotRequest(version=latest),
-            applies=lambda r: r.version > latest,
+            frozenset({C.INVALID_ARGUMENT, C.ABORTED}),
+            rpb.ReserveSlotRequest(version=latest, generation=1),
         ),
         MethodSpec(
             "PublishShards",
             rpb.PublishShardsRequest,
-            refused,
-            rpb.PublishShardsRequest(version=latest, rank=0, parameters=[parameter]),
-            applies=lambda r: r.version > latest,
+            refused | {C.ABORTED},
+            rpb.PublishShardsRequest(version=latest, rank=0, parameters=[parameter], generation=1),
         ),
     ]

@@ -126,6 +126,7 @@ SIDECAR_REQUESTS: dict[str, Request] = {
     "RegisterTrainer": lambda s: rpb.RegisterTrainerRequest(
         layout=common_pb2.ParallelLayout(world_size=1, tensor_parallel=1), num_slots=2
     ),
+    "RenewRegistration": lambda s: rpb.RenewRegistrationRequest(generation=1),
     "ReserveSlot": lambda s: rpb.ReserveSlotRequest(version=2),
     "PublishShards": lambda s: rpb.PublishShardsRequest(
         version=2, rank=0, agent=rpb.SourceAgent(name="intruder"), parameters=[_shard()]
@@ -162,7 +163,7 @@ WRONG_ROLE = {
     TRAINER_SERVICE.name: lambda method: Role.RECEIVER,
     REFIT_SERVICE.name: lambda method: (
         Role.RECEIVER
-        if method in ("RegisterTrainer", "ReserveSlot", "PublishShards")
+        if method in ("RegisterTrainer", "RenewRegistration", "ReserveSlot", "PublishShards")
         else Role.TRAINER
     ),
 }

@@ -15,6 +15,7 @@ undecodable bodies (all of this traffic comes from one client host).
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,9 +38,10 @@ from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import TrainerProcess
 from trainer_refit.auth import Role
 from trainer_refit.errors import MAX_MESSAGE_BYTES
+from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as rpb
 from trainer_refit.v1 import trainer_pb2 as tpb
-from trainer_svc.client import StepResult, forward_request, microbatch_request
+from trainer_svc.client import StepResult, forward_request, microbatch_request, publications
 from trainer_svc.domain import ForwardOutput, LossConfig, LossKind, OptimizerOverrides
 
 SEED = 20261124
@@ -96,9 +98,9 @@ class State:
 
 def _state(world: World) -> State:
     trainer = world.trainer
-    status = trainer.client.status()
     with world.sidecar.client() as receiver:
-        receiver.wait_visible(status.weights_version)
+        receiver.wait_visible(trainer.client.status().weights_version)
+    status = _settled_status(trainer)
     forward = forward_request(
         make_batch(seed=9, lengths=[5, 17, 8], loss=LossConfig()),
         [ForwardOutput.LOGPROBS, ForwardOutput.TOP_K, ForwardOutput.ENTROPY],
@@ -113,6 +115,17 @@ def _state(world: World) -> State:
         latest=latest,
         manifest=manifest.SerializeToString(),
     )
+
+
+def _settled_status(trainer: TrainerProcess) -> tpb.GetStatusResponse:
+    """GetStatus once every publication it lists is READABLE or FAILED (rank 0 books the
+    last one a moment after the version is readable)."""
+    deadline = time.monotonic() + 30
+    while True:
+        status = trainer.client.status()
+        if all(p.state.settled for p in publications(status)) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
 
 
 @dataclass(frozen=True)
@@ -215,6 +228,35 @@ def test_fuzz_without_open_step(world: World) -> None:
     _fuzz(world, open_step=None, seed=SEED)
     assert _state(world) == before
     _assert_clean_logs(world)
+
+
+def test_concurrent_registrations_of_other_trainers_change_nothing(world: World) -> None:
+    """Many callers with the trainer's token register at once, as other trainers pointed at
+    this sidecar would: every one is refused while the trainer holds the sidecar."""
+    before = _state(world)
+    rng = random.Random(SEED + 1)
+    requests = [
+        rpb.RegisterTrainerRequest(
+            layout=common_pb2.ParallelLayout(world_size=size, tensor_parallel=size),
+            num_slots=rng.randint(1, 4),
+            owner=f"other-{n}",
+            generation=rng.getrandbits(48),
+        )
+        for n, size in enumerate(rng.choices([1, 2, 4], k=24))
+    ]
+    stub = world.sidecar.stub(Role.TRAINER)
+
+    def register(request: rpb.RegisterTrainerRequest) -> grpc.StatusCode:
+        try:
+            stub.RegisterTrainer(request, timeout=DEADLINE_SECONDS)
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = set(pool.map(register, requests))
+    assert codes == {grpc.StatusCode.ALREADY_EXISTS}
+    assert _state(world) == before
 
 
 def test_fuzz_with_open_step(world: World) -> None:
