@@ -169,6 +169,10 @@ class TrainerServiceServicer:
         step_id names the open step. Answers once the update is queued on the devices, while they
         apply it: every later call sees the new weights, and the version becomes readable to
         receivers once the update and its snapshot copy are done (AcquireLease can wait for it).
+        The answer's `publication` says where the version stands: PENDING while the ranks report
+        it, then READABLE or FAILED (GetStatus follows it; `wait_for_publication` waits for it).
+        A FAILED version is never readable. FAILED_PRECONDITION, with the step left open, when no
+        refit slot can be reserved: the sidecar is away, or holds another trainer's registration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
