@@ -285,8 +285,8 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
     servicer = RefitServicer(Registry(RegistryConfig()), tree)
     context = _Context()
     layout = common_pb2.ParallelLayout(tensor_parallel=1, world_size=1)
-    request = pb.RegisterTrainerRequest(layout=layout, num_slots=config.slots)
-    await servicer.RegisterTrainer(request, context)
+    request = pb.RegisterTrainerRequest(layout=layout, num_slots=config.slots, owner="benchmark")
+    generation = (await servicer.RegisterTrainer(request, context)).generation
     asks = []
     for i in range(config.receivers):
         wants, offer = receiver_offer(config, f"receiver-{i}")
@@ -296,8 +296,10 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
         asks.append(ask)
     publications, answers = [], []
     for version in range(1, warmup + versions + 1):
-        await servicer.ReserveSlot(pb.ReserveSlotRequest(version=version), context)
+        reserve = pb.ReserveSlotRequest(version=version, generation=generation)
+        await servicer.ReserveSlot(reserve, context)
         report = publish_request(version, 0, trainer_part(config, version, "trainer-rank0"))
+        report.generation = generation
         start = time.perf_counter()
         await servicer.PublishShards(report, context)
         await asyncio.sleep(0)  # what the publication scheduled (opening the tree)

@@ -54,7 +54,7 @@ class TrainerStub:
         self._stub = stub
         self.generation = 0
 
-    def RegisterTrainer(self, request: pb.RegisterTrainerRequest, **kwargs: Any) -> Any:
+    def RegisterTrainer(self, request: pb.RegisterTrainerRequest, **kwargs: Any) -> Any:  # noqa: N802 (the stub's name)
         if not request.owner:
             request.owner = "test-trainer"
         reply = self._stub.RegisterTrainer(request, **kwargs)

@@ -258,10 +258,14 @@ def test_sidecar_merge_equals_merge_manifests(seed: int) -> None:
 
     async def run() -> pb.Manifest:
         servicer = RefitServicer(Registry(RegistryConfig()))
-        await servicer.RegisterTrainer(pb.RegisterTrainerRequest(layout=layout, num_slots=2), None)
-        await servicer.ReserveSlot(pb.ReserveSlotRequest(version=3), None)
-        first = await servicer.PublishShards(publish_request(3, 1, rank1), None)
-        second = await servicer.PublishShards(publish_request(3, 0, rank0), None)
+        register = pb.RegisterTrainerRequest(layout=layout, num_slots=2, owner="trainer")
+        generation = (await servicer.RegisterTrainer(register, None)).generation
+        await servicer.ReserveSlot(pb.ReserveSlotRequest(version=3, generation=generation), None)
+        reports = [publish_request(3, rank, part) for rank, part in ((1, rank1), (0, rank0))]
+        for report in reports:
+            report.generation = generation
+        first = await servicer.PublishShards(reports[0], None)
+        second = await servicer.PublishShards(reports[1], None)
         assert (first.visible, second.visible) == (False, True)
         return await servicer.GetManifest(pb.GetManifestRequest(version=3), None)
 
