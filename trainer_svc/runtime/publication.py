@@ -26,6 +26,7 @@ over is refused by the sidecar and publishes nothing more there.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import secrets
@@ -637,7 +638,7 @@ class Publisher:
     def _report(self, request: pb.PublishShardsRequest, deadline: float) -> bool:
         """Sends the report until the sidecar takes it, refuses it for good (`_DEFINITIVE`),
         or the deadline passes; True when it made the version readable."""
-        for attempt in range(1_000_000):
+        for attempt in itertools.count():
             try:
                 return self.client.send_publication(request)
             except _DEFINITIVE:
@@ -652,7 +653,7 @@ class Publisher:
                 if self.topology.is_leader:
                     self.book.retrying(request.version, reason)
                 self._stopping.wait(pause)
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable")  # count() never ends
 
     def _follow(self, version: int, visible: bool, deadline: float) -> None:
         """Rank 0, after its own report: waits until every rank's report is in and books the
