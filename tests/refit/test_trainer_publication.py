@@ -19,6 +19,7 @@ from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.plan import Want, plan_pull, whole
 from refit_sidecar.transport import Region
 from tests.support.batches import make_batch
+from tests.support.damaged_checkpoints import resealed_copies
 from tests.support.isolation import in_child_process
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess, assert_bit_identical
@@ -176,8 +177,8 @@ def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar)
 @in_child_process
 def test_a_trainer_publishing_every_second_step_publishes_those_and_every_load(tmp_path, sidecar):
     """`--refit-publish-every 2`: only the even versions of finished steps are published (the
-    odd ones are never known to the sidecar), a loaded checkpoint is published whatever its
-    version, and each published version equals ExportHF."""
+    odd ones are never readable), a loaded checkpoint is published whatever its version, a
+    refused one holds no slot, and each published version equals ExportHF."""
     args = [*sidecar.trainer_args(), "--refit-slots", "2", "--refit-publish-every", "2"]
     trainer = TrainerProcess(tmp_path / "trainer", args)
     transport = NixlTransport.create(NixlConfig(name="every-puller", pull_timeout_s=60))
@@ -199,7 +200,14 @@ def test_a_trainer_publishing_every_second_step_publishes_those_and_every_load(t
         assert client.wait_visible(5) == 5  # odd, and published: a load always is
         assert_bit_identical(_pull_hf(client, transport, 5, spec), saved)
         assert _step(trainer, "s6") == 6 and client.wait_visible(6) == 6
+        # Refused while reading, after rank 0 reserved a slot for version 7, which no step
+        # publishes: the sidecar must not keep it being published, or no later version could.
+        copies = resealed_copies(trainer.workdir / "ckpt", trainer.workdir / "damaged", rank=0)
+        (not_finite,) = (path for name, path in copies.items() if "not finite" in name)
+        with pytest.raises(FailedPrecondition, match="not finite"):
+            trainer.client.load_checkpoint(not_finite)
         assert _step(trainer, "s7") == 7 and client.latest_version() == 6
+        assert _step(trainer, "s8") == 8 and client.wait_visible(8) == 8
     finally:
         client.close()
         transport.close()

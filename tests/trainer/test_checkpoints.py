@@ -18,6 +18,11 @@ import pytest
 from megatron_hf.spec import ModelFamily
 from megatron_hf.tiny import write_tiny_checkpoint
 from tests.support.batches import make_batch
+from tests.support.damaged_checkpoints import (
+    assert_refusals_change_nothing,
+    garbled_copies,
+    resealed_copies,
+)
 from tests.support.parity import assert_equals_transformers, hf_logprobs, parity_forward
 from tests.support.trainer import (
     TrainerProcess,
@@ -100,3 +105,20 @@ def test_checkpoint_round_trip_and_hf_export(worlds):
     assert_bit_identical(second.export("continued"), continued)
 
     assert np.abs(hf_logprobs(export_dir, batch) - trainer_logprobs).max() <= 1e-4
+
+
+def test_a_damaged_checkpoint_is_refused_and_changes_nothing(worlds):
+    """At PP=2: same-size garbage in any file is refused by the checksums; a tensor that rank 1
+    reads, unreadable or NaN, or a shape changed, with checksums that match, by the staged
+    load. None changes Forward, the weights or the next step."""
+    process = worlds.second
+    source = worlds.root / "damage-source"
+    process.client.save_checkpoint(source)
+    _step(process, "away-from-source", seed=5)
+    scratch = worlds.root / "damaged"
+    copies = garbled_copies(source, scratch / "copies", seed=38)
+    copies |= resealed_copies(source, scratch / "copies")
+    batch = make_batch(seed=4, lengths=[9, 17, 3], loss=LossConfig())
+    assert_refusals_change_nothing(
+        process, copies, lambda step_id: _step(process, step_id, seed=6), batch, scratch
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.batches import make_batch, split
+from tests.support.damaged_checkpoints import assert_refusals_change_nothing, resealed_copies
 from tests.support.trainer import TrainerProcess, max_relative_difference
 from trainer_svc.domain import LossConfig, LossKind, Normalization, OptimizerOverrides
 
@@ -41,6 +42,7 @@ OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, adam_eps=1e-4)
 def trainer(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"split-{request.param}")
     process = TrainerProcess(workdir, LAYOUTS[request.param])
+    process.layout = request.param
     process.client.save_checkpoint(workdir / "base")
     process.base_weights = process.export("base")
     yield process
@@ -68,3 +70,24 @@ def test_microbatch_split_gives_the_one_shot_update(trainer, loss_name):
     print(f"{loss_name}: step moved weights by {moved:.2e}, split vs one-shot gap {gap:.2e}")
     assert moved > 1e-3, "the step did not change the weights"
     assert gap <= 1e-5
+
+
+def test_a_load_refused_while_reading_leaves_the_distributed_optimizer_as_it_was(trainer):
+    """With DP, megatron's distributed optimizer holds Adam's state in bucket shards. A load
+    that every rank reads and then refuses (a tensor NaN or unreadable, a shape changed; the
+    checksums match) leaves it as it was: the next step is bit for bit the step without it."""
+    if "dp" not in trainer.layout:
+        pytest.skip("the distributed optimizer runs with DP > 1")
+    loss = LOSSES["ppo-token"]
+    batch = make_batch(seed=7, lengths=LENGTHS, loss=loss)
+
+    def train(step_id: str) -> None:
+        trainer.client.begin_step(step_id, loss, OPTIMIZER)
+        trainer.client.train_microbatch(step_id, step_id, batch)
+        trainer.client.finish_step(step_id)
+
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    train("away-from-base")
+    scratch = trainer.workdir / "refused"
+    copies = resealed_copies(trainer.workdir / "base", scratch / "copies")
+    assert_refusals_change_nothing(trainer, copies, train, batch, scratch)

@@ -1,9 +1,12 @@
 """Rank 0's checks of checkpoint and export paths and of checkpoint directories: each bad case
-is a typed refusal naming the path, never an OSError or a parse error."""
+is a typed refusal naming the path, never an OSError or a parse error. The record of a
+checkpoint's files on its own: test_checkpoint_record."""
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,17 +23,25 @@ from trainer_svc.runtime.checkpoint_files import (
     checked_path,
     make_directory,
 )
+from trainer_svc.runtime.checkpoint_record import record_files, seal
 
 STATE = TrainerState(weights_version=3, optimizer_step=2, layout="TP=2 PP=1 DP=1 (world size 2)")
 
 
+def record(path: Path) -> TrainerState:
+    """Records the files of `path` as they are, as SaveCheckpoint does last."""
+    state = replace(STATE, files=record_files(path, leave_out=STATE_FILE))
+    (path / STATE_FILE).write_text(state.to_json())
+    return state
+
+
 def write_checkpoint(path: Path) -> Path:
     """A directory laid out like SaveCheckpoint's: torch_dist shards, megatron's format record
-    and common state, then the trainer state."""
+    and common state, then the trainer state recording them."""
     dcp.save({"a": torch.arange(1000.0), "b": torch.ones(7, 3)}, checkpoint_id=str(path))
     save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(path))
     torch.save({}, path / "common.pt")
-    (path / STATE_FILE).write_text(STATE.to_json())
+    record(path)
     return path
 
 
@@ -94,25 +105,60 @@ def test_trainer_state_round_trip(tmp_path: Path) -> None:
     assert TrainerState.read(tmp_path) == STATE
 
 
+FILE = {"name": "a.distcp", "size": 3, "sha256": "0" * 64}
+
+
 @pytest.mark.parametrize(
     ("text", "match"),
     [
         ("{not json", "not valid JSON"),
+        ("\udcff{", "not valid JSON"),
         ("[1, 2]", "JSON object"),
-        ('{"weights_version": 1, "layout": "x"}', "'optimizer_step' must be an integer"),
-        ('{"weights_version": 1, "optimizer_step": -2, "layout": "x"}', "got -2"),
-        ('{"weights_version": true, "optimizer_step": 1, "layout": "x"}', "got True"),
-        ('{"weights_version": 1, "optimizer_step": 1}', "'layout' must be a string"),
+        ('{"weights_version": 1, "optimizer_step": 1, "layout": "x"}', "older version"),
+        (seal({"weights_version": 1, "layout": "x", "files": []}), "'optimizer_step' must be"),
+        (seal({"weights_version": 1, "optimizer_step": -2, "layout": "x", "files": []}), "-2"),
+        (seal({"weights_version": True, "optimizer_step": 1, "layout": "x", "files": []}), "True"),
+        (seal({"weights_version": 1, "optimizer_step": 1, "files": []}), "'layout' must be"),
+        (seal({"weights_version": 1, "optimizer_step": 1, "layout": "x"}), "'files' must be"),
+        (
+            seal({"weights_version": 1, "optimizer_step": 1, "layout": "x", "files": [FILE] * 2}),
+            "names a file twice",
+        ),
+        (
+            seal(
+                {
+                    "weights_version": 1,
+                    "optimizer_step": 1,
+                    "layout": "x",
+                    "files": [{**FILE, "sha256": "x"}],
+                }
+            ),
+            "64 hex digits",
+        ),
     ],
 )
 def test_unusable_trainer_state_is_refused(tmp_path: Path, text: str, match: str) -> None:
-    (tmp_path / STATE_FILE).write_text(text)
+    (tmp_path / STATE_FILE).write_text(text, errors="surrogateescape")
     with pytest.raises(FailedPrecondition, match=match):
         TrainerState.read(tmp_path)
 
 
 def test_a_complete_checkpoint_passes(tmp_path: Path) -> None:
-    assert check_checkpoint(write_checkpoint(tmp_path / "ckpt")) == STATE
+    path = write_checkpoint(tmp_path / "ckpt")
+    state = check_checkpoint(path)
+    assert replace(state, files=()) == STATE
+    assert sorted(f.name for f in state.files) == sorted(
+        p.name for p in path.iterdir() if p.name != STATE_FILE
+    )
+
+
+def test_a_trainer_state_that_was_edited_is_refused(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "ckpt")
+    data = json.loads((path / STATE_FILE).read_text())
+    data["optimizer_step"] = 3
+    (path / STATE_FILE).write_text(json.dumps(data))
+    with pytest.raises(FailedPrecondition, match="does not match its own checksum"):
+        check_checkpoint(path)
 
 
 def _shard(path: Path) -> Path:
@@ -120,8 +166,48 @@ def _shard(path: Path) -> Path:
     return shard
 
 
+def _garble(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 BREAKAGES = {
     "no trainer state": (lambda p: (p / STATE_FILE).unlink(), f"{STATE_FILE} missing"),
+    "no format record": (
+        lambda p: (p / "metadata.json").unlink(),
+        "metadata.json, recorded when it was saved, is missing",
+    ),
+    "corrupt format record": (
+        lambda p: (p / "metadata.json").write_text("{"),
+        "metadata.json has 1 bytes",
+    ),
+    "no common state": (lambda p: (p / "common.pt").unlink(), "common.pt, recorded"),
+    "common state garbled": (lambda p: _garble(p / "common.pt"), "content of common.pt"),
+    "no tensor metadata": (lambda p: (p / ".metadata").unlink(), r"\.metadata, recorded"),
+    "tensor metadata garbled": (lambda p: _garble(p / ".metadata"), r"content of \.metadata"),
+    "missing shard": (lambda p: _shard(p).unlink(), r"\.distcp, recorded when it was saved"),
+    "truncated shard": (
+        lambda p: _shard(p).write_bytes(_shard(p).read_bytes()[:64]),
+        r"\.distcp has 64 bytes, \d+ were recorded",
+    ),
+    "shard garbled": (lambda p: _garble(_shard(p)), r"content of __0_0\.distcp does not match"),
+    "a file added": (lambda p: (p / "extra.pt").write_bytes(b""), "extra.pt, which was not"),
+    "a symlink": (lambda p: (p / "link").symlink_to(p / "common.pt"), "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("name", BREAKAGES)
+def test_a_damaged_or_incomplete_checkpoint_is_refused(tmp_path: Path, name: str) -> None:
+    path = write_checkpoint(tmp_path / "ckpt")
+    breakage, match = BREAKAGES[name]
+    breakage(path)
+    with pytest.raises(FailedPrecondition, match=match) as info:
+        check_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+RECORDED_BREAKAGES = {
     "no format record": (lambda p: (p / "metadata.json").unlink(), "metadata.json"),
     "corrupt format record": (
         lambda p: (p / "metadata.json").write_text("{"),
@@ -144,11 +230,16 @@ BREAKAGES = {
 }
 
 
-@pytest.mark.parametrize("name", BREAKAGES)
-def test_an_incomplete_checkpoint_is_refused(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name", RECORDED_BREAKAGES)
+def test_an_incomplete_checkpoint_whose_record_matches_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    """The checks behind the checksums, for files recorded as they are (a save that wrote an
+    incomplete checkpoint): megatron's format record, common state and every shard."""
     path = write_checkpoint(tmp_path / "ckpt")
-    breakage, match = BREAKAGES[name]
+    breakage, match = RECORDED_BREAKAGES[name]
     breakage(path)
+    record(path)
     with pytest.raises(FailedPrecondition, match=match) as info:
         check_checkpoint(path)
     assert str(path) in str(info.value)

@@ -3,7 +3,8 @@
 Rank 0 runs these checks in `StepEngine.precheck`, so a path that cannot be used or a
 directory that holds no complete checkpoint is refused while nothing has changed. Every
 filesystem or parse error becomes `InvalidArgument` (the path itself is malformed) or
-`FailedPrecondition` (the filesystem does not allow it), with a message naming the path.
+`FailedPrecondition` (the filesystem does not allow it), with a message in our words naming
+the path and the file, never a parser's own text.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer_svc.domain import FailedPrecondition, InvalidArgument
+from trainer_svc.runtime.checkpoint_record import FileRecord, seal, unseal, verify_files
 
 STATE_FILE = "trainer_state.json"
 MEGATRON_CONFIG_FILE = "metadata.json"
@@ -25,33 +27,51 @@ MEGATRON_CONFIG_FILE = "metadata.json"
 @dataclass(frozen=True, kw_only=True)
 class TrainerState:
     """`trainer_state.json`: written last by SaveCheckpoint, so its presence marks a complete
-    checkpoint."""
+    checkpoint. It records every other file of the checkpoint (`checkpoint_record`) and is
+    sealed by a digest of its own content."""
 
     weights_version: int
     optimizer_step: int
     layout: str
+    files: tuple[FileRecord, ...] = ()
+    """Every other file of the checkpoint directory as SaveCheckpoint wrote it."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        return seal(
+            {
+                "weights_version": self.weights_version,
+                "optimizer_step": self.optimizer_step,
+                "layout": self.layout,
+                "files": [f.to_json() for f in self.files],
+            }
+        )
 
     @classmethod
     def read(cls, directory: Path) -> TrainerState:
         path = directory / STATE_FILE
         with filesystem_errors(f"cannot read {path}"):
-            text = path.read_text()
+            text = path.read_text(errors="replace")
         try:
             data = json.loads(text)
-        except ValueError as e:
-            raise FailedPrecondition(f"{path} is not valid JSON ({e})") from e
+        except ValueError:
+            raise FailedPrecondition(f"{path} is not valid JSON") from None
         if not isinstance(data, dict):
             raise FailedPrecondition(f"{path} must hold a JSON object")
+        data = unseal(data, str(path))
         layout = data.get("layout")
         if not isinstance(layout, str):
             raise FailedPrecondition(f"{path}: 'layout' must be a string")
+        files = data.get("files")
+        if not isinstance(files, list):
+            raise FailedPrecondition(f"{path}: 'files' must be a list")
+        records = tuple(FileRecord.from_json(f, str(path)) for f in files)
+        if len({r.name for r in records}) != len(records):
+            raise FailedPrecondition(f"{path}: 'files' names a file twice")
         return cls(
             weights_version=_count(data, "weights_version", path),
             optimizer_step=_count(data, "optimizer_step", path),
             layout=layout,
+            files=records,
         )
 
 
@@ -70,9 +90,14 @@ def filesystem_errors(action: str) -> Iterator[None]:
     except InvalidArgument:
         raise
     except OSError as e:
-        raise FailedPrecondition(f"{action}: {e.strerror or e}") from e
-    except ValueError as e:  # os functions reject embedded NUL bytes with ValueError
-        raise InvalidArgument(f"{action}: {e}") from e
+        why = e.strerror or "the filesystem refused"  # the OS's words, not Python's
+        raise FailedPrecondition(f"{action}: {why}") from e
+    except ValueError as e:
+        # os functions reject embedded NUL bytes with ValueError; any other ValueError here
+        # is not the request's fault and stays a fault (its text is not for the client).
+        if "null byte" not in str(e):
+            raise
+        raise InvalidArgument(f"{action}: the path contains a NUL byte") from e
 
 
 def checked_path(path: Path) -> Path:
@@ -113,8 +138,10 @@ def make_directory(path: Path, what: str) -> None:
 
 
 def check_checkpoint(path: Path) -> TrainerState:
-    """`path` holds a complete checkpoint: its trainer state, megatron's format record and
-    every shard file its tensor metadata names, each as long as the metadata says."""
+    """`path` holds a checkpoint as SaveCheckpoint wrote it: its sealed trainer state, exactly
+    the files that records, each of the recorded size and checksum, then (parsed only once
+    verified) megatron's format record and every shard file its tensor metadata names, each as
+    long as the metadata says."""
     path = checked_path(path)
     with filesystem_errors(f"cannot read the checkpoint {path}"):
         if not (path / STATE_FILE).is_file():
@@ -123,6 +150,7 @@ def check_checkpoint(path: Path) -> TrainerState:
                 "pass a directory written by SaveCheckpoint"
             )
         state = TrainerState.read(path)
+        verify_files(path, state.files, leave_out=STATE_FILE)
         _check_megatron_config(path)
         _check_shards(path)
     return state
@@ -134,8 +162,8 @@ def _check_megatron_config(path: Path) -> None:
 
     try:
         config = maybe_load_config(str(path))
-    except (ValueError, TypeError) as e:
-        raise FailedPrecondition(f"{path / MEGATRON_CONFIG_FILE} is not readable ({e})") from e
+    except (ValueError, TypeError):
+        raise FailedPrecondition(f"{path / MEGATRON_CONFIG_FILE} is not readable") from None
     if config is None:
         raise FailedPrecondition(
             f"{path} is incomplete: {MEGATRON_CONFIG_FILE} (the shards' format) is missing"
@@ -153,8 +181,8 @@ def _check_shards(path: Path) -> None:
         raise FailedPrecondition(
             f"{path} is incomplete: its tensor metadata cannot be read ({e.strerror or e})"
         ) from e
-    except Exception as e:  # a truncated or foreign file fails to unpickle in many ways
-        raise FailedPrecondition(f"{path} is incomplete: its tensor metadata is corrupt") from e
+    except Exception:  # a truncated or foreign file fails to unpickle in many ways
+        raise FailedPrecondition(f"{path} is incomplete: its tensor metadata is corrupt") from None
     needed: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         end = info.offset + info.length

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hf.checkpoint import save_hf_checkpoint
@@ -28,6 +29,8 @@ from trainer_svc.runtime.checkpoint_files import (
     filesystem_errors,
     make_directory,
 )
+from trainer_svc.runtime.checkpoint_record import record_files
+from trainer_svc.runtime.checkpoint_staging import StagedState, Staging, stage
 from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.weights import gather_hf_state
 
@@ -54,21 +57,12 @@ class SaveSummary:
     optimizer_step: int
 
 
-def _restore_zero_step(optimizer_state: dict) -> None:
-    """megatron saves Adam's shared step only when it is truthy, so a checkpoint taken before
-    the first step has none; torch's Adam then cannot load the state. Put the zero back."""
-    state = optimizer_state.get("state")
-    if isinstance(state, dict) and state and "common_step" not in state:
-        state["common_step"] = torch.zeros((), dtype=torch.float32)
-
-
 def _set_adam_steps(optimizer: object, step: int) -> None:
     """Sets every parameter's Adam step to the checkpoint's optimizer step.
 
-    megatron's distributed optimizer does not restore torch Adam's per-parameter ``step`` (it
-    keeps the live value) and its plain optimizer may share one tensor between parameters, which
-    torch would then advance once per parameter. Every parameter steps together, so the
-    checkpoint's step count is the exact value; each parameter gets its own tensor.
+    A load installs tensors only (`checkpoint_staging`), not Adam's steps. Every parameter
+    steps together, so the checkpoint's optimizer step is each one's exact value; each gets a
+    tensor of its own (torch would advance a shared one once per parameter).
     """
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in inner.optimizer.state.values():
@@ -76,24 +70,95 @@ def _set_adam_steps(optimizer: object, step: int) -> None:
                 state["step"] = torch.full_like(state["step"], float(step))
 
 
-def _reason(error: BaseException) -> str:
-    """The first line of what went wrong (torch's CheckpointException: of each rank's cause)."""
+def _cause(error: BaseException, otherwise: str, mismatch: str) -> str:
+    """What went wrong, in our words: an OSError's system message (and its file), megatron's
+    own refusal (CheckpointingException) as `mismatch`, anything else as `otherwise`; for
+    torch's CheckpointException, which gathers every rank's failure, the causes and the ranks.
+    No exception's own text is passed on: torch's and pickle's are written for a programmer
+    (one advises unpickling with weights_only=False, which runs whatever the file holds)."""
     if isinstance(error, CheckpointException):
-        causes = {_reason(exc) for exc, _ in error.failures.values()}
-        return "; ".join(sorted(causes))
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+        failures = error.failures.values()
+        causes = "; ".join(sorted({_cause(e, otherwise, mismatch) for e, _ in failures}))
+        ranks = sorted(error.failures)
+        where = "rank" if len(ranks) == 1 else "ranks"
+        return f"{causes} (seen on {where} {', '.join(map(str, ranks))})"
+    if isinstance(error.__cause__, OSError):  # megatron wraps a missing file
+        error = error.__cause__
+    if isinstance(error, OSError):
+        name = f"{Path(str(error.filename)).name}: " if error.filename else ""
+        return f"{name}{error.strerror or 'a filesystem error'}"
+    if isinstance(error, CheckpointingException):
+        return mismatch
+    return otherwise
 
 
 @contextmanager
-def _storage_errors(action: str) -> Iterator[None]:
-    """Turns what megatron's and torch's checkpoint readers and writers raise for a storage
-    problem into FailedPrecondition. torch's CheckpointException is a BaseException that
-    torch raises on every rank (it gathers the failures itself); it must not escape a phase."""
+def _refusals(
+    action: str,
+    errors: tuple[type[BaseException], ...],
+    otherwise: str,
+    mismatch: str | None = None,
+) -> Iterator[None]:
+    """Turns `errors` into FailedPrecondition("`action`: cause", `_cause`), and re-raises a
+    FailedPrecondition, without the exception that caused it: the phase then logs the refusal
+    as one line per rank, and the traceback goes to DEBUG. torch's CheckpointException is a
+    BaseException that torch raises on every rank (it gathers the failures itself); it must
+    not escape a phase."""
     try:
         yield
-    except (OSError, CheckpointingException, CheckpointException) as e:
-        raise FailedPrecondition(f"{action}: {_reason(e)}") from e
+    except FailedPrecondition as e:
+        log.debug("%s", action, exc_info=True)
+        raise FailedPrecondition(str(e)) from None
+    except errors as e:
+        log.debug("%s", action, exc_info=True)
+        cause = _cause(e, otherwise, mismatch or otherwise)
+        raise FailedPrecondition(f"{action}: {cause}") from None
+
+
+_STORAGE_ERRORS = (OSError, CheckpointingException, CheckpointException)
+_UNREADABLE = "its content cannot be read: a file is damaged, or changed after it was verified"
+_MISMATCH = "its tensors do not match this model and layout (a name or shape differs)"
+
+
+class _ReadCommonState(TorchCommonLoadStrategy):
+    """Hands megatron's load the common state (`common.pt`) read before it, in a phase of its
+    own: read inside the load, a failure on one rank would leave that rank outside the load's
+    first collective while the others wait in it."""
+
+    def __init__(self, state: dict) -> None:
+        super().__init__()
+        self.state = state
+
+    def load_common(self, checkpoint_dir: str | Path) -> dict:
+        return self.state
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What a load needs before its collectives, made on every rank in a phase."""
+
+    state: TrainerState
+    common: dict
+    sharded: dict
+    staging: Staging
+
+
+@dataclass(frozen=True)
+class ReadCheckpoint:
+    """A checkpoint that every rank read into staging and checked; nothing live changed yet."""
+
+    path: Path
+    optimizer_step: int
+    staged: StagedState
+
+    def install(self, engine: StepEngine) -> None:
+        """Copies the staged tensors into the live parameters and optimizer state and sets
+        the optimizer step (after every rank agreed on the read, on every rank)."""
+        with cpu_compat.active(), torch.no_grad():
+            self.staged.install()
+            _set_adam_steps(engine.built.optimizer, self.optimizer_step)
+        engine.optimizer_step = self.optimizer_step
+        log.info("loaded checkpoint %s (optimizer step %d)", self.path, self.optimizer_step)
 
 
 class Checkpointer:
@@ -128,16 +193,27 @@ class Checkpointer:
         check_new_directory(self._checked(path), "checkpoint")
 
     def check_loadable(self, path: Path) -> None:
-        check_checkpoint(self._checked(path))
+        """Verifies every file against the checksums its save recorded (`check_checkpoint`).
+        A refusal here is expected (a damaged copy, an old checkpoint): one line in the log."""
+        try:
+            check_checkpoint(self._checked(path))
+        except FailedPrecondition as e:
+            log.warning("LoadCheckpoint refused: %s", e)
+            raise
 
     def check_exportable(self, path: Path) -> None:
         check_new_directory(self._checked(path), "export")
 
-    def _sharded_state(self, engine: StepEngine, *, loading: bool) -> dict:
+    def _sharded_state(self, engine: StepEngine) -> dict:
+        """The model's and optimizer's sharded state dicts, their ShardedTensors holding the
+        live tensors. Built as for a save also when loading: with `is_loading` megatron's
+        optimizers change live state (the distributed optimizer reloads its own state dict,
+        leaving one step tensor shared by every parameter), which a refused load must not; the
+        structure is the same, and `checkpoint_staging` installs the tensors itself."""
         model = engine.built.model
         model_state = model.sharded_state_dict()
         optimizer_state = engine.built.optimizer.sharded_state_dict(
-            model_state, is_loading=loading, metadata=_METADATA
+            model_state, is_loading=False, metadata=_METADATA
         )
         return {"model": model_state, "optimizer": optimizer_state}
 
@@ -146,54 +222,66 @@ class Checkpointer:
         phase(topology, lambda: make_directory(path, "checkpoint") if topology.is_leader else None)
 
         def write_shards() -> None:
-            with cpu_compat.active(), _storage_errors(f"cannot write the checkpoint to {path}"):
-                state = self._sharded_state(engine, loading=False)
-                dist_checkpointing.save(state, str(path), content_metadata=_METADATA)
+            action = f"cannot write the checkpoint to {path}"
+            with cpu_compat.active(), _refusals(action, _STORAGE_ERRORS, "writing it failed"):
+                dist_checkpointing.save(
+                    self._sharded_state(engine), str(path), content_metadata=_METADATA
+                )
 
         phase(topology, write_shards)
-        info = TrainerState(
-            weights_version=engine.weights_version,
-            optimizer_step=engine.optimizer_step,
-            layout=engine.topology.layout.describe(),
-        )
 
         def write_state() -> None:
-            # Written last: LoadCheckpoint refuses a directory without it.
+            # Written last: LoadCheckpoint refuses a directory without it. Every rank's shards
+            # are complete here (the phase above agreed on it), so the record covers them all.
             if topology.is_leader:
-                with filesystem_errors(f"cannot write {path / STATE_FILE}"):
+                with filesystem_errors(f"cannot record the checkpoint {path}"):
+                    info = TrainerState(
+                        weights_version=engine.weights_version,
+                        optimizer_step=engine.optimizer_step,
+                        layout=engine.topology.layout.describe(),
+                        files=record_files(path, leave_out=STATE_FILE),
+                    )
                     (path / STATE_FILE).write_text(info.to_json())
 
         phase(topology, write_state)
         log.info("saved checkpoint %s at optimizer step %d", path, engine.optimizer_step)
         return SaveSummary(path, engine.weights_version, engine.optimizer_step)
 
-    def load(self, path: Path, engine: StepEngine) -> None:
-        """megatron reads the shards into the live parameters and optimizer state, so a read
-        that fails part-way would leave a mix: the precheck (`check_checkpoint`) verifies that
-        every shard file the metadata names is there and long enough before any rank reads."""
+    def read(self, path: Path, engine: StepEngine) -> ReadCheckpoint:
+        """Reads the checkpoint into staging tensors on every rank (`checkpoint_staging`) and
+        checks them; raises `CommandFailed` on every rank when any rank could not, with no live
+        tensor changed. The precheck verified every file against its recorded checksum, but a
+        file may change after that and a tensor may not fit this model, so the read never goes
+        to the live state. Three phases: what each rank does alone before megatron's load
+        (trainer state, common state, staging), the load with its collectives and each rank's
+        check after it. `ReadCheckpoint.install` then changes the live state."""
         topology = engine.topology
-        info = phase(topology, lambda: TrainerState.read(path))
+        action = f"cannot load the checkpoint {path}"
 
-        def read() -> dict:
+        def prepare() -> _Prepared:
+            with _refusals(action, (Exception,), _UNREADABLE, _MISMATCH):
+                state = TrainerState.read(path)
+                common = TorchCommonLoadStrategy().load_common(path)
+            # Not a refusal when it fails (no host memory for the staging): a fault.
             with cpu_compat.active(), torch.no_grad():
-                state = self._sharded_state(engine, loading=True)
-                try:
-                    return dist_checkpointing.load(state, str(path))
-                except (Exception, CheckpointException) as e:
-                    # Whatever reading the files raises (unpickling, a torch archive, a shape
-                    # that does not fit) says the checkpoint's content is unusable.
-                    raise FailedPrecondition(
-                        f"cannot load the checkpoint {path}: {_reason(e)}"
-                    ) from e
+                sharded = self._sharded_state(engine)
+                staging = stage(sharded)
+            return _Prepared(state, common, sharded, staging)
 
-        loaded = phase(topology, read)
-        with cpu_compat.active(), torch.no_grad():
-            _restore_zero_step(loaded["optimizer"])
-            engine.built.model.load_state_dict(loaded["model"])
-            engine.built.optimizer.load_state_dict(loaded["optimizer"])
-            _set_adam_steps(engine.built.optimizer, info.optimizer_step)
-        engine.optimizer_step = info.optimizer_step
-        log.info("loaded checkpoint %s (optimizer step %d)", path, engine.optimizer_step)
+        prepared = phase(topology, prepare)
+
+        def load() -> StagedState:
+            with cpu_compat.active(), torch.no_grad():
+                with _refusals(action, (Exception, CheckpointException), _UNREADABLE, _MISMATCH):
+                    loaded = dist_checkpointing.load(
+                        prepared.sharded,
+                        str(path),
+                        common_strategy=_ReadCommonState(prepared.common),
+                    )
+                return prepared.staging.check(loaded, f"the checkpoint {path}")
+
+        staged = phase(topology, load)
+        return ReadCheckpoint(path, prepared.state.optimizer_step, staged)
 
     def export_hf(self, path: Path, engine: StepEngine) -> ExportSummary | None:
         """The write on rank 0 comes after the last collective; the engine agrees on its
