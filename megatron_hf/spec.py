@@ -54,6 +54,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_layernorm: bool
+    pad_token_id: int | None = None
+    """The embedding row HF never trains (`padding_row`), in [0, vocab_size); None: none."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -82,6 +84,10 @@ class ModelSpec:
             )
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("rope_theta and rms_norm_eps must be positive")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id must lie in [0, {self.vocab_size}), got {self.pad_token_id}"
+            )
 
     @property
     def heads_per_group(self) -> int:
@@ -129,6 +135,7 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family is ModelFamily.QWEN2,  # Qwen2 q/k/v always carry a bias.
             qk_layernorm=family is ModelFamily.QWEN3,
+            pad_token_id=padding_row(cfg.get("pad_token_id"), int(cfg["vocab_size"])),
         )
 
     @classmethod
@@ -157,6 +164,8 @@ class ModelSpec:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
         }
+        if self.pad_token_id is not None:
+            cfg["pad_token_id"] = self.pad_token_id
         if self.family is ModelFamily.QWEN2:
             if self.head_dim * self.num_attention_heads != self.hidden_size:
                 raise ValueError("Qwen2 requires head_dim == hidden_size // num_attention_heads")
@@ -173,6 +182,20 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 128
         )
     step = multiple * tensor_parallel
     return -(-vocab_size // step) * step
+
+
+def padding_row(pad_token_id: Any, vocab_size: int) -> int | None:
+    """The embedding row that HF's Llama, Qwen2 and Qwen3 never train: they build their
+    embedding as `nn.Embedding(vocab_size, hidden, padding_idx=pad_token_id)`, whose lookup
+    passes the row on but gives it no gradient. A negative id counts from the end, as
+    nn.Embedding counts it; HF cannot build a model whose id lies outside the vocabulary, so
+    there is no behaviour to follow and no row is frozen."""
+    if pad_token_id is None or isinstance(pad_token_id, bool):
+        return None
+    row = int(pad_token_id)
+    if not -vocab_size <= row < vocab_size:
+        return None
+    return row % vocab_size
 
 
 def _rope_theta(cfg: Mapping[str, Any]) -> float:

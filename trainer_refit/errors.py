@@ -6,6 +6,8 @@ too large for the caller's metadata limit. `status_details` puts them on the wir
 
 from __future__ import annotations
 
+import uuid
+
 MAX_QUOTED_CHARS = 64
 """Characters of a client-provided string (an id, a path) echoed in a message."""
 MAX_MESSAGE_BYTES = 1024
@@ -26,6 +28,17 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+def new_error_id() -> str:
+    """A fresh id for one fault: logged with its traceback, and all the client sees of it."""
+    return uuid.uuid4().hex[:12]
+
+
+def internal_message(error_id: str) -> str:
+    """The message of an INTERNAL answer: the fault's id, never its exception's text, which is
+    written for a programmer (and may show paths, values or advice meant for the server)."""
+    return f"internal error {error_id}; see the server log"
 
 
 def quoted(value: str, limit: int = MAX_QUOTED_CHARS) -> str:

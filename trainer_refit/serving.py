@@ -7,7 +7,6 @@ import asyncio
 import functools
 import logging
 import signal
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from trainer_refit.decoding import RequestDecoding
-from trainer_refit.errors import InvalidRequest
+from trainer_refit.errors import InvalidRequest, internal_message, new_error_id
 from trainer_refit.reflection import enable_reflection
 from trainer_refit.status_details import error_status
 
@@ -44,12 +43,9 @@ def status_codes(
             except Exception as exc:
                 code = next((c for kind, c in table if isinstance(exc, kind)), None)
                 if code is None:
-                    error_id = uuid.uuid4().hex[:12]
+                    error_id = new_error_id()
                     log.exception("%s failed (error %s)", method.__name__, error_id)
-                    status = error_status(
-                        grpc.StatusCode.INTERNAL,
-                        f"internal error {error_id}; see the server log",
-                    )
+                    status = error_status(grpc.StatusCode.INTERNAL, internal_message(error_id))
                 else:
                     field = exc.field if isinstance(exc, InvalidRequest) else None
                     status = error_status(code, str(exc), field)

@@ -45,6 +45,7 @@ from trainer_svc.wire_enums import (
     LOSS_KINDS_TO_PROTO,
     NORMALIZATIONS_TO_PROTO,
     PUBLICATION_STATES,
+    STEP_GRADIENTS,
 )
 
 _MAX_MESSAGE = 256 * 1024 * 1024
@@ -156,6 +157,7 @@ def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
             grad_norm=m.grad_norm,
             learning_rate=m.learning_rate,
             counts=_counts(m.counts),
+            gradient=STEP_GRADIENTS[m.gradient],
         ),
         weights_version=reply.weights_version,
         publication=_publication(reply.publication) if reply.HasField("publication") else None,

@@ -35,7 +35,9 @@ class PathNotAllowed(FailedPrecondition):
 
 class Internal(RuntimeError):
     """A command failed for a reason that is not the request's fault (a bug, a rank's
-    resources); every rank failed it together, so the service keeps serving. Maps to INTERNAL."""
+    resources); every rank failed it together, so the service keeps serving. Maps to INTERNAL.
+    Made by `runtime.agreement.fault` only: its message is an error id, whose traceback is in
+    the server log, never the text of the exception behind it."""
 
 
 class LossKind(enum.Enum):
@@ -248,6 +250,17 @@ class LossTerms:
     importance_ratio: float = 0.0
 
 
+class StepGradient(enum.Enum):
+    """Whether a finished step's data could move the weights (see trainer.proto)."""
+
+    NONZERO = "nonzero"
+    ZERO = "zero"
+    """Every element of the step's gradient was exactly zero: the optimizer stepped (its step
+    count, and weight decay and momentum from earlier steps, may still change the weights),
+    but this step's data taught the model nothing: e.g. PPO without a KL term where every
+    token's ratio is clipped or past the log-ratio clamp (`losses.LOG_RATIO_LIMIT`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepMetrics:
     loss: float
@@ -255,6 +268,7 @@ class StepMetrics:
     grad_norm: float
     learning_rate: float
     counts: StepCounts
+    gradient: StepGradient
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from trainer_refit.v1 import trainer_pb2 as pb
-from trainer_svc.domain import ForwardOutput, LossKind, Normalization, PublicationState
+from trainer_svc.domain import (
+    ForwardOutput,
+    LossKind,
+    Normalization,
+    PublicationState,
+    StepGradient,
+)
 
 LOSS_KINDS = {
     pb.LOSS_KIND_CROSS_ENTROPY: LossKind.CROSS_ENTROPY,
@@ -25,7 +31,12 @@ PUBLICATION_STATES = {
     pb.PUBLICATION_STATE_FAILED: PublicationState.FAILED,
     pb.PUBLICATION_STATE_NOT_PUBLISHED: PublicationState.NOT_PUBLISHED,
 }
+STEP_GRADIENTS = {
+    pb.STEP_GRADIENT_NONZERO: StepGradient.NONZERO,
+    pb.STEP_GRADIENT_ZERO: StepGradient.ZERO,
+}
 LOSS_KINDS_TO_PROTO = {v: k for k, v in LOSS_KINDS.items()}
 NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}
 FORWARD_OUTPUTS_TO_PROTO = {v: k for k, v in FORWARD_OUTPUTS.items()}
 PUBLICATION_STATES_TO_PROTO = {v: k for k, v in PUBLICATION_STATES.items()}
+STEP_GRADIENTS_TO_PROTO = {v: k for k, v in STEP_GRADIENTS.items()}

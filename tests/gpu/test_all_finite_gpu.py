@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_svc.runtime.engine import all_finite
+from trainer_svc.runtime.finite import all_finite
 
 pytestmark = [
     pytest.mark.gpu,

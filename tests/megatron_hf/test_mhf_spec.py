@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from megatron_hf.spec import ModelFamily, ModelSpec, padded_vocab_size
@@ -115,6 +116,22 @@ def test_post_init_validates_fields() -> None:
         dataclasses.replace(spec, num_layers=0)
     with pytest.raises(ValueError, match="does not match family"):
         dataclasses.replace(spec, family=ModelFamily.QWEN2)
+
+
+@pytest.mark.parametrize(
+    ("pad_token_id", "row"),
+    [(None, None), (0, 0), (100, 100), (-1, 100), (101, None), (-102, None)],
+)
+def test_pad_token_id_names_the_row_hf_freezes(pad_token_id: int | None, row: int | None) -> None:
+    """As nn.Embedding(101, h, padding_idx=pad_token_id) counts it; an id it refuses (HF then
+    cannot build the model) freezes nothing."""
+    spec = ModelSpec.from_hf_config(_legacy_llama_config(pad_token_id=pad_token_id))
+    assert spec.pad_token_id == row
+    if row is not None:
+        assert torch.nn.Embedding(101, 4, padding_idx=pad_token_id).padding_idx == row
+        assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+    with pytest.raises(ValueError, match="pad_token_id must lie in"):
+        dataclasses.replace(spec, pad_token_id=101)
 
 
 def test_from_pretrained_dir_without_config(tmp_path: Path) -> None:

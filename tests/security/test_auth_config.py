@@ -38,7 +38,12 @@ def test_the_tables_give_each_role_its_rpcs() -> None:
         return {m.rsplit("/", 1)[1] for m, roles in table.items() if role in roles}
 
     sidecar = dict(sidecar_access.METHOD_ROLES)
-    assert allowed(Role.TRAINER, sidecar) == {"RegisterTrainer", "ReserveSlot", "PublishShards"}
+    assert allowed(Role.TRAINER, sidecar) == {
+        "RegisterTrainer",
+        "RenewRegistration",
+        "ReserveSlot",
+        "PublishShards",
+    }
     assert allowed(Role.RECEIVER, sidecar) == {
         "GetLatestVersion",
         "WatchVersions",

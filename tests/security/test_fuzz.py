@@ -4,18 +4,20 @@ refit-sidecar (RefitService) it publishes to, without and then with an open step
 Per service and mode, 2,000 cases (`fuzz_cases`) go out as raw bytes, many at once, each with
 a deadline. Every answer must carry a code its method documents for that case (never
 DEADLINE_EXCEEDED: nothing hangs; never INTERNAL: a malformed request is no fault of the
-service), a bounded message, and "request body is not a valid ..." for a body that does not
-parse. Afterwards both processes serve, their state is what it was (GetStatus, a fixed
-Forward bit for bit, the sidecar's latest version and its manifest), the open step finishes
-with the loss and gradient norm of the same step run before the fuzz, the trainer publishes
-the version it makes, no log holds a traceback, and each log has one line, at most, about
-undecodable bodies (all of this traffic comes from one client host).
+service), a bounded message in the service's own words (no exception's text), and "request
+body is not a valid ..." for a body that does not parse. Afterwards both processes serve,
+their state is what it was (GetStatus, a fixed Forward bit for bit, the sidecar's latest
+version and its manifest), the open step finishes with the loss and gradient norm of the same
+step run before the fuzz, the trainer publishes the version it makes, no log holds a
+traceback, and each log has one line, at most, about undecodable bodies (all of this traffic
+comes from one client host).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,7 @@ from tests.security.fuzz_cases import (
     trainer_specs,
 )
 from tests.support.batches import make_batch
+from tests.support.damaged_checkpoints import garbled_copies, refused_load, resealed_copies
 from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import TrainerProcess
 from trainer_refit.auth import Role
@@ -54,6 +57,9 @@ OPTIMIZER = OptimizerOverrides(learning_rate=1e-3)
 MAX_TOKENS = 256
 MAX_LEASE_SECONDS = 600.0
 UNDECODABLE = "a body that is not a valid"
+EXCEPTION_TEXT = re.compile(r"Traceback|weights_only|\[Errno|\b\w*(Error|Exception)\b")
+"""What only an exception's own text would bring into an answer: a class name ("ValueError:",
+"KeyError", "RpcError"), a traceback, an OSError's errno, torch's advice on unpickling."""
 
 
 @dataclass
@@ -158,6 +164,8 @@ def _problems(case: Case, outcome: Outcome) -> list[str]:
         problems.append(f"{where}: {outcome.code.name} not in {allowed}: {outcome.details[:300]}")
     if len(outcome.details.encode()) > MAX_MESSAGE_BYTES:
         problems.append(f"{where}: a {len(outcome.details.encode())}-byte message")
+    if EXCEPTION_TEXT.search(outcome.details):
+        problems.append(f"{where}: an exception's text in {outcome.details[:300]!r}")
     if case.request is None and not outcome.details.startswith("request body is not a valid"):
         problems.append(f"{where}: undecodable body answered {outcome.details[:300]!r}")
     if outcome.code != grpc.StatusCode.OK:
@@ -226,6 +234,23 @@ def test_fuzz_without_open_step(world: World) -> None:
     before = _state(world)
     assert not before.status.HasField("open_step")
     _fuzz(world, open_step=None, seed=SEED)
+    assert _state(world) == before
+    _assert_clean_logs(world)
+
+
+def test_damaged_checkpoints_change_nothing(world: World) -> None:
+    """Every file of the fuzz world's checkpoint garbled at a seeded offset, and content
+    damaged behind matching checksums: each load is refused in the service's own words, and
+    the trainer and the sidecar's latest version are as before."""
+    before = _state(world)
+    base = world.trainer.workdir / "base"
+    scratch = world.trainer.workdir / "damaged"
+    copies = {
+        **garbled_copies(base, scratch, seed=SEED),
+        **resealed_copies(base, scratch, rank=0),
+    }
+    for path in copies.values():
+        refused_load(world.trainer, path)
     assert _state(world) == before
     _assert_clean_logs(world)
 

@@ -33,6 +33,24 @@ def hf_logprobs(model_dir: Path, batch: SequenceBatch) -> np.ndarray:
     return out
 
 
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of every next token of `tokens` ([sequences, length])."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"
+    )
+
+
+def hf_embedding_gradients(model_dir: Path, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' gradients of its input ("embedding") and output ("output") embeddings
+    for `next_token_loss` (the same tensor when they are tied)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    next_token_loss(model(tokens).logits, tokens).backward()
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings().weight
+    assert embedding.grad is not None and output.grad is not None
+    return {"embedding": embedding.grad, "output": output.grad}
+
+
 def parity_forward(process: TrainerProcess) -> ForwardResult:
     """Forward of `PARITY_BATCH` with every output; call it before the world trains, so that
     its weights are still the checkpoint's."""

@@ -1,9 +1,13 @@
 """Agreed phases in a real two-rank gloo world: a failure on either rank fails the phase on
-both, with the same domain error, and the ranks stay in step for the next collective."""
+both, with the same domain error, and the ranks stay in step for the next collective. A
+fault's own text never reaches the answer, only an error id whose traceback the failing rank
+logged; an expected refusal is one log line per rank, without a traceback."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import re
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -39,13 +43,37 @@ def _both_fail_differently(topology: Topology) -> Any:
     raise InvalidArgument(f"bad on {topology.rank}")
 
 
+def _both_refuse_for_a_cause(topology: Topology) -> Any:
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError as cause:
+        raise FailedPrecondition(f"cannot write on {topology.rank}: disk full") from cause
+
+
 SCENARIOS: dict[str, Callable[[Topology], Any]] = {
     "no failure": lambda topology: f"done on {topology.rank}",
     "rank 1 refuses": _fail_on(1, FailedPrecondition("disk full")),
     "rank 0 breaks": _fail_on(0, OSError(5, "Input/output error")),
+    "rank 1 breaks": _fail_on(1, ValueError("replicated parameter 'w' differs on TP ranks")),
     "both refuse": _both_fail_differently,
+    "both refuse for a cause": _both_refuse_for_a_cause,
     "nested": _nested,
 }
+LOGGED = ("rank 1 breaks", "both refuse for a cause")
+"""Scenarios whose log lines each rank reports."""
+INTERNAL = re.compile(r"internal error ([0-9a-f]{12}); see the server log")
+
+
+class _Lines(logging.Handler):
+    """Keeps what this rank logs, as the service's handler would write it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        self.text: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text.append(self.format(record))
 
 
 def _outcome(topology: Topology, work: Callable[[Topology], Any]) -> tuple:
@@ -56,6 +84,8 @@ def _outcome(topology: Topology, work: Callable[[Topology], Any]) -> tuple:
 
 
 def _rank_main(rank: int, store: str, report: Any) -> None:
+    lines = _Lines()
+    logging.getLogger().addHandler(lines)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
         topology = Topology(
@@ -69,7 +99,12 @@ def _rank_main(rank: int, store: str, report: Any) -> None:
             dp_group=None,
             control_group=dist.group.WORLD,
         )
-        outcomes = {name: _outcome(topology, work) for name, work in SCENARIOS.items()}
+        outcomes: dict[str, Any] = {}
+        for name, work in SCENARIOS.items():
+            lines.text.clear()
+            outcomes[name] = _outcome(topology, work)
+            if name in LOGGED:
+                outcomes[f"{name}: log"] = "\n".join(lines.text)
         # Still in step: one more collective lines up.
         total = torch.tensor([rank + 1])
         dist.all_reduce(total)
@@ -112,13 +147,42 @@ def test_without_failures_each_rank_gets_its_own_result(outcomes) -> None:
     ("name", "expected"),
     [
         ("rank 1 refuses", (FailedPrecondition.__name__, "on rank 1: disk full")),
-        ("rank 0 breaks", (Internal.__name__, "OSError: [Errno 5] Input/output error")),
         ("both refuse", (InvalidArgument.__name__, "bad on 0")),
         ("nested", (FailedPrecondition.__name__, "on rank 1: inner")),
     ],
 )
 def test_a_failure_on_any_rank_fails_every_rank_alike(outcomes, name, expected) -> None:
     assert [o[name] for o in outcomes] == [expected, expected]
+
+
+@pytest.mark.parametrize("name", ["rank 0 breaks", "rank 1 breaks"])
+def test_a_fault_is_answered_by_its_error_id_alone(outcomes, name) -> None:
+    """Neither "OSError: [Errno 5] ..." nor "on rank 1: ValueError: ...": only the id."""
+    kinds, messages = zip(*(o[name] for o in outcomes), strict=True)
+    assert kinds == (Internal.__name__, Internal.__name__)
+    assert messages[0] == messages[1], messages
+    assert INTERNAL.fullmatch(messages[0]), messages[0]
+
+
+def test_the_failing_rank_logs_the_traceback_under_the_error_id(outcomes) -> None:
+    name = "rank 1 breaks"
+    message = outcomes[0][name][1]
+    error_id = INTERNAL.fullmatch(message).group(1)  # type: ignore[union-attr]
+    failing, leader = outcomes[1][f"{name}: log"], outcomes[0][f"{name}: log"]
+    assert f"rank 1 failed (error {error_id})" in failing, failing
+    assert "Traceback" in failing and "differs on TP ranks" in failing, failing
+    # Rank 0, which answers, names the rank whose log holds the traceback.
+    assert leader == f"ERROR rank 1 failed: {message} (in that rank's log)", leader
+
+
+def test_an_expected_refusal_is_one_line_per_rank(outcomes) -> None:
+    name = "both refuse for a cause"
+    assert [o[name] for o in outcomes] == [
+        (FailedPrecondition.__name__, "cannot write on 0: disk full")
+    ] * 2
+    for rank, outcome in enumerate(outcomes):
+        log = outcome[f"{name}: log"]
+        assert log == f"WARNING rank {rank}: cannot write on {rank}: disk full", log
 
 
 def test_ranks_stay_in_step_after_failures(outcomes) -> None:

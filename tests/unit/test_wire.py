@@ -28,6 +28,7 @@ from trainer_svc.domain import (
     OptimizerOverrides,
     SequenceBatch,
     StepCounts,
+    StepGradient,
     StepMetrics,
 )
 from trainer_svc.server import convert
@@ -224,13 +225,15 @@ def wire_counts() -> StepCounts:
     return StepCounts(microbatches=3, sequences=17, valid_tokens=412)
 
 
-def test_step_metrics_round_trip() -> None:
+@pytest.mark.parametrize("gradient", list(StepGradient))
+def test_step_metrics_round_trip(gradient: StepGradient) -> None:
     metrics = StepMetrics(
         loss=0.731,
         terms=LossTerms(policy=0.7, kl=0.031, clip_fraction=0.125, importance_ratio=1.0025),
         grad_norm=3.25,
         learning_rate=1e-6,
         counts=wire_counts(),
+        gradient=gradient,
     )
     reply = pb.FinishTrainStepResponse(
         step_id="s", metrics=convert.metrics_to_proto(metrics), weights_version=9

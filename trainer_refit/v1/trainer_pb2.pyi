@@ -20,6 +20,12 @@ class Normalization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NORMALIZATION_TOKEN: _ClassVar[Normalization]
     NORMALIZATION_SEQUENCE: _ClassVar[Normalization]
 
+class StepGradient(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_GRADIENT_UNSPECIFIED: _ClassVar[StepGradient]
+    STEP_GRADIENT_NONZERO: _ClassVar[StepGradient]
+    STEP_GRADIENT_ZERO: _ClassVar[StepGradient]
+
 class PublicationState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PUBLICATION_STATE_UNSPECIFIED: _ClassVar[PublicationState]
@@ -41,6 +47,9 @@ LOSS_KIND_PPO: LossKind
 NORMALIZATION_UNSPECIFIED: Normalization
 NORMALIZATION_TOKEN: Normalization
 NORMALIZATION_SEQUENCE: Normalization
+STEP_GRADIENT_UNSPECIFIED: StepGradient
+STEP_GRADIENT_NONZERO: StepGradient
+STEP_GRADIENT_ZERO: StepGradient
 PUBLICATION_STATE_UNSPECIFIED: PublicationState
 PUBLICATION_STATE_PENDING: PublicationState
 PUBLICATION_STATE_RETRYING: PublicationState
@@ -173,18 +182,20 @@ class LossTerms(_message.Message):
     def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts")
+    __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts", "gradient")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TERMS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
     loss: float
     terms: LossTerms
     grad_norm: float
     learning_rate: float
     counts: StepCounts
-    def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
+    gradient: StepGradient
+    def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ..., gradient: _Optional[_Union[StepGradient, str]] = ...) -> None: ...
 
 class FinishTrainStepResponse(_message.Message):
     __slots__ = ("step_id", "metrics", "weights_version", "publication")

@@ -44,8 +44,9 @@ class TrainerServiceStub:
     not allow (no step open, another step open, a directory that is not a checkpoint).
     - ALREADY_EXISTS: TrainMicrobatch reusing a request_id of the open step for other data.
     - INTERNAL: a fault of the service, or a command that failed on some rank for a reason that
-    is not the request's; "internal error <id>; see the server log" when unexpected. A call
-    fails on every rank together, and the service keeps serving after it.
+    is not the request's: always "internal error <id>; see the server log", nothing of the
+    exception's text; the id is logged with its traceback on the rank where it happened. A
+    call fails on every rank together, and the service keeps serving after it.
     - PERMISSION_DENIED: a checkpoint or export path outside the trainer's path roots.
     - UNAVAILABLE: a rank of the trainer died; the service stops serving.
     Every call may also be refused UNAUTHENTICATED (no valid token) or PERMISSION_DENIED (a
@@ -125,8 +126,9 @@ class TrainerServiceServicer:
     not allow (no step open, another step open, a directory that is not a checkpoint).
     - ALREADY_EXISTS: TrainMicrobatch reusing a request_id of the open step for other data.
     - INTERNAL: a fault of the service, or a command that failed on some rank for a reason that
-    is not the request's; "internal error <id>; see the server log" when unexpected. A call
-    fails on every rank together, and the service keeps serving after it.
+    is not the request's: always "internal error <id>; see the server log", nothing of the
+    exception's text; the id is logged with its traceback on the rank where it happened. A
+    call fails on every rank together, and the service keeps serving after it.
     - PERMISSION_DENIED: a checkpoint or export path outside the trainer's path roots.
     - UNAVAILABLE: a rank of the trainer died; the service stops serving.
     Every call may also be refused UNAUTHENTICATED (no valid token) or PERMISSION_DENIED (a
@@ -169,6 +171,7 @@ class TrainerServiceServicer:
         step_id names the open step. Answers once the update is queued on the devices, while they
         apply it: every later call sees the new weights, and the version becomes readable to
         receivers once the update and its snapshot copy are done (AcquireLease can wait for it).
+        A step whose gradient is exactly zero is applied too, and says so (metrics.gradient).
         The answer's `publication` says where the version stands: PENDING while the ranks report
         it, then READABLE or FAILED (GetStatus follows it; `wait_for_publication` waits for it).
         A FAILED version is never readable. FAILED_PRECONDITION, with the step left open, when no
@@ -204,14 +207,19 @@ class TrainerServiceServicer:
         INVALID_ARGUMENT for an empty path or one with a NUL byte; PERMISSION_DENIED for one with
         a `..` name or outside every path root; FAILED_PRECONDITION for a directory that cannot
         be written (not empty, not a directory, a name too long, read-only...).
+        trainer_state.json, written last, records every file's size and SHA-256.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LoadCheckpoint(self, request, context):
-        """Refuses (FAILED_PRECONDITION) a directory without a complete checkpoint before any weights
-        change: trainer_state.json must parse and every shard file must be present and whole.
+        """Refuses (FAILED_PRECONDITION), before any rank reads, a directory that does not hold a
+        checkpoint exactly as SaveCheckpoint wrote it: trainer_state.json must match its own
+        digest, and the directory must hold exactly the files it records, each of the recorded
+        size and SHA-256 (a checkpoint saved without checksums is refused as unverifiable). The
+        ranks then read into staging and agree before any weights change: a load that fails on
+        any rank changes nothing. Checksums detect damage, not a malicious writer.
         FAILED_PRECONDITION too while a step is open or when the new version cannot be published;
         INVALID_ARGUMENT and PERMISSION_DENIED for a path as SaveCheckpoint.
         """
@@ -308,8 +316,9 @@ class TrainerService:
     not allow (no step open, another step open, a directory that is not a checkpoint).
     - ALREADY_EXISTS: TrainMicrobatch reusing a request_id of the open step for other data.
     - INTERNAL: a fault of the service, or a command that failed on some rank for a reason that
-    is not the request's; "internal error <id>; see the server log" when unexpected. A call
-    fails on every rank together, and the service keeps serving after it.
+    is not the request's: always "internal error <id>; see the server log", nothing of the
+    exception's text; the id is logged with its traceback on the rank where it happened. A
+    call fails on every rank together, and the service keeps serving after it.
     - PERMISSION_DENIED: a checkpoint or export path outside the trainer's path roots.
     - UNAVAILABLE: a rank of the trainer died; the service stops serving.
     Every call may also be refused UNAUTHENTICATED (no valid token) or PERMISSION_DENIED (a

@@ -11,6 +11,11 @@ A phase must not fail *between* collectives of the work inside it (a rank that r
 still strands the others): the code that calls a phase puts each local step that can fail
 (creating a directory, parsing a file, writing one on rank 0) in a phase of its own, before or
 after the collectives, never in the middle.
+
+What a client sees of a failure is a domain error's own message, or for any other exception
+only "internal error <id>; see the server log" (`fault`): the traceback is logged under that id
+on the rank where it happened, and rank 0 logs which rank that was. An expected refusal
+(InvalidArgument, FailedPrecondition) is one log line per rank; its cause goes to DEBUG.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from trainer_refit.errors import internal_message, new_error_id
 from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
 from trainer_svc.runtime.topology import Topology
 
@@ -55,20 +61,33 @@ class RankFailure:
 
     @classmethod
     def of(cls, rank: int, error: Exception) -> RankFailure:
+        """A domain error's kind and message; any other exception is logged here as a fault
+        and reported by its error id alone."""
         for kind, domain_error in _ERRORS.items():
             if isinstance(error, domain_error):
                 return cls(rank, kind, str(error))
-        return cls(rank, FailureKind.INTERNAL, f"{type(error).__name__}: {error}")
+        return cls(rank, FailureKind.INTERNAL, str(fault(error, f"rank {rank}")))
+
+
+def fault(error: BaseException, where: str) -> Internal:
+    """Logs `error` with its traceback under a fresh error id and returns the `Internal` that
+    answers for it, whose message is the id and nothing of the error's own text: that text is
+    written for a programmer, and a client has no use for it (nor should it see it)."""
+    error_id = new_error_id()
+    log.error("%s failed (error %s)", where, error_id, exc_info=error)
+    return Internal(internal_message(error_id))
 
 
 class CommandFailed(Exception):
     """Raised on every rank when a phase failed on any rank. `error` is the domain error to
-    answer with: the failure of the lowest failing rank (its rank named unless it is 0)."""
+    answer with: the failure of the lowest failing rank, its rank named unless it is 0 or the
+    failure is internal (whose message is exactly its error id's, `fault`)."""
 
     def __init__(self, failures: list[RankFailure]) -> None:
         self.failures = failures
         first = failures[0]
-        message = first.message if first.rank == 0 else f"on rank {first.rank}: {first.message}"
+        named = first.rank != 0 and first.kind is not FailureKind.INTERNAL
+        message = f"on rank {first.rank}: {first.message}" if named else first.message
         self.error: Exception = _ERRORS[first.kind](message)
         super().__init__(message)
 
@@ -88,6 +107,10 @@ def agree(topology: Topology, error: Exception | None) -> None:
     gathered: list[RankFailure | None] = [None] * topology.layout.world_size
     dist.all_gather_object(gathered, mine, group=topology.control_group)
     failures = sorted((f for f in gathered if f is not None), key=lambda f: f.rank)
+    if topology.is_leader:  # where to look for the traceback behind rank 0's answer
+        for failure in failures:
+            if failure.kind is FailureKind.INTERNAL and failure.rank != topology.rank:
+                log.error("rank %d failed: %s (in that rank's log)", failure.rank, failure.message)
     raise CommandFailed(failures) from error
 
 
@@ -103,10 +126,14 @@ def phase(topology: Topology, work: Callable[[], T]) -> T:
     except CommandFailed:
         raise
     except (InvalidArgument, FailedPrecondition) as exc:
-        log.warning("rank %d: %s", topology.rank, exc, exc_info=exc.__cause__ is not None)
+        # An expected refusal: one line on each rank that refused, its cause only at DEBUG.
+        log.warning("rank %d: %s", topology.rank, exc)
+        if exc.__cause__ is not None:
+            log.debug("rank %d: what the refusal stems from", topology.rank, exc_info=exc)
+        error = exc
+    except Internal as exc:  # made by `fault`, which logged it
         error = exc
     except Exception as exc:
-        log.exception("rank %d failed", topology.rank)
-        error = exc
+        error = fault(exc, f"rank {topology.rank}")
     agree(topology, error)
     return cast(T, result)

@@ -31,7 +31,7 @@ from trainer_svc.domain import (
     StepCounts,
 )
 from trainer_svc.runtime import commands as cmd
-from trainer_svc.runtime.agreement import CommandFailed
+from trainer_svc.runtime.agreement import CommandFailed, fault
 from trainer_svc.runtime.engine import MicrobatchAck, StepEngine
 
 log = logging.getLogger(__name__)
@@ -197,12 +197,14 @@ class Leader:
         except Exception as error:
             self._acked = None
             begin = isinstance(command, cmd.BeginStep)
-            self._queued_failure = _QueuedFailure(command.step_id, error, begin)
             what = (
                 f"microbatch {command.request_id!r}"
                 if isinstance(command, cmd.TrainMicrobatch)
                 else "BeginTrainStep"
             )
+            if not isinstance(error, _DOMAIN_ERRORS):  # later answers quote it: only its id
+                error = fault(error, f"{what} of step {command.step_id!r}")
+            self._queued_failure = _QueuedFailure(command.step_id, error, begin)
             log.warning(
                 "%s of step %r failed after it was acknowledged: %s", what, command.step_id, error
             )

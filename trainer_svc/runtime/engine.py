@@ -20,7 +20,10 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.registry import PublicationPending, SlotsExhausted
+from refit_sidecar.registry import (
+    PublicationPending,
+    SlotsExhausted,
+)
 from trainer_refit.errors import quoted
 from trainer_svc.config import OptimizerConfig
 from trainer_svc.domain import (
@@ -35,18 +38,20 @@ from trainer_svc.domain import (
     OpenStepInfo,
     OptimizerOverrides,
     StepCounts,
+    StepGradient,
     StepMetrics,
 )
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime import cpu_compat
-from trainer_svc.runtime.agreement import phase
+from trainer_svc.runtime.agreement import CommandFailed, phase
 from trainer_svc.runtime.checkpointing import Checkpointer
+from trainer_svc.runtime.finite import Contents, contents
 from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
 from trainer_svc.runtime.model_runner import ModelRunner
 from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack, unpack_per_token
 from trainer_svc.runtime.passes import split_passes
-from trainer_svc.runtime.publication import Publisher
+from trainer_svc.runtime.publication import Publisher, describe
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
 from trainer_svc.validation import BatchLimits, check_id, check_sequences, check_training_batch
@@ -77,23 +82,25 @@ class MicrobatchAck:
 
 
 @dataclass(frozen=True)
+class _StepTotals:
+    """A finishing step's figures over every rank."""
+
+    sums: dict[str, float]
+    """The loss sums (SUM_FIELDS)."""
+    non_finite_ranks: int
+    """Ranks whose gradient buffers hold inf or NaN: the step is refused."""
+    nonzero_ranks: int
+    """Ranks whose gradient buffers hold a non-zero value: 0 means the step's reduced gradient
+    is exactly zero. (With the distributed optimizer a rank also keeps its unreduced gradients
+    outside its shard, so a zero gradient counts as non-zero only if data-parallel ranks'
+    gradients cancel exactly, never the other way round.)"""
+
+
+@dataclass(frozen=True)
 class FinishResult:
     step_id: str
     metrics: StepMetrics
     weights_version: int
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of `tensors` is finite: each tensor's minimum and maximum are
-    finite exactly when all its elements are (NaN propagates through both, and nothing can
-    overflow), with no tensor-sized temporary and one host sync in all. A float64 sum, used
-    before, cast the whole tensor to float64 first on CUDA: 22.5 GiB more at FinishTrainStep
-    for a 3B model's gradients, out of memory on an 80 GB GPU."""
-    present = [t for t in tensors if t.numel()]  # aminmax refuses an empty tensor
-    if not present:
-        return True
-    ends = torch.stack([end for t in present for end in torch.aminmax(t)])
-    return bool(torch.isfinite(ends).all())
 
 
 class StepEngine:
@@ -135,6 +142,10 @@ class StepEngine:
         self.weights_version = 0
         self.optimizer_step = 0
         self.open_step: _OpenStep | None = None
+        self._refused_reservation: int | None = None
+        """The version whose refit slot a refused LoadCheckpoint reserved, until the next
+        version is made: a load that publishes it again gets the same slot, a step that does
+        not publish it hands it back (`_publish`)."""
 
     # -- checks on rank 0, before anything is broadcast ------------------------------------
 
@@ -246,7 +257,7 @@ class StepEngine:
         except (SlotsExhausted, PublicationPending) as exc:
             raise FailedPrecondition(f"cannot publish the new version: {exc}") from exc
         except Exception as exc:  # the sidecar is unreachable or failed: nothing changed
-            problem = self.publisher.health_problem or f"{type(exc).__name__}: {exc}"
+            problem = self.publisher.health_problem or describe(exc, "reserving a refit slot")
             raise FailedPrecondition(
                 f"cannot publish the new version ({problem}); nothing changed: retry when "
                 "the refit sidecar is back"
@@ -265,7 +276,15 @@ class StepEngine:
         a step that does not publish, `RefitConfig.publish_every`)."""
         if self.publisher is None:
             return
+        refused, self._refused_reservation = self._refused_reservation, None
         if slot is None:
+            if refused == self.weights_version and self.topology.is_leader:
+                # The sidecar still holds the slot a refused LoadCheckpoint reserved for this
+                # version; unpublished, it would stay "being published" and block every later
+                # reservation. The next reservation retires it.
+                self.publisher.book.failed(
+                    self.weights_version, "reserved by a refused LoadCheckpoint"
+                )
             self.publisher.made(self.weights_version)
             return
         start = time.perf_counter()
@@ -299,8 +318,16 @@ class StepEngine:
             case cmd.SaveCheckpoint(path=path):
                 return self.checkpointer.save(path, self)
             case cmd.LoadCheckpoint(path=path, slot=slot):
+                # Every rank reads the checkpoint into staging and checks it; only once every
+                # rank has, does any rank change its weights, optimizer state and version.
+                try:
+                    read = self.checkpointer.read(path, self)
+                except CommandFailed:
+                    if slot is not None:
+                        self._refused_reservation = self.weights_version + 1
+                    raise
                 self._fence()
-                self.checkpointer.load(path, self)
+                read.install(self)
                 self.weights_version += 1
                 self._publish(slot)
                 return self.weights_version, self.optimizer_step
@@ -382,20 +409,25 @@ class StepEngine:
                     group["eps"] = chosen.adam_eps
         return chosen
 
-    def _gradients_finite(self) -> bool:
-        """Whether this rank's gradient buffers hold only finite values (`all_finite`)."""
+    def _gradient_contents(self) -> Contents:
+        """Whether this rank's gradient buffers hold only finite values, and only zeros."""
         ddp = self.built.ddp
-        return all_finite([b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers])
+        return contents([b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers])
 
-    def _global_sums(self, step: _OpenStep) -> tuple[dict[str, float], int]:
-        """The step's loss sums over every rank, and how many ranks hold a non-finite
-        gradient (one all-reduce for both)."""
+    def _global_sums(self, step: _OpenStep) -> _StepTotals:
+        """The step's loss sums over every rank, and how many ranks hold a non-finite or a
+        non-zero gradient (one all-reduce for all)."""
         sums = [0.0] * len(SUM_FIELDS) if step.sums is None else step.sums.tolist()
-        local = [*sums, 0.0 if self._gradients_finite() else 1.0]
+        gradient = self._gradient_contents()
+        local = [*sums, float(not gradient.finite), float(not gradient.zero)]
         totals = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(totals, group=self.topology.control_group)
-        values = totals.tolist()
-        return dict(zip(SUM_FIELDS, values[:-1], strict=True)), int(values[-1])
+        *values, non_finite, nonzero = totals.tolist()
+        return _StepTotals(
+            sums=dict(zip(SUM_FIELDS, values, strict=True)),
+            non_finite_ranks=int(non_finite),
+            nonzero_ranks=int(nonzero),
+        )
 
     def _refuse_non_finite(self, step: _OpenStep, loss: float, bad_ranks: int) -> NoReturn:
         """Every rank has the same sums and count, so every rank refuses together, before the
@@ -421,9 +453,10 @@ class StepEngine:
         with cpu_compat.active():
             finalize_model_grads([self.built.ddp])
             self.built.ddp.scale_gradients(1.0 / divisor)
-        sums, bad_ranks = self._global_sums(step)
-        if bad_ranks or not math.isfinite(sums["loss"]):
-            self._refuse_non_finite(step, sums["loss"] / divisor, bad_ranks)
+        totals = self._global_sums(step)
+        sums = totals.sums
+        if totals.non_finite_ranks or not math.isfinite(sums["loss"]):
+            self._refuse_non_finite(step, sums["loss"] / divisor, totals.non_finite_ranks)
         with cpu_compat.active():
             # No host synchronization after the update unless asked for: the answer goes out
             # while the GPU applies it, so the client's next round trips overlap it. Every
@@ -451,6 +484,7 @@ class StepEngine:
             grad_norm=float(grad_norm or 0.0),
             learning_rate=chosen.learning_rate,
             counts=step.counts,
+            gradient=StepGradient.NONZERO if totals.nonzero_ranks else StepGradient.ZERO,
         )
         return FinishResult(step.step_id, metrics, self.weights_version)
 

@@ -120,9 +120,35 @@ def build_model(
         else spec.rope_theta,
         parallel_output=True,
     )
+    if spec.pad_token_id is not None and topology.is_first_stage:
+        freeze_padding_row(model, spec.pad_token_id)
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model, config
+
+
+def freeze_padding_row(model: GPTModel, pad_token_id: int) -> None:
+    """Looking up `pad_token_id` gives its embedding row no gradient, as HF's embedding
+    (`nn.Embedding(padding_idx=pad_token_id)`, `megatron_hf.spec.padding_row`) does.
+
+    The word embedding's output at the pad token's positions is detached after megatron's
+    vocab-parallel all-reduce, its value unchanged: on whichever TP rank owns the row the
+    lookup then adds nothing to the row's gradient (the other ranks' lookups of it are masked
+    to zero anyway). An output layer tied to the embedding still trains the row through the
+    logits, as HF's tied lm_head does; under PP the last stage's copy of the tied weight
+    brings that part in at the embedding-group reduction."""
+    embedding = model.embedding.word_embeddings
+    assert not embedding.reduce_scatter_embeddings, "the output must be [batch, seq, hidden]"
+
+    def detach_pad_positions(
+        module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor
+    ) -> torch.Tensor:
+        if not output.requires_grad:
+            return output  # a forward-only pass trains nothing
+        is_pad = (args[0] == pad_token_id).unsqueeze(-1)
+        return torch.where(is_pad, output.detach(), output)
+
+    embedding.register_forward_hook(detach_pad_positions)
 
 
 def wrap_for_training(

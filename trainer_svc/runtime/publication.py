@@ -68,6 +68,7 @@ from refit_sidecar.torch_arena import TorchArena
 from refit_sidecar.wire import location_to_proto, publish_request
 from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import refit_pb2 as pb
+from trainer_svc.runtime.agreement import fault
 from trainer_svc.runtime.publication_book import PublicationBook
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import local_parameters
@@ -459,7 +460,7 @@ class Publisher:
             self.unreachable = f"the refit sidecar no longer holds this trainer's registration: {e}"
             self._ahead_suspect = True
         except Exception as e:
-            self.unreachable = f"the refit sidecar does not answer: {_describe(e)}"
+            self.unreachable = f"the refit sidecar does not answer: {describe(e)}"
             self._ahead_suspect = True
         else:
             self.unreachable = None
@@ -518,7 +519,7 @@ class Publisher:
         except (SlotsExhausted, PublicationPending):
             raise
         except Exception as e:
-            self._note(f"cannot reserve a slot for version {version}: {_describe(e)}")
+            self._note(f"cannot reserve a slot for version {version}: {describe(e)}")
             raise
         if retired is not None:
             log.debug("refit: version %d retired to make room for %d", retired, version)
@@ -624,9 +625,7 @@ class Publisher:
                 visible,
             )
         except Exception as e:
-            problem = (
-                f"rank {self.topology.rank} could not report version {version}: {_describe(e)}"
-            )
+            problem = f"rank {self.topology.rank} could not report version {version}: {describe(e)}"
             self._note(problem)
             log.warning("refit: %s", problem)
             if self.topology.is_leader:
@@ -647,7 +646,7 @@ class Publisher:
                 pause = _RETRY_PAUSES_S[min(attempt, len(_RETRY_PAUSES_S) - 1)]
                 if self._stopping.is_set() or time.monotonic() + pause >= deadline:
                     raise
-                reason = f"rank {self.topology.rank}'s report failed ({_describe(e)}); retrying"
+                reason = f"rank {self.topology.rank}'s report failed ({describe(e)}); retrying"
                 if attempt == 0:
                     log.warning("refit: version %d: %s", request.version, reason)
                 if self.topology.is_leader:
@@ -678,7 +677,7 @@ class Publisher:
                         f"{self.report_deadline_s:g} s"
                     )
         except Exception as e:
-            reason = f"version {version} will not be readable: {_describe(e)}"
+            reason = f"version {version} will not be readable: {describe(e)}"
             log.warning("refit: %s", reason)
             self.book.failed(version, reason)
             return
@@ -703,8 +702,26 @@ class Publisher:
         self.client.close()
 
 
-def _describe(error: Exception) -> str:
-    """One line for a sidecar error: a gRPC status as its code and details."""
-    if isinstance(error, grpc.RpcError):
-        return f"{error.code().name}: {error.details()}"
-    return f"{type(error).__name__}: {error}"
+_SIDECAR_WORDS = (
+    NotRegistered,
+    RegistrationHeld,
+    UnknownVersion,
+    InvalidRequest,
+    SlotsExhausted,
+    PublicationPending,
+    TimeoutError,
+)
+"""Errors whose message is the sidecar's own refusal or this module's words."""
+
+
+def describe(error: Exception, where: str = "refit publication") -> str:
+    """One line for what went wrong with the sidecar, fit for a client (it reaches
+    FinishTrainStep's refusal, GetStatus and health): the sidecar's own refusal, or the status
+    code of a call that failed, whose gRPC text goes to the log only; anything else is a
+    fault, logged with its traceback under an error id that the line names."""
+    if isinstance(error, _SIDECAR_WORDS):
+        return str(error)
+    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
+        log.info("refit: %s: %s %s", where, error.code().name, error.details())
+        return f"the refit sidecar answered {error.code().name}"
+    return str(fault(error, where))

@@ -27,6 +27,7 @@ from trainer_svc.wire_enums import (
     NORMALIZATIONS,
     NORMALIZATIONS_TO_PROTO,
     PUBLICATION_STATES_TO_PROTO,
+    STEP_GRADIENTS_TO_PROTO,
 )
 
 
@@ -128,6 +129,7 @@ def metrics_to_proto(metrics: StepMetrics) -> pb.StepMetrics:
         grad_norm=metrics.grad_norm,
         learning_rate=metrics.learning_rate,
         counts=counts_to_proto(metrics.counts),
+        gradient=STEP_GRADIENTS_TO_PROTO[metrics.gradient],
     )
 
 
