@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
@@ -16,6 +16,7 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadSt
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hf.checkpoint import save_hf_checkpoint
+from megatron_hf.spec import ModelSpec
 from trainer_refit.errors import quoted
 from trainer_svc.domain import FailedPrecondition, PathNotAllowed
 from trainer_svc.runtime import cpu_compat
@@ -32,14 +33,25 @@ from trainer_svc.runtime.checkpoint_files import (
 from trainer_svc.runtime.checkpoint_record import record_files
 from trainer_svc.runtime.checkpoint_staging import StagedState, Staging, stage
 from trainer_svc.runtime.path_roots import PathRoots
+from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import gather_hf_state
-
-if TYPE_CHECKING:
-    from trainer_svc.runtime.engine import StepEngine
 
 log = logging.getLogger(__name__)
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds and an export reads, as the engine hands it over: the
+    checkpointer saves and loads these, never the engine's own bookkeeping."""
+
+    model: Any
+    """The megatron model (its chunks, wrapped for data parallelism or not)."""
+    optimizer: Any
+    """The megatron optimizer (plain, distributed or chained)."""
+    spec: ModelSpec
+    topology: Topology
 
 
 @dataclass(frozen=True)
@@ -151,13 +163,13 @@ class ReadCheckpoint:
     optimizer_step: int
     staged: StagedState
 
-    def install(self, engine: StepEngine) -> None:
+    def install(self, training: TrainingState) -> None:
         """Copies the staged tensors into the live parameters and optimizer state and sets
-        the optimizer step (after every rank agreed on the read, on every rank)."""
+        the optimizer's step to `optimizer_step` (after every rank agreed on the read, on
+        every rank)."""
         with cpu_compat.active(), torch.no_grad():
             self.staged.install()
-            _set_adam_steps(engine.built.optimizer, self.optimizer_step)
-        engine.optimizer_step = self.optimizer_step
+            _set_adam_steps(training.optimizer, self.optimizer_step)
         log.info("loaded checkpoint %s (optimizer step %d)", self.path, self.optimizer_step)
 
 
@@ -204,28 +216,29 @@ class Checkpointer:
     def check_exportable(self, path: Path) -> None:
         check_new_directory(self._checked(path), "export")
 
-    def _sharded_state(self, engine: StepEngine) -> dict:
+    def _sharded_state(self, training: TrainingState) -> dict:
         """The model's and optimizer's sharded state dicts, their ShardedTensors holding the
         live tensors. Built as for a save also when loading: with `is_loading` megatron's
         optimizers change live state (the distributed optimizer reloads its own state dict,
         leaving one step tensor shared by every parameter), which a refused load must not; the
         structure is the same, and `checkpoint_staging` installs the tensors itself."""
-        model = engine.built.model
-        model_state = model.sharded_state_dict()
-        optimizer_state = engine.built.optimizer.sharded_state_dict(
+        model_state = training.model.sharded_state_dict()
+        optimizer_state = training.optimizer.sharded_state_dict(
             model_state, is_loading=False, metadata=_METADATA
         )
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def save(self, path: Path, engine: StepEngine) -> SaveSummary:
-        topology = engine.topology
+    def save(
+        self, path: Path, training: TrainingState, *, weights_version: int, optimizer_step: int
+    ) -> SaveSummary:
+        topology = training.topology
         phase(topology, lambda: make_directory(path, "checkpoint") if topology.is_leader else None)
 
         def write_shards() -> None:
             action = f"cannot write the checkpoint to {path}"
             with cpu_compat.active(), _refusals(action, _STORAGE_ERRORS, "writing it failed"):
                 dist_checkpointing.save(
-                    self._sharded_state(engine), str(path), content_metadata=_METADATA
+                    self._sharded_state(training), str(path), content_metadata=_METADATA
                 )
 
         phase(topology, write_shards)
@@ -236,18 +249,18 @@ class Checkpointer:
             if topology.is_leader:
                 with filesystem_errors(f"cannot record the checkpoint {path}"):
                     info = TrainerState(
-                        weights_version=engine.weights_version,
-                        optimizer_step=engine.optimizer_step,
-                        layout=engine.topology.layout.describe(),
+                        weights_version=weights_version,
+                        optimizer_step=optimizer_step,
+                        layout=topology.layout.describe(),
                         files=record_files(path, leave_out=STATE_FILE),
                     )
                     (path / STATE_FILE).write_text(info.to_json())
 
         phase(topology, write_state)
-        log.info("saved checkpoint %s at optimizer step %d", path, engine.optimizer_step)
-        return SaveSummary(path, engine.weights_version, engine.optimizer_step)
+        log.info("saved checkpoint %s at optimizer step %d", path, optimizer_step)
+        return SaveSummary(path, weights_version, optimizer_step)
 
-    def read(self, path: Path, engine: StepEngine) -> ReadCheckpoint:
+    def read(self, path: Path, training: TrainingState) -> ReadCheckpoint:
         """Reads the checkpoint into staging tensors on every rank (`checkpoint_staging`) and
         checks them; raises `CommandFailed` on every rank when any rank could not, with no live
         tensor changed. The precheck verified every file against its recorded checksum, but a
@@ -255,7 +268,7 @@ class Checkpointer:
         to the live state. Three phases: what each rank does alone before megatron's load
         (trainer state, common state, staging), the load with its collectives and each rank's
         check after it. `ReadCheckpoint.install` then changes the live state."""
-        topology = engine.topology
+        topology = training.topology
         action = f"cannot load the checkpoint {path}"
 
         def prepare() -> _Prepared:
@@ -264,7 +277,7 @@ class Checkpointer:
                 common = TorchCommonLoadStrategy().load_common(path)
             # Not a refusal when it fails (no host memory for the staging): a fault.
             with cpu_compat.active(), torch.no_grad():
-                sharded = self._sharded_state(engine)
+                sharded = self._sharded_state(training)
                 staging = stage(sharded)
             return _Prepared(state, common, sharded, staging)
 
@@ -283,16 +296,18 @@ class Checkpointer:
         staged = phase(topology, load)
         return ReadCheckpoint(path, prepared.state.optimizer_step, staged)
 
-    def export_hf(self, path: Path, engine: StepEngine) -> ExportSummary | None:
+    def export_hf(
+        self, path: Path, training: TrainingState, *, weights_version: int
+    ) -> ExportSummary | None:
         """The write on rank 0 comes after the last collective; the engine agrees on its
         outcome with every rank."""
-        topology = engine.topology
+        topology = training.topology
         phase(topology, lambda: make_directory(path, "export") if topology.is_leader else None)
-        hf_state = gather_hf_state(engine.built.model, engine.spec, topology)
+        hf_state = gather_hf_state(training.model, training.spec, topology)
         if hf_state is None:
             return None
         with filesystem_errors(f"cannot write the export to {path}"):
             save_hf_checkpoint(path, hf_state, self.hf_source_dir)
         num_bytes = sum(t.numel() * t.element_size() for t in hf_state.values())
         log.info("exported %d tensors (%d bytes) to %s", len(hf_state), num_bytes, path)
-        return ExportSummary(path, engine.weights_version, len(hf_state), num_bytes)
+        return ExportSummary(path, weights_version, len(hf_state), num_bytes)

@@ -44,7 +44,7 @@ from trainer_svc.domain import (
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime import cpu_compat
 from trainer_svc.runtime.agreement import CommandFailed, phase
-from trainer_svc.runtime.checkpointing import Checkpointer
+from trainer_svc.runtime.checkpointing import Checkpointer, TrainingState
 from trainer_svc.runtime.finite import Contents, contents
 from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
@@ -128,6 +128,9 @@ class StepEngine:
         self.padded_vocab = padded_vocab
         self.device = device
         self.checkpointer = checkpointer
+        self.training = TrainingState(
+            model=built.model, optimizer=built.optimizer, spec=spec, topology=topology
+        )
         self.publisher = publisher
         self.pass_tokens = pass_tokens or limits.max_tokens
         self.runner = ModelRunner(built.ddp, device)
@@ -316,23 +319,31 @@ class StepEngine:
             case cmd.RunForward():
                 return self._forward(command)
             case cmd.SaveCheckpoint(path=path):
-                return self.checkpointer.save(path, self)
+                return self.checkpointer.save(
+                    path,
+                    self.training,
+                    weights_version=self.weights_version,
+                    optimizer_step=self.optimizer_step,
+                )
             case cmd.LoadCheckpoint(path=path, slot=slot):
                 # Every rank reads the checkpoint into staging and checks it; only once every
                 # rank has, does any rank change its weights, optimizer state and version.
                 try:
-                    read = self.checkpointer.read(path, self)
+                    read = self.checkpointer.read(path, self.training)
                 except CommandFailed:
                     if slot is not None:
                         self._refused_reservation = self.weights_version + 1
                     raise
                 self._fence()
-                read.install(self)
+                read.install(self.training)
+                self.optimizer_step = read.optimizer_step
                 self.weights_version += 1
                 self._publish(slot)
                 return self.weights_version, self.optimizer_step
             case cmd.ExportHF(path=path):
-                return self.checkpointer.export_hf(path, self)
+                return self.checkpointer.export_hf(
+                    path, self.training, weights_version=self.weights_version
+                )
             case cmd.Shutdown():
                 return None
         raise TypeError(f"unknown command {command!r}")
