@@ -5,12 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# PYTEST_WORKERS=2 spreads the test modules over two worker processes (pytest-xdist; a
-# module's tests stay in one worker and share its fixtures, the demo's, the longest, first):
-# on an idle 2-core machine that took the run from 27 to about 20.5 minutes. It is not the
-# default: in one of four such runs the two workers' stacks starved the demo's trainer ranks
-# of the CPU past their 10 s liveness limit and the world ended. 0 runs one process.
-PYTEST_WORKERS ?= 0
+# The default run spreads the test modules over two worker processes (pytest-xdist; a
+# module's tests stay in one worker and share its fixtures, the demo's, the longest, first).
+# Test trainers wait 60 s to hear from a silent rank (tests/support/trainer.py), so one worker's
+# stacks starving the other's ranks of the CPU no longer ends a world. PYTEST_WORKERS=0 runs
+# one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test lint typecheck protos venv clean
 

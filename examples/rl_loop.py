@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, help="logs and the model (default: a new temp dir, kept)"
     )
     stack.add_argument(
+        "--peer-timeout-seconds",
+        type=float,
+        default=None,
+        help="how long the trainer's ranks wait to hear from each other (default: "
+        "trainer-svc's); longer on a machine whose cores other programs share",
+    )
+    stack.add_argument(
         "--verbose",
         action="store_true",
         help=f"show vLLM's logs on the terminal instead of writing them to {VLLM_LOG}",
@@ -347,6 +354,7 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
         pipeline_parallel=args.trainer_pp,
         refit_slots=1,  # each refit below ends before the next step publishes
         seed=args.seed,
+        peer_timeout_s=args.peer_timeout_seconds,
     )
     with ExitStack() as stack:
         layout = f"TP={args.trainer_tp}, PP={args.trainer_pp}"

@@ -47,6 +47,10 @@ class StackConfig:
     seed: int = 0
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
+    peer_timeout_s: float | None = None
+    """How long the trainer's ranks wait to hear from each other before they end the world
+    (trainer-svc --peer-timeout-seconds; None: its default). A machine whose cores other
+    programs share may need longer."""
 
 
 @dataclass
@@ -112,6 +116,11 @@ class LocalStack:
                 *("--sidecar-token-file", str(self.token_file(Role.TRAINER)), *tokens),
                 *("--host", "127.0.0.1", "--port", "0"),
                 *("--work-dir", str(cfg.workdir / "trainer")),
+                *(
+                    ("--peer-timeout-seconds", str(cfg.peer_timeout_s))
+                    if cfg.peer_timeout_s is not None
+                    else ()
+                ),
             ],
             trainer_port,
         )

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from refit_sidecar import progress_file
-from tests.support.trainer import TEST_ENV
+from tests.support.trainer import TEST_ENV, TEST_PEER_TIMEOUT_S
 
 SHORT_RUN = ["--iterations", "24"]
 # The short run trains the tied-embedding variant; the fidelity tests cover untied models too.
@@ -44,7 +44,8 @@ TERMINAL_LINES = [
 
 def _start(workdir: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     log_path = workdir.parent / "demo.log"
-    command = [sys.executable, "-m", "examples.rl_loop", "--workdir", str(workdir), *args]
+    command = [sys.executable, "-m", "examples.rl_loop", "--workdir", str(workdir)]
+    command += ["--peer-timeout-seconds", str(TEST_PEER_TIMEOUT_S), *args]
     process = subprocess.Popen(
         command,
         stdout=log_path.open("w"),

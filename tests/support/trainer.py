@@ -24,6 +24,10 @@ from trainer_refit.v1 import trainer_pb2_grpc
 from trainer_svc.client import TrainerClient
 
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+TEST_PEER_TIMEOUT_S = 60.0
+"""Test trainers' liveness limit: on a two-core machine running two test workers, a rank
+starved of the CPU by the other worker's stack can stay silent past the default; a rank that
+dies is still seen at once (its connection closes)."""
 
 
 class TrainerProcess:
@@ -37,6 +41,7 @@ class TrainerProcess:
         env = {**os.environ, **TEST_ENV}
         command = [sys.executable, "-m", "trainer_svc", "--port", "0", "--host", "127.0.0.1"]
         command += ["--port-file", str(self.port_file), "--work-dir", str(workdir)]
+        command += ["--peer-timeout-seconds", str(TEST_PEER_TIMEOUT_S)]  # `args` may override
         command += [*self.tokens.server_args(), *args]
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
