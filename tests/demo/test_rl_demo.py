@@ -8,11 +8,13 @@ The short run is shared by the tests that read it (it takes minutes on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,22 +107,38 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     workdir = tmp_path_factory.mktemp("demo") / "run"
     before = _progress_files()
     process, log_path = _start(workdir, *SHORT_RUN, *TIED)
+    members: set[int] = set()
+    done = threading.Event()
+    watcher = threading.Thread(target=_session_members, args=(process.pid, members, done))
+    watcher.start()
     try:
         returncode = process.wait(timeout=1500)
     finally:
+        done.set()
+        watcher.join()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     leftovers = _wait_gone(process, workdir)  # the run's last messages are written by then
-    # A file of a live process is another test's receiver (the default run's workers run
-    # test modules side by side); every process of the demo's is gone by now.
-    left = sorted(name for name in _progress_files() - before if not _of_live_process(name))
+    # Only the demo's own processes' files count: the default run's other worker runs test
+    # modules beside it whose receivers, some killed on purpose, leave files of their own.
+    left = sorted(name for name in _progress_files() - before if _pid_of(name) in members)
     yield DemoRun(returncode, log_path.read_text(), workdir, leftovers, left)
 
 
-def _of_live_process(name: str) -> bool:
-    """Whether the progress file `name` is a live process's (its name holds the pid)."""
+def _session_members(session: int, members: set[int], done: threading.Event) -> None:
+    """Adds the pids of the demo's session (it starts one of its own) to `members`, looking
+    every 0.2 s until `done`: every receiver lives for many of those."""
+    while not done.wait(0.2):
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(proc.pid) == session:
+                    members.add(proc.pid)
+
+
+def _pid_of(name: str) -> int | None:
+    """The pid a progress file's name holds."""
     match = progress_file.NAME.fullmatch(name)
-    return match is not None and psutil.pid_exists(int(match[2]))
+    return None if match is None else int(match[2])
 
 
 def _progress_files() -> set[str]:
