@@ -54,9 +54,9 @@ from typing import Any
 from benchmarks import refit_install as ri
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
-from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
-from refit_sidecar.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.tree_types import TreeConfig
+from refit_sidecar.core.tree_records import TreeConfig
+from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES
+from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 

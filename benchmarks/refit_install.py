@@ -15,7 +15,7 @@ installed, against a torch peer copy of the same bytes.
   handed the model's parameters (``Receiver.fetch(version, in_place=...)``): from the second
   refit of a slot's layout on they live in staging, the pull lands in them, the receiver casts
   the ones the model holds in another dtype, and the installer gets only the rest
-  (inference_ext/in_place.py); ``--install copy`` copies every tensor in after the pull. It is
+  (inference_ext/staged_tensors.py); ``--install copy`` copies every tensor in after the pull. It is
   started before the trainer, so its setup is not timed.
 * This process trains ``--warmup + --steps`` steps over gRPC, each FinishTrainStep asked to answer
   once its update is applied (``wait_for_update``: the clock starts when the new weights exist,
@@ -90,10 +90,10 @@ from benchmarks.trainer_step import (
     trainer_server,
 )
 from benchmarks.trainer_step import write_model as _write_model
-from refit_sidecar.chunking import DEFAULT_REQUESTS_IN_FLIGHT
-from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
-from refit_sidecar.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.snapshot_layout import DEFAULT_FIRST_PIECE_BYTES
+from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES
+from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
+from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES
+from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, SequenceBatch

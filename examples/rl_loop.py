@@ -47,12 +47,12 @@ from typing import Any
 import numpy as np
 
 from examples.console import Console, routed_output
+from examples.local_stack import LocalStack, StackConfig
 from examples.reverse_task import Prompt, ReverseTask
-from inference_ext.engine import EXTENSION, EngineRefit, RefitEngine
+from inference_ext.llm_engine import EXTENSION, EngineRefit, RefitEngine
 from inference_ext.receiver import RefitOptions
 from megatron_hf.tiny import write_tiny_checkpoint
 from trainer_refit.auth import Role
-from trainer_refit.local_stack import LocalStack, StackConfig
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, LossKind, OptimizerOverrides, SequenceBatch
 

@@ -4,7 +4,7 @@ needs into a staging buffer, verify them, and only then hand HF-named tensors to
 Nothing reaches the installer until every byte of the version is local and checked, so a
 source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old version.
 An engine whose tensors live in staging (`fetch(..., in_place=...)`) has them filled by the
-pull itself, and restored from a backup on any failure (inference_ext/in_place.py).
+pull itself, and restored from a backup on any failure (inference_ext/staged_tensors.py).
 The pull plan is made once per (trainer layout, receiver layout) and replayed (`rebase`) for
 every later version; the staging buffer is allocated and registered with NIXL once.
 """
@@ -26,21 +26,13 @@ from typing import Any
 
 import torch
 
-from inference_ext.ahead import AheadLease
-from inference_ext.before_readable import BeforeReadable, EarlyPull
-from inference_ext.in_place import InPlace, candidates
-from inference_ext.lease_keeper import LeaseKeeper, renewed
 from inference_ext.slices import ReceiverLayout, hf_slice
+from inference_ext.staged_tensors import InPlace, candidates
 from inference_ext.translate import Source, megatron_sources
 from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.chunking import DEFAULT_REQUESTS_IN_FLIGHT
-from refit_sidecar.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
-from refit_sidecar.manifest import Box, DType, Manifest, MemType
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pending import Pending
-from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES, ChunkConfig
-from refit_sidecar.plan import (
+from refit_sidecar.core.manifest import Box, DType, Manifest, MemType
+from refit_sidecar.core.plan import (
     PullPlan,
     UnsupportedRequest,
     Want,
@@ -51,12 +43,20 @@ from refit_sidecar.plan import (
     rebase,
     with_checksums,
 )
-from refit_sidecar.progress_file import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
-from refit_sidecar.pull_trace import Event, PullTrace
-from refit_sidecar.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.torch_arena import TorchWords
-from refit_sidecar.transport import PullStats, Region
-from refit_sidecar.tree_pull import TreePull, TreePullConfig
+from refit_sidecar.memory.tensor_arena import TorchWords
+from refit_sidecar.pull.ahead_lease import AheadLease
+from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
+from refit_sidecar.pull.early_reads import BeforeReadable, EarlyPull
+from refit_sidecar.pull.lease_keeper import LeaseKeeper, renewed
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES, ChunkConfig
+from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
+from refit_sidecar.pull.shared_word import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
+from refit_sidecar.pull.trace import Event, PullTrace
+from refit_sidecar.pull.transport import PullStats, Region
+from refit_sidecar.pull.tree_pull import TreePull, TreePullConfig
+from refit_sidecar.service.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
+from refit_sidecar.service.pending import Pending
 from trainer_refit.auth import ClientAuth
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,11 @@ class RefitOptions:
     """Direct path: `expect` asks for the next version's lease as soon as its slot is reserved,
     and the fetch reads once the trainer ranks' version words name it, before the sidecar
     declares it readable; its checksums are compared when they come
-    (inference_ext/before_readable.py). False: the lease comes once the version is readable."""
+    (refit_sidecar/pull/early_reads.py). False: the lease comes once the version is readable."""
     read_behind_copy: bool = True
     """With `read_before_readable`, from trainer ranks that copy their snapshots in pieces:
     each READ request is posted once the pieces it reads landed, not once the whole copy did
-    (refit_sidecar/piece_gate.py). False: the pull waits for every rank's version word."""
+    (refit_sidecar/pull/piece_gate.py). False: the pull waits for every rank's version word."""
     requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
     """Direct path: READ requests (of `NixlConfig.request_bytes`, 256 MiB) of a pull in flight
     at once, the next posted as one completes, in destination order
@@ -155,7 +155,7 @@ class RefitOptions:
     the tree and on the direct path."""
     progress_dir: str = DEFAULT_PROGRESS_DIR
     """Fan-out: a directory of shared memory where this receiver mirrors its progress word
-    for receivers on its host (refit_sidecar/progress_file.py); "" for none."""
+    for receivers on its host (refit_sidecar/pull/shared_word.py); "" for none."""
 
     def __post_init__(self) -> None:
         # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
@@ -317,9 +317,9 @@ class RefitStats:
     """Looks at the sources' pieces during the pull."""
     in_place_bytes: int = 0
     """Bytes the pull landed straight in the engine's tensors (`fetch(..., in_place=...)`,
-    inference_ext/in_place.py): nothing was copied for them after it."""
+    inference_ext/staged_tensors.py): nothing was copied for them after it."""
     trace: tuple[Event, ...] = ()
-    """With `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
+    """With `trace_pull`: the pull's timeline (refit_sidecar/pull/trace.py)."""
     lease_held_by: HeldBy | None = None
     """How the refit knew its lease held the version's slot for the whole pull."""
 
@@ -637,7 +637,7 @@ class Receiver:
 
         `in_place`: the engine's tensors by HF name (the same mapping every time), to live in
         staging from this layout's first install on, so that later pulls land in them
-        (inference_ext/in_place.py). Between such a fetch and its `install` they hold the new
+        (inference_ext/staged_tensors.py). Between such a fetch and its `install` they hold the new
         version, unchecked until `fetch` returns: the caller must not compute with them; a
         failed fetch or `abandon` restores the installed version. Direct path only."""
         if in_place is not None and self._tree is not None:

@@ -25,7 +25,7 @@ from inference_ext.worker_refit import (
     additional_config_target,
     engine_layout,
 )
-from refit_sidecar.manifest import Box
+from refit_sidecar.core.manifest import Box
 
 _STATE = "_refit_state"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from refit_sidecar import progress_file
+from refit_sidecar.pull import shared_word as progress_file
 from tests.support.trainer import TEST_ENV
 
 SHORT_RUN = ["--iterations", "24"]
@@ -123,7 +123,7 @@ def _of_live_process(name: str) -> bool:
 
 
 def _progress_files() -> set[str]:
-    """The serving receivers' progress files on this host (`refit_sidecar.progress_file`)."""
+    """The serving receivers' progress files on this host (`refit_sidecar.pull.shared_word`)."""
     directory = Path(progress_file.DEFAULT_DIR)
     if not directory.is_dir():
         return set()

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from inference_ext.lease_keeper import LeaseKeeper, renewed
-from refit_sidecar.client import Lease, UnknownLease
+from refit_sidecar.pull.lease_keeper import LeaseKeeper, renewed
+from refit_sidecar.service.client import Lease, UnknownLease
 
 TTL = 0.3
 

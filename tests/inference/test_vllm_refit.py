@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from inference_ext.engine import EngineRefit
+from inference_ext.llm_engine import EngineRefit
 from inference_ext.receiver import RefitOptions
 from tests.support.engine import EngineError, EngineProcess
 from tests.support.fidelity import (

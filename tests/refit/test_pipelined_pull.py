@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar.chunking import chunk_bounds
-from refit_sidecar.intervals import Intervals
-from refit_sidecar.manifest import (
+from refit_sidecar.core.intervals import Intervals
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -30,9 +29,12 @@ from refit_sidecar.manifest import (
     ShardPiece,
     ShardRecord,
 )
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.peer import staged_manifest
-from refit_sidecar.pipelined_pull import (
+from refit_sidecar.core.plan import PullPlan, Want, plan_pull
+from refit_sidecar.core.tree_records import NodeKind, Route
+from refit_sidecar.memory.tensor_arena import TorchWords
+from refit_sidecar.pull.chunking import chunk_bounds
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pull.pipelined import (
     HEARTBEAT_S,
     ChunkConfig,
     ControlSlots,
@@ -42,8 +44,7 @@ from refit_sidecar.pipelined_pull import (
     SourceFailed,
     _Peer,
 )
-from refit_sidecar.plan import PullPlan, Want, plan_pull
-from refit_sidecar.progress import (
+from refit_sidecar.pull.progress import (
     PROGRESS_BYTES,
     CopyProgress,
     HostWords,
@@ -52,14 +53,13 @@ from refit_sidecar.progress import (
     TornRead,
     Words,
 )
-from refit_sidecar.progress_file import ProgressFile, host_id
-from refit_sidecar.routing import clip, peer_bases, route_manifest
-from refit_sidecar.sources import Answer, SourceCopy, Sources
-from refit_sidecar.torch_arena import TorchWords
-from refit_sidecar.transport import Region, SourceLost
-from refit_sidecar.tree_pull import _one_source
-from refit_sidecar.tree_types import NodeKind, Route
-from refit_sidecar.wire import box_to_proto, location_to_proto, manifest_to_proto
+from refit_sidecar.pull.routing import clip, peer_bases, route_manifest
+from refit_sidecar.pull.shared_word import ProgressFile, host_id
+from refit_sidecar.pull.transport import Region, SourceLost
+from refit_sidecar.pull.tree_pull import _one_source
+from refit_sidecar.service.sources import Answer, SourceCopy, Sources
+from refit_sidecar.service.wire import box_to_proto, location_to_proto, manifest_to_proto
+from tests.support.peer import staged_manifest
 from trainer_refit.v1 import refit_pb2 as pb
 
 # -- intervals ------------------------------------------------------------------------------------

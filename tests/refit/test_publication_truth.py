@@ -32,7 +32,7 @@ from inference_ext.receiver import Receiver, RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import RegistrationHeld, TrainerLayout, UnknownVersion
+from refit_sidecar.service.client import RegistrationHeld, TrainerLayout, UnknownVersion
 from tests.refit.test_sidecar_restart import _wait_publication
 from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_sidecar.registry import (
+from refit_sidecar.service.registry import (
     NotRegistered,
     PendingVersion,
     PublicationPending,
@@ -317,4 +317,3 @@ def test_a_report_sent_again_after_the_version_became_readable_counts_once():
     assert registry.publish(1, 1, "rank 1") is True
     assert registry.publish(1, 1, "rank 1") is False  # its answer was lost; sent again
     assert registry.latest == 1
-

@@ -14,7 +14,7 @@ import pytest
 
 from inference_ext.receiver import RefitOptions
 from refit_sidecar import access as sidecar_access
-from refit_sidecar.cli import parse_config as parse_sidecar
+from refit_sidecar.service.cli import parse_config as parse_sidecar
 from trainer_refit.auth import ClientAuth, Role, ServerAuth, method_roles, write_token_dir
 from trainer_svc.cli import parse_config as parse_trainer
 from trainer_svc.server import access as trainer_access

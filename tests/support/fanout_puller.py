@@ -230,7 +230,7 @@ def _paced(receiver: Any, command: Fetch, started: threading.Event) -> Iterator[
     lands, and once the first progress is out (`started`) it waits for the gate. (Progress is
     published from a thread of its own: sleeping there would slow the copy's word, not the
     pull.)"""
-    from refit_sidecar.progress import PROGRESS_BYTES
+    from refit_sidecar.pull.progress import PROGRESS_BYTES
 
     transport = receiver.transport
     check = transport.check
@@ -264,7 +264,7 @@ def _fetch_one(receiver: Any, command: Fetch, send: Callable[[object], None]) ->
             if filled <= total // 4:
                 return
             # Nobody reads this copy before `Started`: its children read the flipped byte.
-            from refit_sidecar.transport import host_view
+            from refit_sidecar.pull.transport import host_view
 
             host_view(receiver.staging.region)[filled // 2] ^= 0xFF
         calls += 1

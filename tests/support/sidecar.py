@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.service.client import SidecarClient
 from tests.support.auth import TlsFiles, Tokens
 from trainer_refit.auth import ClientAuth, Role, open_channel
 from trainer_refit.v1 import refit_pb2_grpc

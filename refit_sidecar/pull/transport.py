@@ -1,0 +1,166 @@
+"""The seam that moves a PullPlan's bytes into a caller's buffer.
+
+`Transport.pull(plan, dest)` reads every `ShardReads` of the plan into `dest` (a `Region` at
+least `plan.nbytes` long) and returns `PullStats`; it raises `SourceLost` when a source cannot
+deliver (dead, disconnected, stalled past a deadline, memory not registered): a pull either
+fills all of its targets or fails. `InMemoryTransport` is the reference implementation (numpy
+copies within one process, from buffers registered per agent name, like NIXL's registered
+memory); `nixl_transport.NixlTransport` is the real one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+from refit_sidecar.core.manifest import MemType
+from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.integrity.checksum import verify_checksums
+from refit_sidecar.pull.trace import Event
+
+
+class SourceLost(RuntimeError):
+    """A source could not deliver its bytes; nothing pulled in the same call may be used."""
+
+    def __init__(self, message: str, *, agent: str | None = None) -> None:
+        super().__init__(message)
+        self.agent = agent
+        """The source agent at fault, when known."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A destination buffer: a contiguous range of host (DRAM) or device (VRAM) memory."""
+
+    address: int
+    nbytes: int
+    mem_type: MemType = MemType.DRAM
+    device_id: int = 0
+    owner: object = field(default=None, compare=False, repr=False)
+    """The object owning the memory (an array, a tensor), kept alive with the region."""
+
+    @classmethod
+    def of_array(cls, array: np.ndarray) -> Region:
+        if not array.flags.c_contiguous:
+            raise ValueError("a destination array must be C-contiguous")
+        return cls(array.ctypes.data, array.nbytes, owner=array)
+
+
+@dataclass(frozen=True)
+class PullStats:
+    nbytes: int
+    seconds: float
+    reads: int
+    """Descriptors (byte ranges) read."""
+    transfers: int
+    """Transfer requests posted (over NIXL: per source agent and memory type, one per
+    `NixlConfig.request_bytes` or so)."""
+    reposted: int = 0
+    """Of those, requests prepared by an earlier pull and posted again."""
+    verified_shards: int = 0
+    lag_s: float = 0.0
+    """Seconds from the last byte landed until the pull's listener had heard of every prefix
+    (a running check's parts started, what they hand on queued)."""
+    checksums_wait_s: float = 0.0
+    """Then seconds waiting for checksums published after the pull started."""
+    check_s: float = 0.0
+    """Then seconds to the checksums compared (the last parts' sums, the comparison)."""
+    gated_s: float = 0.0
+    """Seconds from the pull's start until its first request was posted, when its requests
+    waited for the pieces of the sources' snapshot copies (`piece_gate`); 0 otherwise."""
+    gate_first_s: float = 0.0
+    """With such a gate: seconds from the pull's start until its first look at the sources'
+    pieces landed (a small read of their words)."""
+    gate_first_pieces: int = 0
+    """The pieces, over every source, that held the version at that first look: none means
+    the first request waited for the sources' copies, some means for the pull's own work."""
+    gate_rounds: int = 0
+    """Looks at the sources' pieces during the pull."""
+    trace: tuple[Event, ...] = ()
+    """The pull's timeline, when asked for (`pull_trace.PullTrace`)."""
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.nbytes / max(self.seconds, 1e-9) / 2**30
+
+
+class Transport(Protocol):
+    def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
+        """Fill `dest` per `plan`; with `verify`, check the checksums of shards read whole."""
+        ...
+
+
+def verify_pulled(plan: PullPlan, dest: Region) -> int:
+    """Check every shard of `plan` read whole into `dest` that carries a checksum, where `dest`
+    is (host memory here, device memory on its own GPU); returns how many were checked.
+    ChecksumMismatch names the first that differs."""
+    if dest.mem_type is MemType.DRAM:
+        return verify_checksums(plan, host_view(dest))
+    from refit_sidecar.integrity.device_sums import verify_device  # device memory: torch is there
+
+    return verify_device(plan, dest)
+
+
+def verifies_every_read(plan: PullPlan, dest: Region) -> bool:
+    """Whether `verify_pulled` into `dest` checks every byte of `plan`: each read is of a whole
+    shard carrying the checksum that memory is checked with (WSUM-64 in device memory; CRC-32
+    or WSUM-64 in host memory)."""
+    if dest.mem_type is MemType.DRAM:
+        return all(r.complete and (r.crc32 is not None or r.sum64 is not None) for r in plan.reads)
+    return all(r.complete and r.sum64 is not None for r in plan.reads)
+
+
+def host_view(region: Region) -> np.ndarray:
+    """The bytes of a DRAM region as a writable uint8 array (no copy)."""
+    if region.mem_type is not MemType.DRAM:
+        raise ValueError("only DRAM regions can be viewed from the host")
+    if region.nbytes == 0:
+        return np.zeros(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.address))
+
+
+class InMemoryTransport:
+    """Reference transport: sources are numpy buffers in this process, keyed by agent name."""
+
+    def __init__(self, buffers: Mapping[str, Sequence[np.ndarray]]) -> None:
+        self._buffers = {
+            agent: sorted(
+                ((b.ctypes.data, b.reshape(-1).view(np.uint8)) for b in arrays),
+                key=lambda entry: entry[0],
+            )
+            for agent, arrays in buffers.items()
+        }
+
+    def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
+        if dest.nbytes < plan.nbytes:
+            raise ValueError(f"destination holds {dest.nbytes} bytes, the plan needs {plan.nbytes}")
+        out = host_view(dest)
+        start = time.perf_counter()
+        for reads in plan.reads:
+            src, base = self._resolve(reads.location.agent, reads.location.address)
+            for off, n, at in zip(
+                reads.shard_offsets, reads.lengths, reads.dest_offsets, strict=True
+            ):
+                lo = base + int(off)
+                if lo + n > len(src):
+                    raise SourceLost(f"{reads.location.agent}: read past a registered buffer")
+                out[at : at + n] = src[lo : lo + n]
+        stats = PullStats(
+            plan.bytes_read, time.perf_counter() - start, plan.num_reads, len(plan.agents)
+        )
+        return replace(stats, verified_shards=verify_checksums(plan, out)) if verify else stats
+
+    def _resolve(self, agent: str, address: int) -> tuple[np.ndarray, int]:
+        buffers = self._buffers.get(agent)
+        if not buffers:
+            raise SourceLost(f"no source agent {agent!r}")
+        i = bisect.bisect_right([a for a, _ in buffers], address) - 1
+        if i < 0 or address >= buffers[i][0] + len(buffers[i][1]):
+            raise SourceLost(f"{agent}: address {address:#x} is not in registered memory")
+        return buffers[i][1], address - buffers[i][0]
