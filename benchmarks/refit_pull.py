@@ -210,9 +210,9 @@ def puller_main(plan_path: Path, result_path: Path) -> None:
 
     from refit_sidecar.core.manifest import MemType
     from refit_sidecar.core.plan import plan_pull, whole
+    from refit_sidecar.memory.region import Region
     from refit_sidecar.memory.tensor_arena import TorchArena
     from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
-    from refit_sidecar.pull.transport import Region
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     dest_device, source_device = torch.device(plan["dest"]), torch.device(plan["source"])

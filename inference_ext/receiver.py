@@ -43,6 +43,7 @@ from refit_sidecar.core.plan import (
     rebase,
     with_checksums,
 )
+from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
 from refit_sidecar.pull.ahead_lease import AheadLease
 from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
@@ -53,7 +54,7 @@ from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES, ChunkConfig
 from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from refit_sidecar.pull.shared_word import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
 from refit_sidecar.pull.trace import Event, PullTrace
-from refit_sidecar.pull.transport import PullStats, Region
+from refit_sidecar.pull.transport import PullStats
 from refit_sidecar.pull.tree_pull import TreePull, TreePullConfig
 from refit_sidecar.service.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
 from refit_sidecar.service.pending import Pending

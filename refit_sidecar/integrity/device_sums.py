@@ -25,7 +25,7 @@ import torch
 from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.integrity import wsum
 from refit_sidecar.integrity.checksum import ChecksumMismatch
-from refit_sidecar.pull.transport import Region
+from refit_sidecar.memory.region import Region
 
 _TORCH_CHUNK = 1 << 24
 """Units per torch pass (int64 temporaries of 128 MiB each)."""

@@ -15,7 +15,7 @@ import torch
 
 from refit_sidecar.core.manifest import MemType
 from refit_sidecar.memory.host_arena import aligned_skip
-from refit_sidecar.pull.transport import Region
+from refit_sidecar.memory.region import Region
 
 
 def memory_of(device: torch.device) -> tuple[MemType, int]:

@@ -33,11 +33,12 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from refit_sidecar.core.manifest import AgentRecord, MemType
 from refit_sidecar.core.network import NixlNetwork, ProgressPoller, create_ucx_backend
 from refit_sidecar.core.plan import Checksums, PullPlan
+from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.announcer import ProgressPublisher
 from refit_sidecar.pull.chunking import chunk_bounds, cut_at, cut_long, groups, merge_continuing
 from refit_sidecar.pull.running_check import RunningCheck
 from refit_sidecar.pull.trace import PullTrace, TraceEvent
-from refit_sidecar.pull.transport import PullStats, Region, SourceLost
+from refit_sidecar.pull.transport import PullStats, SourceLost
 
 _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     v for k, v in vars(_bindings).items() if k.startswith("nixl") and k.endswith("Error")

@@ -37,6 +37,8 @@ import numpy as np
 from refit_sidecar.core.intervals import Intervals
 from refit_sidecar.core.manifest import AgentRecord, MemType, ShardLocation
 from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.core.shared_word_ref import ProgressFileRef
+from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.announcer import ProgressPublisher
 from refit_sidecar.pull.chunking import chunk_bounds, cut_at, merge_continuing
 from refit_sidecar.pull.nixl_transport import NixlTransport, Posted
@@ -50,9 +52,9 @@ from refit_sidecar.pull.progress import (
     Words,
 )
 from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.pull.shared_word import ProgressFileReader, ProgressFileRef
+from refit_sidecar.pull.shared_word import ProgressFileReader
 from refit_sidecar.pull.trace import PullTrace, TraceEvent
-from refit_sidecar.pull.transport import Region, SourceLost
+from refit_sidecar.pull.transport import SourceLost
 
 _SLOT = 64
 """Bytes per progress-word slot in the control buffer (aligned)."""

@@ -32,8 +32,8 @@ from typing import Protocol
 import numpy as np
 
 from refit_sidecar.core.manifest import ShardLocation, c_strides
+from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.shared_word import ProgressFile
-from refit_sidecar.pull.transport import Region
 
 PROGRESS_BYTES = 24
 _FILLED_BITS = 40

@@ -31,8 +31,9 @@ from typing import Any
 
 from refit_sidecar.core.manifest import MemType
 from refit_sidecar.core.plan import Checksums, PullPlan, with_read_checksums
+from refit_sidecar.integrity.verify import verify_pulled
+from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.chunking import chunk_bounds
-from refit_sidecar.pull.transport import Region, verify_pulled
 
 log = logging.getLogger(__name__)
 

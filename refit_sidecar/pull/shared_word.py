@@ -30,23 +30,19 @@ import logging
 import mmap
 import multiprocessing.util
 import os
-import re
 import secrets
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from refit_sidecar.core.shared_word_ref import FILE_PREFIX, NAME, ProgressFileRef
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DIR = "/dev/shm"
 FILE_BYTES = 64
 """The file's size: the 24-byte word at offset 0, the rest zero."""
-_PREFIX = "trainer-refit-progress."
-NAME = re.compile(r"trainer-refit-progress\.(\d{1,20})\.(\d{1,10})\.[0-9a-f]{16}")
-"""The only file names a reader opens."""
-MAX_PATH = 1024
 
 
 @functools.cache
@@ -65,24 +61,6 @@ def _pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
-
-
-@dataclass(frozen=True)
-class ProgressFileRef:
-    """Where a peer's mirrored word lies: on which host, at which path."""
-
-    host: str
-    path: str
-
-    def check(self) -> str | None:
-        """What is wrong with it as a peer offers it, or None."""
-        if not self.host or len(self.host) > 128:
-            return "host must be 1-128 characters"
-        if len(self.path) > MAX_PATH or not os.path.isabs(self.path):
-            return f"path must be absolute and at most {MAX_PATH} characters"
-        if not NAME.fullmatch(os.path.basename(self.path)):
-            return f"file name must be {_PREFIX}<pid namespace>.<pid>.<16 hex digits>"
-        return None
 
 
 class ProgressFile:
@@ -105,7 +83,7 @@ class ProgressFile:
         if not host_id():
             return None
         _sweep(directory)
-        name = f"{_PREFIX}{_pid_namespace()}.{os.getpid()}.{secrets.token_hex(8)}"
+        name = f"{FILE_PREFIX}{_pid_namespace()}.{os.getpid()}.{secrets.token_hex(8)}"
         path = os.path.join(directory, name)
         try:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

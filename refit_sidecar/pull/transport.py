@@ -11,17 +11,16 @@ memory); `nixl_transport.NixlTransport` is the real one.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
-from refit_sidecar.core.manifest import MemType
 from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.integrity.checksum import verify_checksums
+from refit_sidecar.memory.region import Region, host_view
 from refit_sidecar.pull.trace import Event
 
 
@@ -32,24 +31,6 @@ class SourceLost(RuntimeError):
         super().__init__(message)
         self.agent = agent
         """The source agent at fault, when known."""
-
-
-@dataclass(frozen=True)
-class Region:
-    """A destination buffer: a contiguous range of host (DRAM) or device (VRAM) memory."""
-
-    address: int
-    nbytes: int
-    mem_type: MemType = MemType.DRAM
-    device_id: int = 0
-    owner: object = field(default=None, compare=False, repr=False)
-    """The object owning the memory (an array, a tensor), kept alive with the region."""
-
-    @classmethod
-    def of_array(cls, array: np.ndarray) -> Region:
-        if not array.flags.c_contiguous:
-            raise ValueError("a destination array must be C-contiguous")
-        return cls(array.ctypes.data, array.nbytes, owner=array)
 
 
 @dataclass(frozen=True)
@@ -94,35 +75,6 @@ class Transport(Protocol):
     def pull(self, plan: PullPlan, dest: Region, *, verify: bool = False) -> PullStats:
         """Fill `dest` per `plan`; with `verify`, check the checksums of shards read whole."""
         ...
-
-
-def verify_pulled(plan: PullPlan, dest: Region) -> int:
-    """Check every shard of `plan` read whole into `dest` that carries a checksum, where `dest`
-    is (host memory here, device memory on its own GPU); returns how many were checked.
-    ChecksumMismatch names the first that differs."""
-    if dest.mem_type is MemType.DRAM:
-        return verify_checksums(plan, host_view(dest))
-    from refit_sidecar.integrity.device_sums import verify_device  # device memory: torch is there
-
-    return verify_device(plan, dest)
-
-
-def verifies_every_read(plan: PullPlan, dest: Region) -> bool:
-    """Whether `verify_pulled` into `dest` checks every byte of `plan`: each read is of a whole
-    shard carrying the checksum that memory is checked with (WSUM-64 in device memory; CRC-32
-    or WSUM-64 in host memory)."""
-    if dest.mem_type is MemType.DRAM:
-        return all(r.complete and (r.crc32 is not None or r.sum64 is not None) for r in plan.reads)
-    return all(r.complete and r.sum64 is not None for r in plan.reads)
-
-
-def host_view(region: Region) -> np.ndarray:
-    """The bytes of a DRAM region as a writable uint8 array (no copy)."""
-    if region.mem_type is not MemType.DRAM:
-        raise ValueError("only DRAM regions can be viewed from the host")
-    if region.nbytes == 0:
-        return np.zeros(0, np.uint8)
-    return np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.address))
 
 
 class InMemoryTransport:

@@ -25,6 +25,8 @@ import numpy as np
 from refit_sidecar.core.manifest import AgentRecord, ShardLocation
 from refit_sidecar.core.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.verify import verifies_every_read
+from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.nixl_transport import NixlTransport
 from refit_sidecar.pull.pipelined import (
     ChunkConfig,
@@ -39,7 +41,7 @@ from refit_sidecar.pull.routing import peer_bases, route_manifest
 from refit_sidecar.pull.running_check import RunningCheck
 from refit_sidecar.pull.shared_word import DEFAULT_DIR, ProgressFile
 from refit_sidecar.pull.trace import Event, PullTrace, TraceEvent
-from refit_sidecar.pull.transport import Region, SourceLost, verifies_every_read
+from refit_sidecar.pull.transport import SourceLost
 from refit_sidecar.service.client import Lease, SidecarClient, UnknownVersion, lease_from_proto
 from refit_sidecar.service.pending import Pending
 from refit_sidecar.service.sources import Answer, NoSourceFree, Offer, get_sources_request

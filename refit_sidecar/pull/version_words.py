@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from refit_sidecar.core.manifest import VERSION_WORD_BYTES, AgentRecord, ShardLocation
+from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.nixl_transport import NixlTransport, Posted
 from refit_sidecar.pull.progress import HostWords, Words
-from refit_sidecar.pull.transport import Region, SourceLost
+from refit_sidecar.pull.transport import SourceLost
 
 DEFAULT_POLL_S = 50e-6
 """Pause between two rounds of reads: the snapshot copy the words wait for takes a

@@ -30,9 +30,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
+from refit_sidecar.core.errors import UnknownVersion
 from refit_sidecar.core.manifest import Manifest, c_strides
 from refit_sidecar.core.plan import Want
-from refit_sidecar.service.registry import Registry, UnknownVersion
+from refit_sidecar.service.registry import Registry
 from refit_sidecar.service.tree import (
     CopyState,
     HeldForParent,

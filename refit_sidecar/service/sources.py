@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from refit_sidecar.core.manifest import AgentRecord, Manifest, ShardLocation
 from refit_sidecar.core.plan import Want
+from refit_sidecar.core.shared_word_ref import ProgressFileRef
 from refit_sidecar.core.tree_records import (
     CopyState,
     Edge,
@@ -29,7 +30,6 @@ from refit_sidecar.core.tree_records import (
     Route,
     TreeListing,
 )
-from refit_sidecar.pull.shared_word import ProgressFileRef
 from refit_sidecar.service.wire import (
     agent_to_proto,
     box_from_proto,

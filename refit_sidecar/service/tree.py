@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from refit_sidecar.core.errors import UnknownVersion
 from refit_sidecar.core.manifest import Box, Manifest
 from refit_sidecar.core.plan import Want
 from refit_sidecar.core.tree_records import (
@@ -55,7 +56,6 @@ from refit_sidecar.core.tree_records import (
     TreeListing,
     UnknownSource,
 )
-from refit_sidecar.service.registry import UnknownVersion
 from refit_sidecar.service.source_order import (
     Ranking,
     Replay,

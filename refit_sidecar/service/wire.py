@@ -33,7 +33,7 @@ from refit_sidecar.core.manifest import (
     SnapshotPieces,
 )
 from refit_sidecar.core.plan import Checksums
-from refit_sidecar.pull.shared_word import ProgressFileRef
+from refit_sidecar.core.shared_word_ref import ProgressFileRef
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb
 

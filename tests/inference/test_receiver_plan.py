@@ -18,7 +18,8 @@ from megatron_hf.sharding import stage_of, tp_placement
 from megatron_hf.spec import ModelSpec, padded_vocab_size
 from refit_sidecar.core.manifest import Box, Manifest
 from refit_sidecar.core.plan import PullPlan, UnsupportedRequest, layout_key, rebase
-from refit_sidecar.pull.transport import InMemoryTransport, Region, SourceLost
+from refit_sidecar.memory.region import Region
+from refit_sidecar.pull.transport import InMemoryTransport, SourceLost
 from tests.inference.conftest import Tiny
 from tests.inference.publish import Published, publish
 

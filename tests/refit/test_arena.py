@@ -15,11 +15,11 @@ import torch
 from refit_sidecar.core.manifest import AgentRecord, DType, MemType
 from refit_sidecar.core.plan import plan_pull, whole
 from refit_sidecar.memory.host_arena import HostArena
+from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchArena, memory_of
 from refit_sidecar.publish.shard_source import ShardSource, SourceConfig, arena_offsets
 from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pull.transport import Region
 from tests.support.isolation import in_child_process
 
 SPECS = [

@@ -15,10 +15,10 @@ import pytest
 
 from refit_sidecar.core.manifest import DType, Manifest, merge_manifests
 from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.memory.region import Region
 from refit_sidecar.publish.shard_source import ShardSource, SourceConfig
 from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pull.transport import Region
 from refit_sidecar.service.client import (
     Lease,
     SlotsExhausted,

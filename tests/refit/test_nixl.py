@@ -31,11 +31,12 @@ from refit_sidecar.core.manifest import (
     ShardRecord,
 )
 from refit_sidecar.core.plan import PullPlan, Want, plan_pull, whole
+from refit_sidecar.memory.region import Region
 from refit_sidecar.publish.shard_source import SourceConfig
 from refit_sidecar.publish.shard_specs import ShardSpec, megatron_shard_spec, split_pieces
 from refit_sidecar.pull.chunking import chunk_bounds
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport, PendingPull, _Xfer
-from refit_sidecar.pull.transport import Region, SourceLost
+from refit_sidecar.pull.transport import SourceLost
 from tests.refit.shards import index, random_global
 from tests.refit.source_worker import serve
 from tests.support.isolation import in_child_process

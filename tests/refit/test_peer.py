@@ -10,8 +10,9 @@ import pytest
 from refit_sidecar.core.manifest import AgentRecord, Box, DType, Manifest
 from refit_sidecar.core.plan import PullPlan, UnsupportedRequest, Want, plan_pull
 from refit_sidecar.integrity.checksum import ChecksumMismatch, checksum
+from refit_sidecar.memory.region import Region
 from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
-from refit_sidecar.pull.transport import InMemoryTransport, Region
+from refit_sidecar.pull.transport import InMemoryTransport
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
 from tests.support.peer import staged_manifest, with_peers
 

@@ -31,6 +31,7 @@ from refit_sidecar.core.manifest import (
 )
 from refit_sidecar.core.plan import PullPlan, Want, plan_pull
 from refit_sidecar.core.tree_records import NodeKind, Route
+from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
 from refit_sidecar.pull.chunking import chunk_bounds
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
@@ -55,7 +56,7 @@ from refit_sidecar.pull.progress import (
 )
 from refit_sidecar.pull.routing import clip, peer_bases, route_manifest
 from refit_sidecar.pull.shared_word import ProgressFile, host_id
-from refit_sidecar.pull.transport import Region, SourceLost
+from refit_sidecar.pull.transport import SourceLost
 from refit_sidecar.pull.tree_pull import _one_source
 from refit_sidecar.service.sources import Answer, SourceCopy, Sources
 from refit_sidecar.service.wire import box_to_proto, location_to_proto, manifest_to_proto

@@ -27,8 +27,10 @@ from refit_sidecar.core.plan import (
     with_checksums,
 )
 from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.verify import verifies_every_read
+from refit_sidecar.memory.region import Region
 from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
-from refit_sidecar.pull.transport import InMemoryTransport, Region, SourceLost, verifies_every_read
+from refit_sidecar.pull.transport import InMemoryTransport, SourceLost
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
 
 Placed = list[tuple[str, ShardSpec, np.ndarray]]

@@ -15,10 +15,11 @@ from refit_sidecar.core.plan import Checksums, PullPlan, plan_pull, whole, with_
 from refit_sidecar.integrity import wsum
 from refit_sidecar.integrity.checksum import ChecksumMismatch
 from refit_sidecar.integrity.device_sums import PartedSums
+from refit_sidecar.memory.region import Region
 from refit_sidecar.publish.shard_specs import ShardSpec
 from refit_sidecar.pull.chunking import chunk_bounds
 from refit_sidecar.pull.running_check import RunningCheck
-from refit_sidecar.pull.transport import InMemoryTransport, Region
+from refit_sidecar.pull.transport import InMemoryTransport
 from tests.refit.shards import in_memory_manifest
 
 SHAPES = [(64, 32), (16,), (128, 32), (8, 32), (96, 32), (40,)]

@@ -15,8 +15,8 @@ from megatron_hf.convert import megatron_to_hf
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.manifest import Box
 from refit_sidecar.core.plan import Want, plan_pull, whole
+from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pull.transport import Region
 from refit_sidecar.service.client import SidecarClient, UnknownVersion
 from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process

@@ -26,8 +26,8 @@ from refit_sidecar.core.manifest import (
     ShardRecord,
 )
 from refit_sidecar.core.plan import Want
+from refit_sidecar.core.shared_word_ref import ProgressFileRef
 from refit_sidecar.core.tree_records import CopyState, NodeInfo, NodeKind, TreeConfig
-from refit_sidecar.pull.shared_word import ProgressFileRef
 from refit_sidecar.service.cli import parse_config
 from refit_sidecar.service.client import (
     SidecarClient,

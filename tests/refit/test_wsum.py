@@ -17,11 +17,12 @@ from refit_sidecar.core.plan import plan_pull, whole
 from refit_sidecar.integrity import wsum
 from refit_sidecar.integrity.checksum import ChecksumMismatch
 from refit_sidecar.integrity.device_sums import group_sums, verify_device
+from refit_sidecar.integrity.verify import verify_pulled
+from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchArena
 from refit_sidecar.publish.shard_source import ShardSource, SourceConfig
 from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pull.transport import Region, verify_pulled
 from tests.support.isolation import in_child_process
 
 _RNG = np.random.default_rng(7)

@@ -264,7 +264,7 @@ def _fetch_one(receiver: Any, command: Fetch, send: Callable[[object], None]) ->
             if filled <= total // 4:
                 return
             # Nobody reads this copy before `Started`: its children read the flipped byte.
-            from refit_sidecar.pull.transport import host_view
+            from refit_sidecar.memory.region import host_view
 
             host_view(receiver.staging.region)[filled // 2] ^= 0xFF
         calls += 1
