@@ -11,7 +11,6 @@ every later version; the staging buffer is allocated and registered with NIXL on
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import math
@@ -19,7 +18,6 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -45,10 +43,9 @@ from refit_sidecar.core.plan import (
 )
 from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
-from refit_sidecar.pull.ahead_lease import AheadLease
 from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
 from refit_sidecar.pull.early_reads import BeforeReadable, EarlyPull
-from refit_sidecar.pull.lease_keeper import LeaseKeeper, renewed
+from refit_sidecar.pull.leasing import HeldBy, LeaseLost, LeaseTerms, Leasing
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES, ChunkConfig
 from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
@@ -69,14 +66,6 @@ TORCH_DTYPES: dict[DType, torch.dtype] = {
 }
 
 Installer = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
-RELEASE_AFTER_S = 0.005
-"""A pull whose bytes need no word from the sidecar (all verified, or the version words still
-name the version) ends its lease this long after the fetch, when the refit's install is
-through: a receiver's threads share one interpreter, and the release's call, sent at the
-fetch's end, took it from the install (BENCHMARKS.md, "The receiver's own threads off the
-refit's path"). The slot it frees is wanted by the trainer's next step, a hundred milliseconds
-or more later."""
-
 _KNOWN_MANIFESTS = 16
 """Plans kept by manifest key: one per snapshot slot of the trainers met lately."""
 
@@ -94,7 +83,7 @@ class RefitOptions:
     """Names this receiver in leases and its NIXL agent (with the TP rank appended)."""
     lease_ttl_s: float = 30.0
     """Lease held on the version while pulling, renewed every third of it for as long as the
-    pull takes (`lease_keeper`): how long a receiver that dies mid-pull can keep the trainer
+    pull takes (`pull.leasing`): how long a receiver that dies mid-pull can keep the trainer
     from reusing the version's snapshot slot."""
     pull_timeout_s: float = 300.0
     connect_timeout_s: float = 30.0
@@ -328,18 +317,6 @@ class RefitStats:
         return asdict(self)
 
 
-class HeldBy(enum.StrEnum):
-    """How a refit knew that no byte it pulled was overwritten (its lease held the slot)."""
-
-    CHECKSUMS = "checksums"
-    """Every byte was verified against the trainer's checksums."""
-    WORDS = "words"
-    """The trainer ranks' version words still named the version after the pull (a rank
-    zeroes them before it overwrites the slot)."""
-    SIDECAR = "sidecar"
-    """The sidecar confirmed the lease when it was released (one round trip on the path)."""
-
-
 @dataclass(frozen=True)
 class HFSlice:
     """The part `box` of HF tensor `name` (full shape `shape`) this receiver installs,
@@ -552,12 +529,15 @@ class Receiver:
         self._verifies = options.verify_checksums
         """Checked where staging is: host memory on the CPU, device memory on a GPU."""
         self._tree: TreePull | None = None
-        self._releases = ThreadPoolExecutor(1, thread_name_prefix="lease-release")
-        """Releases of verified pulls' leases, off the refit's path."""
-        self._keeper = LeaseKeeper(self.client, options.lease_ttl_s)
-        """Renews the lease of the pull in progress."""
-        self._ahead = AheadLease(self.client, self._releases)
-        """Direct path: the lease asked ahead by `expect`."""
+        self._leasing = Leasing(
+            self.client,
+            LeaseTerms(
+                receiver_id=options.receiver_id,
+                ttl_s=options.lease_ttl_s,
+                checksums=self._verifies,
+            ),
+        )
+        """The lease asked ahead, the one the pull holds, and their ends."""
         self._before = BeforeReadable(
             self.client, self.transport, functools.partial(TorchWords, device=device)
         )
@@ -614,13 +594,8 @@ class Receiver:
                 version, wait_s=wait, lease_ttl_s=options.lease_ttl_s, checksums=self._verifies
             )
         else:
-            self._ahead.ask(
-                version,
-                options.receiver_id,
-                options.lease_ttl_s,
-                wait_s=wait,
-                checksums=self._verifies,
-                before_readable=options.read_before_readable,
+            self._leasing.ask_ahead(
+                version, wait_s=wait, before_readable=options.read_before_readable
             )
 
     def fetch(
@@ -649,9 +624,6 @@ class Receiver:
         self._staged = None
         begin = time.perf_counter()
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
-        lease: Lease | None = None
-        expected = False
-        asked_sums: Pending[VersionChecksums] | None = None
         try:
             if self._tree is not None:
                 # One call for the lease and the tree's answer (after a first pull, whose
@@ -665,47 +637,33 @@ class Receiver:
                         lease_ttl_s=self.options.lease_ttl_s,
                         checksums=self._verifies,
                     )
-                lease, refused = self._tree.ahead_lease()
+                ahead, refused = self._tree.ahead_lease()
                 if isinstance(refused, UnknownVersion) and not asked:
                     wait = 0.0  # waited for already: lease it now if it came meanwhile
+                leased = self._leasing.hold(version, ahead, wait_s=wait, expected=asked)
             else:
-                lease = self._ahead.take(version)
-                asked_sums = self._ahead.take_checksums()
-            answer = lease
-            renew_now = False
-            if lease is not None:
-                lease, renew_now = self._fresh(lease)
-            expected = lease is not None and (self._tree is None or asked)
-            if lease is None:
-                lease = answer = self._lease(version, wait)
+                ahead = self._leasing.ahead.take(version)
+                sums = self._leasing.ahead.take_checksums()
+                leased = self._leasing.hold(version, ahead, wait_s=wait, checksums=sums)
         except Exception as e:
             if self._tree is not None:
                 self._tree.abandon()
-            if asked_sums is not None:
-                asked_sums.cancel()
             raise RefitError(f"cannot lease version {version}: {e}") from e
-        if asked_sums is not None and not lease.pending:
-            asked_sums.cancel()  # the lease came with its checksums
-            asked_sums = None
-        leased, leased_at = time.perf_counter(), time.time()
-        # The sidecar's times, from its answer (a renewal of a lease asked long before has none).
-        sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
-        self._keeper.keep(lease, renew_now=renew_now)
+        lease = leased.lease
         early: EarlyPull | None = None
         key: tuple[Any, ...] = ()
         armed = False
         try:
             if lease.pending:
-                plan, replanned, by_key, early = self._plan_early(lease, wait, asked_sums)
-                asked_sums = None
+                plan, replanned, by_key, early = self._plan_early(lease, wait, leased.checksums)
             else:
                 plan, replanned, by_key = self._plan_for(lease)
             plan_s = time.perf_counter() - begin
             log.debug(
                 "version %d: lease %.3f ms, manifest and plan %.3f ms",
                 version,
-                1e3 * (leased - begin),
-                1e3 * (begin + plan_s - leased),
+                1e3 * (leased.mark - begin),
+                1e3 * (begin + plan_s - leased.mark),
             )
             region = self.staging.ensure(plan.pull.nbytes)
             if in_place is not None:
@@ -720,58 +678,32 @@ class Receiver:
                 early.asked.cancel()
             if early is not None and early.gate is not None:
                 early.gate.settle()  # its look may be in flight if the pull never started
-            self._keeper.take_back(wait=False)
-            self._releases.submit(self.client.end_lease, lease)
+            self._leasing.drop(lease)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
                 raise
             raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
-        # The lease must have held the slot for the whole pull. Past its end by this process's
-        # clock it surely did not. Before it, bytes that were all verified need no more, nor
-        # do bytes of ranks whose version words still name the version after the pull (a rank
-        # zeroes them before it overwrites the slot): the release goes out in the background.
-        # Otherwise the sidecar must confirm it held the lease.
-        lease, lost = self._keeper.take_back()
-        in_time = not lost and time.monotonic() < lease.expires_at  # else nothing proves it
-        held_by = HeldBy.SIDECAR
-        if in_time and pulled.stats.verified_shards == len(plan.pull.reads):
-            held_by = HeldBy.CHECKSUMS
-        elif in_time and self._tree is None and self._before.unchanged(plan.pull):
-            held_by = HeldBy.WORDS
-        if lost:
-            held = False  # a renewal found the lease gone: the slot may have been rewritten
-        elif held_by is not HeldBy.SIDECAR:
-            self._releases.submit(self._release_later, lease)
-            held = True
-        else:
-            held = self.client.end_lease(lease) and time.monotonic() < lease.expires_at
-        if not held:
+        unchanged = self._before.unchanged if self._tree is None else None
+        try:
+            held_by = self._leasing.end(plan.pull, pulled.stats.verified_shards, unchanged)
+        except LeaseLost as e:
             self._in_place.restore()
-            # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
-            # protect the slot for the whole pull: the trainer may have overwritten it.
-            raise RefitError(
-                f"the lease on version {version} ended before its pull did (expired, or the "
-                "sidecar restarted); the bytes may have been overwritten, so nothing installs"
-            )
+            raise RefitError(str(e)) from None
         self._fetched = _Fetched(
             plan,
             pulled,
             plan_s,
             replanned,
             by_key,
-            expected,
-            leased_at,
-            *sidecar,
+            leased.expected,
+            leased.at,
+            leased.sidecar_readable_at,
+            leased.sidecar_answered_at,
             early is not None,
             in_place,
             key,
             armed,
             held_by,
         )
-
-    def _release_later(self, lease: Lease) -> None:
-        """Ends a verified pull's lease `RELEASE_AFTER_S` from now (on the releases' thread)."""
-        time.sleep(RELEASE_AFTER_S)
-        self.client.end_lease(lease)
 
     def _pull(
         self,
@@ -883,37 +815,6 @@ class Receiver:
             behind_copy=self.options.read_behind_copy,
         )
         return ReceiverPlan(early.plan, plan.slices), False, True, early
-
-    def _fresh(self, lease: Lease) -> tuple[Lease | None, bool]:
-        """A lease asked ahead counts its end from when it was asked. One with under half a
-        TTL left is renewed: beside the pull when it surely still holds by this process's
-        clock (True: the keeper renews it at once, and the pull's end learns whether that
-        held), before it otherwise. None when it cannot be (it ran out before the fetch
-        came): the caller leases anew."""
-        ttl = self.options.lease_ttl_s
-        left = lease.expires_at - time.monotonic()
-        if left >= ttl / 2:
-            return lease, False
-        if left > 0:
-            return lease, True
-        try:
-            return renewed(self.client, lease, ttl), False
-        except Exception as e:
-            log.debug("the lease asked ahead on version %d ended: %s", lease.version, e)
-            return None, False
-
-    def _lease(self, version: int, wait: float) -> Lease:
-        """A lease on `version`, with its checksums when they will be checked; one not readable
-        yet is waited for on the sidecar (`wait` seconds), so the lease comes back as soon as
-        the trainer's ranks have reported it."""
-        options = self.options
-        return self.client.acquire_lease(
-            version,
-            options.receiver_id,
-            options.lease_ttl_s,
-            wait_s=max(wait, 0.0),
-            checksums=self._verifies,
-        )
 
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
@@ -1055,9 +956,7 @@ class Receiver:
 
     def close(self) -> None:
         self._in_place.close()
-        self._ahead.drop()
-        self._keeper.close()
-        self._releases.shutdown(wait=True)
+        self._leasing.close()
         if self._tree is not None:
             self._tree.close()
         self.staging.release()

@@ -27,6 +27,7 @@ from refit_sidecar.core.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.integrity.checksum import ChecksumMismatch
 from refit_sidecar.integrity.verify import verifies_every_read
 from refit_sidecar.memory.region import Region
+from refit_sidecar.pull.leasing import AskedAhead
 from refit_sidecar.pull.nixl_transport import NixlTransport
 from refit_sidecar.pull.pipelined import (
     ChunkConfig,
@@ -43,7 +44,6 @@ from refit_sidecar.pull.shared_word import DEFAULT_DIR, ProgressFile
 from refit_sidecar.pull.trace import Event, PullTrace, TraceEvent
 from refit_sidecar.pull.transport import SourceLost
 from refit_sidecar.service.client import Lease, SidecarClient, UnknownVersion, lease_from_proto
-from refit_sidecar.service.pending import Pending
 from refit_sidecar.service.sources import Answer, NoSourceFree, Offer, get_sources_request
 from refit_sidecar.service.wire import (
     agent_from_proto,
@@ -114,26 +114,13 @@ class TreePullStats:
     """The pull's timeline, when `ChunkConfig.trace` is on (`pull_trace.py`)."""
 
 
-@dataclass
-class _Ahead:
-    """A GetSources with a lease sent before the pull (`TreePull.ask_ahead`), with the key of
-    the wants and offer it was built from."""
+def _lease_in(sent: float) -> Callable[[Answer], Lease]:
+    """The lease in a GetSources answer, its end counted from `sent` (time.monotonic())."""
 
-    version: int
-    key: object
-    answer: Pending[Answer]
-    sent: float
-    """time.monotonic() when it was sent: the lease it carries ends no later than this plus
-    its TTL."""
-    lease_taken: bool = False
-    """The caller took the lease (`ahead_lease`): it holds and ends it."""
+    def lease(answer: Answer) -> Lease:
+        return lease_from_proto(answer.reply.lease, sent)
 
-    def lease(self) -> Lease | None:
-        """The answer's lease (waiting for it); None when the sidecar refused the call or it
-        was cancelled. Its `expires_at` counts from when the call was sent."""
-        if self.answer.exception() is not None:
-            return None
-        return lease_from_proto(self.answer.result().reply.lease, self.sent)
+    return lease
 
 
 class TreePull:
@@ -172,7 +159,7 @@ class TreePull:
         """ReleaseSources goes out in the background, in order: off the refit's path. A
         GetSources asked ahead waits for the release before it (`_settle`)."""
         self._released: Future[None] | None = None
-        self._ahead: _Ahead | None = None
+        self._ahead: AskedAhead[Answer] | None = None
         self._started: int | None = None
         """The version this receiver's copy was started for ahead of its pull
         (`ahead_lease`), if any; the pull then settles that start instead of starting."""
@@ -202,7 +189,7 @@ class TreePull:
         self._name_known_keys(request)
         self._settle()  # the sidecar sees this receiver's calls in order
         sent = time.monotonic()
-        self._ahead = _Ahead(version, key, self._client.ask_later(request), sent)
+        self._ahead = AskedAhead(version, self._client.ask_later(request), _lease_in(sent), key)
 
     def asked(self, version: int) -> bool:
         """Whether a GetSources asked ahead for `version` is in flight or answered."""
@@ -215,7 +202,7 @@ class TreePull:
         if ahead is None:
             return None, None
         lease = ahead.lease()
-        ahead.lease_taken = lease is not None
+        ahead.taken = lease is not None
         if lease is not None and self.config.serve:
             # The sidecar drained the readers of this receiver's previous copy before it
             # answered: the copy's word starts the new version now, queued (a GPU's word is a
@@ -249,10 +236,10 @@ class TreePull:
             self._own.start(ahead.version)
             self._offered = ahead.version
         self._fail(ahead.version)
-        if not ahead.lease_taken:
+        if not ahead.taken:
             self._released = self._releases.submit(self._end_lease, ahead)
 
-    def _end_lease(self, ahead: _Ahead) -> None:
+    def _end_lease(self, ahead: AskedAhead[Answer]) -> None:
         lease = ahead.lease()
         if lease is not None:
             self._client.end_lease(lease)
