@@ -7,7 +7,7 @@ bf16, the config-only Llama of the preset) as subprocesses with authentication o
 ``--receivers`` receiver processes on GPU ``--dest-gpu`` (or one GPU each,
 ``--receiver-gpus``: a receiver may sit on the trainer's GPU beside it, except receiver 0, the
 one-receiver baseline), each a transformers model and two
-`Receiver`s: "direct" (reads the trainer's ranks) and "tree" (``RefitOptions(fanout=True)``:
+`Receiver`s: "direct" (reads the trainer's ranks) and "tree" (``FanOutOptions(enabled=True)``:
 asks the sidecar where to read, reads its parent's chunks as they land, serves its own copy).
 The sidecar runs with ``--max-children`` and ``--max-root-children`` set to ``--max-children``,
 and ``--hold-parents-seconds`` as given (0 shows the tree changing shape with the order

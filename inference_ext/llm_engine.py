@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from inference_ext.receiver import RefitError, RefitOptions, RefitStats
+from inference_ext.receiver import RefitError
+from inference_ext.refit_options import RefitOptions, RefitStats
 from refit_sidecar.core.manifest import Box
 
 EXTENSION = "inference_ext.RefitWorkerExtension"
@@ -58,7 +59,7 @@ class RefitEngine:
         self.llm = llm
 
     def refit_init(self, sidecar: str, options: RefitOptions | None = None) -> None:
-        opts = asdict(options) if options is not None else None
+        opts = options.to_dict() if options is not None else None
         self.llm.collective_rpc("refit_init", args=(sidecar, opts))
 
     def refit_to(self, version: int | None = None) -> EngineRefit:

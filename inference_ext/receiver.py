@@ -14,16 +14,15 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from inference_ext.refit_options import RefitOptions, RefitStats
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.staged_tensors import InPlace, candidates
 from inference_ext.translate import Source, megatron_sources
@@ -43,19 +42,15 @@ from refit_sidecar.core.plan import (
 )
 from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
-from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
 from refit_sidecar.pull.early_reads import BeforeReadable, EarlyPull
 from refit_sidecar.pull.leasing import HeldBy, LeaseLost, LeaseTerms, Leasing
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES, ChunkConfig
-from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.pull.shared_word import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
+from refit_sidecar.pull.pipelined import ChunkConfig
 from refit_sidecar.pull.trace import Event, PullTrace
 from refit_sidecar.pull.transport import PullStats
 from refit_sidecar.pull.tree_pull import TreePull, TreePullConfig
 from refit_sidecar.service.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
 from refit_sidecar.service.pending import Pending
-from trainer_refit.auth import ClientAuth
 
 log = logging.getLogger(__name__)
 
@@ -72,249 +67,6 @@ _KNOWN_MANIFESTS = 16
 
 class RefitError(RuntimeError):
     """A refit did not happen; the receiver still serves the version it served before."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RefitOptions:
-    """How a receiver talks to the sidecar and its sources. JSON-friendly (`from_dict`), so it
-    can travel through `collective_rpc` and vLLM's `--additional-config`."""
-
-    receiver_id: str = "receiver"
-    """Names this receiver in leases and its NIXL agent (with the TP rank appended)."""
-    lease_ttl_s: float = 30.0
-    """Lease held on the version while pulling, renewed every third of it for as long as the
-    pull takes (`pull.leasing`): how long a receiver that dies mid-pull can keep the trainer
-    from reusing the version's snapshot slot."""
-    pull_timeout_s: float = 300.0
-    connect_timeout_s: float = 30.0
-    rpc_timeout_s: float = 30.0
-    visible_timeout_s: float = 30.0
-    """How long a refit to a version the trainer has returned waits for it to be readable:
-    trainer ranks report a version to the sidecar just after the step that made it."""
-    read_before_readable: bool = True
-    """Direct path: `expect` asks for the next version's lease as soon as its slot is reserved,
-    and the fetch reads once the trainer ranks' version words name it, before the sidecar
-    declares it readable; its checksums are compared when they come
-    (refit_sidecar/pull/early_reads.py). False: the lease comes once the version is readable."""
-    read_behind_copy: bool = True
-    """With `read_before_readable`, from trainer ranks that copy their snapshots in pieces:
-    each READ request is posted once the pieces it reads landed, not once the whole copy did
-    (refit_sidecar/pull/piece_gate.py). False: the pull waits for every rank's version word."""
-    requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
-    """Direct path: READ requests (of `NixlConfig.request_bytes`, 256 MiB) of a pull in flight
-    at once, the next posted as one completes, in destination order
-    (`NixlConfig.requests_in_flight`); 0: all at once."""
-    request_taper: int = 0
-    """Direct path: halvings of the 256 MiB requests, and of the running check's parts,
-    towards the pull's end (`NixlConfig.request_taper`): the last bytes land in small
-    requests, leaving small sums after the last one (0 to 8)."""
-    verify_checksums: bool = True
-    """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
-    host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device
-    staging). A mismatch fails the refit; the engine keeps its version."""
-    token_file: str | None = None
-    """File holding the receiver role's bearer token for the sidecar (docs/security.md);
-    required unless `insecure`."""
-    tls_ca: str | None = None
-    """PEM CA bundle of the sidecar's certificate: connect with TLS."""
-    tls_cert: str | None = None
-    """PEM client certificate (with `tls_key`), for a sidecar that requires mutual TLS."""
-    tls_key: str | None = None
-    """PEM private key of `tls_cert`."""
-    insecure: bool = False
-    """Send no token: the sidecar runs with --insecure."""
-    fanout: bool = False
-    """Read through the sidecar's source tree (docs/fanout.md): from the trainer's ranks or
-    from receivers that hold the version, and serve this receiver's copy to later ones."""
-    domain: str = ""
-    """Topology domain (node, rack) for the tree: sources of the same domain come first."""
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Fan-out: bytes per chunk; a child reads a parent's chunk once the parent has it."""
-    chunks_in_flight: int = 4
-    """Fan-out: chunks read at once."""
-    chunk_taper: int = 0
-    """Fan-out: halvings of the chunk size towards each end of a source's reads (smaller first
-    and last chunks: a child starts and ends closer behind its parent)."""
-    stall_timeout_s: float = 5.0
-    """Fan-out: a peer whose copy stops advancing for this long is replaced."""
-    check_part_bytes: int = DEFAULT_PART_BYTES
-    """Fan-out: bytes per part of the running check; a part's sums start once all of it
-    landed, the last after the pull (each part costs kernel launches)."""
-    trace_pull: bool = False
-    """Record each pull's timeline into its stats (`RefitStats.trace`; diagnosis), through
-    the tree and on the direct path."""
-    progress_dir: str = DEFAULT_PROGRESS_DIR
-    """Fan-out: a directory of shared memory where this receiver mirrors its progress word
-    for receivers on its host (refit_sidecar/pull/shared_word.py); "" for none."""
-
-    def __post_init__(self) -> None:
-        # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
-        if not isinstance(self.receiver_id, str) or not self.receiver_id:
-            raise ValueError(f"receiver_id must be a non-empty string, got {self.receiver_id!r}")
-        for name in (
-            "lease_ttl_s",
-            "pull_timeout_s",
-            "connect_timeout_s",
-            "rpc_timeout_s",
-            "visible_timeout_s",
-            "stall_timeout_s",
-        ):
-            value = getattr(self, name)
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not number or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        part = self.check_part_bytes
-        if not isinstance(part, int) or isinstance(part, bool) or part < 1:
-            raise ValueError(f"check_part_bytes must be a positive integer, got {part!r}")
-        window = self.requests_in_flight
-        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-            raise ValueError(f"requests_in_flight must be an integer >= 0, got {window!r}")
-        for name in ("chunk_bytes", "chunks_in_flight"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
-        for name in ("chunk_taper", "request_taper"):
-            taper = getattr(self, name)
-            if not isinstance(taper, int) or isinstance(taper, bool) or not 0 <= taper <= 8:
-                raise ValueError(f"{name} must be an integer from 0 to 8, got {taper!r}")
-        taper = self.chunk_taper
-        if self.chunk_bytes >> taper < 4096:
-            raise ValueError(
-                f"chunk_bytes {self.chunk_bytes} halved {taper} times is under 4096 bytes"
-            )
-        if not isinstance(self.domain, str):
-            raise ValueError(f"domain must be a string, got {self.domain!r}")
-        if not isinstance(self.progress_dir, str) or (
-            self.progress_dir and not os.path.isabs(self.progress_dir)
-        ):
-            raise ValueError(
-                f"progress_dir must be an absolute path or empty, got {self.progress_dir!r}"
-            )
-        for name in (
-            "verify_checksums",
-            "read_before_readable",
-            "read_behind_copy",
-            "insecure",
-            "fanout",
-            "trace_pull",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a file path or null, got {value!r}")
-        self.client_auth()  # the combination is valid
-
-    def client_auth(self) -> ClientAuth:
-        """How this receiver authenticates at the sidecar."""
-
-        def path(value: str | None) -> Path | None:
-            return None if value is None else Path(value)
-
-        return ClientAuth(
-            token_file=path(self.token_file),
-            tls_ca=path(self.tls_ca),
-            tls_cert=path(self.tls_cert),
-            tls_key=path(self.tls_key),
-            insecure=self.insecure,
-        )
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> RefitOptions:
-        values = dict(values or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown refit options {unknown}; known: {sorted(known)}")
-        return cls(**values)
-
-
-@dataclass(frozen=True)
-class RefitStats:
-    """What one receiver did for one `refit_to`; seconds per phase."""
-
-    version: int
-    bytes_pulled: int
-    plan_s: float
-    pull_s: float
-    translate_s: float
-    install_s: float
-    reads: int
-    verified_shards: int
-    replanned: bool
-    """False when the plan of an earlier version was replayed."""
-    replayed_by_key: bool = False
-    """The plan of an earlier version in the same slot was replayed on its manifest key, so
-    no manifest was parsed or rebased."""
-    tp_rank: int = 0
-    bytes_by_source: dict[str, int] = field(default_factory=dict)
-    """Bytes read from each source (a trainer rank's NIXL agent, or a peer receiver's)."""
-    leased_at: float = 0.0
-    """Wall-clock time (time.time()) the lease (through the tree, with the sources) was in
-    hand: before it the receiver waited on the sidecar."""
-    sidecar_readable_at: float = 0.0
-    """When the version became readable, by the sidecar's clock (0 when unknown)."""
-    sidecar_answered_at: float = 0.0
-    """When the sidecar built the answer that brought the lease, by its clock: on one host,
-    `sidecar_answered_at - sidecar_readable_at` is the sidecar's time to answer and
-    `leased_at - sidecar_answered_at` the answer's way to the receiver's thread."""
-    pull_started: float = 0.0
-    """Wall-clock time (time.time()) of the pull's first read."""
-    pull_finished: float = 0.0
-    fallbacks: int = 0
-    """Sources that failed mid-pull and were replaced (fan-out)."""
-    ask_s: float = 0.0
-    """Fan-out: seconds of `pull_s` spent asking the sidecar where to read."""
-    reading_s: float = 0.0
-    """Fan-out: seconds of `pull_s` with reads in flight (of the run that completed it)."""
-    gated_s: float = 0.0
-    """Fan-out: seconds of `pull_s` waiting for a parent's copy to advance with nothing else
-    to read. A slow pull with a large `gated_s` waited on its parent; one with a large
-    `reading_s` read slowly. Direct path reading behind the trainer's snapshot copy
-    (`RefitOptions.read_behind_copy`): seconds of `pull_s` before its first request was
-    posted, waiting for the first pieces."""
-    prepared: int = 0
-    """Fan-out: chunk requests prepared anew for this pull (a source or chunk not read from
-    before), not reused from the transport's cache."""
-    asked_ahead: bool = False
-    """Fan-out: the lease and the sources came in one call (every fetch after the first), so
-    `plan_s` holds the wait for both and `ask_s` is about nothing."""
-    routes_left_out: bool = False
-    """Fan-out: the sidecar's answer named only its routing key, that of the plan this
-    receiver held: it replayed that plan and parsed nothing."""
-    expected: bool = False
-    """The lease (and, through the tree, the sources) had been asked for before the fetch,
-    by `Receiver.expect`."""
-    before_readable: bool = False
-    """The lease came before the version was readable and the pull started on the sources'
-    version words (`RefitOptions.read_before_readable`); `sidecar_readable_at` is then 0."""
-    lag_s: float = 0.0
-    """Direct path, device staging: seconds from the last byte landed (the end of `pull_s`)
-    until the pull's listener lane had started every part of the running check."""
-    checksums_wait_s: float = 0.0
-    """Then seconds waiting for checksums published after the pull started."""
-    check_s: float = 0.0
-    """Then seconds to the checksums compared."""
-    gate_first_s: float = 0.0
-    """Direct path reading behind the copy: seconds of `pull_s` until its first look at the
-    sources' pieces landed (`PullStats.gate_first_s`)."""
-    gate_first_pieces: int = 0
-    """The pieces that held the version at that first look."""
-    gate_rounds: int = 0
-    """Looks at the sources' pieces during the pull."""
-    in_place_bytes: int = 0
-    """Bytes the pull landed straight in the engine's tensors (`fetch(..., in_place=...)`,
-    inference_ext/staged_tensors.py): nothing was copied for them after it."""
-    trace: tuple[Event, ...] = ()
-    """With `trace_pull`: the pull's timeline (refit_sidecar/pull/trace.py)."""
-    lease_held_by: HeldBy | None = None
-    """How the refit knew its lease held the version's slot for the whole pull."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -512,11 +264,11 @@ class Receiver:
                 connect_timeout_s=options.connect_timeout_s,
                 pull_timeout_s=options.pull_timeout_s,
                 # Chunked reads: one request per chunk, kept for the next version.
-                cache_size=4096 if options.fanout else NixlConfig.cache_size,
+                cache_size=4096 if options.fanout.enabled else NixlConfig.cache_size,
                 # Serving a copy: progress the worker for readers between pulls.
-                progress_poll_s=0.001 if options.fanout else None,
-                requests_in_flight=options.requests_in_flight,
-                request_taper=options.request_taper,
+                progress_poll_s=0.001 if options.fanout.enabled else None,
+                requests_in_flight=options.direct.requests_in_flight,
+                request_taper=options.direct.request_taper,
             )
         )
         self.staging = Staging(self.transport, device)
@@ -542,14 +294,14 @@ class Receiver:
             self.client, self.transport, functools.partial(TorchWords, device=device)
         )
         """Direct path: pulls of versions leased before they were readable."""
-        if options.fanout:
+        if options.fanout.enabled:
             chunks = ChunkConfig(
-                chunk_bytes=options.chunk_bytes,
-                window=options.chunks_in_flight,
-                taper=options.chunk_taper,
-                check_part_bytes=options.check_part_bytes,
+                chunk_bytes=options.fanout.chunk_bytes,
+                window=options.fanout.chunks_in_flight,
+                taper=options.fanout.chunk_taper,
+                check_part_bytes=options.fanout.check_part_bytes,
                 trace=options.trace_pull,
-                stall_timeout_s=options.stall_timeout_s,
+                stall_timeout_s=options.fanout.stall_timeout_s,
             )
             self._tree = TreePull(
                 self.client,
@@ -557,9 +309,9 @@ class Receiver:
                 agent,
                 TreePullConfig(
                     chunks=chunks,
-                    domain=options.domain,
+                    domain=options.fanout.domain,
                     verify=self._verifies,
-                    progress_dir=options.progress_dir,
+                    progress_dir=options.fanout.progress_dir,
                 ),
                 # Progress words next to the copy: children read them the way they read it.
                 words=functools.partial(TorchWords, device=device),
@@ -595,7 +347,7 @@ class Receiver:
             )
         else:
             self._leasing.ask_ahead(
-                version, wait_s=wait, before_readable=options.read_before_readable
+                version, wait_s=wait, before_readable=options.direct.read_before_readable
             )
 
     def fetch(
@@ -812,7 +564,7 @@ class Receiver:
             verify=self._verifies,
             deadline=deadline,
             asked=asked,
-            behind_copy=self.options.read_behind_copy,
+            behind_copy=self.options.direct.read_behind_copy,
         )
         return ReceiverPlan(early.plan, plan.slices), False, True, early
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from inference_ext.receiver import RefitError, RefitOptions
+from inference_ext.receiver import RefitError
+from inference_ext.refit_options import RefitOptions
 from inference_ext.worker_refit import (
     RefitTarget,
     WorkerRefit,

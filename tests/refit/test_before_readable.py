@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from inference_ext.receiver import HeldBy, Receiver, RefitError, RefitOptions
+from inference_ext.receiver import Receiver, RefitError
+from inference_ext.refit_options import RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
@@ -28,6 +29,7 @@ from refit_sidecar.core.manifest import DType
 from refit_sidecar.core.plan import Checksums, plan_pull, whole
 from refit_sidecar.publish.shard_specs import megatron_shard_spec
 from refit_sidecar.pull.early_reads import BeforeReadable, ManifestChanged
+from refit_sidecar.pull.leasing import HeldBy
 from refit_sidecar.pull.transport import SourceLost
 from refit_sidecar.pull.version_words import VersionWords, WordTimeout
 from refit_sidecar.service.client import Lease, UnknownVersion, VersionChecksums
@@ -136,8 +138,13 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
 
         def receiver(name: str, names: list[str] | None = None, **options: object) -> Receiver:
-            config = RefitOptions(
-                receiver_id=name, pull_timeout_s=60, token_file=sidecar.token_file(), **options
+            config = RefitOptions.from_dict(
+                {
+                    "receiver_id": name,
+                    "pull_timeout_s": 60,
+                    "token_file": sidecar.token_file(),
+                    **options,
+                }
             )
             return Receiver(
                 sidecar.address,

@@ -161,7 +161,8 @@ class _Ranks:
     def build(self) -> None:
         import torch
 
-        from inference_ext.receiver import Receiver, RefitOptions
+        from inference_ext.receiver import Receiver
+        from inference_ext.refit_options import FanOutOptions, ReceiverAuth, RefitOptions
         from inference_ext.slices import ReceiverLayout
         from megatron_hf.convert import hf_names
         from megatron_hf.spec import ModelSpec
@@ -172,12 +173,14 @@ class _Ranks:
         names = hf_names(spec)
         options = RefitOptions(
             receiver_id=config.receiver_id,
-            fanout=True,
-            chunk_bytes=config.chunk_bytes,
-            stall_timeout_s=config.stall_timeout_s,
+            fanout=FanOutOptions(
+                enabled=True,
+                chunk_bytes=config.chunk_bytes,
+                stall_timeout_s=config.stall_timeout_s,
+            ),
             pull_timeout_s=config.pull_timeout_s,
             lease_ttl_s=config.lease_ttl_s,
-            token_file=config.token_file,
+            auth=ReceiverAuth(token_file=config.token_file),
         )
         for rank in range(config.tp_size):
             layout = ReceiverLayout(tp_size=config.tp_size, tp_rank=rank)

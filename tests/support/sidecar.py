@@ -42,7 +42,7 @@ class Sidecar:
         )
 
     def token_file(self, role: Role = Role.RECEIVER) -> str:
-        """The role's token file as a string (what `RefitOptions.token_file` takes)."""
+        """The role's token file as a string (what `RefitOptions.auth.token_file` takes)."""
         return str(self.tokens.file(role))
 
     def client(self, role: Role = Role.RECEIVER, timeout: float | None = None) -> SidecarClient:
