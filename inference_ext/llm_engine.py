@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from inference_ext.receiver import RefitError
-from inference_ext.refit_options import RefitOptions, RefitStats
+from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
 from refit_sidecar.core.manifest import Box
 
 EXTENSION = "inference_ext.RefitWorkerExtension"

@@ -1,12 +1,15 @@
-"""One receiver's refit, engine-agnostic: lease a version, pull the slices of it this receiver
-needs into a staging buffer, verify them, and only then hand HF-named tensors to an installer.
+"""One receiver's refit, engine-agnostic: lease a version, plan and pull the slices of it this
+receiver needs into a staging buffer, verify them, and only then hand HF-named tensors to an
+installer.
 
-Nothing reaches the installer until every byte of the version is local and checked, so a
-source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old version.
-An engine whose tensors live in staging (`fetch(..., in_place=...)`) has them filled by the
-pull itself, and restored from a backup on any failure (inference_ext/staged_tensors.py).
-The pull plan is made once per (trainer layout, receiver layout) and replayed (`rebase`) for
-every later version; the staging buffer is allocated and registered with NIXL once.
+`fetch` is lease → plan → pull → end through the receiver's puller (refit_sidecar/pull/
+puller.py: straight from the trainer's ranks, or through the source tree, as the options
+say), with this receiver's plans (receiver_plan.py); `install` assembles the HF tensors from
+staging. Nothing reaches the installer until every byte of the version is local and checked,
+so a source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old
+version. An engine whose tensors live in staging (`fetch(..., in_place=...)`) has them filled
+by the pull itself, and restored from a backup on any failure (staged_tensors.py). The
+staging buffer is allocated and registered with NIXL once.
 """
 
 from __future__ import annotations
@@ -15,42 +18,29 @@ import functools
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from inference_ext.refit_options import RefitOptions, RefitStats
-from inference_ext.slices import ReceiverLayout, hf_slice
+from inference_ext.receiver_plan import HFSlice, ReceiverPlan, ReceiverPlans
+from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
+from inference_ext.slices import ReceiverLayout
 from inference_ext.staged_tensors import InPlace, candidates
-from inference_ext.translate import Source, megatron_sources
-from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.core.manifest import Box, DType, Manifest, MemType
-from refit_sidecar.core.plan import (
-    PullPlan,
-    UnsupportedRequest,
-    Want,
-    checksums_by_parameter,
-    in_copy_order,
-    layout_key,
-    plan_pull,
-    rebase,
-    with_checksums,
-)
+from refit_sidecar.core.manifest import Box, DType, MemType
+from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
-from refit_sidecar.pull.early_reads import BeforeReadable, EarlyPull
-from refit_sidecar.pull.leasing import HeldBy, LeaseLost, LeaseTerms, Leasing
+from refit_sidecar.pull.direct_puller import DirectConfig, DirectPuller
+from refit_sidecar.pull.leasing import HeldBy, Leased, LeaseLost, LeaseTerms, Leasing
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from refit_sidecar.pull.pipelined import ChunkConfig
-from refit_sidecar.pull.trace import Event, PullTrace
-from refit_sidecar.pull.transport import PullStats
+from refit_sidecar.pull.puller import Planned, Pulled, Puller
 from refit_sidecar.pull.tree_pull import TreePull, TreePullConfig
-from refit_sidecar.service.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
-from refit_sidecar.service.pending import Pending
+from refit_sidecar.pull.tree_puller import TreePuller
+from refit_sidecar.service.client import SidecarClient
 
 log = logging.getLogger(__name__)
 
@@ -61,116 +51,25 @@ TORCH_DTYPES: dict[DType, torch.dtype] = {
 }
 
 Installer = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
-_KNOWN_MANIFESTS = 16
-"""Plans kept by manifest key: one per snapshot slot of the trainers met lately."""
-
-
-class RefitError(RuntimeError):
-    """A refit did not happen; the receiver still serves the version it served before."""
-
-
-@dataclass(frozen=True)
-class HFSlice:
-    """The part `box` of HF tensor `name` (full shape `shape`) this receiver installs,
-    assembled from pulled Megatron boxes: (index into the plan's targets, HF sub-box)."""
-
-    name: str
-    shape: tuple[int, ...]
-    box: Box
-    parts: tuple[tuple[int, Box], ...]
-    contiguous: bool = False
-    """The parts lie back to back in staging in the tensor's own row order and cover it
-    whole, so the tensor is a view of staging (q, k and v of a TP=1 receiver, for one)."""
-
-
-@dataclass(frozen=True)
-class ReceiverPlan:
-    pull: PullPlan
-    slices: tuple[HFSlice, ...]
-
-
-def wanted_slices(
-    spec: ModelSpec, layout: ReceiverLayout, hf_names: Sequence[str]
-) -> list[tuple[str, Box, list[Source]]]:
-    """(HF name, box this rank keeps, Megatron sources) for each name it keeps anything of."""
-    out = []
-    for name in hf_names:
-        box = hf_slice(name, spec, layout)
-        if box is not None:
-            out.append((name, box, megatron_sources(name, box, spec)))
-    return out
-
-
-def plan_receiver(
-    manifest: Manifest, spec: ModelSpec, layout: ReceiverLayout, hf_names: Sequence[str]
-) -> ReceiverPlan:
-    """Pull plan for this rank's slices, each Megatron box read once even when several HF
-    slices use it (a KV head replicated to several query heads' ranks stays one read)."""
-    wants: dict[tuple[str, Box], int] = {}
-    slices = []
-    for name, box, sources in wanted_slices(spec, layout, hf_names):
-        parts = []
-        for source in sources:
-            key = (source.megatron_name, source.megatron_box)
-            index = wants.setdefault(key, len(wants))
-            parts.append((index, source.hf_box))
-        slices.append(HFSlice(name, hf_shape(name, spec), box, tuple(parts)))
-    # Staged in the order of the sources' slots: read behind a trainer's snapshot copy, the
-    # first requests wait for its first pieces only.
-    listed = [Want(name, box) for name, box in wants]
-    order = in_copy_order(manifest, listed)
-    at = {index: i for i, index in enumerate(order)}
-    slices = [replace(s, parts=tuple((at[i], box) for i, box in s.parts)) for s in slices]
-    plan = plan_pull(manifest, [listed[i] for i in order])
-    return ReceiverPlan(plan, tuple(_mark_contiguous(plan, s) for s in slices))
-
-
-def _mark_contiguous(plan: PullPlan, hf: HFSlice) -> HFSlice:
-    if hf.box != Box.full(hf.shape):
-        return hf
-    row, end = 0, plan.targets[hf.parts[0][0]].offset
-    for index, sub_box in hf.parts:
-        target = plan.targets[index]
-        rows, rest = sub_box.ranges[0], sub_box.ranges[1:]
-        if target.offset != end or rows[0] != row or rest != hf.box.ranges[1:]:
-            return hf
-        row, end = rows[1], target.offset + target.nbytes
-    return replace(hf, contiguous=True)
-
-
-@dataclass(frozen=True)
-class _Pulled:
-    stats: PullStats
-    bytes_by_source: dict[str, int]
-    started: float
-    finished: float
-    fallbacks: int
-    ask_s: float
-    reading_s: float = 0.0
-    gated_s: float = 0.0
-    prepared: int = 0
-    asked_ahead: bool = False
-    routes_left_out: bool = False
-    trace: tuple[Event, ...] = ()
 
 
 @dataclass(frozen=True)
 class _Fetched:
-    plan: ReceiverPlan
-    pulled: _Pulled
+    """A version fetched and not installed yet."""
+
+    planned: Planned[ReceiverPlan]
+    leased: Leased
+    pulled: Pulled
     plan_s: float
-    replanned: bool
-    by_key: bool
-    expected: bool
-    leased_at: float
-    sidecar_readable_at: float
-    sidecar_answered_at: float
-    before_readable: bool
+    held_by: HeldBy
     in_place: Mapping[str, torch.Tensor] | None = None
     in_place_key: tuple[Any, ...] = ()
     armed: bool = False
     """The pull landed in adopted engine tensors."""
-    held_by: HeldBy = HeldBy.SIDECAR
+
+    @property
+    def plan(self) -> ReceiverPlan:
+        return self.planned.plan
 
 
 _VIEWS_KEPT = 4096
@@ -188,8 +87,8 @@ class Staging:
         self.region: Region | None = None
         self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         """Typed views of `buffer` by (offset, dtype, shape): every version of a layout lands
-        at the same offsets, so a refit hands over the same views (about 10 us of Python
-        each, 2 ms per refit of a 165-tensor model, made once)."""
+        at the same offsets, so a refit hands over the same views, made once (each costs
+        Python time, times every tensor of the model)."""
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The bytes at `offset` as a tensor of `dtype` and `shape` (a view of the buffer)."""
@@ -273,57 +172,17 @@ class Receiver:
         )
         self.staging = Staging(self.transport, device)
         self.installed_version: int | None = None
-        self._plans: dict[str, ReceiverPlan] = {}
-        self._by_manifest_key: OrderedDict[
-            bytes, tuple[ReceiverPlan, tuple[tuple[str, int], ...]]
-        ] = OrderedDict()
-        """Plans by manifest key, with the manifest's (parameter, shards) order."""
-        self._verifies = options.verify_checksums
-        """Checked where staging is: host memory on the CPU, device memory on a GPU."""
-        self._tree: TreePull | None = None
-        self._leasing = Leasing(
-            self.client,
-            LeaseTerms(
-                receiver_id=options.receiver_id,
-                ttl_s=options.lease_ttl_s,
-                checksums=self._verifies,
-            ),
+        self._plans = ReceiverPlans(
+            self.client, spec, layout, self.hf_names, verify=options.verify_checksums
         )
-        """The lease asked ahead, the one the pull holds, and their ends."""
-        self._before = BeforeReadable(
-            self.client, self.transport, functools.partial(TorchWords, device=device)
-        )
-        """Direct path: pulls of versions leased before they were readable."""
-        if options.fanout.enabled:
-            chunks = ChunkConfig(
-                chunk_bytes=options.fanout.chunk_bytes,
-                window=options.fanout.chunks_in_flight,
-                taper=options.fanout.chunk_taper,
-                check_part_bytes=options.fanout.check_part_bytes,
-                trace=options.trace_pull,
-                stall_timeout_s=options.fanout.stall_timeout_s,
-            )
-            self._tree = TreePull(
-                self.client,
-                self.transport,
-                agent,
-                TreePullConfig(
-                    chunks=chunks,
-                    domain=options.fanout.domain,
-                    verify=self._verifies,
-                    progress_dir=options.fanout.progress_dir,
-                ),
-                # Progress words next to the copy: children read them the way they read it.
-                words=functools.partial(TorchWords, device=device),
-            )
+        self._puller = _puller(self.client, self.transport, agent, options, device)
+        """Leases, pulls and ends the lease: directly from the trainer's ranks, or through
+        the source tree."""
         self._fetched: _Fetched | None = None
         self._staged: ReceiverPlan | None = None
         """The plan of the installed version while staging still holds its bytes."""
         self._in_place = InPlace()
         """The engine tensors living in staging (`fetch(..., in_place=...)`)."""
-        self._by_source: tuple[Any, dict[str, int]] = ((), {})
-        """The bytes each source gives the last direct plan's reads met (a replayed plan's
-        reads are the same objects: counted once, not after every pull)."""
 
     def latest_version(self) -> int | None:
         return self.client.latest_version()
@@ -340,15 +199,7 @@ class Receiver:
         wait = self.options.visible_timeout_s if wait_s is None else wait_s
         if not 0 <= wait < math.inf:
             raise ValueError(f"wait_s must be a non-negative number of seconds, got {wait_s!r}")
-        options = self.options
-        if self._tree is not None:
-            self._tree.ask_ahead(
-                version, wait_s=wait, lease_ttl_s=options.lease_ttl_s, checksums=self._verifies
-            )
-        else:
-            self._leasing.ask_ahead(
-                version, wait_s=wait, before_readable=options.direct.read_before_readable
-            )
+        self._puller.expect(version, wait_s=wait)
 
     def fetch(
         self,
@@ -368,7 +219,7 @@ class Receiver:
         (inference_ext/staged_tensors.py). Between such a fetch and its `install` they hold the new
         version, unchecked until `fetch` returns: the caller must not compute with them; a
         failed fetch or `abandon` restores the installed version. Direct path only."""
-        if in_place is not None and self._tree is not None:
+        if in_place is not None and self.options.fanout.enabled:
             raise ValueError("a fan-out receiver pulls into staging of its own only")
         self.abandon()
         if in_place is None and self._in_place.adopted:
@@ -377,39 +228,14 @@ class Receiver:
         begin = time.perf_counter()
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
         try:
-            if self._tree is not None:
-                # One call for the lease and the tree's answer (after a first pull, whose
-                # wants and offer it repeats): they come back together. `expect` may have
-                # sent it already.
-                asked = self._tree.asked(version)
-                if not asked:
-                    self._tree.ask_ahead(
-                        version,
-                        wait_s=max(wait, 0.0),
-                        lease_ttl_s=self.options.lease_ttl_s,
-                        checksums=self._verifies,
-                    )
-                ahead, refused = self._tree.ahead_lease()
-                if isinstance(refused, UnknownVersion) and not asked:
-                    wait = 0.0  # waited for already: lease it now if it came meanwhile
-                leased = self._leasing.hold(version, ahead, wait_s=wait, expected=asked)
-            else:
-                ahead = self._leasing.ahead.take(version)
-                sums = self._leasing.ahead.take_checksums()
-                leased = self._leasing.hold(version, ahead, wait_s=wait, checksums=sums)
+            leased = self._puller.lease(version, wait_s=wait)
         except Exception as e:
-            if self._tree is not None:
-                self._tree.abandon()
             raise RefitError(f"cannot lease version {version}: {e}") from e
-        lease = leased.lease
-        early: EarlyPull | None = None
+        planned: Planned[ReceiverPlan] | None = None
         key: tuple[Any, ...] = ()
         armed = False
         try:
-            if lease.pending:
-                plan, replanned, by_key, early = self._plan_early(lease, wait, leased.checksums)
-            else:
-                plan, replanned, by_key = self._plan_for(lease)
+            planned = self._puller.plan(leased, self._plans, wait_s=wait)
             plan_s = time.perf_counter() - begin
             log.debug(
                 "version %d: lease %.3f ms, manifest and plan %.3f ms",
@@ -417,156 +243,24 @@ class Receiver:
                 1e3 * (leased.mark - begin),
                 1e3 * (begin + plan_s - leased.mark),
             )
+            plan = planned.plan
             region = self.staging.ensure(plan.pull.nbytes)
             if in_place is not None:
                 key = (id(plan.slices), self.staging.buffer.data_ptr(), id(in_place))
                 armed = self._in_place.prepare(key)
-            pulled = self._pull(plan.pull, region, on_progress, early)
+            pulled = self._puller.pull(planned, region, on_progress)
         except BaseException as e:
             self._in_place.restore()  # the pull may have landed in the engine's tensors
-            if self._tree is not None:
-                self._tree.abandon()  # when the pull did not take the answer asked ahead
-            if early is not None and early.asked is not None:
-                early.asked.cancel()
-            if early is not None and early.gate is not None:
-                early.gate.settle()  # its look may be in flight if the pull never started
-            self._leasing.drop(lease)
+            self._puller.fail(leased, planned)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
                 raise
             raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
-        unchanged = self._before.unchanged if self._tree is None else None
         try:
-            held_by = self._leasing.end(plan.pull, pulled.stats.verified_shards, unchanged)
+            held_by = self._puller.end(planned, pulled)
         except LeaseLost as e:
             self._in_place.restore()
             raise RefitError(str(e)) from None
-        self._fetched = _Fetched(
-            plan,
-            pulled,
-            plan_s,
-            replanned,
-            by_key,
-            leased.expected,
-            leased.at,
-            leased.sidecar_readable_at,
-            leased.sidecar_answered_at,
-            early is not None,
-            in_place,
-            key,
-            armed,
-            held_by,
-        )
-
-    def _pull(
-        self,
-        plan: PullPlan,
-        region: Region,
-        on_progress: Callable[[int, int], None] | None,
-        early: EarlyPull | None = None,
-    ) -> _Pulled:
-        if self._tree is not None:
-            deadline = time.monotonic() + self.options.pull_timeout_s
-            tree = self._tree.pull(plan, region, deadline=deadline, on_progress=on_progress)
-            stats = PullStats(
-                tree.nbytes, tree.seconds, tree.reads, tree.chunks, 0, tree.verified_shards
-            )
-            return _Pulled(
-                stats,
-                tree.bytes_by_source,
-                tree.started,
-                tree.finished,
-                tree.fallbacks,
-                tree.ask_s,
-                tree.reading_s,
-                tree.gated_s,
-                tree.prepared,
-                tree.asked_ahead,
-                tree.routes_left_out,
-                tree.trace,
-            )
-        started = time.time()
-        stats = self.transport.pull(
-            plan,
-            region,
-            verify=self._verifies,
-            checksums_later=None if early is None else early.checksums,
-            gate=None if early is None else early.gate,
-            trace=PullTrace() if self.options.trace_pull else None,
-        )
-        counted, by_source = self._by_source
-        if counted is not plan.reads:
-            by_source = {}
-            for reads in plan.reads:
-                agent = reads.location.agent
-                by_source[agent] = by_source.get(agent, 0) + reads.nbytes
-            self._by_source = (plan.reads, by_source)
-        if on_progress is not None:
-            on_progress(plan.nbytes, plan.nbytes)
-        return _Pulled(
-            stats,
-            dict(by_source),
-            started,
-            time.time(),
-            0,
-            0.0,
-            gated_s=stats.gated_s,
-            trace=stats.trace,
-        )
-
-    def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
-        """The leased version's plan, whether it was planned anew, and whether it was replayed
-        by manifest key: a version whose manifest key this receiver has met (the same slot of
-        the same trainer) replays that plan without GetManifest, with the checksums the lease
-        carried when they will be checked."""
-        version, key = lease.version, lease.manifest_key
-        known = self._by_manifest_key.get(key) if key else None
-        if known is not None:
-            self._by_manifest_key.move_to_end(key)
-            plan, order = known
-            if not self._verifies:
-                pull = replace(plan.pull, version=version)
-            elif lease.checksums is not None:
-                sums = checksums_by_parameter(order, lease.checksums)
-                pull = with_checksums(plan.pull, version, sums)
-            else:
-                pull = with_checksums(plan.pull, version, self.client.checksums(version))
-            return ReceiverPlan(pull, plan.slices), False, True
-        manifest = self.client.manifest(version)
-        fresh, replanned = self._plan(manifest)
-        if key:
-            order = tuple((p.name, len(p.shards)) for p in manifest.parameters)
-            self._by_manifest_key[key] = (fresh, order)
-            while len(self._by_manifest_key) > _KNOWN_MANIFESTS:
-                self._by_manifest_key.popitem(last=False)
-        return fresh, replanned, False
-
-    def _plan_early(
-        self, lease: Lease, wait: float, asked: Pending[VersionChecksums] | None
-    ) -> tuple[ReceiverPlan, bool, bool, EarlyPull | None]:
-        """The plan of a version leased before it was readable, as `_plan_for`, and what its
-        pull needs: the plan held for the lease's manifest key, once the sources' version
-        words name the version. A key this receiver has not met (its first version from that
-        slot) is planned from the manifest once the version is readable."""
-        deadline = time.monotonic() + max(wait, 0.0)
-        known = self._by_manifest_key.get(lease.manifest_key)
-        if known is None:
-            if asked is None:
-                asked = self.client.checksums_later(lease.version, wait_s=max(wait, 0.0))
-            asked.result()  # answered once the version is readable
-            plan, replanned, by_key = self._plan_for(replace(lease, pending=False))
-            return plan, replanned, by_key, None
-        self._by_manifest_key.move_to_end(lease.manifest_key)
-        plan, order = known
-        early = self._before.start(
-            lease,
-            plan.pull,
-            order,
-            verify=self._verifies,
-            deadline=deadline,
-            asked=asked,
-            behind_copy=self.options.direct.read_behind_copy,
-        )
-        return ReceiverPlan(early.plan, plan.slices), False, True, early
+        self._fetched = _Fetched(planned, leased, pulled, plan_s, held_by, in_place, key, armed)
 
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
@@ -614,13 +308,13 @@ class Receiver:
             install_s=install_s,
             reads=stats.reads,
             verified_shards=stats.verified_shards,
-            replanned=fetched.replanned,
-            replayed_by_key=fetched.by_key,
+            replanned=fetched.planned.replanned,
+            replayed_by_key=fetched.planned.by_key,
             tp_rank=self.layout.tp_rank,
             bytes_by_source=dict(pulled.bytes_by_source),
-            leased_at=fetched.leased_at,
-            sidecar_readable_at=fetched.sidecar_readable_at,
-            sidecar_answered_at=fetched.sidecar_answered_at,
+            leased_at=fetched.leased.at,
+            sidecar_readable_at=fetched.leased.sidecar_readable_at,
+            sidecar_answered_at=fetched.leased.sidecar_answered_at,
             pull_started=pulled.started,
             pull_finished=pulled.finished,
             fallbacks=pulled.fallbacks,
@@ -630,8 +324,8 @@ class Receiver:
             prepared=pulled.prepared,
             asked_ahead=pulled.asked_ahead,
             routes_left_out=pulled.routes_left_out,
-            expected=fetched.expected,
-            before_readable=fetched.before_readable,
+            expected=fetched.leased.expected,
+            before_readable=fetched.planned.early is not None,
             trace=pulled.trace,
             lag_s=stats.lag_s,
             checksums_wait_s=stats.checksums_wait_s,
@@ -682,20 +376,6 @@ class Receiver:
                 out[hf.name] = (hf.box, full[_index(hf.box)].clone())
         return out
 
-    def _plan(self, manifest: Manifest) -> tuple[ReceiverPlan, bool]:
-        key = layout_key(manifest)
-        cached = self._plans.get(key)
-        if cached is not None:
-            plan = ReceiverPlan(rebase(cached.pull, manifest, layout=key), cached.slices)
-            self._plans[key] = plan
-            return plan, False
-        try:
-            plan = plan_receiver(manifest, self.spec, self.layout, self.hf_names)
-        except UnsupportedRequest as e:
-            raise RefitError(f"the trainer's manifest does not fit this model: {e}") from e
-        self._plans[key] = plan
-        return plan, True
-
     def _assemble(self, pull: PullPlan, hf: HFSlice) -> torch.Tensor:
         first = pull.targets[hf.parts[0][0]]
         dtype = TORCH_DTYPES[first.dtype]
@@ -708,14 +388,49 @@ class Receiver:
 
     def close(self) -> None:
         self._in_place.close()
-        self._leasing.close()
-        if self._tree is not None:
-            self._tree.close()
+        self._puller.close()
         self.staging.release()
-        self._before.release()
         self.transport.close()
         self.client.close()
 
 
 def _index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(start, stop) for start, stop in box.ranges)
+
+
+def _puller(
+    client: SidecarClient,
+    transport: NixlTransport,
+    agent: str,
+    options: RefitOptions,
+    device: torch.device,
+) -> Puller:
+    """The receiver's puller as `options` say: through the source tree with fan-out, else
+    straight from the trainer's ranks. Progress and version words live where staging is (a
+    GPU's in device memory): children read them the way they read the copy."""
+    verify = options.verify_checksums  # where staging is: host memory, or the GPU's
+    terms = LeaseTerms(receiver_id=options.receiver_id, ttl_s=options.lease_ttl_s, checksums=verify)
+    leasing = Leasing(client, terms)
+    words = functools.partial(TorchWords, device=device)
+    fanout = options.fanout
+    if not fanout.enabled:
+        direct = DirectConfig(
+            before_readable=options.direct.read_before_readable,
+            behind_copy=options.direct.read_behind_copy,
+            verify=verify,
+            trace=options.trace_pull,
+        )
+        return DirectPuller(client, transport, leasing, direct, words=words)
+    chunks = ChunkConfig(
+        chunk_bytes=fanout.chunk_bytes,
+        window=fanout.chunks_in_flight,
+        taper=fanout.chunk_taper,
+        check_part_bytes=fanout.check_part_bytes,
+        trace=options.trace_pull,
+        stall_timeout_s=fanout.stall_timeout_s,
+    )
+    config = TreePullConfig(
+        chunks=chunks, domain=fanout.domain, verify=verify, progress_dir=fanout.progress_dir
+    )
+    tree = TreePull(client, transport, agent, config, words=words)
+    return TreePuller(leasing, tree, pull_timeout_s=options.pull_timeout_s)

@@ -1,4 +1,5 @@
-"""What a receiver is told (`RefitOptions`) and what it reports (`RefitStats`).
+"""What a receiver is told (`RefitOptions`), what it reports (`RefitStats`), and how a refit
+fails (`RefitError`).
 
 `RefitOptions` travels as JSON (`collective_rpc`, vLLM's `--additional-config`, the Helm
 chart's `refit` section) in one flat object of the keys below (`from_dict`, `to_dict`); in
@@ -24,6 +25,10 @@ from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from refit_sidecar.pull.shared_word import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
 from refit_sidecar.pull.trace import Event
 from trainer_refit.auth import ClientAuth
+
+
+class RefitError(RuntimeError):
+    """A refit did not happen; the receiver still serves the version it served before."""
 
 
 def _seconds(name: str, value: Any) -> None:

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from inference_ext.receiver import RefitError
-from inference_ext.refit_options import RefitOptions
+from inference_ext.refit_options import RefitError, RefitOptions
 from inference_ext.worker_refit import (
     RefitTarget,
     WorkerRefit,

@@ -31,8 +31,8 @@ from typing import Any
 import grpc
 import torch
 
-from inference_ext.receiver import Receiver, RefitError
-from inference_ext.refit_options import RefitOptions, RefitStats
+from inference_ext.receiver import Receiver
+from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
 from inference_ext.slices import (
     ReceiverLayout,
     UnsupportedLayout,

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from inference_ext.receiver import TORCH_DTYPES, HFSlice, ReceiverPlan, plan_receiver
+from inference_ext.receiver import TORCH_DTYPES
+from inference_ext.receiver_plan import HFSlice, ReceiverPlan, plan_receiver
 from inference_ext.slices import ReceiverLayout, hf_slice, vocab_rows
 from megatron_hf.convert import VOCAB_PADDED, hf_names, hf_to_megatron
 from megatron_hf.sharding import stage_of, tp_placement

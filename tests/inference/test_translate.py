@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference_ext.receiver import wanted_slices
+from inference_ext.receiver_plan import wanted_slices
 from inference_ext.slices import (
     VLLM_VOCAB_PADDING,
     ReceiverLayout,
