@@ -384,6 +384,32 @@ class PipelinedPull:
         deadline: float,
         publisher: ProgressPublisher,
     ) -> ChunkedStats:
+        run = self._start(plan, dest, filled, peers=peers, deadline=deadline, publisher=publisher)
+        self._publish(filled, publisher)
+        while True:
+            run.progressed = False
+            run.post()
+            reading = bool(run.inflight)  # this turn of the loop had reads in flight
+            run.ask_peers()
+            run.collect()
+            run.hear_peers()
+            self._publish(filled, publisher)
+            if run.over():
+                return run.stats()
+            run.watch()
+            run.rest(reading)
+
+    def _start(
+        self,
+        plan: PullPlan,
+        dest: Region,
+        filled: Filled,
+        *,
+        peers: Mapping[str, PeerGate],
+        deadline: float,
+        publisher: ProgressPublisher,
+    ) -> _Run:
+        """A run's state before its first turn: its chunks queued per source, its peers."""
         chunks = self._chunks(plan, dest, filled, peers)
         queues: dict[str, deque[_Chunk]] = {}
         for chunk in chunks:
@@ -397,184 +423,21 @@ class PipelinedPull:
                 state[agent].used = True
         control = self._control.ensure(len(peers))
         slots = {agent: i for i, agent in enumerate(peers)}
-        inflight: list[tuple[_Chunk, Posted]] = []
-        bytes_by: dict[str, int] = {}
-        seq, reads = 0, 0
-        started: float | None = None
-        failure: SourceLost | None = None
-        pause = 0.0
-        reading_s = gated_s = 0.0
-        prepared = 0
-        mark = time.perf_counter()
-        self._publish(filled, publisher)
-        while True:
-            progressed = False
-            # Post chunks whose bytes their source holds, round robin over sources.
-            while failure is None and len(inflight) < self._config.window:
-                ready = self._next_ready(queues, state)
-                if ready is None:
-                    break
-                record = plan.agents[ready.agent]
-                try:
-                    posted = self._transport.post(
-                        record, ready.mem_type, ready.remote, ready.local, dest
-                    )
-                except SourceLost as e:
-                    failure = self._lose(e, ready.agent, state, filled)
-                    break
-                if started is None:
-                    started = time.time()
-                    if filled.started is None:
-                        filled.started = started
-                inflight.append((ready, posted))
-                if self._trace is not None:
-                    self._trace.add(TraceEvent.POSTED, ready.agent, ready.nbytes)
-                prepared += posted.prepared
-                reads += len(ready.ranges)
-                progressed = True
-            reading = bool(inflight)  # this turn of the loop had reads in flight
-            # Ask peers how far they are when something waits on them: a peer's file on
-            # this host at every turn, its word one-sidedly (for a file, as a heartbeat).
-            following = False
-            if failure is None:
-                now = time.monotonic()
-                for agent, peer in state.items():
-                    if not self._waits_on(agent, peer, queues):
-                        continue
-                    if peer.file is not None:
-                        # Closely while its copy moves; a stalled one only as often as a word.
-                        following = following or now - peer.advanced < _FOLLOW_CLOSELY_S
-                        before = peer.advanced
-                        lost = self._observe(
-                            agent, peer, plan.version, filled, raw=peer.file.read(), seq=seq
-                        )
-                        progressed = progressed or lost is not None or peer.advanced != before
-                        if lost is not None:
-                            failure = self._lose(lost, agent, state, filled)
-                            inflight = [i for i in inflight if i[0].agent != agent]
-                            break
-                        if now - peer.polled < HEARTBEAT_S:
-                            continue
-                    if peer.poll is None:
-                        try:
-                            peer.poll = self._post_poll(
-                                plan.agents[agent], peer, control, slots[agent]
-                            )
-                        except SourceLost as e:
-                            failure = self._lose(e, agent, state, filled)
-                            break
-                        peer.poll_seq = seq
-                        peer.polled = now
-            # Collect what landed.
-            for item in list(inflight):
-                chunk, posted = item
-                try:
-                    done = self._transport.check(posted)
-                except SourceLost as e:
-                    inflight.remove(item)
-                    failure = failure or self._lose(e, chunk.agent, state, filled)
-                    inflight = [i for i in inflight if i[0].agent != chunk.agent]
-                    continue
-                if not done:
-                    continue
-                inflight.remove(item)
-                progressed = True
-                if self._trace is not None:
-                    self._trace.add(TraceEvent.LANDED, chunk.agent, chunk.nbytes)
-                bytes_by[chunk.agent] = bytes_by.get(chunk.agent, 0) + chunk.nbytes
-                if chunk.agent in state and not self._verified_here:
-                    chunk.done_seq = seq
-                    state[chunk.agent].unvalidated.append(chunk)
-                else:
-                    filled.add(chunk.agent, chunk.ranges)
-                seq += 1
-            for agent, peer in state.items():
-                if peer.poll is None:
-                    continue
-                try:
-                    if not self._transport.check(peer.poll):
-                        continue
-                except SourceLost as e:
-                    peer.poll = None
-                    failure = failure or self._lose(e, agent, state, filled)
-                    inflight = [i for i in inflight if i[0].agent != agent]
-                    continue
-                peer.poll = None
-                # A word that did not move is no progress: the loop backs off before asking
-                # again, rather than keeping the GPU's copy queue full of 24-byte reads.
-                before = peer.advanced
-                lost = self._observe(
-                    agent,
-                    peer,
-                    plan.version,
-                    filled,
-                    raw=self._control.word(slots[agent]),
-                    seq=peer.poll_seq,
-                )
-                progressed = progressed or lost is not None or peer.advanced != before
-                if lost is not None:
-                    failure = failure or self._lose(lost, agent, state, filled)
-                    inflight = [i for i in inflight if i[0].agent != agent]
-            self._publish(filled, publisher)
-            if failure is not None:
-                if not inflight and all(p.poll is None for p in state.values()):
-                    raise failure
-            elif not inflight and not any(queues.values()) and self._peers_settled(state):
-                break
-            now = time.monotonic()
-            if failure is None:
-                for agent, peer in state.items():
-                    waiting = self._waits_on(agent, peer, queues)
-                    if waiting and now - peer.advanced > self._config.stall_timeout_s:
-                        failure = self._lose(
-                            SourceLost(
-                                f"{agent}: its copy did not advance for "
-                                f"{self._config.stall_timeout_s:g} s",
-                                agent=agent,
-                            ),
-                            agent,
-                            state,
-                            filled,
-                        )
-                        inflight = [i for i in inflight if i[0].agent != agent]
-                        break
-                if failure is None and now > deadline:
-                    late = self._late(inflight, queues, state)
-                    failure = self._lose(
-                        SourceLost(f"{late}: pull not done by its deadline", agent=late),
-                        late,
-                        state,
-                        filled,
-                    )
-                    inflight = [i for i in inflight if i[0].agent != late]
-            gated = not reading and failure is None and any(queues.values())
-            if progressed:
-                pause = 0.0
-                if publisher.busy:
-                    time.sleep(_YIELD_S)  # the publisher's lanes take the interpreter now
-            else:
-                time.sleep(pause)
-                # Reads in flight land within tens of microseconds on a GPU link: poll them
-                # closely; a pull waiting only on a parent's progress backs off further.
-                # A peer followed through its file costs nothing to look at: closely too,
-                # while it advances.
-                pause = min(2 * pause or 1e-5, 5e-5 if inflight or following else 5e-4)
-            now_pc = time.perf_counter()
-            if reading:
-                reading_s += now_pc - mark
-            elif gated:
-                gated_s += now_pc - mark
-            mark = now_pc
-        finished = time.time()
-        return ChunkedStats(
-            bytes_by,
-            reads,
-            len(chunks),
-            started or finished,
-            finished,
-            reading_s,
-            gated_s,
-            prepared,
+        return _Run(
+            owner=self,
+            transport=self._transport,
+            trace=self._trace,
+            verified_here=self._verified_here,
+            plan=plan,
+            dest=dest,
+            filled=filled,
+            deadline=deadline,
+            publisher=publisher,
+            queues=queues,
+            peers=state,
+            control=control,
+            slots=slots,
+            chunks=len(chunks),
         )
 
     # -- planning chunks ------------------------------------------------------------------------
@@ -660,37 +523,7 @@ class PipelinedPull:
                 )
         return out
 
-    # -- the loop's parts -----------------------------------------------------------------------
-
-    @staticmethod
-    def _next_ready(queues: dict[str, deque[_Chunk]], state: dict[str, _Peer]) -> _Chunk | None:
-        for agent in list(queues):
-            queue = queues[agent]
-            if not queue:
-                continue
-            head = queue[0]
-            peer = state.get(agent)
-            if peer is not None:
-                word = peer.word
-                if word is None or word.filled < head.need:
-                    continue
-            queue.popleft()
-            # Rotate: the next call starts with another source.
-            queues[agent] = queues.pop(agent)
-            return head
-        return None
-
-    def _waits_on(self, agent: str, peer: _Peer, queues: Mapping[str, deque[_Chunk]]) -> bool:
-        queue = queues.get(agent)
-        if queue and (peer.word is None or peer.word.filled < queue[0].need):
-            return True
-        if peer.unvalidated:
-            return True
-        return (
-            not self._verified_here
-            and peer.used
-            and (peer.word is None or peer.word.state is not CopyProgress.COMPLETE)
-        )
+    # -- reading peers' words ------------------------------------------------------------------
 
     def _post_poll(self, record: AgentRecord, peer: _Peer, control: Region, slot: int) -> Posted:
         loc = peer.gate.progress
@@ -738,45 +571,6 @@ class PipelinedPull:
             filled.add(agent, chunk.ranges)
         return None
 
-    def _late(
-        self,
-        inflight: list[tuple[_Chunk, Posted]],
-        queues: Mapping[str, deque[_Chunk]],
-        state: Mapping[str, _Peer],
-    ) -> str:
-        """The source a pull past its deadline waits on."""
-        if inflight:
-            return inflight[0][0].agent
-        for agent, peer in state.items():
-            if self._waits_on(agent, peer, queues):
-                return agent
-        return next((a for a, q in queues.items() if q), "")
-
-    def _peers_settled(self, state: Mapping[str, _Peer]) -> bool:
-        return all(
-            not p.used
-            or (
-                not p.unvalidated
-                and p.word is not None
-                and (self._verified_here or p.word.state is CopyProgress.COMPLETE)
-            )
-            for p in state.values()
-        )
-
-    def _lose(
-        self, error: SourceLost, agent: str, state: dict[str, _Peer], filled: Filled
-    ) -> SourceLost:
-        self._transport.forget(agent)
-        peer = state.get(agent)
-        if peer is not None:
-            peer.poll = None
-            peer.unvalidated = []
-        if isinstance(error, SourceFailed):
-            # Only a copy that serves others can have forwarded the bytes.
-            error.exposed = filled.drop(agent) and self._own is not None
-        error.agent = error.agent or agent
-        return error
-
     def _fill(self, prefix: int) -> None:
         """On the publisher's thread: this receiver's fill, for its children."""
         assert self._own is not None
@@ -793,3 +587,293 @@ class PipelinedPull:
             return
         filled.published = prefix
         publisher.offer(prefix, filled.nbytes)
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    """One run's state (`PipelinedPull._run`): the chunks queued per source and in flight, what
+    each peer's word said, the run's first failure, and its clocks. A turn of the loop posts
+    the chunks whose bytes their sources hold (`post`), asks the peers something waits on how
+    far they are (`ask_peers`), takes what landed (`collect`) and what the peers answered
+    (`hear_peers`), then ends (`over`), watches for stalls and the deadline (`watch`), and
+    rests when it made no progress (`rest`)."""
+
+    owner: PipelinedPull
+    transport: NixlTransport
+    trace: PullTrace | None
+    verified_here: bool
+    plan: PullPlan
+    dest: Region
+    filled: Filled
+    deadline: float
+    publisher: ProgressPublisher
+    queues: dict[str, deque[_Chunk]]
+    """The chunks not posted yet, per source, each in its source's order."""
+    peers: dict[str, _Peer]
+    control: Region
+    slots: dict[str, int]
+    """Each peer's slot in `control`, where its word is read into."""
+    chunks: int
+    inflight: list[tuple[_Chunk, Posted]] = field(default_factory=list)
+    bytes_by: dict[str, int] = field(default_factory=dict)
+    seq: int = 0
+    """Chunks landed so far: a peer's word read after the seq-th landed validates those
+    before it."""
+    reads: int = 0
+    started: float | None = None
+    failure: SourceLost | None = None
+    """The first source lost: the run raises it once nothing of it is in flight."""
+    pause: float = 0.0
+    reading_s: float = 0.0
+    gated_s: float = 0.0
+    prepared: int = 0
+    mark: float = field(default_factory=time.perf_counter)
+    progressed: bool = False
+    """This turn posted, landed or heard something."""
+    following: bool = False
+    """This turn follows a peer's file whose copy advanced lately."""
+
+    def post(self) -> None:
+        """Post chunks whose bytes their source holds, round robin over sources."""
+        while self.failure is None and len(self.inflight) < self.owner._config.window:
+            ready = self._next_ready()
+            if ready is None:
+                break
+            record = self.plan.agents[ready.agent]
+            try:
+                posted = self.transport.post(
+                    record, ready.mem_type, ready.remote, ready.local, self.dest
+                )
+            except SourceLost as e:
+                self._fail(e, ready.agent, drop=False)
+                break
+            if self.started is None:
+                self.started = time.time()
+                if self.filled.started is None:
+                    self.filled.started = self.started
+            self.inflight.append((ready, posted))
+            if self.trace is not None:
+                self.trace.add(TraceEvent.POSTED, ready.agent, ready.nbytes)
+            self.prepared += posted.prepared
+            self.reads += len(ready.ranges)
+            self.progressed = True
+
+    def ask_peers(self) -> None:
+        """Ask peers how far they are when something waits on them: a peer's file on this
+        host at every turn, its word one-sidedly (for a file, as a heartbeat)."""
+        self.following = False
+        if self.failure is not None:
+            return
+        now = time.monotonic()
+        for agent, peer in self.peers.items():
+            if not self._waits_on(agent, peer):
+                continue
+            if peer.file is not None:
+                # Closely while its copy moves; a stalled one only as often as a word.
+                self.following = self.following or now - peer.advanced < _FOLLOW_CLOSELY_S
+                before = peer.advanced
+                lost = self.owner._observe(
+                    agent, peer, self.plan.version, self.filled, raw=peer.file.read(), seq=self.seq
+                )
+                self.progressed = self.progressed or lost is not None or peer.advanced != before
+                if lost is not None:
+                    self._fail(lost, agent, drop=True)
+                    break
+                if now - peer.polled < HEARTBEAT_S:
+                    continue
+            if peer.poll is None:
+                try:
+                    peer.poll = self.owner._post_poll(
+                        self.plan.agents[agent], peer, self.control, self.slots[agent]
+                    )
+                except SourceLost as e:
+                    self._fail(e, agent, drop=False)
+                    break
+                peer.poll_seq = self.seq
+                peer.polled = now
+
+    def collect(self) -> None:
+        """Take the chunks that landed: a trainer rank's count at once, a peer's once a later
+        read of its word vouches for them (unless every byte is verified here)."""
+        for item in list(self.inflight):
+            chunk, posted = item
+            try:
+                done = self.transport.check(posted)
+            except SourceLost as e:
+                self.inflight.remove(item)
+                self._fail(e, chunk.agent, drop=True)
+                continue
+            if not done:
+                continue
+            self.inflight.remove(item)
+            self.progressed = True
+            if self.trace is not None:
+                self.trace.add(TraceEvent.LANDED, chunk.agent, chunk.nbytes)
+            self.bytes_by[chunk.agent] = self.bytes_by.get(chunk.agent, 0) + chunk.nbytes
+            if chunk.agent in self.peers and not self.verified_here:
+                chunk.done_seq = self.seq
+                self.peers[chunk.agent].unvalidated.append(chunk)
+            else:
+                self.filled.add(chunk.agent, chunk.ranges)
+            self.seq += 1
+
+    def hear_peers(self) -> None:
+        """Take the peers' words whose one-sided reads landed."""
+        for agent, peer in self.peers.items():
+            if peer.poll is None:
+                continue
+            try:
+                if not self.transport.check(peer.poll):
+                    continue
+            except SourceLost as e:
+                peer.poll = None
+                self._fail(e, agent, drop=True)
+                continue
+            peer.poll = None
+            # A word that did not move is no progress: the loop backs off before asking
+            # again, rather than keeping the GPU's copy queue full of 24-byte reads.
+            before = peer.advanced
+            lost = self.owner._observe(
+                agent,
+                peer,
+                self.plan.version,
+                self.filled,
+                raw=self.owner._control.word(self.slots[agent]),
+                seq=peer.poll_seq,
+            )
+            self.progressed = self.progressed or lost is not None or peer.advanced != before
+            if lost is not None:
+                self._fail(lost, agent, drop=True)
+
+    def over(self) -> bool:
+        """Whether every byte is in and every peer read from settled; a failure is raised
+        once nothing of the run is in flight."""
+        if self.failure is not None:
+            if not self.inflight and all(p.poll is None for p in self.peers.values()):
+                raise self.failure
+            return False
+        return not self.inflight and not any(self.queues.values()) and self._peers_settled()
+
+    def watch(self) -> None:
+        """A peer waited on whose copy stopped advancing, or a run past its deadline, is a
+        source lost."""
+        if self.failure is not None:
+            return
+        now = time.monotonic()
+        stall_s = self.owner._config.stall_timeout_s
+        for agent, peer in self.peers.items():
+            if self._waits_on(agent, peer) and now - peer.advanced > stall_s:
+                error = SourceLost(
+                    f"{agent}: its copy did not advance for {stall_s:g} s", agent=agent
+                )
+                self._fail(error, agent, drop=True)
+                break
+        if self.failure is None and now > self.deadline:
+            late = self._late()
+            error = SourceLost(f"{late}: pull not done by its deadline", agent=late)
+            self._fail(error, late, drop=True)
+
+    def rest(self, reading: bool) -> None:
+        """Back off after a turn without progress; count the turn as reading or gated."""
+        gated = not reading and self.failure is None and any(self.queues.values())
+        if self.progressed:
+            self.pause = 0.0
+            if self.publisher.busy:
+                time.sleep(_YIELD_S)  # the publisher's lanes take the interpreter now
+        else:
+            time.sleep(self.pause)
+            # Reads in flight land within tens of microseconds on a GPU link: poll them
+            # closely; a pull waiting only on a parent's progress backs off further. A peer
+            # followed through its file costs nothing to look at: closely too, while it
+            # advances.
+            close = self.inflight or self.following
+            self.pause = min(2 * self.pause or 1e-5, 5e-5 if close else 5e-4)
+        now = time.perf_counter()
+        if reading:
+            self.reading_s += now - self.mark
+        elif gated:
+            self.gated_s += now - self.mark
+        self.mark = now
+
+    def stats(self) -> ChunkedStats:
+        finished = time.time()
+        return ChunkedStats(
+            self.bytes_by,
+            self.reads,
+            self.chunks,
+            self.started or finished,
+            finished,
+            self.reading_s,
+            self.gated_s,
+            self.prepared,
+        )
+
+    def _fail(self, error: SourceLost, agent: str, *, drop: bool) -> None:
+        """`agent` is lost (unless the run failed already); `drop`: its chunks in flight no
+        longer count."""
+        if self.failure is None:
+            self.failure = self._lose(error, agent)
+        if drop:
+            self.inflight = [i for i in self.inflight if i[0].agent != agent]
+
+    def _lose(self, error: SourceLost, agent: str) -> SourceLost:
+        self.transport.forget(agent)
+        peer = self.peers.get(agent)
+        if peer is not None:
+            peer.poll = None
+            peer.unvalidated = []
+        if isinstance(error, SourceFailed):
+            # Only a copy that serves others can have forwarded the bytes.
+            error.exposed = self.filled.drop(agent) and self.owner._own is not None
+        error.agent = error.agent or agent
+        return error
+
+    def _next_ready(self) -> _Chunk | None:
+        queues = self.queues
+        for agent in list(queues):
+            queue = queues[agent]
+            if not queue:
+                continue
+            head = queue[0]
+            peer = self.peers.get(agent)
+            if peer is not None:
+                word = peer.word
+                if word is None or word.filled < head.need:
+                    continue
+            queue.popleft()
+            # Rotate: the next call starts with another source.
+            queues[agent] = queues.pop(agent)
+            return head
+        return None
+
+    def _waits_on(self, agent: str, peer: _Peer) -> bool:
+        queue = self.queues.get(agent)
+        if queue and (peer.word is None or peer.word.filled < queue[0].need):
+            return True
+        if peer.unvalidated:
+            return True
+        return (
+            not self.verified_here
+            and peer.used
+            and (peer.word is None or peer.word.state is not CopyProgress.COMPLETE)
+        )
+
+    def _late(self) -> str:
+        """The source a run past its deadline waits on."""
+        if self.inflight:
+            return self.inflight[0][0].agent
+        for agent, peer in self.peers.items():
+            if self._waits_on(agent, peer):
+                return agent
+        return next((a for a, q in self.queues.items() if q), "")
+
+    def _peers_settled(self) -> bool:
+        return all(
+            not p.used
+            or (
+                not p.unvalidated
+                and p.word is not None
+                and (self.verified_here or p.word.state is CopyProgress.COMPLETE)
+            )
+            for p in self.peers.values()
+        )
