@@ -24,58 +24,36 @@ stays in `Filled`, so the caller asks for other sources and runs again for the r
 
 from __future__ import annotations
 
-import hashlib
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from refit_sidecar.core.intervals import Intervals
-from refit_sidecar.core.manifest import AgentRecord, MemType, ShardLocation
+from refit_sidecar.core.manifest import AgentRecord
 from refit_sidecar.core.plan import PullPlan
-from refit_sidecar.core.shared_word_ref import ProgressFileRef
 from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.announcer import ProgressPublisher
-from refit_sidecar.pull.chunking import chunk_bounds, cut_at, merge_continuing
+from refit_sidecar.pull.filled import Filled
 from refit_sidecar.pull.nixl_transport import NixlTransport, Posted
+from refit_sidecar.pull.peer_words import SLOT_BYTES, ControlSlots, PeerGate
+from refit_sidecar.pull.pipelined_chunks import Chunk, chunks_of
 from refit_sidecar.pull.progress import (
     PROGRESS_BYTES,
     CopyProgress,
-    HostWords,
     OwnProgress,
     ProgressWord,
     TornRead,
-    Words,
 )
 from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from refit_sidecar.pull.shared_word import ProgressFileReader
 from refit_sidecar.pull.trace import PullTrace, TraceEvent
 from refit_sidecar.pull.transport import SourceLost
 
-_SLOT = 64
-"""Bytes per progress-word slot in the control buffer (aligned)."""
-_READERS_KEPT = 16
-"""Peers' progress files kept open."""
-
-
-@dataclass(frozen=True)
-class PeerGate:
-    """How to follow a peer's copy: its progress word, and the address of its copy's first
-    byte (the fill in its word counts from there); its mirror of the word in a file, when it
-    offered one (read instead of the word where the file is on this host)."""
-
-    progress: ShardLocation
-    base: int
-    file: ProgressFileRef | None = None
-
-
 _FOLLOW_CLOSELY_S = 0.005
-"""A peer followed through its file whose copy advanced this recently is looked at every
-50 µs at most; one that did not, every 0.5 ms (a stalled parent costs no busy loop)."""
+"""A peer followed through its file whose copy advanced this recently is looked at closely
+(`_Run.rest`); one that did not, less often (a stalled parent costs no busy loop)."""
 
 _YIELD_S = 2e-5
 """A turn of the loop that made progress sleeps this long while the progress publisher has
@@ -87,10 +65,9 @@ the read fails at once when the peer died, while its file only stops changing.""
 
 
 DEFAULT_CHUNK_BYTES = 256 << 20
-"""Each chunk costs about 0.2 ms of its own (its gate, post and progress update), whatever its
-size: on two H100s a 2 GB peer read on one GPU had reads in flight for 15-28 ms in 16 MiB
-chunks, 7.6-10 ms in 64 MiB and 3.4-4.4 ms in 256 MiB ones (BENCHMARKS.md, "Rerun on two
-H100s"), while a level of the tree lags its parent by about one chunk (1 ms at 256 GB/s)."""
+"""Each chunk costs a fixed overhead of its own (its gate, post and progress update), whatever
+its size, while a level of the tree lags its parent by about one chunk: large chunks, a short
+lag at device bandwidths (BENCHMARKS.md, "Rerun on two H100s")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,119 +109,6 @@ class SourceFailed(SourceLost):
     them): this copy must fail too."""
 
 
-class Filled:
-    """Which bytes of the destination are valid, and how far they run in order from byte 0."""
-
-    _gaps: tuple[object, Intervals] | None = None
-    """The alignment gaps of the last layout seen, by its targets (the same object for every
-    version of a layout)."""
-
-    def __init__(self, plan: PullPlan) -> None:
-        self.nbytes = plan.nbytes
-        cached = Filled._gaps
-        if cached is None or cached[0] is not plan.targets:
-            gaps = Intervals([(0, plan.nbytes)])
-            for t in plan.targets:
-                gaps.remove(t.offset, t.offset + t.nbytes)
-            cached = Filled._gaps = (plan.targets, gaps)
-        self.valid = cached[1].copy()
-        self.by_source: dict[str, Intervals] = {}
-        self.published = 0
-        """The largest prefix published so far (it never shrinks)."""
-        self.started: float | None = None
-        """Wall-clock time (time.time()) of the first read posted, over every run."""
-
-    def add(self, source: str, ranges: np.ndarray) -> None:
-        """`ranges` landed from `source`: theirs now, whoever delivered them before (a run
-        after a fallback reads again the chunks an earlier run filled only in part)."""
-        mine = self.by_source.setdefault(source, Intervals())
-        others = [r for s, r in self.by_source.items() if s != source]
-        for start, length in ranges:
-            begin, end = int(start), int(start + length)
-            for theirs in others:
-                theirs.remove(begin, end)
-            self.valid.add(begin, end)
-            mine.add(begin, end)
-
-    def bytes_by_source(self) -> dict[str, int]:
-        """Valid bytes per source that delivered them last (runs that failed later
-        included): they add up to the bytes read."""
-        totals = {source: ranges.total for source, ranges in self.by_source.items()}
-        return {source: total for source, total in totals.items() if total}
-
-    def drop(self, source: str) -> bool:
-        """Forget every byte `source` delivered; True when some of it was already published
-        (readers of this copy may hold it)."""
-        mine = self.by_source.pop(source, None)
-        if mine is None:
-            return False
-        exposed = any(start < self.published for start, _ in mine)
-        for start, end in mine:
-            self.valid.remove(start, end)
-        return exposed
-
-    @property
-    def complete(self) -> bool:
-        return self.valid.covers(0, self.nbytes)
-
-    def prefix(self) -> int:
-        return self.valid.prefix()
-
-
-_CUTS_KEPT = 16
-_CUTS_LOCK = threading.Lock()
-_CUTS: OrderedDict[bytes, tuple[tuple[Any, ...], ...]] = OrderedDict()
-"""Chunks by `_cut_key`: the arrays of each are never written, so runs share them."""
-_CUT_KEYS: OrderedDict[int, tuple[object, tuple[Any, ...], bytes]] = OrderedDict()
-"""The last plans' reads digested, by the identity of their list (which each entry holds,
-so it is not reused meanwhile), with the rest of the key and the digest."""
-
-
-def _cut_key(
-    plan: PullPlan, dest: Region, peers: Mapping[str, PeerGate], chunks: ChunkConfig
-) -> bytes:
-    """A digest of everything `PipelinedPull._cut` reads: where each read comes from and goes,
-    the destination, the peers' bases and the chunk size (a new version of one layout differs
-    only in its checksums, which chunks do not carry). A plan whose reads are the very list
-    of a plan digested lately (a tree receiver replays its routed plan for every version)
-    takes that digest again, without hashing every read's arrays at the pull's start. Under
-    `_CUTS_LOCK`."""
-    bases = tuple(sorted((agent, gate.base) for agent, gate in peers.items()))
-    rest = (dest.address, dest.device_id, bases, chunks.chunk_bytes, chunks.taper)
-    known = _CUT_KEYS.get(id(plan.reads))
-    if known is not None and known[0] is plan.reads and known[1] == rest:
-        return known[2]
-    digest = hashlib.blake2b(repr(rest).encode(), digest_size=16)
-    for reads in plan.reads:
-        loc = reads.location
-        digest.update(f"{loc.agent}|{loc.mem_type.value}|{loc.device_id}".encode())
-        for array in (reads.remote_addresses, reads.lengths, reads.dest_offsets):
-            digest.update(np.ascontiguousarray(array).tobytes())
-    key = digest.digest()
-    _CUT_KEYS[id(plan.reads)] = (plan.reads, rest, key)
-    while len(_CUT_KEYS) > _CUTS_KEPT:
-        _CUT_KEYS.popitem(last=False)
-    return key
-
-
-@dataclass(eq=False)
-class _Chunk:
-    agent: str
-    mem_type: MemType
-    remote: np.ndarray
-    """N×3 uint64 (address, length, device) of the source's memory."""
-    local: np.ndarray
-    ranges: np.ndarray
-    """N×2 int64 (destination offset, length)."""
-    need: int
-    """Bytes the source's copy must hold, from its first byte (0: a trainer rank)."""
-    done_seq: int = -1
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.ranges[:, 1].sum())
-
-
 @dataclass
 class _Peer:
     gate: PeerGate
@@ -255,7 +119,7 @@ class _Peer:
     """time.monotonic() of the last one-sided read of its word posted."""
     file: ProgressFileReader | None = None
     advanced: float = field(default_factory=time.monotonic)
-    unvalidated: list[_Chunk] = field(default_factory=list)
+    unvalidated: list[Chunk] = field(default_factory=list)
     used: bool = False
 
 
@@ -275,61 +139,6 @@ class ChunkedStats:
     prepared: int = 0
     """Chunk requests prepared anew (first read of those bytes of that source into that
     destination) rather than reused: a tree that changes shape between versions pays this."""
-
-
-class ControlSlots:
-    """Registered memory this receiver reads peers' progress words into: made by `words` (host
-    memory by default; a receiver staging on a GPU uses device memory, so that reading a word
-    next to a peer's device copy takes the same path as the data)."""
-
-    def __init__(self, transport: NixlTransport, words: Callable[[int], Words] = HostWords) -> None:
-        self._transport = transport
-        self._make = words
-        self._memory: Words | None = None
-        self.region: Region | None = None
-        self._readers: OrderedDict[ProgressFileRef, ProgressFileReader | None] = OrderedDict()
-
-    def ensure(self, slots: int) -> Region:
-        if self.region is not None and self.region.nbytes >= slots * _SLOT:
-            return self.region
-        self._release_region()
-        self._memory = self._make(max(slots, 8) * _SLOT)
-        self.region = self._memory.region
-        self._transport.register(self.region)
-        return self.region
-
-    def word(self, slot: int) -> np.ndarray:
-        assert self._memory is not None
-        return self._memory.read(slot * _SLOT, PROGRESS_BYTES)
-
-    def reader(self, ref: ProgressFileRef | None) -> ProgressFileReader | None:
-        """A peer's progress file, opened once (the last few kept); None where there is none
-        or it is not on this host."""
-        if ref is None:
-            return None
-        if ref in self._readers:
-            self._readers.move_to_end(ref)
-            return self._readers[ref]
-        opened = ProgressFileReader.open(ref)
-        self._readers[ref] = opened
-        while len(self._readers) > _READERS_KEPT:
-            _, dropped = self._readers.popitem(last=False)
-            if dropped is not None:
-                dropped.close()
-        return opened
-
-    def release(self) -> None:
-        for opened in self._readers.values():
-            if opened is not None:
-                opened.close()
-        self._readers.clear()
-        self._release_region()
-
-    def _release_region(self) -> None:
-        if self.region is not None:
-            self._transport.deregister(self.region)
-            self.region = None
-            self._memory = None
 
 
 class PipelinedPull:
@@ -399,6 +208,15 @@ class PipelinedPull:
             run.watch()
             run.rest(reading)
 
+    def _chunks(
+        self, plan: PullPlan, dest: Region, filled: Filled, peers: Mapping[str, PeerGate]
+    ) -> list[Chunk]:
+        """The run's chunks (`pipelined_chunks.chunks_of`)."""
+        config = self._config
+        return chunks_of(
+            plan, dest, filled, peers, chunk_bytes=config.chunk_bytes, taper=config.taper
+        )
+
     def _start(
         self,
         plan: PullPlan,
@@ -411,7 +229,7 @@ class PipelinedPull:
     ) -> _Run:
         """A run's state before its first turn: its chunks queued per source, its peers."""
         chunks = self._chunks(plan, dest, filled, peers)
-        queues: dict[str, deque[_Chunk]] = {}
+        queues: dict[str, deque[Chunk]] = {}
         for chunk in chunks:
             queues.setdefault(chunk.agent, deque()).append(chunk)
         state = {
@@ -440,96 +258,13 @@ class PipelinedPull:
             chunks=len(chunks),
         )
 
-    # -- planning chunks ------------------------------------------------------------------------
-
-    def _chunks(
-        self, plan: PullPlan, dest: Region, filled: Filled, peers: Mapping[str, PeerGate]
-    ) -> list[_Chunk]:
-        """The run's chunks; a first run of a layout pulled before (every version of a steady
-        tree) takes them from `_CUTS` instead of cutting the reads again."""
-        if filled.by_source:  # a run after a source failed: only what did not land
-            return self._cut(plan, dest, filled, peers)
-        with _CUTS_LOCK:  # the ranks of a receiver process pull at once, from threads
-            key = _cut_key(plan, dest, peers, self._config)
-            cut = _CUTS.get(key)
-            if cut is not None:
-                _CUTS.move_to_end(key)
-        if cut is None:
-            cut = tuple(
-                (c.agent, c.mem_type, c.remote, c.local, c.ranges, c.need)
-                for c in self._cut(plan, dest, filled, peers)
-            )
-            with _CUTS_LOCK:
-                _CUTS[key] = cut
-                while len(_CUTS) > _CUTS_KEPT:
-                    _CUTS.popitem(last=False)
-        return [_Chunk(*fields) for fields in cut]
-
-    def _cut(
-        self, plan: PullPlan, dest: Region, filled: Filled, peers: Mapping[str, PeerGate]
-    ) -> list[_Chunk]:
-        size = self._config.chunk_bytes
-        by_source: dict[tuple[str, MemType], list[tuple[np.ndarray, ...]]] = {}
-        for reads in plan.reads:
-            loc = reads.location
-            by_source.setdefault((loc.agent, loc.mem_type), []).append(
-                (reads.remote_addresses, reads.lengths.astype(np.uint64), reads.dest_offsets)
-            )
-        out: list[_Chunk] = []
-        for (agent, mem_type), parts in by_source.items():
-            remote = np.concatenate([p[0] for p in parts])
-            length = np.concatenate([p[1] for p in parts]).astype(np.int64)
-            dst = np.concatenate([p[2] for p in parts]).astype(np.int64)
-            device = next(r.location.device_id for r in plan.reads if r.location.agent == agent)
-            gate = peers.get(agent)
-            # A peer's copy is read in the order of its own buffer, a trainer rank's in the
-            # destination's; chunks are cut along that order.
-            order = np.argsort(remote if gate is not None else dst, kind="stable")
-            remote, length, dst = remote[order], length[order], dst[order]
-            bounds = chunk_bounds(int(length.sum()), size, self._config.taper)
-            remote, length, dst, chunk = cut_at(remote, length, dst, bounds)
-            if filled.by_source:  # a run after a source failed: skip what did land
-                keep = np.array(
-                    [
-                        not filled.valid.covers(int(d), int(d + n))
-                        for d, n in zip(dst, length, strict=True)
-                    ],
-                    dtype=bool,
-                )
-                remote, dst, length, chunk = remote[keep], dst[keep], length[keep], chunk[keep]
-            if not len(length):
-                continue
-            remote, length, dst, chunk = merge_continuing(remote, length, dst, chunk)
-            for idx in np.split(np.arange(len(chunk)), np.flatnonzero(np.diff(chunk)) + 1):
-                r, n, d = remote[idx], length[idx], dst[idx]
-                dev = np.full(len(idx), device, np.uint64)
-                local = np.stack(
-                    [
-                        d.astype(np.uint64) + np.uint64(dest.address),
-                        n.astype(np.uint64),
-                        np.full(len(idx), dest.device_id, np.uint64),
-                    ]
-                ).T
-                need = 0 if gate is None else int((r + n.astype(np.uint64)).max()) - gate.base
-                out.append(
-                    _Chunk(
-                        agent,
-                        mem_type,
-                        np.ascontiguousarray(np.stack([r, n.astype(np.uint64), dev]).T),
-                        np.ascontiguousarray(local),
-                        np.stack([d, n]).T,
-                        need,
-                    )
-                )
-        return out
-
     # -- reading peers' words ------------------------------------------------------------------
 
     def _post_poll(self, record: AgentRecord, peer: _Peer, control: Region, slot: int) -> Posted:
         loc = peer.gate.progress
         remote = np.array([[loc.address, PROGRESS_BYTES, loc.device_id]], np.uint64)
         local = np.array(
-            [[control.address + slot * _SLOT, PROGRESS_BYTES, control.device_id]], np.uint64
+            [[control.address + slot * SLOT_BYTES, PROGRESS_BYTES, control.device_id]], np.uint64
         )
         return self._transport.post(record, loc.mem_type, remote, local, control)
 
@@ -607,14 +342,14 @@ class _Run:
     filled: Filled
     deadline: float
     publisher: ProgressPublisher
-    queues: dict[str, deque[_Chunk]]
+    queues: dict[str, deque[Chunk]]
     """The chunks not posted yet, per source, each in its source's order."""
     peers: dict[str, _Peer]
     control: Region
     slots: dict[str, int]
     """Each peer's slot in `control`, where its word is read into."""
     chunks: int
-    inflight: list[tuple[_Chunk, Posted]] = field(default_factory=list)
+    inflight: list[tuple[Chunk, Posted]] = field(default_factory=list)
     bytes_by: dict[str, int] = field(default_factory=dict)
     seq: int = 0
     """Chunks landed so far: a peer's word read after the seq-th landed validates those
@@ -828,7 +563,7 @@ class _Run:
         error.agent = error.agent or agent
         return error
 
-    def _next_ready(self) -> _Chunk | None:
+    def _next_ready(self) -> Chunk | None:
         queues = self.queues
         for agent in list(queues):
             queue = queues[agent]

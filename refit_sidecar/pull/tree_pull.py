@@ -27,16 +27,11 @@ from refit_sidecar.core.plan import PullPlan, ShardReads, Want, plan_pull
 from refit_sidecar.integrity.checksum import ChecksumMismatch
 from refit_sidecar.integrity.verify import verifies_every_read
 from refit_sidecar.memory.region import Region
+from refit_sidecar.pull.filled import Filled
 from refit_sidecar.pull.leasing import AskedAhead
 from refit_sidecar.pull.nixl_transport import NixlTransport
-from refit_sidecar.pull.pipelined import (
-    ChunkConfig,
-    ControlSlots,
-    Filled,
-    PeerGate,
-    PipelinedPull,
-    SourceFailed,
-)
+from refit_sidecar.pull.peer_words import ControlSlots, PeerGate
+from refit_sidecar.pull.pipelined import ChunkConfig, PipelinedPull, SourceFailed
 from refit_sidecar.pull.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
 from refit_sidecar.pull.routing import peer_bases, route_manifest
 from refit_sidecar.pull.running_check import RunningCheck

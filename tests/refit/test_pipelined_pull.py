@@ -34,13 +34,12 @@ from refit_sidecar.core.tree_records import NodeKind, Route
 from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
 from refit_sidecar.pull.chunking import chunk_bounds
+from refit_sidecar.pull.filled import Filled
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pull.peer_words import ControlSlots, PeerGate
 from refit_sidecar.pull.pipelined import (
     HEARTBEAT_S,
     ChunkConfig,
-    ControlSlots,
-    Filled,
-    PeerGate,
     PipelinedPull,
     SourceFailed,
     _Peer,
