@@ -20,10 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from refit_sidecar.core.manifest import AgentRecord, ShardLocation
-from refit_sidecar.core.plan import PullPlan, ShardReads, Want, plan_pull
+from refit_sidecar.core.plan import PullPlan, Want, plan_pull
 from refit_sidecar.integrity.checksum import ChecksumMismatch
 from refit_sidecar.integrity.verify import verifies_every_read
 from refit_sidecar.memory.region import Region
@@ -33,19 +31,13 @@ from refit_sidecar.pull.nixl_transport import NixlTransport
 from refit_sidecar.pull.peer_words import ControlSlots, PeerGate
 from refit_sidecar.pull.pipelined import ChunkConfig, PipelinedPull, SourceFailed
 from refit_sidecar.pull.progress import PROGRESS_BYTES, CopyProgress, HostWords, OwnProgress, Words
-from refit_sidecar.pull.routing import peer_bases, route_manifest
+from refit_sidecar.pull.routing import one_source, peer_bases, route_manifest
 from refit_sidecar.pull.running_check import RunningCheck
 from refit_sidecar.pull.shared_word import DEFAULT_DIR, ProgressFile
 from refit_sidecar.pull.trace import Event, PullTrace, TraceEvent
 from refit_sidecar.pull.transport import SourceLost
 from refit_sidecar.service.client import Lease, SidecarClient, UnknownVersion, lease_from_proto
 from refit_sidecar.service.sources import Answer, NoSourceFree, Offer, get_sources_request
-from refit_sidecar.service.wire import (
-    agent_from_proto,
-    location_from_proto,
-    mem_type_from_proto,
-    progress_file_from_proto,
-)
 from trainer_refit.v1 import refit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -324,37 +316,16 @@ class TreePull:
                     f"version {version}: no source other than {again}, which failed this pull"
                 )
             if offer is not None and not started_copy:
-                # The sidecar drained the readers of the previous copy: overwrite from here
-                # (after the last copy's word writes, which run in the background).
-                self._settle()
-                if self._started == version:
-                    self._own.flush()
-                else:
-                    self._own.start(version)
-                self._offered, self._started = version, None
+                self._start_copy(version, trace)
                 started_copy = True
-                if trace is not None:
-                    trace.add(TraceEvent.RESET)
             routed, gates = self._routed(sources, plan, wants)
             left_out = sources.reply.routes_left_out
             try:
                 stats = runner.run(routed, staging, filled, peers=gates, deadline=deadline)
-            except SourceFailed as e:
-                if check is not None:
-                    check.restart()
-                if e.exposed:
-                    raise TreePullError(
-                        f"{e}; this copy had forwarded some of its bytes, so it fails too"
-                    ) from e
-                lost, fallbacks = [e.agent or ""], fallbacks + 1
-                gone.update(lost)
-                log.warning("version %d: %s; asking for another source", version, e)
-                continue
             except SourceLost as e:
                 if check is not None:
                     check.restart()
-                if time.monotonic() > deadline:
-                    raise TreePullError(str(e)) from e
+                _fall_back_or_fail(e, deadline)
                 lost, fallbacks = [e.agent or ""], fallbacks + 1
                 gone.update(lost)
                 log.warning("version %d: %s; asking for another source", version, e)
@@ -365,15 +336,7 @@ class TreePull:
             break
         else:
             raise TreePullError(f"version {version}: {_MAX_ATTEMPTS} sources failed in turn")
-        verified = 0
-        if check is not None:
-            try:
-                verified = check.finish()
-            except ChecksumMismatch as e:
-                read_from = sorted(filled.bytes_by_source())
-                raise TreePullError(f"{e} (this copy was read from {read_from})") from e
-            if trace is not None:
-                trace.add(TraceEvent.VERIFIED, value=verified)
+        verified = 0 if check is None else _verified(check, filled, trace)
         # The word says COMPLETE, then the sidecar hears of the release: both in the
         # background, in that order. The write waits for the GPU's copy queue (up to 1 ms
         # while children copy from this GPU), and a child checking its reads itself never
@@ -399,6 +362,18 @@ class TreePull:
             routes_left_out=left_out,
             trace=() if trace is None else tuple(trace.events),
         )
+
+    def _start_copy(self, version: int, trace: PullTrace | None) -> None:
+        """The sidecar drained the readers of the previous copy: overwrite from here (after
+        the last copy's word writes, which run in the background)."""
+        self._settle()
+        if self._started == version:
+            self._own.flush()
+        else:
+            self._own.start(version)
+        self._offered, self._started = version, None
+        if trace is not None:
+            trace.add(TraceEvent.RESET)
 
     def _wants(self, plan: PullPlan) -> list[Want]:
         """What `plan` reads, as the sidecar is asked for it: the same objects for every
@@ -432,7 +407,7 @@ class TreePull:
             return replace(cached[0], version=answer.version), cached[1]
         if answer.reply.routes_left_out:
             raise TreePullError("the sidecar left out routes of a plan this receiver dropped")
-        fast = _one_source(answer, plan)
+        fast = one_source(answer, plan)
         if fast is not None:
             self._keep(answer, fast)
             return fast
@@ -561,6 +536,32 @@ class TreePull:
         self._own.close()
 
 
+def _fall_back_or_fail(error: SourceLost, deadline: float) -> None:
+    """After a run lost a source: return to ask for another one, or raise TreePullError when
+    the pull cannot go on (a failed peer whose bytes this copy forwarded already, or a pull
+    past its deadline)."""
+    if isinstance(error, SourceFailed):
+        if error.exposed:
+            raise TreePullError(
+                f"{error}; this copy had forwarded some of its bytes, so it fails too"
+            ) from error
+    elif time.monotonic() > deadline:
+        raise TreePullError(str(error)) from error
+
+
+def _verified(check: RunningCheck, filled: Filled, trace: PullTrace | None) -> int:
+    """The shards the running check verified, once every byte is in (TreePullError naming
+    where the copy was read from on a mismatch)."""
+    try:
+        verified = check.finish()
+    except ChecksumMismatch as e:
+        read_from = sorted(filled.bytes_by_source())
+        raise TreePullError(f"{e} (this copy was read from {read_from})") from e
+    if trace is not None:
+        trace.add(TraceEvent.VERIFIED, value=verified)
+    return verified
+
+
 def _checking(
     check: RunningCheck | None,
     on_progress: Callable[[int, int], None] | None,
@@ -580,73 +581,3 @@ def _checking(
             on_progress(prefix, total)
 
     return progress
-
-
-def _one_source(answer: Answer, plan: PullPlan) -> tuple[PullPlan, dict[str, PeerGate]] | None:
-    """The routed plan without parsing or planning, in the two usual cases: every route's
-    primary is the one trainer rank this receiver's own plan reads from (the plan itself), or
-    one peer whose copy holds each wanted box whole (one read per box, from where the peer
-    holds it). None otherwise: the caller plans from the answer's manifests."""
-    primaries = answer.primaries
-    if len(primaries) != 1:
-        return None
-    (primary,) = primaries
-    copy = next((c for c in answer.reply.sources if c.source_id == primary), None)
-    if copy is None:
-        return None
-    if copy.kind == pb.SOURCE_KIND_TRAINER:
-        if set(plan.agents) != {primary}:
-            return None
-        return replace(plan, version=answer.version), {}
-    if copy.kind != pb.SOURCE_KIND_PEER or not copy.HasField("progress"):
-        return None
-    routes = answer.reply.routes
-    if len(routes) != len(plan.targets) or len(copy.shards.agents) != 1:
-        return None
-    held: dict[tuple[str, tuple[int, ...], tuple[int, ...]], pb.ShardLocation] = {}
-    for parameter in copy.shards.parameters:
-        for shard in parameter.shards:
-            if len(shard.pieces) == 1 and not any(shard.pieces[0].local_start):
-                box = shard.pieces[0].box
-                held[(parameter.name, tuple(box.start), tuple(box.stop))] = shard.location
-    locations = []
-    for route, target in zip(routes, plan.targets, strict=True):
-        stop = tuple(end for _, end in target.box.ranges)
-        key = (target.name, target.box.start, stop)
-        if (route.name, tuple(route.box.start), tuple(route.box.stop)) != key:
-            return None
-        location = held.get(key)
-        if location is None or location.nbytes != target.nbytes:
-            return None
-        locations.append(location)
-    # The copy's first byte, from which its progress word counts (`routing.peer_bases`).
-    base = min(s.location.address for p in copy.shards.parameters for s in p.shards)
-    end = max(loc.address + loc.nbytes for loc in locations)
-    first = locations[0]
-    whole = ShardLocation(
-        agent=primary,
-        address=base,
-        nbytes=end - base,
-        shape=(end - base,),
-        strides=(1,),
-        mem_type=mem_type_from_proto(first.memory),
-        device_id=first.device_id,
-    )
-    reads = ShardReads(
-        parameter="",
-        shard=0,
-        location=whole,
-        crc32=None,
-        complete=False,
-        shard_offsets=np.array([loc.address - base for loc in locations], np.int64),
-        lengths=np.array([t.nbytes for t in plan.targets], np.int64),
-        dest_offsets=np.array([t.offset for t in plan.targets], np.int64),
-    )
-    routed = replace(
-        plan,
-        version=answer.version,
-        reads=(reads,),
-        agents={primary: agent_from_proto(copy.shards.agents[0])},
-    )
-    gate = PeerGate(location_from_proto(copy.progress), base, progress_file_from_proto(copy))
-    return routed, {primary: gate}

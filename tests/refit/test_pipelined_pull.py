@@ -53,10 +53,9 @@ from refit_sidecar.pull.progress import (
     TornRead,
     Words,
 )
-from refit_sidecar.pull.routing import clip, peer_bases, route_manifest
+from refit_sidecar.pull.routing import clip, one_source, peer_bases, route_manifest
 from refit_sidecar.pull.shared_word import ProgressFile, host_id
 from refit_sidecar.pull.transport import SourceLost
-from refit_sidecar.pull.tree_pull import _one_source
 from refit_sidecar.service.sources import Answer, SourceCopy, Sources
 from refit_sidecar.service.wire import box_to_proto, location_to_proto, manifest_to_proto
 from tests.support.peer import staged_manifest
@@ -286,7 +285,7 @@ def test_one_source_answers_are_routed_without_planning_exactly_as_planned() -> 
         ]
         return Answer.of(pb.GetSourcesResponse(version=3, routes=routes, sources=[copy]))
 
-    fast = _one_source(answer("peer"), plan)
+    fast = one_source(answer("peer"), plan)
     assert fast is not None
     sources = answer("peer").sources()
     planned = plan_pull(route_manifest(sources), wants)
@@ -294,12 +293,12 @@ def test_one_source_answers_are_routed_without_planning_exactly_as_planned() -> 
     assert fast[1] == {"peer": PeerGate(progress, peer_bases(sources)["peer"])}
     assert list(fast[0].agents) == ["peer"] and fast[0].targets == plan.targets
 
-    replayed = _one_source(answer("t"), plan)
+    replayed = one_source(answer("t"), plan)
     assert replayed is not None and replayed[0].reads is plan.reads and replayed[1] == {}
     # Two primaries: planned from the answer instead.
     mixed = answer("peer")
     mixed.reply.routes[0].primary = "t"
-    assert _one_source(Answer.of(mixed.reply), plan) is None
+    assert one_source(Answer.of(mixed.reply), plan) is None
 
 
 # -- a chunked pull gated on a peer driven by hand ------------------------------------------------
