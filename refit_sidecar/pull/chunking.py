@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from refit_sidecar.core.manifest import MemType
+from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.memory.region import Region
+
 DEFAULT_REQUESTS_IN_FLIGHT = 4
-"""A receiver's direct pull keeps this many requests in flight (`RefitOptions`): on two H100s
-the 1B model's 1.96 GB moved in 7.9 ms against 8.4-8.8 ms with all of them posted at once, and
-its bytes land in order, so the running check sums most of them during the pull."""
+"""A receiver's direct pull keeps this many requests in flight (`RefitOptions.direct`): a few
+at a time moved a pull faster than all of them posted at once (BENCHMARKS.md), and its bytes
+land in order, so the running check sums most of them during the pull."""
 
 
 def cut_long(
@@ -122,3 +126,43 @@ def merge_continuing(
         dst[starts],
         chunk[starts],
     )
+
+
+Request = tuple[tuple[str, MemType], tuple[np.ndarray, np.ndarray]]
+"""A READ request: (source agent, its memory type), (remote, local) N×3 descriptors."""
+
+
+def requests_of(plan: PullPlan, dest: Region, size: int, taper: int = 0) -> list[Request]:
+    """The plan's READ requests: per source (agent, memory type, device), its reads in
+    destination order cut into requests of about `size` bytes (`chunking`; with `taper`, at
+    `chunk_bounds`, halving towards the ends), each as (remote, local) N×3 uint64 descriptor
+    arrays (address, length, device)."""
+    parts: dict[tuple[str, MemType, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for reads in plan.reads:
+        loc = reads.location
+        parts.setdefault((loc.agent, loc.mem_type, loc.device_id), []).append(
+            (reads.remote_addresses, reads.lengths, reads.dest_offsets)
+        )
+    out = []
+    for (agent, mem_type, device), group in parts.items():
+        remote = np.concatenate([p[0] for p in group]).astype(np.uint64)
+        length = np.concatenate([p[1] for p in group])
+        dst = np.concatenate([p[2] for p in group])
+        order = np.argsort(dst, kind="stable")
+        if taper:
+            bounds = chunk_bounds(int(length.sum()), size, taper)
+            remote, length, dst, request = cut_at(remote[order], length[order], dst[order], bounds)
+        else:
+            remote, length, dst = cut_long(remote[order], length[order], dst[order], size)
+            request = np.zeros(len(length), np.int64)
+            for i, idx in enumerate(groups(length, size)):
+                request[idx] = i
+        remote, length, dst, request = merge_continuing(remote, length, dst, request)
+        for idx in np.split(np.arange(len(request)), np.flatnonzero(np.diff(request)) + 1):
+            n = length[idx].astype(np.uint64)
+            same = len(idx)
+            r = np.stack([remote[idx], n, np.full(same, device, np.uint64)]).T
+            local_addr = dst[idx].astype(np.uint64) + np.uint64(dest.address)
+            d = np.stack([local_addr, n, np.full(same, dest.device_id, np.uint64)]).T
+            out.append(((agent, mem_type), (np.ascontiguousarray(r), np.ascontiguousarray(d))))
+    return out

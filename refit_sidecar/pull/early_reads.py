@@ -27,9 +27,10 @@ from dataclasses import dataclass, replace
 
 from refit_sidecar.core.manifest import AgentRecord
 from refit_sidecar.core.plan import Checksums, PullPlan
-from refit_sidecar.pull.nixl_transport import LaterChecksums, NixlTransport
+from refit_sidecar.pull.nixl_transport import NixlTransport
 from refit_sidecar.pull.piece_gate import PieceGate
 from refit_sidecar.pull.progress import HostWords, Words
+from refit_sidecar.pull.transport import LaterChecksums
 from refit_sidecar.pull.version_words import VersionWords
 from refit_sidecar.service.client import Lease, SidecarClient, VersionChecksums
 from refit_sidecar.service.pending import Pending

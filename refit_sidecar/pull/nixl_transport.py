@@ -21,28 +21,31 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn, Protocol
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
-from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from refit_sidecar.core.manifest import AgentRecord, MemType
 from refit_sidecar.core.network import NixlNetwork, ProgressPoller, create_ucx_backend
-from refit_sidecar.core.plan import Checksums, PullPlan
+from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.announcer import ProgressPublisher
-from refit_sidecar.pull.chunking import chunk_bounds, cut_at, cut_long, groups, merge_continuing
+from refit_sidecar.pull.chunking import requests_of
+from refit_sidecar.pull.pending_pull import (
+    LONGEST_PAUSE_S,
+    NIXL_ERRORS,
+    PendingPull,
+    Xfer,
+    release_xfer,
+    traced,
+)
 from refit_sidecar.pull.running_check import RunningCheck
 from refit_sidecar.pull.trace import PullTrace, TraceEvent
-from refit_sidecar.pull.transport import PullStats, SourceLost
-
-_NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
-    v for k, v in vars(_bindings).items() if k.startswith("nixl") and k.endswith("Error")
-)
+from refit_sidecar.pull.transport import Gate, LaterChecksums, PullStats, SourceLost
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,25 +104,13 @@ class NixlConfig:
         NixlNetwork(host=self.host, extra_devices=self.net_devices)  # raises for bad values
 
 
-@dataclass(eq=False)
-class _Xfer:
-    key: bytes
-    agent: str
-    dest: Region
-    handle: Any
-    dlists: tuple[Any, ...]
-    reads: int
-    nbytes: int
-    done: bool = False
-
-
 class NixlTransport:
     def __init__(self, agent: nixl_agent, config: NixlConfig) -> None:
         self._agent = agent
         self._config = config
         self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
         self._dests: dict[Region, Any] = {}  # registered destinations
-        self._xfers: OrderedDict[bytes, _Xfer] = OrderedDict()  # LRU of ready requests
+        self._xfers: OrderedDict[bytes, Xfer] = OrderedDict()  # LRU of ready requests
         self._cut: OrderedDict[tuple[Any, ...], tuple[Any, list[_Cut]]] = OrderedDict()
         """A pull's requests by its plan's reads (kept, so their id is not reused) and
         destination: a plan replayed for each version of a slot is cut once, not at the start
@@ -164,7 +155,7 @@ class NixlTransport:
 
     def deregister(self, dest: Region) -> None:
         for key in [k for k, x in self._xfers.items() if x.dest == dest]:
-            _release(self._xfers.pop(key))
+            release_xfer(self._xfers.pop(key))
         registration = self._dests.pop(dest, None)
         if registration is not None:
             self._agent.deregister_memory(registration)
@@ -210,7 +201,7 @@ class NixlTransport:
             checksums_wait_s=waited - begin,
             check_s=time.perf_counter() - waited,
         )
-        return _traced(stats, trace)
+        return traced(stats, trace)
 
     def _wait_reporting(
         self,
@@ -263,7 +254,7 @@ class NixlTransport:
             dest,
             window,
             gate,
-            _LONGEST_PAUSE_S[dest.mem_type],
+            LONGEST_PAUSE_S[dest.mem_type],
             trace=trace,
         )
         if gate is not None:  # the first reads of what the gate waits on, beside the set-up
@@ -292,7 +283,7 @@ class NixlTransport:
                         pending.gated_s = time.perf_counter() - begin
                 else:
                     pending.queued.append((xfer, need))
-            except (SourceLost, *_NIXL_ERRORS) as e:  # type: ignore[misc]
+            except (SourceLost, *NIXL_ERRORS) as e:  # type: ignore[misc]
                 pending.fail(agent, e)
         if trace is not None:
             trace.add(TraceEvent.PREPARED, value=len(pending.xfers))
@@ -320,7 +311,7 @@ class NixlTransport:
             self._cut.move_to_end(key)
             return kept[1]
         config = self._config
-        cut = _requests(plan, dest, config.request_bytes, config.request_taper)
+        cut = requests_of(plan, dest, config.request_bytes, config.request_taper)
         cut.sort(key=lambda request: int(request[1][1][0, 0]) if len(request[1][1]) else 0)
         requests = [
             _Cut(
@@ -354,7 +345,7 @@ class NixlTransport:
         try:
             xfer, cached = self._xfer(record, mem_type, remote, local, dest)
             xfer.done = self._agent.transfer(xfer.handle) == "DONE"
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             self._forget_agent(record.name)
             raise SourceLost(f"{record.name}: {e}", agent=record.name) from e
         return Posted(xfer, prepared=not cached)
@@ -367,7 +358,7 @@ class NixlTransport:
             return True
         try:
             state = self._agent.check_xfer_state(xfer.handle)
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             self.forget(xfer.agent)
             raise SourceLost(f"{xfer.agent}: {e}", agent=xfer.agent) from e
         if state == "ERR":
@@ -390,7 +381,7 @@ class NixlTransport:
         dest: Region,
         *,
         key: bytes | None = None,
-    ) -> tuple[_Xfer, bool]:
+    ) -> tuple[Xfer, bool]:
         """The prepared request reading `remote` into `local` (of `dest`) from `record`, and
         whether it came from the cache; `key`: `_xfer_key` of them, when known."""
         if self._metadata.get(record.name) not in (None, record.metadata):
@@ -411,17 +402,17 @@ class NixlTransport:
                 remote_h = self._agent.prep_xfer_dlist(record.name, remote, mem_type.value)
                 idx = np.arange(n, dtype=np.int32)
                 handle = self._agent.make_prepped_xfer("READ", local_h, idx, remote_h, idx)
-                xfer = _Xfer(key, record.name, dest, handle, (local_h, remote_h), n, nbytes)
+                xfer = Xfer(key, record.name, dest, handle, (local_h, remote_h), n, nbytes)
             else:
                 local_descs = self._agent.get_xfer_descs(local, dest.mem_type.value)
                 handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, record.name)
-                xfer = _Xfer(key, record.name, dest, handle, (), n, nbytes)
-        except _NIXL_ERRORS as e:
+                xfer = Xfer(key, record.name, dest, handle, (), n, nbytes)
+        except NIXL_ERRORS as e:
             self._forget_agent(record.name)
             raise SourceLost(f"{record.name}: cannot prepare reads: {e}", agent=record.name) from e
         self._xfers[key] = xfer
         while len(self._xfers) > self._config.cache_size:
-            _release(self._xfers.popitem(last=False)[1])
+            release_xfer(self._xfers.popitem(last=False)[1])
         return xfer, False
 
     def _ensure_metadata(self, record: AgentRecord, remote_descs: Any) -> None:
@@ -454,9 +445,9 @@ class NixlTransport:
                     if self._agent.check_remote_metadata(name, remote_descs):
                         self._metadata[name] = b""
                         return
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             raise SourceLost(f"{name}: metadata exchange failed: {e}", agent=name) from e
-        with contextlib.suppress(*_NIXL_ERRORS):
+        with contextlib.suppress(*NIXL_ERRORS):
             self._agent.remove_remote_agent(name)  # whatever part of it arrived
         raise SourceLost(
             f"{name}: no metadata covering the planned memory from {record.host}:{record.port} "
@@ -466,9 +457,9 @@ class NixlTransport:
 
     def _forget_agent(self, name: str) -> None:
         for key in [k for k, x in self._xfers.items() if x.agent == name]:
-            _release(self._xfers.pop(key))
+            release_xfer(self._xfers.pop(key))
         if self._metadata.pop(name, None) is not None:
-            with contextlib.suppress(*_NIXL_ERRORS):
+            with contextlib.suppress(*NIXL_ERRORS):
                 self._agent.remove_remote_agent(name)
 
     def close(self) -> None:
@@ -476,7 +467,7 @@ class NixlTransport:
             self._progress.stop()
             self._progress = None
         while self._xfers:
-            _release(self._xfers.popitem()[1])
+            release_xfer(self._xfers.popitem()[1])
         for dest in list(self._dests):
             self.deregister(dest)
         for name in list(self._metadata):
@@ -487,7 +478,7 @@ class NixlTransport:
 class Posted:
     """A READ request posted with `NixlTransport.post`."""
 
-    xfer: _Xfer
+    xfer: Xfer
     prepared: bool = False
     """The request was prepared for this post (first use of these descriptors: metadata,
     descriptor lists, the backend's handles), not reused from the cache."""
@@ -495,258 +486,6 @@ class Posted:
     @property
     def agent(self) -> str:
         return self.xfer.agent
-
-
-class LaterChecksums(Protocol):
-    """A pull's checksums that come after it started (`NixlTransport.pull`)."""
-
-    def prepare(self) -> bool:
-        """Converts them if they have come, never raising (an error waits for `result`);
-        True once nothing is left to prepare. The pull calls it at turns where it would
-        pause, while its bytes are in flight."""
-        ...
-
-    def result(self) -> Sequence[Checksums]:
-        """Waits for them: each read's, in the plan's order."""
-        ...
-
-
-class Gate(Protocol):
-    """Which READ requests of a pull may be posted yet (`piece_gate.PieceGate`)."""
-
-    rounds: int
-    """Looks at the sources that landed (reads of their words)."""
-    first_seen: tuple[float, int] | None
-    """The first look's time (time.perf_counter()) and what it let go (pieces holding the
-    version), None before it: with `rounds`, whether a pull's first request waited for the
-    sources' copies or for its own looks (`PullStats.gate_first_s`)."""
-    told: float | None
-    """When the gate opened on the sidecar's word that the version is readable, before any
-    look let it (time.perf_counter()); None if it did not."""
-
-    def need(self, agent: str, end: int) -> int:
-        """What a request of `agent` reading its memory up to address `end` (one past its
-        last byte) waits for, in terms `ready` understands."""
-        ...
-
-    def ready(self, agent: str, need: int) -> bool: ...
-
-    def poll(self, waiting: Iterable[str]) -> None:
-        """Learn more about the sources in `waiting`, without blocking; SourceLost or a
-        TimeoutError ends the pull."""
-        ...
-
-    def first_look(self) -> None:
-        """After the pull's set-up: wait a moment for what the first `poll` asked, so the
-        requests it lets go are posted at once."""
-        ...
-
-    def settle(self) -> None:
-        """The pull ended: wait for what `poll` left in flight."""
-        ...
-
-
-_GATED_PAUSE_S = 2e-5
-"""The longest pause of a pull's loop while requests wait on its gate."""
-
-_LONGEST_PAUSE_S = {MemType.DRAM: 1e-3, MemType.VRAM: 1e-4}
-"""The longest pause of a pull's loop between looks at its requests, by the destination's
-memory: the pause doubles from 10 µs while nothing lands. Into device memory a 256 MiB request
-takes about a millisecond over NVLink, so a millisecond's pause let a landed request (the
-last one, or one whose successor waits for the window) sit unseen for most of a request's
-time; host memory fills several times slower."""
-
-
-@dataclass(eq=False)
-class PendingPull:
-    transport: NixlTransport
-    deadline: float
-    begin: float
-    temporary: bool
-    """The destination was registered for this pull only: deregister it at the end."""
-    dest: Region
-    window: int
-    """Requests in flight at once."""
-    gate: Gate | None = None
-    longest_pause: float = _LONGEST_PAUSE_S[MemType.DRAM]
-    """The longest pause between looks at the requests (`_LONGEST_PAUSE_S`)."""
-    xfers: list[_Xfer] = field(default_factory=list)
-    reposted: int = 0
-    """Requests taken from the cache (prepared by an earlier pull)."""
-    spans: list[tuple[np.ndarray, int]] = field(default_factory=list)
-    """Per request: where its reads start in the destination, and its index in `xfers`."""
-    queued: deque[tuple[_Xfer, int]] = field(default_factory=deque)
-    """Requests prepared but not posted yet (`NixlConfig.requests_in_flight`, or held back by
-    the gate), in order, each with what it waits for at the gate."""
-    posted: list[_Xfer] = field(default_factory=list)
-    """Requests posted and not seen done."""
-    gated_s: float = 0.0
-    """With a gate: seconds from the start until its first request was posted."""
-    trace: PullTrace | None = None
-
-    def post(self, xfer: _Xfer) -> None:
-        """Posts a prepared request (NIXL errors are the caller's)."""
-        xfer.done = self.transport._agent.transfer(xfer.handle) == "DONE"
-        if self.trace is not None:
-            self.trace.add(TraceEvent.POSTED, xfer.agent, xfer.nbytes)
-            if xfer.done:  # done when posted (host memory, read in the call)
-                self.trace.add(TraceEvent.LANDED, xfer.agent, xfer.nbytes)
-        if not xfer.done:
-            self.posted.append(xfer)
-
-    @property
-    def in_flight(self) -> bool:
-        return not all(x.done for x in self.xfers)
-
-    def wait(
-        self,
-        on_landed: Callable[[int], None] | None = None,
-        idle: Callable[[], bool] | None = None,
-    ) -> PullStats:
-        """Poll every request until all are done; SourceLost on an error or the deadline.
-        `on_landed(n)`: every byte the pull writes before offset `n` of the destination has
-        landed (called as `n` grows, last with the destination's size). `idle()`: work to do
-        while requests are in flight, called at turns where the pull would pause until it
-        returns True (it must not raise)."""
-        agent = self.transport._agent
-        waiting = self.posted
-        landed = _Landed(self, on_landed) if on_landed is not None else None
-        gate = self.gate
-        pause = 0.0
-        while waiting or self.queued:
-            for xfer in list(waiting):
-                try:
-                    state = agent.check_xfer_state(xfer.handle)
-                except _NIXL_ERRORS as e:
-                    self.fail(xfer.agent, e)
-                if state == "ERR":
-                    self.fail(xfer.agent, SourceLost(f"{xfer.agent}: transfer failed"))
-                if state == "DONE":
-                    xfer.done = True
-                    waiting.remove(xfer)
-                    pause = 0.0
-                    if self.trace is not None:
-                        self.trace.add(TraceEvent.LANDED, xfer.agent, xfer.nbytes)
-            held = self._post_queued(waiting)
-            if landed is not None:
-                landed.report()
-            if held:
-                assert gate is not None
-                try:
-                    gate.poll({x.agent for x, need in self.queued if not gate.ready(x.agent, need)})
-                except (SourceLost, TimeoutError) as e:
-                    self.fail(getattr(e, "agent", None) or self.queued[0][0].agent, e)
-                if self._post_queued(waiting):
-                    # A short pause, not a spin: receivers on a busy host (an engine's workers,
-                    # the trainer's ranks serving the reads) share the cores. With the words
-                    # checked back to back, a two-worker engine's pull in the CPU test suite
-                    # ran past its deadline.
-                    time.sleep(min(pause, _GATED_PAUSE_S))
-                    pause = min(2 * pause or 1e-5, 1e-3)
-                    continue
-            if waiting:
-                if time.perf_counter() > self.deadline:
-                    late = waiting[0].agent
-                    self.fail(late, SourceLost(f"{late}: pull not done by its deadline"))
-                if idle is not None and idle():
-                    idle = None
-                    continue  # it took its time: look at the requests again at once
-                time.sleep(pause)
-                pause = min(2 * pause or 1e-5, self.longest_pause)
-        if landed is not None:
-            landed.report()
-        self._end()
-        seconds, xfers = time.perf_counter() - self.begin, self.xfers
-        nbytes, reads = sum(x.nbytes for x in xfers), sum(x.reads for x in xfers)
-        stats = PullStats(nbytes, seconds, reads, len(xfers), self.reposted, gated_s=self.gated_s)
-        stats = _traced(stats, self.trace)
-        seen = None if self.gate is None else self.gate.first_seen
-        if seen is None:
-            return stats
-        assert self.gate is not None
-        return replace(
-            stats,
-            gate_first_s=seen[0] - self.begin,
-            gate_first_pieces=seen[1],
-            gate_rounds=self.gate.rounds,
-        )
-
-    def _post_queued(self, waiting: list[_Xfer]) -> bool:
-        """Posts queued requests, in order, while the window has room and the gate lets the
-        next one; True when the gate holds one back."""
-        gate = self.gate
-        while self.queued and len(waiting) < self.window:
-            xfer, need = self.queued[0]
-            if gate is not None and not gate.ready(xfer.agent, need):
-                return True
-            self.queued.popleft()
-            try:
-                self.post(xfer)
-            except _NIXL_ERRORS as e:
-                self.fail(xfer.agent, e)
-            if gate is not None and not self.gated_s:
-                self.gated_s = time.perf_counter() - self.begin
-        return False
-
-    def fail(self, agent: str, error: BaseException) -> NoReturn:
-        """`agent` let this pull down: cancel its other unfinished requests, disconnect `agent`
-        (it reconnects on next use), and raise SourceLost."""
-        transport = self.transport
-        for xfer in self.xfers:
-            if not xfer.done and xfer.agent != agent and xfer.agent in transport._metadata:
-                transport._xfers.pop(xfer.key, None)
-                if not _release(xfer):
-                    transport._forget_agent(xfer.agent)
-        transport._forget_agent(agent)
-        self._end()
-        if isinstance(error, SourceLost):
-            error.agent = error.agent or agent
-            raise error
-        if isinstance(error, TimeoutError):  # the gate's: its sources never got ready
-            raise error
-        raise SourceLost(f"{agent}: {error}", agent=agent) from error
-
-    def _end(self) -> None:
-        if self.gate is not None:
-            self.gate.settle()
-        if self.temporary:
-            self.transport.deregister(self.dest)
-
-
-def _traced(stats: PullStats, trace: PullTrace | None) -> PullStats:
-    return stats if trace is None else replace(stats, trace=tuple(sorted(trace.events)))
-
-
-class _Landed:
-    """How far from its start a pull's destination holds every byte the pull writes: up to
-    the first read whose request is not done (bytes no read covers count as landed)."""
-
-    def __init__(self, pending: PendingPull, on_landed: Callable[[int], None]) -> None:
-        self._on_landed = on_landed
-        starts = [s for s, _ in pending.spans]
-        owners = [np.full(len(s), i) for s, i in pending.spans]
-        order = np.argsort(np.concatenate(starts), kind="stable") if starts else np.zeros(0, int)
-        self._starts: list[int] = np.concatenate(starts)[order].tolist() if starts else []
-        self._owners: list[int] = np.concatenate(owners)[order].tolist() if owners else []
-        self._xfers = pending.xfers
-        self._end = pending.dest.nbytes
-        self._next = 0
-        self.prefix = 0
-
-    def report(self) -> None:
-        """Tells `on_landed` the prefix, when it moved since the last call."""
-        k = self._next
-        while k < len(self._starts) and self._xfers[self._owners[k]].done:
-            k += 1
-        self._next = k
-        prefix = self._starts[k] if k < len(self._starts) else self._end
-        if prefix > self.prefix:
-            self.prefix = prefix
-            self._on_landed(prefix)
-
-
-_Request = tuple[tuple[str, MemType], tuple[np.ndarray, np.ndarray]]
-"""A READ request: (source agent, its memory type), (remote, local) N×3 descriptors."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -780,50 +519,3 @@ def _xfer_key(
 
 _CUTS_KEPT = 8
 """Plans whose requests a transport keeps (a few slots' worth)."""
-
-
-def _requests(plan: PullPlan, dest: Region, size: int, taper: int = 0) -> list[_Request]:
-    """The plan's READ requests: per source (agent, memory type, device), its reads in
-    destination order cut into requests of about `size` bytes (`chunking`; with `taper`, at
-    `chunk_bounds`, halving towards the ends), each as (remote, local) N×3 uint64 descriptor
-    arrays (address, length, device)."""
-    parts: dict[tuple[str, MemType, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-    for reads in plan.reads:
-        loc = reads.location
-        parts.setdefault((loc.agent, loc.mem_type, loc.device_id), []).append(
-            (reads.remote_addresses, reads.lengths, reads.dest_offsets)
-        )
-    out = []
-    for (agent, mem_type, device), group in parts.items():
-        remote = np.concatenate([p[0] for p in group]).astype(np.uint64)
-        length = np.concatenate([p[1] for p in group])
-        dst = np.concatenate([p[2] for p in group])
-        order = np.argsort(dst, kind="stable")
-        if taper:
-            bounds = chunk_bounds(int(length.sum()), size, taper)
-            remote, length, dst, request = cut_at(remote[order], length[order], dst[order], bounds)
-        else:
-            remote, length, dst = cut_long(remote[order], length[order], dst[order], size)
-            request = np.zeros(len(length), np.int64)
-            for i, idx in enumerate(groups(length, size)):
-                request[idx] = i
-        remote, length, dst, request = merge_continuing(remote, length, dst, request)
-        for idx in np.split(np.arange(len(request)), np.flatnonzero(np.diff(request)) + 1):
-            n = length[idx].astype(np.uint64)
-            same = len(idx)
-            r = np.stack([remote[idx], n, np.full(same, device, np.uint64)]).T
-            local_addr = dst[idx].astype(np.uint64) + np.uint64(dest.address)
-            d = np.stack([local_addr, n, np.full(same, dest.device_id, np.uint64)]).T
-            out.append(((agent, mem_type), (np.ascontiguousarray(r), np.ascontiguousarray(d))))
-    return out
-
-
-def _release(xfer: _Xfer) -> bool:
-    """Release a request (cancelling it if in flight) and its lists; False if NIXL refused."""
-    ok = True
-    for thing in (xfer.handle, *xfer.dlists):
-        try:
-            thing.release()
-        except _NIXL_ERRORS:
-            ok = False
-    return ok

@@ -5,20 +5,21 @@ least `plan.nbytes` long) and returns `PullStats`; it raises `SourceLost` when a
 deliver (dead, disconnected, stalled past a deadline, memory not registered): a pull either
 fills all of its targets or fails. `InMemoryTransport` is the reference implementation (numpy
 copies within one process, from buffers registered per agent name, like NIXL's registered
-memory); `nixl_transport.NixlTransport` is the real one.
+memory); `nixl_transport.NixlTransport` is the real one. A pull over NIXL may take checksums
+that come after it started (`LaterChecksums`) and a gate on its requests (`Gate`).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
-from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.core.plan import Checksums, PullPlan
 from refit_sidecar.integrity.checksum import verify_checksums
 from refit_sidecar.memory.region import Region, host_view
 from refit_sidecar.pull.trace import Event
@@ -116,3 +117,52 @@ class InMemoryTransport:
         if i < 0 or address >= buffers[i][0] + len(buffers[i][1]):
             raise SourceLost(f"{agent}: address {address:#x} is not in registered memory")
         return buffers[i][1], address - buffers[i][0]
+
+
+class LaterChecksums(Protocol):
+    """A pull's checksums that come after it started (`nixl_transport.NixlTransport.pull`)."""
+
+    def prepare(self) -> bool:
+        """Converts them if they have come, never raising (an error waits for `result`);
+        True once nothing is left to prepare. The pull calls it at turns where it would
+        pause, while its bytes are in flight."""
+        ...
+
+    def result(self) -> Sequence[Checksums]:
+        """Waits for them: each read's, in the plan's order."""
+        ...
+
+
+class Gate(Protocol):
+    """Which READ requests of a pull may be posted yet (`piece_gate.PieceGate`)."""
+
+    rounds: int
+    """Looks at the sources that landed (reads of their words)."""
+    first_seen: tuple[float, int] | None
+    """The first look's time (time.perf_counter()) and what it let go (pieces holding the
+    version), None before it: with `rounds`, whether a pull's first request waited for the
+    sources' copies or for its own looks (`PullStats.gate_first_s`)."""
+    told: float | None
+    """When the gate opened on the sidecar's word that the version is readable, before any
+    look let it (time.perf_counter()); None if it did not."""
+
+    def need(self, agent: str, end: int) -> int:
+        """What a request of `agent` reading its memory up to address `end` (one past its
+        last byte) waits for, in terms `ready` understands."""
+        ...
+
+    def ready(self, agent: str, need: int) -> bool: ...
+
+    def poll(self, waiting: Iterable[str]) -> None:
+        """Learn more about the sources in `waiting`, without blocking; SourceLost or a
+        TimeoutError ends the pull."""
+        ...
+
+    def first_look(self) -> None:
+        """After the pull's set-up: wait a moment for what the first `poll` asked, so the
+        requests it lets go are posted at once."""
+        ...
+
+    def settle(self) -> None:
+        """The pull ended: wait for what `poll` left in flight."""
+        ...
