@@ -303,8 +303,9 @@ class NixlTransport:
         return pending
 
     def _requests_of(self, plan: PullPlan, dest: Region) -> list[_Cut]:
-        """The plan's requests into `dest`, in destination order (`_requests`), cut once per
-        plan and destination, with what each pull's set-up would otherwise compute again."""
+        """The plan's requests into `dest`, in destination order (`chunking.requests_of`), cut
+        once per plan and destination, with what each pull's set-up would otherwise compute
+        again."""
         key = (id(plan.reads), dest.address, dest.nbytes, dest.device_id, dest.mem_type)
         kept = self._cut.get(key)
         if kept is not None and kept[0] is plan.reads:

@@ -184,3 +184,60 @@ def take(
             rest = cut
         still += [(i, part) for part in rest]
     return taken, still
+
+
+_CUTS_KEPT = 4096
+
+
+class Cuts:
+    """How sources' holdings cut receivers' wants, cached by (holdings key, wants key): a
+    receiver asks with the same wants for every version, and sources of one layout share
+    holdings, so each cut is computed once."""
+
+    def __init__(self) -> None:
+        self._by_keys: dict[tuple[bytes, bytes], tuple[tuple[tuple[int, Box], ...] | None, bool]]
+        self._by_keys = {}
+        """`cut` by (holdings key, wants key)."""
+        self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
+        """`holdings` by wants key."""
+
+    def holdings(
+        self, wants: Sequence[Want], wants_key: bytes
+    ) -> tuple[dict[str, tuple[Box, ...]], bytes]:
+        """What a receiver of `wants` holds once it has them, and its `holdings_key`."""
+        cached = self._held.get(wants_key) if wants_key else None
+        if cached is None:
+            held = holdings(wants)
+            cached = (held, holdings_key(held))
+            if wants_key:
+                if len(self._held) >= _CUTS_KEPT:
+                    self._held.clear()
+                self._held[wants_key] = cached
+        return cached
+
+    def cut(
+        self, source: Source, wants: Sequence[Want], wants_key: bytes
+    ) -> tuple[tuple[tuple[int, Box], ...] | None, bool]:
+        """(all of `wants` as `source` holds it, in pieces (want index, box) in want order,
+        or None when it does not hold all of it; whether it holds none of it). Cached by
+        (holdings, wants) when the wants have a key."""
+        key = (source.holds_key, wants_key)
+        if wants_key and key in self._by_keys:
+            return self._by_keys[key]
+        taken, left = take(
+            [(i, w.box) for i, w in enumerate(wants)], [w.name for w in wants], source.holds
+        )
+        cut = None if left else tuple(sorted(taken, key=lambda p: (p[0], p[1].start)))
+        if wants_key:
+            if len(self._by_keys) >= _CUTS_KEPT:
+                self._by_keys.clear()
+            self._by_keys[key] = (cut, not taken)
+        return cut, not taken
+
+    def share(self, source: Source, wants: Sequence[Want], wants_key: bytes) -> bool | None:
+        """Whether `source` holds all of `wants` (True) or none of it (False); None when it
+        holds some, or the wants have no key (cutting then costs more than it saves)."""
+        if not wants_key:
+            return None
+        cut, none = self.cut(source, wants, wants_key)
+        return True if cut is not None else False if none else None

@@ -33,8 +33,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 
 from refit_sidecar.core.errors import UnknownVersion
 from refit_sidecar.core.manifest import Box, Manifest
@@ -56,7 +55,9 @@ from refit_sidecar.core.tree_records import (
     TreeListing,
     UnknownSource,
 )
+from refit_sidecar.service.parent_holds import ParentHolds
 from refit_sidecar.service.source_order import (
+    Cuts,
     Ranking,
     Replay,
     Source,
@@ -64,6 +65,17 @@ from refit_sidecar.service.source_order import (
     holdings_key,
     holds_any,
     take,
+)
+from refit_sidecar.service.tree_shape import (
+    OpenVersion,
+    ReceiverPull,
+    check_same,
+    check_wants,
+    descendants,
+    fallbacks,
+    listing,
+    not_a_root,
+    uniform_fallbacks,
 )
 from trainer_refit.errors import InvalidRequest, quoted
 
@@ -89,7 +101,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_CUTS_KEPT = 4096
 _LAYOUTS_KEPT = 4
 _ROUTES_KEPT = 256
 _Layout = tuple[
@@ -98,46 +109,19 @@ _Layout = tuple[
 """A manifest's shapes by tensor, and per agent (sorted) its boxes by tensor and their key."""
 
 
-@dataclass(eq=False)
-class _Pull:
-    """A receiver's latest assignment: active until released."""
-
-    domain: str
-    fed_by: tuple[str, ...]
-    active: Assignment | None
-    state: CopyState = CopyState.FILLING
-
-
-@dataclass(eq=False)
-class _Version:
-    version: int
-    shapes: dict[str, tuple[int, ...]]
-    ranking: Ranking
-    sources: dict[str, Source] = field(default_factory=dict)
-    pulls: dict[str, _Pull] = field(default_factory=dict)
-    roots: list[str] = field(default_factory=list)
-    """The trainer's ranks (agents), dropped ones included."""
-    seq: Iterator[int] = field(default_factory=itertools.count)
-    opened_at: float = 0.0
-    gone: set[str] = field(default_factory=set)
-    """Sources removed from this version (failed, lost, expired, unregistered)."""
-
-
 class Tree:
     def __init__(self, config: TreeConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
-        self._versions: dict[int, _Version] = {}
+        self._versions: dict[int, OpenVersion] = {}
         self._deadlines: list[tuple[float, int, str]] = []
         """(expiry, version, peer) per registration or renewal; stale entries are skipped."""
         self._caps = {
             NodeKind.PEER: config.max_children,
             NodeKind.TRAINER: config.max_root_children,
         }
-        self._cuts: dict[tuple[bytes, bytes], tuple[tuple[tuple[int, Box], ...] | None, bool]] = {}
-        """`_cut` by (holdings key, wants key)."""
-        self._held: dict[bytes, tuple[dict[str, tuple[Box, ...]], bytes]] = {}
-        """`_holdings` by wants key."""
+        self._cuts = Cuts()
+        """How sources' holdings cut receivers' wants, by their keys."""
         self._routes: OrderedDict[
             tuple[object, ...], tuple[list[tuple[int, Box]], tuple[Route, ...]]
         ]
@@ -146,10 +130,8 @@ class Tree:
         source, its fallbacks): the pieces they were cut into, and the routes."""
         self._layouts: list[tuple[Manifest, _Layout]] = []
         """`_layout` of the manifests opened last (kept by identity, newest first)."""
-        self._parents: dict[str, tuple[int, tuple[str, ...], float]] = {}
-        """Each receiver's version, primaries and time of its latest assignment: held for it
-        while a later version is young (`TreeConfig.hold_parents_s`), as long as the receiver
-        asked within `TreeConfig.peer_ttl_s` (it may skip versions, not stop)."""
+        self._holds = ParentHolds(config, self._caps, clock)
+        """Each receiver's parents, held for it while a later version is young."""
 
     # -- versions and sources -----------------------------------------------------------------
 
@@ -161,7 +143,7 @@ class Tree:
         if version in self._versions:
             raise InvalidRequest(f"version {version} is open already", field="version")
         shapes, holds = self._layout(manifest)
-        v = _Version(version, shapes, Ranking(self._caps))
+        v = OpenVersion(version, shapes, Ranking(self._caps))
         v.opened_at = self._clock()
         for agent, held, key in holds:
             domain = (domains or {}).get(agent, "")
@@ -195,14 +177,8 @@ class Tree:
         """Forgets `version` (the registry retired it), and the parents of the receivers that
         stopped pulling (none for `peer_ttl_s`); False when it was not open. A receiver that
         skips versions keeps its parents: the tree keeps its shape across the gap."""
-        for receiver in [r for r in self._parents if not self._recent(r)]:
-            del self._parents[receiver]
+        self._holds.forget_stopped()
         return self._versions.pop(version, None) is not None
-
-    def _recent(self, receiver_id: str) -> bool:
-        """`receiver_id` was assigned a version within `peer_ttl_s`."""
-        entry = self._parents.get(receiver_id)
-        return entry is not None and self._clock() - entry[2] < self.config.peer_ttl_s
 
     @property
     def versions(self) -> list[int]:
@@ -215,7 +191,7 @@ class Tree:
         expires. Registering again renews it and may mark the copy complete."""
         self.expire()
         v = self._version(version)
-        self._check(v, holds, "holds")
+        check_wants(v, holds, "holds")
         held = holdings(holds)
         source = v.sources.get(receiver.receiver_id)
         if source is None:
@@ -224,7 +200,7 @@ class Tree:
             source.stage = 1
             v.sources[source.source_id] = source
         else:
-            self._check_same(v, source, held)
+            check_same(v, source, held)
             if source.state is CopyState.COMPLETE and state is CopyState.FILLING:
                 raise InvalidRequest(
                     f"peer {quoted(source.source_id)} already holds a complete copy of version "
@@ -245,7 +221,7 @@ class Tree:
     def unregister(self, version: int, source_id: str) -> tuple[Orphan, ...]:
         """A peer stops serving `version` (it reuses its staging, or closes)."""
         self._source(version, source_id)
-        self._not_a_root(self._versions[version], source_id)
+        not_a_root(self._versions[version], source_id)
         return self._remove(self._versions[version], source_id)
 
     def drop(self, source_id: str) -> tuple[Orphan, ...]:
@@ -253,10 +229,7 @@ class Tree:
         orphans: list[Orphan] = []
         for v in self._versions.values():
             orphans += self._remove(v, source_id)
-        self._parents.pop(source_id, None)
-        for receiver, (_, parents, _) in list(self._parents.items()):
-            if source_id in parents:
-                del self._parents[receiver]
+        self._holds.drop(source_id)
         return tuple(orphans)
 
     def expire(self) -> tuple[Orphan, ...]:
@@ -271,7 +244,7 @@ class Tree:
                 orphans += self._remove(v, source_id)
         return tuple(orphans)
 
-    def _renew(self, v: _Version, source: Source) -> float:
+    def _renew(self, v: OpenVersion, source: Source) -> float:
         source.expires_at = self._clock() + self.config.peer_ttl_s
         heapq.heappush(self._deadlines, (source.expires_at, v.version, source.source_id))
         return source.expires_at
@@ -298,16 +271,16 @@ class Tree:
         self.expire()
         v = self._version(version)
         if not wants or not wants_key:
-            self._check(v, wants, "wants")
+            check_wants(v, wants, "wants")
         rid = receiver.receiver_id
-        self._not_a_root(v, rid)
-        held = self._holdings(wants, wants_key)
+        not_a_root(v, rid)
+        held = self._cuts.holdings(wants, wants_key)
         own = v.sources.get(rid)
         if own is not None:
-            self._check_same(v, own, held[0])
+            check_same(v, own, held[0])
         self._end_pull(v, rid)
-        excluded = {rid, *self._descendants(v, rid)}
-        prefer, reserved = self._held_parents(v, rid, excluded)
+        excluded = {rid, *descendants(v, rid)}
+        prefer, reserved = self._holds.held(v, rid, excluded, self._versions.values())
         try:
             pieces = self._choose(
                 v, receiver.domain, wants, excluded, wants_key, prefer=prefer, reserved=reserved
@@ -318,22 +291,58 @@ class Tree:
             until = v.opened_at + self.config.hold_parents_s
             raise HeldForParent(f"{e} (some slots are held for receivers yet to ask)", until) from e
         primaries = tuple(dict.fromkeys(p for _, _, p in pieces))
-        self._parents[rid] = (version, primaries, self._clock())
+        self._holds.note(rid, version, primaries)
         for p in primaries:
             v.sources[p].children.add(rid)
             v.ranking.place(v.sources[p])
-        order = Replay(v.ranking.ordered(receiver.domain, with_room=False))
+        routes = self._routes_of(
+            v,
+            domain=receiver.domain,
+            wants=wants,
+            wants_key=wants_key,
+            pieces=pieces,
+            excluded=excluded,
+        )
+        assignment = Assignment(version, rid, routes)
+        v.pulls[rid] = ReceiverPull(receiver.domain, primaries, assignment)
+        if own is None and serve:
+            own = Source(
+                rid, NodeKind.PEER, receiver.domain, held[0], next(v.seq), holds_key=held[1]
+            )
+            v.sources[rid] = own
+        if own is not None:
+            own.state = CopyState.FILLING
+            own.stage = 1 + max(self._stage(v.sources[p]) for p in primaries)
+            self._renew(v, own)
+            v.ranking.place(own)
+        log.debug("version %d: %r reads from %s", version, rid, list(primaries))
+        return assignment
+
+    def _routes_of(
+        self,
+        v: OpenVersion,
+        *,
+        domain: str,
+        wants: Sequence[Want],
+        wants_key: bytes,
+        pieces: list[tuple[int, Box, str]],
+        excluded: set[str],
+    ) -> tuple[Route, ...]:
+        """The routes of `pieces` (want index, box, primary), each with its fallbacks; those
+        of a single-source assignment that repeats are the same object as before."""
+        primaries = tuple(dict.fromkeys(p for _, _, p in pieces))
+        order = Replay(v.ranking.ordered(domain, with_room=False))
         roots = sorted(
             (v.sources[r] for r in v.roots if r in v.sources),
-            key=lambda s: (s.domain != receiver.domain, len(s.children), s.seq),
+            key=lambda s: (s.domain != domain, len(s.children), s.seq),
         )
         # A primary's own subtree stalls with it: no fallback comes from there.
-        avoid = {p: excluded | self._descendants(v, p) for p in primaries}
+        avoid = {p: excluded | descendants(v, p) for p in primaries}
         known: dict[str, bool | None] = {}
 
         def share(source_id: str) -> bool | None:
             if source_id not in known:
-                known[source_id] = self._share(v.sources[source_id], wants, wants_key)
+                known[source_id] = self._cuts.share(v.sources[source_id], wants, wants_key)
             return known[source_id]
 
         # Where every source a fallback could come from holds all the wants (one layout), the
@@ -366,7 +375,7 @@ class Tree:
                     wants[i].name,
                     box,
                     p,
-                    self._fallbacks(
+                    fallbacks(
                         v,
                         wants[i].name,
                         box,
@@ -374,10 +383,11 @@ class Tree:
                         excluded=avoid[p],
                         order=order,
                         roots=roots,
+                        max_peers=self.config.max_peer_fallbacks,
                         whole=lambda s: share(s) is True,
                     )
-                    if (fallbacks := same[p]) is None
-                    else fallbacks,
+                    if (uniform := same[p]) is None
+                    else uniform,
                 )
                 for i, box, p in pieces
             )
@@ -385,20 +395,28 @@ class Tree:
             self._routes[memo_key] = ([(i, b) for i, b, _ in pieces], routes)
             while len(self._routes) > _ROUTES_KEPT:
                 self._routes.popitem(last=False)
-        assignment = Assignment(version, rid, routes)
-        v.pulls[rid] = _Pull(receiver.domain, primaries, assignment)
-        if own is None and serve:
-            own = Source(
-                rid, NodeKind.PEER, receiver.domain, held[0], next(v.seq), holds_key=held[1]
-            )
-            v.sources[rid] = own
-        if own is not None:
-            own.state = CopyState.FILLING
-            own.stage = 1 + max(self._stage(v.sources[p]) for p in primaries)
-            self._renew(v, own)
-            v.ranking.place(own)
-        log.debug("version %d: %r reads from %s", version, rid, list(primaries))
-        return assignment
+        return routes
+
+    def _uniform_fallbacks(
+        self,
+        v: OpenVersion,
+        *,
+        primary: str,
+        excluded: set[str],
+        order: Replay,
+        roots: list[Source],
+        share: Callable[[str], bool | None],
+    ) -> tuple[str, ...] | None:
+        """`tree_shape.uniform_fallbacks` with this tree's `max_peer_fallbacks`."""
+        return uniform_fallbacks(
+            v,
+            primary=primary,
+            excluded=excluded,
+            order=order,
+            roots=roots,
+            max_peers=self.config.max_peer_fallbacks,
+            share=share,
+        )
 
     def release(self, version: int, receiver_id: str, outcome: PullOutcome) -> tuple[Orphan, ...]:
         """The receiver's pull ended: its child slots are free. A serving receiver's copy
@@ -406,7 +424,7 @@ class Tree:
         changes nothing."""
         self.expire()
         v = self._version(version)
-        self._not_a_root(v, receiver_id)
+        not_a_root(v, receiver_id)
         self._end_pull(v, receiver_id)
         pull = v.pulls.get(receiver_id)
         if outcome is PullOutcome.FAILED:
@@ -448,48 +466,11 @@ class Tree:
 
     def tree(self, version: int) -> TreeListing:
         self.expire()
-        v = self._version(version)
-        depths = self._depths(v)
-        nodes = []
-        for node_id in set(v.sources) | set(v.pulls):
-            source, pull = v.sources.get(node_id), v.pulls.get(node_id)
-            if source is not None:
-                info = NodeInfo(
-                    node_id,
-                    source.kind,
-                    source.domain,
-                    source.state,
-                    depths[node_id],
-                    len(source.children),
-                    source.expires_at,
-                )
-            else:
-                assert pull is not None
-                info = NodeInfo(
-                    node_id,
-                    NodeKind.RECEIVER,
-                    pull.domain,
-                    pull.state,
-                    depths[node_id],
-                    0,
-                    None,
-                )
-            nodes.append(info)
-        edges = [
-            Edge(parent, child, pull.active is not None)
-            for child, pull in v.pulls.items()
-            for parent in pull.fed_by
-            if parent in v.sources
-        ]
-        return TreeListing(
-            version,
-            tuple(sorted(nodes, key=lambda n: (n.depth, n.node_id))),
-            tuple(sorted(edges, key=lambda e: (e.child, e.parent))),
-        )
+        return listing(self._version(version))
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _version(self, version: int) -> _Version:
+    def _version(self, version: int) -> OpenVersion:
         v = self._versions.get(version)
         if v is None:
             raise UnknownVersion(
@@ -507,125 +488,12 @@ class Tree:
             )
         return source
 
-    def _check(self, v: _Version, wants: Sequence[Want], field_name: str) -> None:
-        if not wants:
-            raise InvalidRequest(f"no {field_name} given for version {v.version}", field=field_name)
-        for want in wants:
-            shape = v.shapes.get(want.name)
-            if shape is None:
-                raise InvalidRequest(
-                    f"{quoted(want.name)} is not a parameter of version {v.version}",
-                    field=field_name,
-                )
-            if not want.box.within(shape):
-                raise InvalidRequest(
-                    f"{want.name}: box {want.box.ranges} is outside shape {shape}", field=field_name
-                )
-
-    @staticmethod
-    def _not_a_root(v: _Version, node_id: str) -> None:
-        if node_id in v.roots:
-            raise InvalidRequest(
-                f"{quoted(node_id)} is a trainer rank of version {v.version}, not a receiver"
-            )
-
-    @staticmethod
-    def _check_same(v: _Version, source: Source, held: dict[str, tuple[Box, ...]]) -> None:
-        if source.holds != held:
-            raise InvalidRequest(
-                f"peer {quoted(source.source_id)} holds other boxes of version {v.version}; "
-                "unregister it before it serves another layout"
-            )
-
-    @staticmethod
-    def _depths(v: _Version) -> dict[str, int]:
-        """Depth of every source and receiver: 0 for a trainer rank, else 1 + the deepest
-        live parent of its last pull (1 without one). Iterative: a chain may be long."""
-        depths: dict[str, int] = {}
-
-        def parents(node: str) -> list[str]:
-            pull = v.pulls.get(node)
-            return [p for p in (pull.fed_by if pull else ()) if p in v.sources]
-
-        for start in itertools.chain(v.sources, v.pulls):
-            stack, on_path = [start], set()
-            while stack:
-                node = stack[-1]
-                if node in depths:
-                    stack.pop()
-                    continue
-                source = v.sources.get(node)
-                if source is not None and source.kind is NodeKind.TRAINER:
-                    depths[node] = 0
-                    continue
-                pending = [p for p in parents(node) if p not in depths and p not in on_path]
-                if pending and node not in on_path:
-                    on_path.add(node)
-                    stack += pending
-                    continue
-                depths[node] = 1 + max((depths.get(p, 0) for p in parents(node)), default=0)
-                on_path.discard(node)
-        return depths
-
     def _stage(self, source: Source) -> int:
         return 0 if source.state is CopyState.COMPLETE else source.stage
 
-    def _descendants(self, v: _Version, root: str) -> set[str]:
-        """The sources reading from `root`, directly or through others, now."""
-        out: set[str] = set()
-        frontier = [root]
-        while frontier:
-            source = v.sources.get(frontier.pop())
-            for child in v.sources.keys() & source.children if source else ():
-                if child not in out:
-                    out.add(child)
-                    frontier.append(child)
-        return out
-
-    def _holdings(
-        self, wants: Sequence[Want], wants_key: bytes
-    ) -> tuple[dict[str, tuple[Box, ...]], bytes]:
-        """What a receiver of `wants` holds once it has them, and its `holdings_key`."""
-        cached = self._held.get(wants_key) if wants_key else None
-        if cached is None:
-            held = holdings(wants)
-            cached = (held, holdings_key(held))
-            if wants_key:
-                if len(self._held) >= _CUTS_KEPT:
-                    self._held.clear()
-                self._held[wants_key] = cached
-        return cached
-
-    def _cut(
-        self, source: Source, wants: Sequence[Want], wants_key: bytes
-    ) -> tuple[tuple[tuple[int, Box], ...] | None, bool]:
-        """(all of `wants` as `source` holds it, in pieces (want index, box) in want order,
-        or None when it does not hold all of it; whether it holds none of it). Cached by
-        (holdings, wants) when the wants have a key."""
-        key = (source.holds_key, wants_key)
-        if wants_key and key in self._cuts:
-            return self._cuts[key]
-        taken, left = take(
-            [(i, w.box) for i, w in enumerate(wants)], [w.name for w in wants], source.holds
-        )
-        cut = None if left else tuple(sorted(taken, key=lambda p: (p[0], p[1].start)))
-        if wants_key:
-            if len(self._cuts) >= _CUTS_KEPT:
-                self._cuts.clear()
-            self._cuts[key] = (cut, not taken)
-        return cut, not taken
-
-    def _share(self, source: Source, wants: Sequence[Want], wants_key: bytes) -> bool | None:
-        """Whether `source` holds all of `wants` (True) or none of it (False); None when it
-        holds some, or the wants have no key (cutting then costs more than it saves)."""
-        if not wants_key:
-            return None
-        cut, none = self._cut(source, wants, wants_key)
-        return True if cut is not None else False if none else None
-
     def _choose(
         self,
-        v: _Version,
+        v: OpenVersion,
         domain: str,
         wants: Sequence[Want],
         excluded: set[str],
@@ -654,7 +522,7 @@ class Tree:
             if not pieces and wants_key:
                 # The usual case: the first source holds everything (a peer of the same
                 # layout, a trainer of one rank), cut as it was for an earlier version.
-                cut, _ = self._cut(v.sources[source_id], wants, wants_key)
+                cut, _ = self._cuts.cut(v.sources[source_id], wants, wants_key)
                 if cut is not None:
                     return [(i, box, source_id) for i, box in cut]
             taken, left = take(left, names, v.sources[source_id].holds)
@@ -679,138 +547,7 @@ class Tree:
             f"{name} {box.ranges}"
         )
 
-    def _held_parents(
-        self, v: _Version, receiver_id: str, excluded: set[str]
-    ) -> tuple[tuple[str, ...], dict[str, int]]:
-        """While `v` is young: the receiver's previous parents (NoSourceFree while one of them,
-        alive, has not asked for `v` yet), and the child slots held for the other receivers
-        that have not asked yet, by parent."""
-        if self._clock() - v.opened_at >= self.config.hold_parents_s:
-            return (), {}
-        before, mine, _ = self._parents.get(receiver_id, (-1, (), 0.0))
-        if before >= v.version or not self._recent(receiver_id):
-            mine = ()  # assigned for this version already (a fallback), or it had stopped
-        late = [
-            p
-            for p in mine
-            if p not in v.sources
-            and p not in excluded
-            and p not in v.gone
-            and (self._recent(p) or any(p in w.sources for w in self._versions.values()))
-        ]
-        if late:
-            raise HeldForParent(
-                f"version {v.version}: {quoted(receiver_id)} waits for its previous parent "
-                f"{quoted(late[0])}, which has not asked for this version yet",
-                v.opened_at + self.config.hold_parents_s,
-            )
-        reserved: dict[str, int] = {}
-        for other, (then, parents, _) in self._parents.items():
-            if (
-                other != receiver_id
-                and then < v.version
-                and other not in v.pulls
-                and other not in v.gone
-                and self._recent(other)
-            ):
-                for p in parents:
-                    reserved[p] = reserved.get(p, 0) + 1
-        # Holds can claim more of a parent than it has: a receiver that finished early frees
-        # its slot, another takes it, and both remember that parent. This receiver is one of
-        # the claimants: it asked first, so one slot is its own.
-        for p in mine:
-            source = v.sources.get(p)
-            if source is not None and p in reserved:
-                reserved[p] = min(reserved[p], self._caps[source.kind] - 1)
-        return mine, reserved
-
-    def _fallbacks(
-        self,
-        v: _Version,
-        name: str,
-        box: Box,
-        *,
-        primary: str,
-        excluded: set[str],
-        order: Replay,
-        roots: list[Source],
-        whole: Callable[[str], bool] = lambda s: False,
-    ) -> tuple[str, ...]:
-        """`whole(source_id)`: the source holds every want (so any piece of them)."""
-
-        def usable(s: Source | None) -> bool:
-            return (
-                s is not None
-                and s.source_id != primary
-                and s.source_id not in excluded
-                and (whole(s.source_id) or holds_any(s.holds, name, box))
-            )
-
-        pull = v.pulls.get(primary)
-        out = [g for g in (pull.fed_by if pull else ()) if usable(v.sources.get(g))]
-        peers = 0
-        for source_id in order:
-            if peers >= self.config.max_peer_fallbacks:
-                break
-            source = v.sources[source_id]
-            if source.kind is NodeKind.PEER and source_id not in out and usable(source):
-                out.append(source_id)
-                peers += 1
-        out += [r.source_id for r in roots if r.source_id not in out and usable(r)]
-        return tuple(out)
-
-    def _uniform_fallbacks(
-        self,
-        v: _Version,
-        *,
-        primary: str,
-        excluded: set[str],
-        order: Replay,
-        roots: list[Source],
-        share: Callable[[str], bool | None],
-    ) -> tuple[str, ...] | None:
-        """`_fallbacks` of any piece of `primary`'s, when every source it would consider holds
-        all the wants or none of them (`share`); None when one holds some (the pieces are then
-        looked at one by one)."""
-
-        def candidate(s: Source | None) -> bool | None:
-            """Usable for every piece (True), for none (False), or it depends (None)."""
-            if s is None or s.source_id == primary or s.source_id in excluded:
-                return False
-            return share(s.source_id)
-
-        out: list[str] = []
-        pull = v.pulls.get(primary)
-        for g in pull.fed_by if pull else ():
-            use = candidate(v.sources.get(g))
-            if use is None:
-                return None
-            if use:
-                out.append(g)
-        peers = 0
-        for source_id in order:
-            if peers >= self.config.max_peer_fallbacks:
-                break
-            source = v.sources[source_id]
-            if source.kind is not NodeKind.PEER or source_id in out:
-                continue
-            use = candidate(source)
-            if use is None:
-                return None
-            if use:
-                out.append(source_id)
-                peers += 1
-        for root in roots:
-            if root.source_id in out:
-                continue
-            use = candidate(root)
-            if use is None:
-                return None
-            if use:
-                out.append(root.source_id)
-        return tuple(out)
-
-    def _end_pull(self, v: _Version, receiver_id: str) -> None:
+    def _end_pull(self, v: OpenVersion, receiver_id: str) -> None:
         pull = v.pulls.get(receiver_id)
         if pull is None or pull.active is None:
             return
@@ -821,7 +558,7 @@ class Tree:
                 v.ranking.place(source)
         pull.active = None
 
-    def _remove(self, v: _Version, source_id: str) -> tuple[Orphan, ...]:
+    def _remove(self, v: OpenVersion, source_id: str) -> tuple[Orphan, ...]:
         self._end_pull(v, source_id)
         v.pulls.pop(source_id, None)
         source = v.sources.pop(source_id, None)
