@@ -24,20 +24,26 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
 
 from refit_sidecar.core.errors import UnknownVersion
-from refit_sidecar.core.manifest import Manifest, c_strides
-from refit_sidecar.core.plan import Want
+from refit_sidecar.core.manifest import Manifest
 from refit_sidecar.service.registry import Registry
+from refit_sidecar.service.source_copies import (
+    Checked,
+    Copy,
+    Offer,
+    OpenManifest,
+    checked_offer,
+    checked_wants,
+    listing_to_proto,
+    peer_copy,
+    trainer_shards,
+)
 from refit_sidecar.service.tree import (
-    CopyState,
     HeldForParent,
-    NodeKind,
     PullOutcome,
     Receiver,
     Route,
@@ -47,77 +53,19 @@ from refit_sidecar.service.tree import (
     UnknownSource,
 )
 from refit_sidecar.service.wire import (
-    box_from_proto,
     box_to_proto,
-    dtype_to_proto,
-    location_from_proto,
     manifest_from_proto,
     manifest_key,
-    progress_file_from_proto,
 )
-from trainer_refit.errors import InvalidRequest, quoted
+from trainer_refit.errors import InvalidRequest
 from trainer_refit.v1 import refit_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-PROGRESS_BYTES = 24
-"""A peer's progress word: three little-endian uint64 (version, filled up to, state)."""
 DRAIN_POLL_S = 0.005
 """How often a drain wait looks at the old copy's readers."""
 _REPLIES_KEPT = 64
 _NAMED_KEPT = 64
-
-_KINDS = {
-    NodeKind.TRAINER: pb.SOURCE_KIND_TRAINER,
-    NodeKind.PEER: pb.SOURCE_KIND_PEER,
-    NodeKind.RECEIVER: pb.SOURCE_KIND_UNSPECIFIED,
-}
-
-
-@dataclass(frozen=True)
-class _Copy:
-    """A source's copy as a reply names it, and the digest of where it lies
-    (`wire.manifest_key`)."""
-
-    message: pb.SourceCopy
-    key: bytes
-
-
-@dataclass(frozen=True)
-class _Open:
-    """A version open in the tree: its merged manifest, as proto and as domain record (shapes,
-    boxes and agents; its version and checksums may be another version's), and its layout key
-    (`wire.manifest_key`: the same for every version laid out alike)."""
-
-    proto: pb.Manifest
-    manifest: Manifest
-    layout_key: bytes
-
-
-@dataclass(eq=False)
-class _Checked:
-    """A receiver's last request, checked: reused while its bytes repeat."""
-
-    wants_key: bytes
-    """Digest of the wants alone."""
-    wants: tuple[Want, ...]
-    offer: pb.PeerOffer | None
-    asked: pb.GetSourcesRequest
-    """The request's wants and offer as received (what a later request is compared with)."""
-    copy: _Copy | None = None
-    """The offered copy as replies name it, built once per offer (`_peer_copy`)."""
-
-
-@dataclass(frozen=True)
-class _Offer:
-    """An offer as stored: the checked request that made it."""
-
-    checked: _Checked
-
-    @property
-    def offer(self) -> pb.PeerOffer:
-        assert self.checked.offer is not None
-        return self.checked.offer
 
 
 class TreeService:
@@ -143,17 +91,17 @@ class TreeService:
         self._clock = clock
         self._generation = registry.generation
         self._tree = Tree(config, clock)
-        self._open: dict[int, _Open] = {}
-        self._offers: dict[tuple[int, str], _Offer] = {}
+        self._open: dict[int, OpenManifest] = {}
+        self._offers: dict[tuple[int, str], Offer] = {}
         self._layouts: dict[bytes, Manifest] = {}
         """By layout key: the domain manifest of the first version laid out so (its version
         and checksums are not used)."""
-        self._last_checked: dict[str, _Checked] = {}
+        self._last_checked: dict[str, Checked] = {}
         """Per receiver: its last request, checked."""
         self._named: OrderedDict[tuple[str, tuple[str, ...]], None] = OrderedDict()
         """The trainer ranks' copies (agent, tensors) replies named lately: built ahead for
         each new layout."""
-        self._trainer_copies: OrderedDict[tuple[bytes, str, tuple[str, ...]], _Copy]
+        self._trainer_copies: OrderedDict[tuple[bytes, str, tuple[str, ...]], Copy]
         self._trainer_copies = OrderedDict()
         """A trainer rank's shards of the wanted tensors, by (layout key, agent, names)."""
         self._replies: OrderedDict[
@@ -222,7 +170,7 @@ class TreeService:
                 return  # their parents are elsewhere: they wait for them
             todo = held
 
-    def _asked(self, request: pb.GetSourcesRequest) -> tuple[int, str, _Checked]:
+    def _asked(self, request: pb.GetSourcesRequest) -> tuple[int, str, Checked]:
         """The request checked against its (open) version, and the peers it lost dropped."""
         rid = request.receiver_id
         if not rid:
@@ -232,7 +180,7 @@ class TreeService:
         self._lost(request.version, rid, request.lost, opened.manifest)
         return request.version, rid, checked
 
-    def _answer(self, request: pb.GetSourcesRequest, checked: _Checked) -> pb.GetSourcesResponse:
+    def _answer(self, request: pb.GetSourcesRequest, checked: Checked) -> pb.GetSourcesResponse:
         """Assigns the receiver's sources and builds its reply; HeldForParent while the tree
         holds a parent of its previous pull for it. Its older copies, unread, are withdrawn."""
         version, rid, offer = request.version, request.receiver_id, checked.offer
@@ -248,7 +196,7 @@ class TreeService:
         )
         self._notify()
         if offer is not None:
-            self._offers[(version, rid)] = _Offer(checked)
+            self._offers[(version, rid)] = Offer(checked)
         return self._reply(
             version, opened, rid, checked, assignment.routes, known=request.known_routing_keys
         )
@@ -260,9 +208,9 @@ class TreeService:
     def _reply(
         self,
         version: int,
-        opened: _Open,
+        opened: OpenManifest,
         rid: str,
-        checked: _Checked,
+        checked: Checked,
         routes: tuple[Route, ...],
         *,
         known: Collection[bytes] = (),
@@ -285,9 +233,7 @@ class TreeService:
             self._debug(self._tree.tree(version))
         return reply
 
-    def _cached_reply(
-        self, routes: tuple[Route, ...], copies: list[_Copy]
-    ) -> pb.GetSourcesResponse:
+    def _cached_reply(self, routes: tuple[Route, ...], copies: list[Copy]) -> pb.GetSourcesResponse:
         """The reply holding `routes` and the primaries' `copies`, with its routing key: a
         digest of the routes without their fallbacks and of where each primary's copy lies.
         Built once per distinct pair."""
@@ -379,7 +325,7 @@ class TreeService:
         except Exception:
             log.exception("opening version %d in the source tree failed", version)
 
-    def _opened(self, version: int) -> _Open:
+    def _opened(self, version: int) -> OpenManifest:
         """The open version, opened now when it is readable; UnknownVersion otherwise."""
         self._sync()
         opened = self._open.get(version)
@@ -396,12 +342,12 @@ class TreeService:
         if manifest is None:
             manifest = self._layouts[layout_key] = manifest_from_proto(proto)
         self._tree.open_version(version, manifest)
-        opened = self._open[version] = _Open(proto, manifest, layout_key)
+        opened = self._open[version] = OpenManifest(proto, manifest, layout_key)
         return opened
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _checked(self, request: pb.GetSourcesRequest, manifest: Manifest) -> _Checked:
+    def _checked(self, request: pb.GetSourcesRequest, manifest: Manifest) -> Checked:
         """The request's wants and offer, checked. A receiver asks with the same wants and
         offer for every version (same layout, same staging): the checked values of its last
         request are reused when they are equal (they were checked against the same trainer
@@ -422,98 +368,10 @@ class TreeService:
             pb.GetSourcesRequest(wants=request.wants).SerializeToString(deterministic=True),
             digest_size=16,
         ).digest()
-        wants = self._wants(request, manifest)
-        offer = self._offer(request, wants, manifest) if request.HasField("offer") else None
-        checked = _Checked(wants_key, tuple(wants), offer, asked)
+        wants = checked_wants(request, manifest)
+        offer = checked_offer(request, wants, manifest) if request.HasField("offer") else None
+        checked = Checked(wants_key, tuple(wants), offer, asked)
         self._last_checked[rid] = checked
-        return checked
-
-    @staticmethod
-    def _wants(request: pb.GetSourcesRequest, manifest: Manifest) -> list[Want]:
-        wants = []
-        for i, wanted in enumerate(request.wants):
-            try:
-                box = box_from_proto(wanted.box)
-            except ValueError as exc:
-                raise InvalidRequest(f"want {i} ({wanted.name}): {exc}", field="wants") from None
-            parameter = manifest.get(wanted.name)
-            if parameter is None:
-                raise InvalidRequest(
-                    f"{quoted(wanted.name)} is not a parameter of version {request.version}",
-                    field="wants",
-                )
-            if not box.within(parameter.shape):
-                raise InvalidRequest(
-                    f"{wanted.name}: box {box.ranges} is outside shape {parameter.shape}",
-                    field="wants",
-                )
-            wants.append(Want(wanted.name, box))
-        return wants
-
-    @staticmethod
-    def _offer(
-        request: pb.GetSourcesRequest, wants: Sequence[Want], manifest: Manifest
-    ) -> pb.PeerOffer:
-        """The offer checked against the wants, its locations' agents and C strides filled in
-        where left empty."""
-        rid, offer = request.receiver_id, request.offer
-        if offer.agent.name != rid:
-            raise InvalidRequest(
-                f"the offer's agent {quoted(offer.agent.name)} is not the receiver {quoted(rid)}",
-                field="offer.agent.name",
-            )
-        if not offer.agent.metadata:
-            raise InvalidRequest(
-                "the offer's agent has no NIXL metadata blob", field="offer.agent.metadata"
-            )
-        if len(offer.locations) != len(wants):
-            raise InvalidRequest(
-                f"the offer has {len(offer.locations)} locations for {len(wants)} wants; one "
-                "per want, in order",
-                field="offer.locations",
-            )
-        checked = pb.PeerOffer(agent=offer.agent)
-        for i, (want, location) in enumerate(zip(wants, offer.locations, strict=True)):
-            where = f"offer.locations[{i}]"
-            loc = _own_location(location, rid, where)
-            shape = want.box.shape
-            if tuple(loc.shape) != shape:
-                raise InvalidRequest(
-                    f"{where}: shape {tuple(loc.shape)} is not the shape {shape} of want "
-                    f"{want.name} {want.box.ranges}",
-                    field=where,
-                )
-            parameter = manifest.get(want.name)
-            assert parameter is not None  # checked by _wants
-            nbytes = math.prod(shape) * parameter.dtype.itemsize
-            if loc.nbytes != nbytes:
-                raise InvalidRequest(
-                    f"{where}: {loc.nbytes} bytes for a {shape} box of {parameter.dtype.value} "
-                    f"({nbytes} bytes)",
-                    field=where,
-                )
-            if tuple(loc.strides) != c_strides(shape):
-                raise InvalidRequest(
-                    f"{where}: strides {tuple(loc.strides)} are not C order for {shape}",
-                    field=where,
-                )
-            checked.locations.append(loc)
-        if not offer.HasField("progress"):
-            raise InvalidRequest("the offer has no progress location", field="offer.progress")
-        progress = _own_location(offer.progress, rid, "offer.progress")
-        if progress.nbytes < PROGRESS_BYTES:
-            raise InvalidRequest(
-                f"offer.progress: {progress.nbytes} bytes, the progress word needs "
-                f"{PROGRESS_BYTES}",
-                field="offer.progress",
-            )
-        checked.progress.CopyFrom(progress)
-        mirror = progress_file_from_proto(offer)
-        if mirror is not None:
-            problem = mirror.check()
-            if problem is not None:
-                raise InvalidRequest(f"offer.progress_file: {problem}", field="offer.progress_file")
-            checked.progress_file.CopyFrom(offer.progress_file)
         return checked
 
     def _lost(self, version: int, rid: str, lost: Sequence[str], manifest: Manifest) -> None:
@@ -586,7 +444,7 @@ class TreeService:
 
     # -- replies --------------------------------------------------------------------------------
 
-    def _copy(self, version: int, opened: _Open, source_id: str, names: list[str]) -> _Copy:
+    def _copy(self, version: int, opened: OpenManifest, source_id: str, names: list[str]) -> Copy:
         if source_id in opened.manifest.agents:
             return self._trainer_copy(opened, source_id, names)
         stored = self._offers.get((version, source_id))
@@ -594,10 +452,10 @@ class TreeService:
             raise RuntimeError(f"version {version}: peer {source_id!r} has no offer on record")
         checked = stored.checked
         if checked.copy is None:
-            checked.copy = _peer_copy(opened, source_id, checked)
+            checked.copy = peer_copy(opened, source_id, checked)
         return checked.copy
 
-    def _trainer_copy(self, opened: _Open, agent: str, names: list[str]) -> _Copy:
+    def _trainer_copy(self, opened: OpenManifest, agent: str, names: list[str]) -> Copy:
         key = (agent, tuple(names))
         self._named[key] = None
         self._named.move_to_end(key)
@@ -608,8 +466,8 @@ class TreeService:
         if copy is not None:
             self._trainer_copies.move_to_end(laid_out)
             return copy
-        shards = _trainer_shards(opened.proto, agent, names)
-        copy = self._trainer_copies[laid_out] = _Copy(
+        shards = trainer_shards(opened.proto, agent, names)
+        copy = self._trainer_copies[laid_out] = Copy(
             pb.SourceCopy(source_id=agent, kind=pb.SOURCE_KIND_TRAINER, shards=shards),
             manifest_key(shards),
         )
@@ -621,109 +479,3 @@ class TreeService:
     def _debug(listing: TreeListing) -> None:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", listing.describe())
-
-
-def listing_to_proto(listing: TreeListing) -> pb.TreeListing:
-    return pb.TreeListing(
-        version=listing.version,
-        nodes=[
-            pb.TreeNode(
-                node_id=n.node_id,
-                kind=_KINDS[n.kind],
-                domain=n.domain,
-                complete=n.state is CopyState.COMPLETE,
-                depth=n.depth,
-                children=n.children,
-                serves=n.kind is not NodeKind.RECEIVER,
-            )
-            for n in listing.nodes
-        ],
-        edges=[pb.TreeEdge(parent=e.parent, child=e.child, active=e.active) for e in listing.edges],
-        depth=listing.depth,
-    )
-
-
-def _own_location(location: pb.ShardLocation, rid: str, where: str) -> pb.ShardLocation:
-    """`location` in the receiver's own memory, its agent and C strides filled in when
-    empty; checked as the manifest checks a shard location."""
-    if location.agent and location.agent != rid:
-        raise InvalidRequest(
-            f"{where}: agent {quoted(location.agent)} is not the receiver {quoted(rid)}",
-            field=where,
-        )
-    filled = pb.ShardLocation()
-    filled.CopyFrom(location)
-    filled.agent = rid
-    if not filled.strides:
-        filled.strides.extend(c_strides(filled.shape))
-    try:
-        location_from_proto(filled)
-    except ValueError as exc:
-        raise InvalidRequest(f"{where}: {exc}", field=where) from None
-    return filled
-
-
-def _trainer_shards(merged: pb.Manifest, agent: str, names: list[str]) -> pb.Manifest:
-    """The merged manifest restricted to one trainer rank's agent and the wanted tensors, as
-    version 0 without checksums."""
-    out = pb.Manifest(layout=merged.layout)
-    out.agents.extend(a for a in merged.agents if a.name == agent)
-    wanted = set(names)
-    for parameter in merged.parameters:
-        if parameter.name not in wanted:
-            continue
-        shards = []
-        for shard in parameter.shards:
-            if shard.location.agent == agent:
-                shards.append(bare := pb.ShardRecord())
-                bare.CopyFrom(shard)  # the merged manifest keeps its checksums
-                bare.ClearField("crc32")
-                bare.ClearField("wsum64")
-        if shards:
-            out.parameters.append(
-                pb.ParameterRecord(
-                    name=parameter.name,
-                    shape=parameter.shape,
-                    dtype=parameter.dtype,
-                    shards=shards,
-                )
-            )
-    return out
-
-
-def _peer_copy(opened: _Open, source_id: str, checked: _Checked) -> _Copy:
-    """A peer's copy as a manifest of version 0: one shard per want of the peer, the want's
-    box at local zero in the offered location. All of them, not only the tensors the caller
-    wants: the caller finds where the copy starts (what its progress word counts from) in
-    them. Its key covers the progress word's location too."""
-    assert checked.offer is not None
-    out = pb.Manifest(layout=opened.proto.layout)
-    out.agents.append(checked.offer.agent)
-    records: dict[str, pb.ParameterRecord] = {}
-    for want, location in zip(checked.wants, checked.offer.locations, strict=True):
-        record = records.get(want.name)
-        if record is None:
-            merged = opened.manifest.get(want.name)
-            assert merged is not None  # the wants were checked against it
-            record = records[want.name] = pb.ParameterRecord(
-                name=want.name, shape=merged.shape, dtype=dtype_to_proto(merged.dtype)
-            )
-        record.shards.append(
-            pb.ShardRecord(
-                location=location,
-                pieces=[pb.ShardPiece(box=box_to_proto(want.box), local_start=[0] * want.box.ndim)],
-            )
-        )
-    out.parameters.extend(records.values())
-    key = hashlib.blake2b(
-        out.SerializeToString(deterministic=True)
-        + checked.offer.progress.SerializeToString(deterministic=True)
-        + checked.offer.progress_file.SerializeToString(deterministic=True),
-        digest_size=16,
-    ).digest()
-    message = pb.SourceCopy(
-        source_id=source_id, kind=pb.SOURCE_KIND_PEER, shards=out, progress=checked.offer.progress
-    )
-    if checked.offer.HasField("progress_file"):
-        message.progress_file.CopyFrom(checked.offer.progress_file)
-    return _Copy(message, key)
