@@ -19,9 +19,9 @@ import time
 import timeit
 from pathlib import Path
 
-from refit_sidecar.cli import SidecarConfig
-from refit_sidecar.client import SidecarClient
-from refit_sidecar.server import create_server
+from refit_sidecar.service.cli import SidecarConfig
+from refit_sidecar.service.client import SidecarClient
+from refit_sidecar.service.server import create_server
 from trainer_refit.auth import ClientAuth, Role, RoleTokens, ServerAuth, TokenDir
 from trainer_refit.bearer import bearer_token
 from trainer_refit.tokens import TokenFile

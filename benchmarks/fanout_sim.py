@@ -1,6 +1,6 @@
 """Predicted refit time against the number of receivers: star, tree and pipelined tree.
 
-Predictions of a model (`refit_sidecar.fanout_sim`), not measurements; no GPU, no network.
+Predictions of a model (`benchmarks.fanout_model`), not measurements; no GPU, no network.
 Prints one markdown table per bandwidth, then the fastest (max_children, chunk) per count.
 
     python -m benchmarks.fanout_sim                              # the tables of docs/fanout.md
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from refit_sidecar.fanout_sim import LinkModel, Row, Topology, format_table, sweep
+from benchmarks.fanout_model import LinkModel, Row, Topology, format_table, sweep
 
 MIB = 2**20
 

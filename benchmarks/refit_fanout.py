@@ -7,7 +7,7 @@ bf16, the config-only Llama of the preset) as subprocesses with authentication o
 ``--receivers`` receiver processes on GPU ``--dest-gpu`` (or one GPU each,
 ``--receiver-gpus``: a receiver may sit on the trainer's GPU beside it, except receiver 0, the
 one-receiver baseline), each a transformers model and two
-`Receiver`s: "direct" (reads the trainer's ranks) and "tree" (``RefitOptions(fanout=True)``:
+`Receiver`s: "direct" (reads the trainer's ranks) and "tree" (``FanOutOptions(enabled=True)``:
 asks the sidecar where to read, reads its parent's chunks as they land, serves its own copy).
 The sidecar runs with ``--max-children`` and ``--max-root-children`` set to ``--max-children``,
 and ``--hold-parents-seconds`` as given (0 shows the tree changing shape with the order
@@ -54,9 +54,9 @@ from typing import Any
 from benchmarks import refit_install as ri
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
-from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
-from refit_sidecar.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.tree_types import TreeConfig
+from refit_sidecar.core.tree_records import TreeConfig
+from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES
+from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 

@@ -15,7 +15,7 @@ installed, against a torch peer copy of the same bytes.
   handed the model's parameters (``Receiver.fetch(version, in_place=...)``): from the second
   refit of a slot's layout on they live in staging, the pull lands in them, the receiver casts
   the ones the model holds in another dtype, and the installer gets only the rest
-  (inference_ext/in_place.py); ``--install copy`` copies every tensor in after the pull. It is
+  (inference_ext/staged_tensors.py); ``--install copy`` copies every tensor in after the pull. It is
   started before the trainer, so its setup is not timed.
 * This process trains ``--warmup + --steps`` steps over gRPC, each FinishTrainStep asked to answer
   once its update is applied (``wait_for_update``: the clock starts when the new weights exist,
@@ -90,10 +90,10 @@ from benchmarks.trainer_step import (
     trainer_server,
 )
 from benchmarks.trainer_step import write_model as _write_model
-from refit_sidecar.chunking import DEFAULT_REQUESTS_IN_FLIGHT
-from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES
-from refit_sidecar.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.snapshot_layout import DEFAULT_FIRST_PIECE_BYTES
+from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES
+from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
+from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES
+from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, SequenceBatch
@@ -143,19 +143,19 @@ class RunConfig:
     expect: bool
     """Receivers ask for each next version before its step (`Receiver.expect`)."""
     requests_in_flight: int
-    """The direct receiver's `RefitOptions.requests_in_flight`."""
+    """The direct receiver's `RefitOptions.direct.requests_in_flight`."""
     request_taper: int
-    """The direct receiver's `RefitOptions.request_taper`."""
+    """The direct receiver's `RefitOptions.direct.request_taper`."""
     install: str
     """How the direct receiver installs (`INSTALLS`)."""
     trace: bool
     """The receivers record each pull's timeline (`RefitOptions.trace_pull`)."""
     before_readable: bool
     """Asked ahead, the lease comes at the slot's reservation and the pull starts on the
-    trainer's version words (`RefitOptions.read_before_readable`)."""
+    trainer's version words (`RefitOptions.direct.read_before_readable`)."""
     behind_copy: bool
     """Before readable, each request waits for its pieces of the trainer's snapshot copy, not
-    for the whole copy (`RefitOptions.read_behind_copy`)."""
+    for the whole copy (`RefitOptions.direct.read_behind_copy`)."""
     first_piece_bytes: int
     """The trainer's `--refit-first-piece-bytes`."""
     lr: float
@@ -216,13 +216,13 @@ class ReceiverSettings:
     checksums: bool = True
     """Verify the trainer's checksums after each pull (WSUM-64 on the receiver's GPU)."""
     before_readable: bool = True
-    """`RefitOptions.read_before_readable` of the receivers."""
+    """`RefitOptions.direct.read_before_readable` of the receivers."""
     behind_copy: bool = True
-    """`RefitOptions.read_behind_copy` of the receivers."""
+    """`RefitOptions.direct.read_behind_copy` of the receivers."""
     requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
-    """`RefitOptions.requests_in_flight` of the receivers."""
+    """`RefitOptions.direct.requests_in_flight` of the receivers."""
     request_taper: int = 0
-    """`RefitOptions.request_taper` of the direct receiver."""
+    """`RefitOptions.direct.request_taper` of the direct receiver."""
     install: str = "in-place"
     """How the direct receiver installs (`INSTALLS`)."""
 
@@ -302,7 +302,8 @@ class InstallEndpoint:
     def __init__(self, settings: ReceiverSettings) -> None:
         import torch
 
-        from inference_ext.receiver import Receiver, RefitOptions
+        from inference_ext.receiver import Receiver
+        from inference_ext.refit_options import DirectOptions, ReceiverAuth, RefitOptions
         from inference_ext.slices import ReceiverLayout
         from megatron_hf.convert import hf_names
         from megatron_hf.spec import ModelSpec
@@ -316,15 +317,17 @@ class InstallEndpoint:
         names = hf_names(self.spec)  # lm_head omitted when tied
         self.params = hf_parameters(self.model, names, self.spec.tie_word_embeddings)
         options = RefitOptions(
-            token_file=settings.token_file,
+            auth=ReceiverAuth(token_file=settings.token_file),
             receiver_id=settings.receiver_id,
             lease_ttl_s=settings.timeout_s,
             pull_timeout_s=settings.timeout_s,
             verify_checksums=settings.checksums,
-            read_before_readable=settings.before_readable,
-            read_behind_copy=settings.behind_copy,
-            requests_in_flight=settings.requests_in_flight,
-            request_taper=settings.request_taper,
+            direct=DirectOptions(
+                read_before_readable=settings.before_readable,
+                read_behind_copy=settings.behind_copy,
+                requests_in_flight=settings.requests_in_flight,
+                request_taper=settings.request_taper,
+            ),
             trace_pull=settings.trace,
         )
         self.receivers = {
@@ -839,13 +842,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--not-before-readable",
         action="store_true",
         help="a version asked for ahead is leased once readable, not at its slot's "
-        "reservation (RefitOptions.read_before_readable off)",
+        "reservation (RefitOptions.direct.read_before_readable off)",
     )
     run.add_argument(
         "--not-behind-copy",
         action="store_true",
         help="a version leased before it is readable is read once the trainer's whole "
-        "snapshot copy landed, not piece by piece behind it (RefitOptions.read_behind_copy off)",
+        "snapshot copy landed, not piece by piece behind it "
+        "(RefitOptions.direct.read_behind_copy off)",
     )
     run.add_argument(
         "--first-piece-bytes",

@@ -76,7 +76,7 @@ from benchmarks.trainer_step import (
     trainer_server,
     write_model,
 )
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.service.client import SidecarClient
 from trainer_refit.auth import ClientAuth, Role, TokenDir
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig
@@ -208,11 +208,11 @@ def puller_main(plan_path: Path, result_path: Path) -> None:
     # torch, NIXL and the data plane only here: the driving process stays light.
     import torch
 
-    from refit_sidecar.manifest import MemType
-    from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-    from refit_sidecar.plan import plan_pull, whole
-    from refit_sidecar.torch_arena import TorchArena
-    from refit_sidecar.transport import Region
+    from refit_sidecar.core.manifest import MemType
+    from refit_sidecar.core.plan import plan_pull, whole
+    from refit_sidecar.memory.region import Region
+    from refit_sidecar.memory.tensor_arena import TorchArena
+    from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     dest_device, source_device = torch.device(plan["dest"]), torch.device(plan["source"])

@@ -47,8 +47,7 @@ import psutil
 
 from benchmarks.refit_pull import sidecar_server
 from benchmarks.trainer_step import tokens_for
-from refit_sidecar.client import SidecarClient, TrainerLayout, lease_from_proto
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -58,12 +57,13 @@ from refit_sidecar.manifest import (
     ShardPiece,
     ShardRecord,
 )
-from refit_sidecar.plan import Want
-from refit_sidecar.registry import Registry, RegistryConfig
-from refit_sidecar.server import RefitServicer
-from refit_sidecar.sources import Offer, get_sources_request
-from refit_sidecar.tree_types import TreeConfig
-from refit_sidecar.wire import publish_request
+from refit_sidecar.core.plan import Want
+from refit_sidecar.core.tree_records import TreeConfig
+from refit_sidecar.service.client import SidecarClient, TrainerLayout, lease_from_proto
+from refit_sidecar.service.registry import Registry, RegistryConfig
+from refit_sidecar.service.server import RefitServicer
+from refit_sidecar.service.sources import Offer, get_sources_request
+from refit_sidecar.service.wire import publish_request
 from trainer_refit.auth import ClientAuth, Role, TokenDir
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import refit_pb2 as pb

@@ -33,7 +33,7 @@ Tokens/s counts every token sent (microbatches x sequences x sequence length per
 trained (predicted) tokens are one fewer per sequence and are reported too.
 
 The services run as deployed, with authentication on (`tokens_for`: a fresh bearer token per role
-under the run's work dir, as ``trainer_refit.local_stack`` does); the trainer's path root is
+under the run's work dir, as ``examples.local_stack`` does); the trainer's path root is
 its own directory beside them (`trainer_root`).
 
     python -m benchmarks.trainer_step --preset 1b --out results.json          # GPU, ~1B model
@@ -527,7 +527,7 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def tokens_for(work: Path) -> TokenDir:
-    """Authentication as deployed, set up as ``trainer_refit.local_stack`` does: fresh random
+    """Authentication as deployed, set up as ``examples.local_stack`` does: fresh random
     bearer tokens for every role in ``<work>/tokens`` that both services read; each client
     presents its own role's token."""
     return TokenDir.create(work / "tokens")

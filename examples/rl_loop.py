@@ -47,12 +47,12 @@ from typing import Any
 import numpy as np
 
 from examples.console import Console, routed_output
+from examples.local_stack import LocalStack, StackConfig
 from examples.reverse_task import Prompt, ReverseTask
-from inference_ext.engine import EXTENSION, EngineRefit, RefitEngine
-from inference_ext.receiver import RefitOptions
+from inference_ext.llm_engine import EXTENSION, EngineRefit, RefitEngine
+from inference_ext.refit_options import FanOutOptions, ReceiverAuth, RefitOptions
 from megatron_hf.tiny import write_tiny_checkpoint
 from trainer_refit.auth import Role
-from trainer_refit.local_stack import LocalStack, StackConfig
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import LossConfig, LossKind, OptimizerOverrides, SequenceBatch
 
@@ -150,7 +150,9 @@ class Engine:
         # Through the sidecar's source tree: an engine that refits after another reads the
         # version from that engine's copy instead of from the trainer (docs/fanout.md).
         options = RefitOptions(
-            receiver_id=f"engine-{self.name}", token_file=str(token_file), fanout=True
+            receiver_id=f"engine-{self.name}",
+            auth=ReceiverAuth(token_file=str(token_file)),
+            fanout=FanOutOptions(enabled=True),
         )
         self.refit.refit_init(sidecar, options)
 

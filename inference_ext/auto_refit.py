@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from inference_ext.auto_config import AutoRefitConfig, FollowPolicy, PauseMode
 from inference_ext.worker_refit import RefitTarget
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.service.client import SidecarClient
 
 log = logging.getLogger(__name__)
 

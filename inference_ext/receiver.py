@@ -1,63 +1,46 @@
-"""One receiver's refit, engine-agnostic: lease a version, pull the slices of it this receiver
-needs into a staging buffer, verify them, and only then hand HF-named tensors to an installer.
+"""One receiver's refit, engine-agnostic: lease a version, plan and pull the slices of it this
+receiver needs into a staging buffer, verify them, and only then hand HF-named tensors to an
+installer.
 
-Nothing reaches the installer until every byte of the version is local and checked, so a
-source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old version.
-An engine whose tensors live in staging (`fetch(..., in_place=...)`) has them filled by the
-pull itself, and restored from a backup on any failure (inference_ext/in_place.py).
-The pull plan is made once per (trainer layout, receiver layout) and replayed (`rebase`) for
-every later version; the staging buffer is allocated and registered with NIXL once.
+`fetch` is lease → plan → pull → end through the receiver's puller (refit_sidecar/pull/
+puller.py: straight from the trainer's ranks, or through the source tree, as the options
+say), with this receiver's plans (receiver_plan.py); `install` assembles the HF tensors from
+staging. Nothing reaches the installer until every byte of the version is local and checked,
+so a source lost mid-pull, a checksum mismatch or a timeout leaves the engine on its old
+version. An engine whose tensors live in staging (`fetch(..., in_place=...)`) has them filled
+by the pull itself, and restored from a backup on any failure (staged_tensors.py). The
+staging buffer is allocated and registered with NIXL once.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import math
-import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from inference_ext.ahead import AheadLease
-from inference_ext.before_readable import BeforeReadable, EarlyPull
-from inference_ext.in_place import InPlace, candidates
-from inference_ext.lease_keeper import LeaseKeeper, renewed
-from inference_ext.slices import ReceiverLayout, hf_slice
-from inference_ext.translate import Source, megatron_sources
-from megatron_hf.convert import hf_shape
+from inference_ext.receiver_plan import HFSlice, ReceiverPlan, ReceiverPlans
+from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
+from inference_ext.slices import ReceiverLayout
+from inference_ext.staged_tensors import InPlace, candidates
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.chunking import DEFAULT_REQUESTS_IN_FLIGHT
-from refit_sidecar.client import Lease, SidecarClient, UnknownVersion, VersionChecksums
-from refit_sidecar.manifest import Box, DType, Manifest, MemType
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.pending import Pending
-from refit_sidecar.pipelined_pull import DEFAULT_CHUNK_BYTES, ChunkConfig
-from refit_sidecar.plan import (
-    PullPlan,
-    UnsupportedRequest,
-    Want,
-    checksums_by_parameter,
-    in_copy_order,
-    layout_key,
-    plan_pull,
-    rebase,
-    with_checksums,
-)
-from refit_sidecar.progress_file import DEFAULT_DIR as DEFAULT_PROGRESS_DIR
-from refit_sidecar.pull_trace import Event, PullTrace
-from refit_sidecar.running_check import DEFAULT_PART_BYTES
-from refit_sidecar.torch_arena import TorchWords
-from refit_sidecar.transport import PullStats, Region
-from refit_sidecar.tree_pull import TreePull, TreePullConfig
-from trainer_refit.auth import ClientAuth
+from refit_sidecar.core.manifest import Box, DType, MemType
+from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.memory.region import Region
+from refit_sidecar.memory.tensor_arena import TorchWords
+from refit_sidecar.pull.direct_puller import DirectConfig, DirectPuller
+from refit_sidecar.pull.leasing import HeldBy, Leased, LeaseLost, LeaseTerms, Leasing
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pull.pipelined import ChunkConfig
+from refit_sidecar.pull.puller import Planned, Pulled, Puller
+from refit_sidecar.pull.tree_pull import TreePull, TreePullConfig
+from refit_sidecar.pull.tree_puller import TreePuller
+from refit_sidecar.service.client import SidecarClient
 
 log = logging.getLogger(__name__)
 
@@ -68,379 +51,25 @@ TORCH_DTYPES: dict[DType, torch.dtype] = {
 }
 
 Installer = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
-RELEASE_AFTER_S = 0.005
-"""A pull whose bytes need no word from the sidecar (all verified, or the version words still
-name the version) ends its lease this long after the fetch, when the refit's install is
-through: a receiver's threads share one interpreter, and the release's call, sent at the
-fetch's end, took it from the install (BENCHMARKS.md, "The receiver's own threads off the
-refit's path"). The slot it frees is wanted by the trainer's next step, a hundred milliseconds
-or more later."""
-
-_KNOWN_MANIFESTS = 16
-"""Plans kept by manifest key: one per snapshot slot of the trainers met lately."""
-
-
-class RefitError(RuntimeError):
-    """A refit did not happen; the receiver still serves the version it served before."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RefitOptions:
-    """How a receiver talks to the sidecar and its sources. JSON-friendly (`from_dict`), so it
-    can travel through `collective_rpc` and vLLM's `--additional-config`."""
-
-    receiver_id: str = "receiver"
-    """Names this receiver in leases and its NIXL agent (with the TP rank appended)."""
-    lease_ttl_s: float = 30.0
-    """Lease held on the version while pulling, renewed every third of it for as long as the
-    pull takes (`lease_keeper`): how long a receiver that dies mid-pull can keep the trainer
-    from reusing the version's snapshot slot."""
-    pull_timeout_s: float = 300.0
-    connect_timeout_s: float = 30.0
-    rpc_timeout_s: float = 30.0
-    visible_timeout_s: float = 30.0
-    """How long a refit to a version the trainer has returned waits for it to be readable:
-    trainer ranks report a version to the sidecar just after the step that made it."""
-    read_before_readable: bool = True
-    """Direct path: `expect` asks for the next version's lease as soon as its slot is reserved,
-    and the fetch reads once the trainer ranks' version words name it, before the sidecar
-    declares it readable; its checksums are compared when they come
-    (inference_ext/before_readable.py). False: the lease comes once the version is readable."""
-    read_behind_copy: bool = True
-    """With `read_before_readable`, from trainer ranks that copy their snapshots in pieces:
-    each READ request is posted once the pieces it reads landed, not once the whole copy did
-    (refit_sidecar/piece_gate.py). False: the pull waits for every rank's version word."""
-    requests_in_flight: int = DEFAULT_REQUESTS_IN_FLIGHT
-    """Direct path: READ requests (of `NixlConfig.request_bytes`, 256 MiB) of a pull in flight
-    at once, the next posted as one completes, in destination order
-    (`NixlConfig.requests_in_flight`); 0: all at once."""
-    request_taper: int = 0
-    """Direct path: halvings of the 256 MiB requests, and of the running check's parts,
-    towards the pull's end (`NixlConfig.request_taper`): the last bytes land in small
-    requests, leaving small sums after the last one (0 to 8)."""
-    verify_checksums: bool = True
-    """Check the checksum of every source shard read whole, where staging is: the CRC-32 of a
-    host slot's shard, the WSUM-64 of a device slot's (on the receiver's GPU for device
-    staging). A mismatch fails the refit; the engine keeps its version."""
-    token_file: str | None = None
-    """File holding the receiver role's bearer token for the sidecar (docs/security.md);
-    required unless `insecure`."""
-    tls_ca: str | None = None
-    """PEM CA bundle of the sidecar's certificate: connect with TLS."""
-    tls_cert: str | None = None
-    """PEM client certificate (with `tls_key`), for a sidecar that requires mutual TLS."""
-    tls_key: str | None = None
-    """PEM private key of `tls_cert`."""
-    insecure: bool = False
-    """Send no token: the sidecar runs with --insecure."""
-    fanout: bool = False
-    """Read through the sidecar's source tree (docs/fanout.md): from the trainer's ranks or
-    from receivers that hold the version, and serve this receiver's copy to later ones."""
-    domain: str = ""
-    """Topology domain (node, rack) for the tree: sources of the same domain come first."""
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Fan-out: bytes per chunk; a child reads a parent's chunk once the parent has it."""
-    chunks_in_flight: int = 4
-    """Fan-out: chunks read at once."""
-    chunk_taper: int = 0
-    """Fan-out: halvings of the chunk size towards each end of a source's reads (smaller first
-    and last chunks: a child starts and ends closer behind its parent)."""
-    stall_timeout_s: float = 5.0
-    """Fan-out: a peer whose copy stops advancing for this long is replaced."""
-    check_part_bytes: int = DEFAULT_PART_BYTES
-    """Fan-out: bytes per part of the running check; a part's sums start once all of it
-    landed, the last after the pull (each part costs kernel launches)."""
-    trace_pull: bool = False
-    """Record each pull's timeline into its stats (`RefitStats.trace`; diagnosis), through
-    the tree and on the direct path."""
-    progress_dir: str = DEFAULT_PROGRESS_DIR
-    """Fan-out: a directory of shared memory where this receiver mirrors its progress word
-    for receivers on its host (refit_sidecar/progress_file.py); "" for none."""
-
-    def __post_init__(self) -> None:
-        # Checked field by field: values arrive as JSON, where "30", null or NaN are typos.
-        if not isinstance(self.receiver_id, str) or not self.receiver_id:
-            raise ValueError(f"receiver_id must be a non-empty string, got {self.receiver_id!r}")
-        for name in (
-            "lease_ttl_s",
-            "pull_timeout_s",
-            "connect_timeout_s",
-            "rpc_timeout_s",
-            "visible_timeout_s",
-            "stall_timeout_s",
-        ):
-            value = getattr(self, name)
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not number or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        part = self.check_part_bytes
-        if not isinstance(part, int) or isinstance(part, bool) or part < 1:
-            raise ValueError(f"check_part_bytes must be a positive integer, got {part!r}")
-        window = self.requests_in_flight
-        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-            raise ValueError(f"requests_in_flight must be an integer >= 0, got {window!r}")
-        for name in ("chunk_bytes", "chunks_in_flight"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
-        for name in ("chunk_taper", "request_taper"):
-            taper = getattr(self, name)
-            if not isinstance(taper, int) or isinstance(taper, bool) or not 0 <= taper <= 8:
-                raise ValueError(f"{name} must be an integer from 0 to 8, got {taper!r}")
-        taper = self.chunk_taper
-        if self.chunk_bytes >> taper < 4096:
-            raise ValueError(
-                f"chunk_bytes {self.chunk_bytes} halved {taper} times is under 4096 bytes"
-            )
-        if not isinstance(self.domain, str):
-            raise ValueError(f"domain must be a string, got {self.domain!r}")
-        if not isinstance(self.progress_dir, str) or (
-            self.progress_dir and not os.path.isabs(self.progress_dir)
-        ):
-            raise ValueError(
-                f"progress_dir must be an absolute path or empty, got {self.progress_dir!r}"
-            )
-        for name in (
-            "verify_checksums",
-            "read_before_readable",
-            "read_behind_copy",
-            "insecure",
-            "fanout",
-            "trace_pull",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a file path or null, got {value!r}")
-        self.client_auth()  # the combination is valid
-
-    def client_auth(self) -> ClientAuth:
-        """How this receiver authenticates at the sidecar."""
-
-        def path(value: str | None) -> Path | None:
-            return None if value is None else Path(value)
-
-        return ClientAuth(
-            token_file=path(self.token_file),
-            tls_ca=path(self.tls_ca),
-            tls_cert=path(self.tls_cert),
-            tls_key=path(self.tls_key),
-            insecure=self.insecure,
-        )
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> RefitOptions:
-        values = dict(values or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown refit options {unknown}; known: {sorted(known)}")
-        return cls(**values)
-
-
-@dataclass(frozen=True)
-class RefitStats:
-    """What one receiver did for one `refit_to`; seconds per phase."""
-
-    version: int
-    bytes_pulled: int
-    plan_s: float
-    pull_s: float
-    translate_s: float
-    install_s: float
-    reads: int
-    verified_shards: int
-    replanned: bool
-    """False when the plan of an earlier version was replayed."""
-    replayed_by_key: bool = False
-    """The plan of an earlier version in the same slot was replayed on its manifest key, so
-    no manifest was parsed or rebased."""
-    tp_rank: int = 0
-    bytes_by_source: dict[str, int] = field(default_factory=dict)
-    """Bytes read from each source (a trainer rank's NIXL agent, or a peer receiver's)."""
-    leased_at: float = 0.0
-    """Wall-clock time (time.time()) the lease (through the tree, with the sources) was in
-    hand: before it the receiver waited on the sidecar."""
-    sidecar_readable_at: float = 0.0
-    """When the version became readable, by the sidecar's clock (0 when unknown)."""
-    sidecar_answered_at: float = 0.0
-    """When the sidecar built the answer that brought the lease, by its clock: on one host,
-    `sidecar_answered_at - sidecar_readable_at` is the sidecar's time to answer and
-    `leased_at - sidecar_answered_at` the answer's way to the receiver's thread."""
-    pull_started: float = 0.0
-    """Wall-clock time (time.time()) of the pull's first read."""
-    pull_finished: float = 0.0
-    fallbacks: int = 0
-    """Sources that failed mid-pull and were replaced (fan-out)."""
-    ask_s: float = 0.0
-    """Fan-out: seconds of `pull_s` spent asking the sidecar where to read."""
-    reading_s: float = 0.0
-    """Fan-out: seconds of `pull_s` with reads in flight (of the run that completed it)."""
-    gated_s: float = 0.0
-    """Fan-out: seconds of `pull_s` waiting for a parent's copy to advance with nothing else
-    to read. A slow pull with a large `gated_s` waited on its parent; one with a large
-    `reading_s` read slowly. Direct path reading behind the trainer's snapshot copy
-    (`RefitOptions.read_behind_copy`): seconds of `pull_s` before its first request was
-    posted, waiting for the first pieces."""
-    prepared: int = 0
-    """Fan-out: chunk requests prepared anew for this pull (a source or chunk not read from
-    before), not reused from the transport's cache."""
-    asked_ahead: bool = False
-    """Fan-out: the lease and the sources came in one call (every fetch after the first), so
-    `plan_s` holds the wait for both and `ask_s` is about nothing."""
-    routes_left_out: bool = False
-    """Fan-out: the sidecar's answer named only its routing key, that of the plan this
-    receiver held: it replayed that plan and parsed nothing."""
-    expected: bool = False
-    """The lease (and, through the tree, the sources) had been asked for before the fetch,
-    by `Receiver.expect`."""
-    before_readable: bool = False
-    """The lease came before the version was readable and the pull started on the sources'
-    version words (`RefitOptions.read_before_readable`); `sidecar_readable_at` is then 0."""
-    lag_s: float = 0.0
-    """Direct path, device staging: seconds from the last byte landed (the end of `pull_s`)
-    until the pull's listener lane had started every part of the running check."""
-    checksums_wait_s: float = 0.0
-    """Then seconds waiting for checksums published after the pull started."""
-    check_s: float = 0.0
-    """Then seconds to the checksums compared."""
-    gate_first_s: float = 0.0
-    """Direct path reading behind the copy: seconds of `pull_s` until its first look at the
-    sources' pieces landed (`PullStats.gate_first_s`)."""
-    gate_first_pieces: int = 0
-    """The pieces that held the version at that first look."""
-    gate_rounds: int = 0
-    """Looks at the sources' pieces during the pull."""
-    in_place_bytes: int = 0
-    """Bytes the pull landed straight in the engine's tensors (`fetch(..., in_place=...)`,
-    inference_ext/in_place.py): nothing was copied for them after it."""
-    trace: tuple[Event, ...] = ()
-    """With `trace_pull`: the pull's timeline (refit_sidecar/pull_trace.py)."""
-    lease_held_by: HeldBy | None = None
-    """How the refit knew its lease held the version's slot for the whole pull."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class HeldBy(enum.StrEnum):
-    """How a refit knew that no byte it pulled was overwritten (its lease held the slot)."""
-
-    CHECKSUMS = "checksums"
-    """Every byte was verified against the trainer's checksums."""
-    WORDS = "words"
-    """The trainer ranks' version words still named the version after the pull (a rank
-    zeroes them before it overwrites the slot)."""
-    SIDECAR = "sidecar"
-    """The sidecar confirmed the lease when it was released (one round trip on the path)."""
-
-
-@dataclass(frozen=True)
-class HFSlice:
-    """The part `box` of HF tensor `name` (full shape `shape`) this receiver installs,
-    assembled from pulled Megatron boxes: (index into the plan's targets, HF sub-box)."""
-
-    name: str
-    shape: tuple[int, ...]
-    box: Box
-    parts: tuple[tuple[int, Box], ...]
-    contiguous: bool = False
-    """The parts lie back to back in staging in the tensor's own row order and cover it
-    whole, so the tensor is a view of staging (q, k and v of a TP=1 receiver, for one)."""
-
-
-@dataclass(frozen=True)
-class ReceiverPlan:
-    pull: PullPlan
-    slices: tuple[HFSlice, ...]
-
-
-def wanted_slices(
-    spec: ModelSpec, layout: ReceiverLayout, hf_names: Sequence[str]
-) -> list[tuple[str, Box, list[Source]]]:
-    """(HF name, box this rank keeps, Megatron sources) for each name it keeps anything of."""
-    out = []
-    for name in hf_names:
-        box = hf_slice(name, spec, layout)
-        if box is not None:
-            out.append((name, box, megatron_sources(name, box, spec)))
-    return out
-
-
-def plan_receiver(
-    manifest: Manifest, spec: ModelSpec, layout: ReceiverLayout, hf_names: Sequence[str]
-) -> ReceiverPlan:
-    """Pull plan for this rank's slices, each Megatron box read once even when several HF
-    slices use it (a KV head replicated to several query heads' ranks stays one read)."""
-    wants: dict[tuple[str, Box], int] = {}
-    slices = []
-    for name, box, sources in wanted_slices(spec, layout, hf_names):
-        parts = []
-        for source in sources:
-            key = (source.megatron_name, source.megatron_box)
-            index = wants.setdefault(key, len(wants))
-            parts.append((index, source.hf_box))
-        slices.append(HFSlice(name, hf_shape(name, spec), box, tuple(parts)))
-    # Staged in the order of the sources' slots: read behind a trainer's snapshot copy, the
-    # first requests wait for its first pieces only.
-    listed = [Want(name, box) for name, box in wants]
-    order = in_copy_order(manifest, listed)
-    at = {index: i for i, index in enumerate(order)}
-    slices = [replace(s, parts=tuple((at[i], box) for i, box in s.parts)) for s in slices]
-    plan = plan_pull(manifest, [listed[i] for i in order])
-    return ReceiverPlan(plan, tuple(_mark_contiguous(plan, s) for s in slices))
-
-
-def _mark_contiguous(plan: PullPlan, hf: HFSlice) -> HFSlice:
-    if hf.box != Box.full(hf.shape):
-        return hf
-    row, end = 0, plan.targets[hf.parts[0][0]].offset
-    for index, sub_box in hf.parts:
-        target = plan.targets[index]
-        rows, rest = sub_box.ranges[0], sub_box.ranges[1:]
-        if target.offset != end or rows[0] != row or rest != hf.box.ranges[1:]:
-            return hf
-        row, end = rows[1], target.offset + target.nbytes
-    return replace(hf, contiguous=True)
-
-
-@dataclass(frozen=True)
-class _Pulled:
-    stats: PullStats
-    bytes_by_source: dict[str, int]
-    started: float
-    finished: float
-    fallbacks: int
-    ask_s: float
-    reading_s: float = 0.0
-    gated_s: float = 0.0
-    prepared: int = 0
-    asked_ahead: bool = False
-    routes_left_out: bool = False
-    trace: tuple[Event, ...] = ()
 
 
 @dataclass(frozen=True)
 class _Fetched:
-    plan: ReceiverPlan
-    pulled: _Pulled
+    """A version fetched and not installed yet."""
+
+    planned: Planned[ReceiverPlan]
+    leased: Leased
+    pulled: Pulled
     plan_s: float
-    replanned: bool
-    by_key: bool
-    expected: bool
-    leased_at: float
-    sidecar_readable_at: float
-    sidecar_answered_at: float
-    before_readable: bool
+    held_by: HeldBy
     in_place: Mapping[str, torch.Tensor] | None = None
     in_place_key: tuple[Any, ...] = ()
     armed: bool = False
     """The pull landed in adopted engine tensors."""
-    held_by: HeldBy = HeldBy.SIDECAR
+
+    @property
+    def plan(self) -> ReceiverPlan:
+        return self.planned.plan
 
 
 _VIEWS_KEPT = 4096
@@ -458,8 +87,8 @@ class Staging:
         self.region: Region | None = None
         self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         """Typed views of `buffer` by (offset, dtype, shape): every version of a layout lands
-        at the same offsets, so a refit hands over the same views (about 10 us of Python
-        each, 2 ms per refit of a 165-tensor model, made once)."""
+        at the same offsets, so a refit hands over the same views, made once (each costs
+        Python time, times every tensor of the model)."""
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The bytes at `offset` as a tensor of `dtype` and `shape` (a view of the buffer)."""
@@ -534,63 +163,26 @@ class Receiver:
                 connect_timeout_s=options.connect_timeout_s,
                 pull_timeout_s=options.pull_timeout_s,
                 # Chunked reads: one request per chunk, kept for the next version.
-                cache_size=4096 if options.fanout else NixlConfig.cache_size,
+                cache_size=4096 if options.fanout.enabled else NixlConfig.cache_size,
                 # Serving a copy: progress the worker for readers between pulls.
-                progress_poll_s=0.001 if options.fanout else None,
-                requests_in_flight=options.requests_in_flight,
-                request_taper=options.request_taper,
+                progress_poll_s=0.001 if options.fanout.enabled else None,
+                requests_in_flight=options.direct.requests_in_flight,
+                request_taper=options.direct.request_taper,
             )
         )
         self.staging = Staging(self.transport, device)
         self.installed_version: int | None = None
-        self._plans: dict[str, ReceiverPlan] = {}
-        self._by_manifest_key: OrderedDict[
-            bytes, tuple[ReceiverPlan, tuple[tuple[str, int], ...]]
-        ] = OrderedDict()
-        """Plans by manifest key, with the manifest's (parameter, shards) order."""
-        self._verifies = options.verify_checksums
-        """Checked where staging is: host memory on the CPU, device memory on a GPU."""
-        self._tree: TreePull | None = None
-        self._releases = ThreadPoolExecutor(1, thread_name_prefix="lease-release")
-        """Releases of verified pulls' leases, off the refit's path."""
-        self._keeper = LeaseKeeper(self.client, options.lease_ttl_s)
-        """Renews the lease of the pull in progress."""
-        self._ahead = AheadLease(self.client, self._releases)
-        """Direct path: the lease asked ahead by `expect`."""
-        self._before = BeforeReadable(
-            self.client, self.transport, functools.partial(TorchWords, device=device)
+        self._plans = ReceiverPlans(
+            self.client, spec, layout, self.hf_names, verify=options.verify_checksums
         )
-        """Direct path: pulls of versions leased before they were readable."""
-        if options.fanout:
-            chunks = ChunkConfig(
-                chunk_bytes=options.chunk_bytes,
-                window=options.chunks_in_flight,
-                taper=options.chunk_taper,
-                check_part_bytes=options.check_part_bytes,
-                trace=options.trace_pull,
-                stall_timeout_s=options.stall_timeout_s,
-            )
-            self._tree = TreePull(
-                self.client,
-                self.transport,
-                agent,
-                TreePullConfig(
-                    chunks=chunks,
-                    domain=options.domain,
-                    verify=self._verifies,
-                    progress_dir=options.progress_dir,
-                ),
-                # Progress words next to the copy: children read them the way they read it.
-                words=functools.partial(TorchWords, device=device),
-            )
+        self._puller = _puller(self.client, self.transport, agent, options, device)
+        """Leases, pulls and ends the lease: directly from the trainer's ranks, or through
+        the source tree."""
         self._fetched: _Fetched | None = None
         self._staged: ReceiverPlan | None = None
         """The plan of the installed version while staging still holds its bytes."""
         self._in_place = InPlace()
         """The engine tensors living in staging (`fetch(..., in_place=...)`)."""
-        self._by_source: tuple[Any, dict[str, int]] = ((), {})
-        """The bytes each source gives the last direct plan's reads met (a replayed plan's
-        reads are the same objects: counted once, not after every pull)."""
 
     def latest_version(self) -> int | None:
         return self.client.latest_version()
@@ -607,20 +199,7 @@ class Receiver:
         wait = self.options.visible_timeout_s if wait_s is None else wait_s
         if not 0 <= wait < math.inf:
             raise ValueError(f"wait_s must be a non-negative number of seconds, got {wait_s!r}")
-        options = self.options
-        if self._tree is not None:
-            self._tree.ask_ahead(
-                version, wait_s=wait, lease_ttl_s=options.lease_ttl_s, checksums=self._verifies
-            )
-        else:
-            self._ahead.ask(
-                version,
-                options.receiver_id,
-                options.lease_ttl_s,
-                wait_s=wait,
-                checksums=self._verifies,
-                before_readable=options.read_before_readable,
-            )
+        self._puller.expect(version, wait_s=wait)
 
     def fetch(
         self,
@@ -637,10 +216,10 @@ class Receiver:
 
         `in_place`: the engine's tensors by HF name (the same mapping every time), to live in
         staging from this layout's first install on, so that later pulls land in them
-        (inference_ext/in_place.py). Between such a fetch and its `install` they hold the new
+        (inference_ext/staged_tensors.py). Between such a fetch and its `install` they hold the new
         version, unchecked until `fetch` returns: the caller must not compute with them; a
         failed fetch or `abandon` restores the installed version. Direct path only."""
-        if in_place is not None and self._tree is not None:
+        if in_place is not None and self.options.fanout.enabled:
             raise ValueError("a fan-out receiver pulls into staging of its own only")
         self.abandon()
         if in_place is None and self._in_place.adopted:
@@ -648,271 +227,40 @@ class Receiver:
         self._staged = None
         begin = time.perf_counter()
         wait = self.options.visible_timeout_s if visible_timeout_s is None else visible_timeout_s
-        lease: Lease | None = None
-        expected = False
-        asked_sums: Pending[VersionChecksums] | None = None
         try:
-            if self._tree is not None:
-                # One call for the lease and the tree's answer (after a first pull, whose
-                # wants and offer it repeats): they come back together. `expect` may have
-                # sent it already.
-                asked = self._tree.asked(version)
-                if not asked:
-                    self._tree.ask_ahead(
-                        version,
-                        wait_s=max(wait, 0.0),
-                        lease_ttl_s=self.options.lease_ttl_s,
-                        checksums=self._verifies,
-                    )
-                lease, refused = self._tree.ahead_lease()
-                if isinstance(refused, UnknownVersion) and not asked:
-                    wait = 0.0  # waited for already: lease it now if it came meanwhile
-            else:
-                lease = self._ahead.take(version)
-                asked_sums = self._ahead.take_checksums()
-            answer = lease
-            renew_now = False
-            if lease is not None:
-                lease, renew_now = self._fresh(lease)
-            expected = lease is not None and (self._tree is None or asked)
-            if lease is None:
-                lease = answer = self._lease(version, wait)
+            leased = self._puller.lease(version, wait_s=wait)
         except Exception as e:
-            if self._tree is not None:
-                self._tree.abandon()
-            if asked_sums is not None:
-                asked_sums.cancel()
             raise RefitError(f"cannot lease version {version}: {e}") from e
-        if asked_sums is not None and not lease.pending:
-            asked_sums.cancel()  # the lease came with its checksums
-            asked_sums = None
-        leased, leased_at = time.perf_counter(), time.time()
-        # The sidecar's times, from its answer (a renewal of a lease asked long before has none).
-        sidecar = (answer.readable_at, answer.answered_at) if answer is not None else (0.0, 0.0)
-        self._keeper.keep(lease, renew_now=renew_now)
-        early: EarlyPull | None = None
+        planned: Planned[ReceiverPlan] | None = None
         key: tuple[Any, ...] = ()
         armed = False
         try:
-            if lease.pending:
-                plan, replanned, by_key, early = self._plan_early(lease, wait, asked_sums)
-                asked_sums = None
-            else:
-                plan, replanned, by_key = self._plan_for(lease)
+            planned = self._puller.plan(leased, self._plans, wait_s=wait)
             plan_s = time.perf_counter() - begin
             log.debug(
                 "version %d: lease %.3f ms, manifest and plan %.3f ms",
                 version,
-                1e3 * (leased - begin),
-                1e3 * (begin + plan_s - leased),
+                1e3 * (leased.mark - begin),
+                1e3 * (begin + plan_s - leased.mark),
             )
+            plan = planned.plan
             region = self.staging.ensure(plan.pull.nbytes)
             if in_place is not None:
                 key = (id(plan.slices), self.staging.buffer.data_ptr(), id(in_place))
                 armed = self._in_place.prepare(key)
-            pulled = self._pull(plan.pull, region, on_progress, early)
+            pulled = self._puller.pull(planned, region, on_progress)
         except BaseException as e:
             self._in_place.restore()  # the pull may have landed in the engine's tensors
-            if self._tree is not None:
-                self._tree.abandon()  # when the pull did not take the answer asked ahead
-            if early is not None and early.asked is not None:
-                early.asked.cancel()
-            if early is not None and early.gate is not None:
-                early.gate.settle()  # its look may be in flight if the pull never started
-            self._keeper.take_back(wait=False)
-            self._releases.submit(self.client.end_lease, lease)
+            self._puller.fail(leased, planned)
             if isinstance(e, RefitError) or not isinstance(e, Exception):
                 raise
             raise RefitError(f"pulling version {version} failed: {type(e).__name__}: {e}") from e
-        # The lease must have held the slot for the whole pull. Past its end by this process's
-        # clock it surely did not. Before it, bytes that were all verified need no more, nor
-        # do bytes of ranks whose version words still name the version after the pull (a rank
-        # zeroes them before it overwrites the slot): the release goes out in the background.
-        # Otherwise the sidecar must confirm it held the lease.
-        lease, lost = self._keeper.take_back()
-        in_time = not lost and time.monotonic() < lease.expires_at  # else nothing proves it
-        held_by = HeldBy.SIDECAR
-        if in_time and pulled.stats.verified_shards == len(plan.pull.reads):
-            held_by = HeldBy.CHECKSUMS
-        elif in_time and self._tree is None and self._before.unchanged(plan.pull):
-            held_by = HeldBy.WORDS
-        if lost:
-            held = False  # a renewal found the lease gone: the slot may have been rewritten
-        elif held_by is not HeldBy.SIDECAR:
-            self._releases.submit(self._release_later, lease)
-            held = True
-        else:
-            held = self.client.end_lease(lease) and time.monotonic() < lease.expires_at
-        if not held:
-            self._in_place.restore()
-            # A lease the sidecar no longer knows (expired, or the sidecar restarted) did not
-            # protect the slot for the whole pull: the trainer may have overwritten it.
-            raise RefitError(
-                f"the lease on version {version} ended before its pull did (expired, or the "
-                "sidecar restarted); the bytes may have been overwritten, so nothing installs"
-            )
-        self._fetched = _Fetched(
-            plan,
-            pulled,
-            plan_s,
-            replanned,
-            by_key,
-            expected,
-            leased_at,
-            *sidecar,
-            early is not None,
-            in_place,
-            key,
-            armed,
-            held_by,
-        )
-
-    def _release_later(self, lease: Lease) -> None:
-        """Ends a verified pull's lease `RELEASE_AFTER_S` from now (on the releases' thread)."""
-        time.sleep(RELEASE_AFTER_S)
-        self.client.end_lease(lease)
-
-    def _pull(
-        self,
-        plan: PullPlan,
-        region: Region,
-        on_progress: Callable[[int, int], None] | None,
-        early: EarlyPull | None = None,
-    ) -> _Pulled:
-        if self._tree is not None:
-            deadline = time.monotonic() + self.options.pull_timeout_s
-            tree = self._tree.pull(plan, region, deadline=deadline, on_progress=on_progress)
-            stats = PullStats(
-                tree.nbytes, tree.seconds, tree.reads, tree.chunks, 0, tree.verified_shards
-            )
-            return _Pulled(
-                stats,
-                tree.bytes_by_source,
-                tree.started,
-                tree.finished,
-                tree.fallbacks,
-                tree.ask_s,
-                tree.reading_s,
-                tree.gated_s,
-                tree.prepared,
-                tree.asked_ahead,
-                tree.routes_left_out,
-                tree.trace,
-            )
-        started = time.time()
-        stats = self.transport.pull(
-            plan,
-            region,
-            verify=self._verifies,
-            checksums_later=None if early is None else early.checksums,
-            gate=None if early is None else early.gate,
-            trace=PullTrace() if self.options.trace_pull else None,
-        )
-        counted, by_source = self._by_source
-        if counted is not plan.reads:
-            by_source = {}
-            for reads in plan.reads:
-                agent = reads.location.agent
-                by_source[agent] = by_source.get(agent, 0) + reads.nbytes
-            self._by_source = (plan.reads, by_source)
-        if on_progress is not None:
-            on_progress(plan.nbytes, plan.nbytes)
-        return _Pulled(
-            stats,
-            dict(by_source),
-            started,
-            time.time(),
-            0,
-            0.0,
-            gated_s=stats.gated_s,
-            trace=stats.trace,
-        )
-
-    def _plan_for(self, lease: Lease) -> tuple[ReceiverPlan, bool, bool]:
-        """The leased version's plan, whether it was planned anew, and whether it was replayed
-        by manifest key: a version whose manifest key this receiver has met (the same slot of
-        the same trainer) replays that plan without GetManifest, with the checksums the lease
-        carried when they will be checked."""
-        version, key = lease.version, lease.manifest_key
-        known = self._by_manifest_key.get(key) if key else None
-        if known is not None:
-            self._by_manifest_key.move_to_end(key)
-            plan, order = known
-            if not self._verifies:
-                pull = replace(plan.pull, version=version)
-            elif lease.checksums is not None:
-                sums = checksums_by_parameter(order, lease.checksums)
-                pull = with_checksums(plan.pull, version, sums)
-            else:
-                pull = with_checksums(plan.pull, version, self.client.checksums(version))
-            return ReceiverPlan(pull, plan.slices), False, True
-        manifest = self.client.manifest(version)
-        fresh, replanned = self._plan(manifest)
-        if key:
-            order = tuple((p.name, len(p.shards)) for p in manifest.parameters)
-            self._by_manifest_key[key] = (fresh, order)
-            while len(self._by_manifest_key) > _KNOWN_MANIFESTS:
-                self._by_manifest_key.popitem(last=False)
-        return fresh, replanned, False
-
-    def _plan_early(
-        self, lease: Lease, wait: float, asked: Pending[VersionChecksums] | None
-    ) -> tuple[ReceiverPlan, bool, bool, EarlyPull | None]:
-        """The plan of a version leased before it was readable, as `_plan_for`, and what its
-        pull needs: the plan held for the lease's manifest key, once the sources' version
-        words name the version. A key this receiver has not met (its first version from that
-        slot) is planned from the manifest once the version is readable."""
-        deadline = time.monotonic() + max(wait, 0.0)
-        known = self._by_manifest_key.get(lease.manifest_key)
-        if known is None:
-            if asked is None:
-                asked = self.client.checksums_later(lease.version, wait_s=max(wait, 0.0))
-            asked.result()  # answered once the version is readable
-            plan, replanned, by_key = self._plan_for(replace(lease, pending=False))
-            return plan, replanned, by_key, None
-        self._by_manifest_key.move_to_end(lease.manifest_key)
-        plan, order = known
-        early = self._before.start(
-            lease,
-            plan.pull,
-            order,
-            verify=self._verifies,
-            deadline=deadline,
-            asked=asked,
-            behind_copy=self.options.read_behind_copy,
-        )
-        return ReceiverPlan(early.plan, plan.slices), False, True, early
-
-    def _fresh(self, lease: Lease) -> tuple[Lease | None, bool]:
-        """A lease asked ahead counts its end from when it was asked. One with under half a
-        TTL left is renewed: beside the pull when it surely still holds by this process's
-        clock (True: the keeper renews it at once, and the pull's end learns whether that
-        held), before it otherwise. None when it cannot be (it ran out before the fetch
-        came): the caller leases anew."""
-        ttl = self.options.lease_ttl_s
-        left = lease.expires_at - time.monotonic()
-        if left >= ttl / 2:
-            return lease, False
-        if left > 0:
-            return lease, True
         try:
-            return renewed(self.client, lease, ttl), False
-        except Exception as e:
-            log.debug("the lease asked ahead on version %d ended: %s", lease.version, e)
-            return None, False
-
-    def _lease(self, version: int, wait: float) -> Lease:
-        """A lease on `version`, with its checksums when they will be checked; one not readable
-        yet is waited for on the sidecar (`wait` seconds), so the lease comes back as soon as
-        the trainer's ranks have reported it."""
-        options = self.options
-        return self.client.acquire_lease(
-            version,
-            options.receiver_id,
-            options.lease_ttl_s,
-            wait_s=max(wait, 0.0),
-            checksums=self._verifies,
-        )
+            held_by = self._puller.end(planned, pulled)
+        except LeaseLost as e:
+            self._in_place.restore()
+            raise RefitError(str(e)) from None
+        self._fetched = _Fetched(planned, leased, pulled, plan_s, held_by, in_place, key, armed)
 
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
@@ -960,13 +308,13 @@ class Receiver:
             install_s=install_s,
             reads=stats.reads,
             verified_shards=stats.verified_shards,
-            replanned=fetched.replanned,
-            replayed_by_key=fetched.by_key,
+            replanned=fetched.planned.replanned,
+            replayed_by_key=fetched.planned.by_key,
             tp_rank=self.layout.tp_rank,
             bytes_by_source=dict(pulled.bytes_by_source),
-            leased_at=fetched.leased_at,
-            sidecar_readable_at=fetched.sidecar_readable_at,
-            sidecar_answered_at=fetched.sidecar_answered_at,
+            leased_at=fetched.leased.at,
+            sidecar_readable_at=fetched.leased.sidecar_readable_at,
+            sidecar_answered_at=fetched.leased.sidecar_answered_at,
             pull_started=pulled.started,
             pull_finished=pulled.finished,
             fallbacks=pulled.fallbacks,
@@ -976,8 +324,8 @@ class Receiver:
             prepared=pulled.prepared,
             asked_ahead=pulled.asked_ahead,
             routes_left_out=pulled.routes_left_out,
-            expected=fetched.expected,
-            before_readable=fetched.before_readable,
+            expected=fetched.leased.expected,
+            before_readable=fetched.planned.early is not None,
             trace=pulled.trace,
             lag_s=stats.lag_s,
             checksums_wait_s=stats.checksums_wait_s,
@@ -1028,20 +376,6 @@ class Receiver:
                 out[hf.name] = (hf.box, full[_index(hf.box)].clone())
         return out
 
-    def _plan(self, manifest: Manifest) -> tuple[ReceiverPlan, bool]:
-        key = layout_key(manifest)
-        cached = self._plans.get(key)
-        if cached is not None:
-            plan = ReceiverPlan(rebase(cached.pull, manifest, layout=key), cached.slices)
-            self._plans[key] = plan
-            return plan, False
-        try:
-            plan = plan_receiver(manifest, self.spec, self.layout, self.hf_names)
-        except UnsupportedRequest as e:
-            raise RefitError(f"the trainer's manifest does not fit this model: {e}") from e
-        self._plans[key] = plan
-        return plan, True
-
     def _assemble(self, pull: PullPlan, hf: HFSlice) -> torch.Tensor:
         first = pull.targets[hf.parts[0][0]]
         dtype = TORCH_DTYPES[first.dtype]
@@ -1054,16 +388,49 @@ class Receiver:
 
     def close(self) -> None:
         self._in_place.close()
-        self._ahead.drop()
-        self._keeper.close()
-        self._releases.shutdown(wait=True)
-        if self._tree is not None:
-            self._tree.close()
+        self._puller.close()
         self.staging.release()
-        self._before.release()
         self.transport.close()
         self.client.close()
 
 
 def _index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(start, stop) for start, stop in box.ranges)
+
+
+def _puller(
+    client: SidecarClient,
+    transport: NixlTransport,
+    agent: str,
+    options: RefitOptions,
+    device: torch.device,
+) -> Puller:
+    """The receiver's puller as `options` say: through the source tree with fan-out, else
+    straight from the trainer's ranks. Progress and version words live where staging is (a
+    GPU's in device memory): children read them the way they read the copy."""
+    verify = options.verify_checksums  # where staging is: host memory, or the GPU's
+    terms = LeaseTerms(receiver_id=options.receiver_id, ttl_s=options.lease_ttl_s, checksums=verify)
+    leasing = Leasing(client, terms)
+    words = functools.partial(TorchWords, device=device)
+    fanout = options.fanout
+    if not fanout.enabled:
+        direct = DirectConfig(
+            before_readable=options.direct.read_before_readable,
+            behind_copy=options.direct.read_behind_copy,
+            verify=verify,
+            trace=options.trace_pull,
+        )
+        return DirectPuller(client, transport, leasing, direct, words=words)
+    chunks = ChunkConfig(
+        chunk_bytes=fanout.chunk_bytes,
+        window=fanout.chunks_in_flight,
+        taper=fanout.chunk_taper,
+        check_part_bytes=fanout.check_part_bytes,
+        trace=options.trace_pull,
+        stall_timeout_s=fanout.stall_timeout_s,
+    )
+    config = TreePullConfig(
+        chunks=chunks, domain=fanout.domain, verify=verify, progress_dir=fanout.progress_dir
+    )
+    tree = TreePull(client, transport, agent, config, words=words)
+    return TreePuller(leasing, tree, pull_timeout_s=options.pull_timeout_s)

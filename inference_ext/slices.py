@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megatron_hf.convert import hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.manifest import Box
+from refit_sidecar.core.manifest import Box
 
 VLLM_VOCAB_PADDING = 64
 

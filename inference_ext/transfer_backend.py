@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from inference_ext.plugin import BACKEND
-from inference_ext.receiver import RefitError
+from inference_ext.refit_options import RefitError
 from inference_ext.worker_refit import (
     RefitTarget,
     WorkerRefit,

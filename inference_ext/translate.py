@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from megatron_hf.convert import GLOBAL_RENAMES, LAYER_FUSED, LAYER_RENAMES, hf_shape
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.manifest import Box
+from refit_sidecar.core.manifest import Box
 
 # HF suffix -> (Megatron suffix, index of the part in the fused tensor).
 _LAYER_SOURCES: dict[str, tuple[str, int]] = {

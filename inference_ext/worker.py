@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from inference_ext.receiver import RefitError, RefitOptions
+from inference_ext.refit_options import RefitError, RefitOptions
 from inference_ext.worker_refit import (
     RefitTarget,
     WorkerRefit,
     additional_config_target,
     engine_layout,
 )
-from refit_sidecar.manifest import Box
+from refit_sidecar.core.manifest import Box
 
 _STATE = "_refit_state"
 

@@ -31,7 +31,8 @@ from typing import Any
 import grpc
 import torch
 
-from inference_ext.receiver import Receiver, RefitError, RefitOptions, RefitStats
+from inference_ext.receiver import Receiver
+from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
 from inference_ext.slices import (
     ReceiverLayout,
     UnsupportedLayout,
@@ -41,7 +42,7 @@ from inference_ext.slices import (
 from inference_ext.tied import refresh_tied_heads, tied_heads
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.manifest import Box
+from refit_sidecar.core.manifest import Box
 
 log = logging.getLogger(__name__)
 

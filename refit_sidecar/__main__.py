@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from refit_sidecar.cli import SidecarConfig, parse_config
-from refit_sidecar.server import create_server
+from refit_sidecar.service.cli import SidecarConfig, parse_config
+from refit_sidecar.service.server import create_server
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
 
 log = logging.getLogger("refit_sidecar")

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refit_sidecar.nixl_network import NixlNetwork
-from refit_sidecar.snapshot_layout import DEFAULT_FIRST_PIECE_BYTES
+from refit_sidecar.core.network import NixlNetwork
+from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES
 from trainer_refit.auth import ClientAuth, ServerAuth
 
 
@@ -143,13 +143,13 @@ class RefitConfig:
     """How the ranks authenticate at the sidecar (the trainer role's token file)."""
     nixl_host: str = "127.0.0.1"
     """An address of the network interface each rank's NIXL (UCX) endpoints listen on, which
-    receivers read the published weights from (`refit_sidecar/nixl_network.py`); 0.0.0.0:
+    receivers read the published weights from (`refit_sidecar/core/network.py`); 0.0.0.0:
     every interface. The default serves receivers on the same host only; a pod gives its IP."""
     nixl_net_devices: tuple[str, ...] = ()
     """RDMA ports (``mlx5_0:1``) the NIXL endpoints may use besides that interface."""
     first_piece_bytes: int = DEFAULT_FIRST_PIECE_BYTES
     """The snapshot copy's first piece: receivers read each piece once it landed, each next
-    piece twice as long (`refit_sidecar.snapshot_layout.piece_ends`); 0: one piece, read once
+    piece twice as long (`refit_sidecar.publish.slot_layout.piece_ends`); 0: one piece, read once
     the whole copy landed."""
     publish_every: int = 1
     """A finished step publishes its version when the version is a multiple of this: 1, every

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from refit_sidecar import progress_file
+from refit_sidecar.pull import shared_word as progress_file
 from tests.support.trainer import TEST_ENV, TEST_PEER_TIMEOUT_S
 
 SHORT_RUN = ["--iterations", "24"]
@@ -142,7 +142,7 @@ def _pid_of(name: str) -> int | None:
 
 
 def _progress_files() -> set[str]:
-    """The serving receivers' progress files on this host (`refit_sidecar.progress_file`)."""
+    """The serving receivers' progress files on this host (`refit_sidecar.pull.shared_word`)."""
     directory = Path(progress_file.DEFAULT_DIR)
     if not directory.is_dir():
         return set()

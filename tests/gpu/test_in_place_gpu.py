@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_ext.in_place import InPlace, candidates
+from inference_ext.staged_tensors import InPlace, candidates
 from tests.inference import test_in_place as on_cpu
 
 pytestmark = [

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, OwnProgress, ProgressWord
-from refit_sidecar.torch_arena import TorchWords
+from refit_sidecar.memory.tensor_arena import TorchWords
+from refit_sidecar.pull.progress import PROGRESS_BYTES, CopyProgress, OwnProgress, ProgressWord
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from benchmarks.trainer_step import write_model
 from megatron_hf.convert import megatron_to_hf
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.plan import plan_pull, whole
-from refit_sidecar.torch_arena import TorchArena
-from refit_sidecar.transport import Region
+from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.memory.region import Region
+from refit_sidecar.memory.tensor_arena import TorchArena
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
 from tests.support.sidecar import running_sidecar

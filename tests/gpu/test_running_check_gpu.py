@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 
-from refit_sidecar import wsum
-from refit_sidecar.manifest import MemType
-from refit_sidecar.running_check import RunningCheck
+from refit_sidecar.core.manifest import MemType
+from refit_sidecar.integrity import wsum
+from refit_sidecar.pull.running_check import RunningCheck
 from tests.refit import test_running_check as on_cpu
 
 pytestmark = [

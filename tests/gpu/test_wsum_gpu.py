@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar import wsum
-from refit_sidecar.checksum import ChecksumMismatch
-from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import DType, MemType
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.plan import plan_pull, whole
-from refit_sidecar.source import ShardSource, SourceConfig
-from refit_sidecar.torch_arena import TorchArena
-from refit_sidecar.torch_wsum import _kernel, group_sums
-from refit_sidecar.transport import Region, verify_pulled
+from refit_sidecar.core.manifest import DType, MemType
+from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.integrity import wsum
+from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.device_sums import _kernel, group_sums
+from refit_sidecar.integrity.verify import verify_pulled
+from refit_sidecar.memory.region import Region
+from refit_sidecar.memory.tensor_arena import TorchArena
+from refit_sidecar.publish.shard_source import ShardSource, SourceConfig
+from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from tests.support.isolation import in_child_process
 
 pytestmark = [

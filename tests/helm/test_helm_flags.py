@@ -1,11 +1,11 @@
 """The flags the chart passes to each container exist in the programs' real command-line parsers.
 
 Each container's argv is taken from the rendered pod template and expanded the way the kubelet does
-($(VAR) from the release ConfigMap, the downward API and the LWS webhook), then parsed by the
-parser the program itself uses: torchrun's, trainer_svc.cli.build_parser(),
-refit_sidecar.cli.build_parser() and `vllm serve`'s. The parsed values must agree with the pod's
-GPUs, ports, probes and Services. For vLLM, what the flags configure must also be accepted by the
-code that reads it: the weight-transfer backend by vLLM's factory, the refit section of
+($(VAR) from the release ConfigMap, the downward API and the LWS webhook), then parsed by the parser
+the program itself uses: torchrun's, trainer_svc.cli.build_parser(),
+refit_sidecar.service.cli.build_parser() and `vllm serve`'s. The parsed values must agree with the
+pod's GPUs, ports, probes and Services. For vLLM, what the flags configure must also be accepted by
+the code that reads it: the weight-transfer backend by vLLM's factory, the refit section of
 --additional-config by inference_ext (worker extension and auto-refit endpoint plugin), and
 VLLM_PLUGINS by vLLM's plugin loaders.
 """
@@ -189,7 +189,7 @@ def test_sidecar_probes_and_service_use_its_port(rendered_set: RenderedSet, name
 def test_sidecar_flags_exist_in_refit_sidecar_parser(
     rendered_set: RenderedSet, tmp_path: Path
 ) -> None:
-    from refit_sidecar.cli import build_parser, parse_config
+    from refit_sidecar.service.cli import build_parser, parse_config
 
     for name in _sets_with("trainer", "sidecar"):
         rendered = rendered_set(name)

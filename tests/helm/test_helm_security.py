@@ -25,7 +25,7 @@ from chart_harness import (
     render,
 )
 
-from refit_sidecar.cli import parse_config as sidecar_config
+from refit_sidecar.service.cli import parse_config as sidecar_config
 from trainer_svc.cli import build_parser
 from trainer_svc.cli import config_from_args as trainer_config
 

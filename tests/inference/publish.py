@@ -13,9 +13,7 @@ import torch
 
 from megatron_hf.sharding import local_layer_name, shard, stage_layers, stage_of
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.checksum import checksum
-from refit_sidecar.layout import megatron_shard_spec
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     DType,
     Manifest,
@@ -24,7 +22,9 @@ from refit_sidecar.manifest import (
     ShardRecord,
     merge_manifests,
 )
-from refit_sidecar.wire import manifest_from_proto, manifest_to_proto
+from refit_sidecar.integrity.checksum import checksum
+from refit_sidecar.publish.shard_specs import megatron_shard_spec
+from refit_sidecar.service.wire import manifest_from_proto, manifest_to_proto
 
 DTYPES = {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16}
 ALIGNMENT = 256

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from refit_sidecar.client import SidecarClient, UnknownVersion
+from refit_sidecar.service.client import SidecarClient, UnknownVersion
 from tests.support.fanout_puller import (
     Failed,
     Fetched,

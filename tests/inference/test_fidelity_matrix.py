@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from inference_ext.receiver import RefitOptions
+from inference_ext.refit_options import ReceiverAuth, RefitOptions
 from megatron_hf.spec import ModelFamily, ModelSpec
 from megatron_hf.splits import trainer_layout_problems
 from megatron_hf.tiny import write_tiny_checkpoint
@@ -146,7 +146,7 @@ def _refit_matrix(
                     options = RefitOptions(
                         receiver_id=f"{name}-{layout}-tp{tp}",
                         pull_timeout_s=60,
-                        token_file=sidecar.token_file(),
+                        auth=ReceiverAuth(token_file=sidecar.token_file()),
                     )
                     hosts[tp].call("refit_init", sidecar.address, options)
                 if index == 0:

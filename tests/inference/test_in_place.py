@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from inference_ext.in_place import Adoptable, InPlace, adoptable, candidates
+from inference_ext.staged_tensors import Adoptable, InPlace, adoptable, candidates
 
 
 def _layout(device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

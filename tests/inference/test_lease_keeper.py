@@ -1,4 +1,4 @@
-"""`lease_keeper.LeaseKeeper` on its own: renewals every third of the TTL while a lease is
+"""`leasing.LeaseKeeper` on its own: renewals every third of the TTL while a lease is
 kept, none after it is taken back, a failed renewal reported as lost with the last good end,
 and taking back never waiting for a renewal in flight. The sidecar is a stand-in that answers
 renewals as the real one does (the real sidecar's renewals are tested end to end in
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from inference_ext.lease_keeper import LeaseKeeper, renewed
-from refit_sidecar.client import Lease, UnknownLease
+from refit_sidecar.pull.leasing import LeaseKeeper, renewed
+from refit_sidecar.service.client import Lease, UnknownLease
 
 TTL = 0.3
 

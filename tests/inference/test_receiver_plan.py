@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from inference_ext.receiver import TORCH_DTYPES, HFSlice, ReceiverPlan, plan_receiver
+from inference_ext.receiver import TORCH_DTYPES
+from inference_ext.receiver_plan import HFSlice, ReceiverPlan, plan_receiver
 from inference_ext.slices import ReceiverLayout, hf_slice, vocab_rows
 from megatron_hf.convert import VOCAB_PADDED, hf_names, hf_to_megatron
 from megatron_hf.sharding import stage_of, tp_placement
 from megatron_hf.spec import ModelSpec, padded_vocab_size
-from refit_sidecar.manifest import Box, Manifest
-from refit_sidecar.plan import PullPlan, UnsupportedRequest, layout_key, rebase
-from refit_sidecar.transport import InMemoryTransport, Region, SourceLost
+from refit_sidecar.core.manifest import Box, Manifest
+from refit_sidecar.core.plan import PullPlan, UnsupportedRequest, layout_key, rebase
+from refit_sidecar.memory.region import Region
+from refit_sidecar.pull.transport import InMemoryTransport, SourceLost
 from tests.inference.conftest import Tiny
 from tests.inference.publish import Published, publish
 

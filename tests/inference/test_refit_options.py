@@ -4,16 +4,16 @@ key or a timeout that is not a positive number fails when the options are read, 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from inference_ext.receiver import RefitOptions
+from inference_ext.refit_options import ReceiverAuth, RefitOptions
 
 
 def test_refit_options_from_dict() -> None:
     token = {"token_file": "/run/tokens/receiver"}
-    assert RefitOptions.from_dict(token) == RefitOptions(token_file="/run/tokens/receiver")
+    assert RefitOptions.from_dict(token) == RefitOptions(
+        auth=ReceiverAuth(token_file="/run/tokens/receiver")
+    )
     options = RefitOptions.from_dict(
         {"receiver_id": "r", "pull_timeout_s": 5, "verify_checksums": False, **token}
     )
@@ -22,11 +22,11 @@ def test_refit_options_from_dict() -> None:
         5,
         False,
     )
-    assert RefitOptions.from_dict(dataclasses.asdict(options)) == options
+    assert RefitOptions.from_dict(options.to_dict()) == options
 
 
 def test_refit_options_reject_unknown_keys_naming_the_known_ones() -> None:
-    known = sorted(f.name for f in dataclasses.fields(RefitOptions))
+    known = sorted(RefitOptions.json_keys())
     with pytest.raises(ValueError) as error:
         RefitOptions.from_dict({"pull_timeout": 5, "sidecar": "x:1", "receiver_id": "r"})
     assert str(error.value) == f"unknown refit options ['pull_timeout', 'sidecar']; known: {known}"

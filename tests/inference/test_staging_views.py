@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from inference_ext.receiver import Staging
-from refit_sidecar.transport import Region
+from refit_sidecar.memory.region import Region
 
 
 class _Registrations:

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from inference_ext.plugin import BACKEND, register
-from inference_ext.receiver import RefitError, RefitOptions
+from inference_ext.receiver import RefitError
+from inference_ext.refit_options import ReceiverAuth, RefitOptions
 from inference_ext.transfer_backend import check_init, parse_init_info, parse_update_info
 from inference_ext.worker_refit import RefitTarget
 
@@ -22,7 +23,7 @@ def test_init_info_is_the_sidecar_and_the_refit_options() -> None:
     )
     assert info.target == RefitTarget(
         sidecar="sidecar:50052",
-        options=RefitOptions(token_file="/run/tokens/receiver", lease_ttl_s=9),
+        options=RefitOptions(auth=ReceiverAuth(token_file="/run/tokens/receiver"), lease_ttl_s=9),
     )
 
 
@@ -66,12 +67,24 @@ def test_the_package_declares_the_vllm_plugin() -> None:
 
 
 def test_settings_fixed_at_start_cannot_be_changed() -> None:
-    pinned = RefitTarget(sidecar="sidecar:50052", options=RefitOptions(token_file="/t"))
+    pinned = RefitTarget(
+        sidecar="sidecar:50052", options=RefitOptions(auth=ReceiverAuth(token_file="/t"))
+    )
     check_init(None, pinned)
-    check_init(pinned, RefitTarget(sidecar="sidecar:50052", options=RefitOptions(token_file="/t")))
+    check_init(
+        pinned,
+        RefitTarget(
+            sidecar="sidecar:50052", options=RefitOptions(auth=ReceiverAuth(token_file="/t"))
+        ),
+    )
     for other in (
-        RefitTarget(sidecar="elsewhere:50052", options=RefitOptions(token_file="/t")),
-        RefitTarget(sidecar="sidecar:50052", options=RefitOptions(token_file="/etc/passwd")),
+        RefitTarget(
+            sidecar="elsewhere:50052", options=RefitOptions(auth=ReceiverAuth(token_file="/t"))
+        ),
+        RefitTarget(
+            sidecar="sidecar:50052",
+            options=RefitOptions(auth=ReceiverAuth(token_file="/etc/passwd")),
+        ),
     ):
         with pytest.raises(RefitError, match="fixed by its --additional-config"):
             check_init(pinned, other)

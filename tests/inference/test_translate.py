@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference_ext.receiver import wanted_slices
+from inference_ext.receiver_plan import wanted_slices
 from inference_ext.slices import (
     VLLM_VOCAB_PADDING,
     ReceiverLayout,
@@ -27,7 +27,7 @@ from inference_ext.translate import megatron_part, megatron_sources
 from megatron_hf.checkpoint import save_hf_checkpoint
 from megatron_hf.convert import hf_names, hf_shape, hf_to_megatron, megatron_to_hf
 from megatron_hf.spec import ModelFamily, ModelSpec, padded_vocab_size
-from refit_sidecar.manifest import Box
+from refit_sidecar.core.manifest import Box
 from tests.inference.conftest import Tiny
 from tests.support.specs import synthetic_spec
 

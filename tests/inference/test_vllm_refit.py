@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from inference_ext.engine import EngineRefit
-from inference_ext.receiver import RefitOptions
+from inference_ext.llm_engine import EngineRefit
+from inference_ext.refit_options import FanOutOptions, ReceiverAuth, RefitOptions
 from tests.support.engine import EngineError, EngineProcess
 from tests.support.fidelity import (
     FIDELITY,
@@ -50,8 +50,8 @@ def _options(tp: int, sidecar: Sidecar, *, fanout: bool = False) -> RefitOptions
     return RefitOptions(
         receiver_id=f"engine-tp{tp}{'-tree' if fanout else ''}",
         pull_timeout_s=60,
-        token_file=sidecar.token_file(),
-        fanout=fanout,
+        auth=ReceiverAuth(token_file=sidecar.token_file()),
+        fanout=FanOutOptions(enabled=fanout),
     )
 
 

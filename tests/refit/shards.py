@@ -8,9 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from refit_sidecar.checksum import checksum
-from refit_sidecar.layout import ShardSpec
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -19,6 +17,8 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
+from refit_sidecar.integrity.checksum import checksum
+from refit_sidecar.publish.shard_specs import ShardSpec
 
 
 def random_global(name: str, shape: Sequence[int], dtype: DType, seed: int) -> np.ndarray:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from multiprocessing.connection import Connection
 
-from refit_sidecar.layout import ShardSpec
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     merge_manifests,
 )
-from refit_sidecar.source import ShardSource, SourceConfig
+from refit_sidecar.publish.shard_source import ShardSource, SourceConfig
+from refit_sidecar.publish.shard_specs import ShardSpec
 from tests.refit.shards import random_global, shard_of
 
 

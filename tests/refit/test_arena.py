@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar.arena import HostArena
-from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import AgentRecord, DType, MemType
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.plan import plan_pull, whole
-from refit_sidecar.source import ShardSource, SourceConfig, arena_offsets
-from refit_sidecar.torch_arena import TorchArena, memory_of
-from refit_sidecar.transport import Region
+from refit_sidecar.core.manifest import AgentRecord, DType, MemType
+from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.memory.host_arena import HostArena
+from refit_sidecar.memory.region import Region
+from refit_sidecar.memory.tensor_arena import TorchArena, memory_of
+from refit_sidecar.publish.shard_source import ShardSource, SourceConfig, arena_offsets
+from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from tests.support.isolation import in_child_process
 
 SPECS = [

@@ -4,7 +4,7 @@ starts once the ranks' version words name the version, and the checksums the ran
 are compared when they come. The installed weights equal ExportHF; a byte flipped in a
 rank's slot, checksums that never come, or a manifest other than the lease named fail the
 refit and keep the installed version, also in an engine's tensors that live in staging
-(inference_ext/in_place.py), which a fetch dropped before its install restores too. One TP=2
+(inference_ext/staged_tensors.py), which a fetch dropped before its install restores too. One TP=2
 trainer on the CPU serves every case. A trainer without version words is waited for on the
 sidecar."""
 
@@ -20,17 +20,19 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from inference_ext.before_readable import BeforeReadable, ManifestChanged
-from inference_ext.receiver import HeldBy, Receiver, RefitError, RefitOptions
+from inference_ext.receiver import Receiver, RefitError
+from inference_ext.refit_options import RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import Lease, UnknownVersion, VersionChecksums
-from refit_sidecar.layout import megatron_shard_spec
-from refit_sidecar.manifest import DType
-from refit_sidecar.plan import Checksums, plan_pull, whole
-from refit_sidecar.transport import SourceLost
-from refit_sidecar.version_words import VersionWords, WordTimeout
+from refit_sidecar.core.manifest import DType
+from refit_sidecar.core.plan import Checksums, plan_pull, whole
+from refit_sidecar.publish.shard_specs import megatron_shard_spec
+from refit_sidecar.pull.early_reads import BeforeReadable, ManifestChanged
+from refit_sidecar.pull.leasing import HeldBy
+from refit_sidecar.pull.transport import SourceLost
+from refit_sidecar.pull.version_words import VersionWords, WordTimeout
+from refit_sidecar.service.client import Lease, UnknownVersion, VersionChecksums
 from tests.refit.shards import in_memory_manifest, random_global, shard_of
 from tests.support.fidelity import PROMPTS, gap, train_step, trainer_logprobs
 from tests.support.isolation import in_child_process
@@ -136,8 +138,13 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
 
         def receiver(name: str, names: list[str] | None = None, **options: object) -> Receiver:
-            config = RefitOptions(
-                receiver_id=name, pull_timeout_s=60, token_file=sidecar.token_file(), **options
+            config = RefitOptions.from_dict(
+                {
+                    "receiver_id": name,
+                    "pull_timeout_s": 60,
+                    "token_file": sidecar.token_file(),
+                    **options,
+                }
             )
             return Receiver(
                 sidecar.address,

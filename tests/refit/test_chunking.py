@@ -1,11 +1,11 @@
-"""Cutting a source's reads into chunks (`refit_sidecar/chunking.py`)."""
+"""Cutting a source's reads into chunks (`refit_sidecar/pull/chunking.py`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from refit_sidecar.chunking import chunk_bounds, cut_at, merge_continuing
+from refit_sidecar.pull.chunking import chunk_bounds, cut_at, merge_continuing
 
 
 def test_plain_chunks_are_every_size_bytes_and_a_taper_halves_them_towards_both_ends() -> None:

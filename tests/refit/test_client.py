@@ -13,19 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refit_sidecar.client import (
+from refit_sidecar.core.manifest import DType, Manifest, merge_manifests
+from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.memory.region import Region
+from refit_sidecar.publish.shard_source import ShardSource, SourceConfig
+from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.service.client import (
     Lease,
     SlotsExhausted,
     TrainerLayout,
     UnknownLease,
     UnknownVersion,
 )
-from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import DType, Manifest, merge_manifests
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.plan import plan_pull, whole
-from refit_sidecar.source import ShardSource, SourceConfig
-from refit_sidecar.transport import Region
 from tests.refit.shards import index, random_global, shard_of
 from tests.support.isolation import in_child_process
 from tests.support.sidecar import Sidecar, running_sidecar

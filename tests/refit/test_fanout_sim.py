@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.fanout_sim import main
-from refit_sidecar.fanout_sim import (
+from benchmarks.fanout_model import (
     FanoutTree,
     LinkModel,
     Topology,
@@ -18,6 +17,7 @@ from refit_sidecar.fanout_sim import (
     star,
     sweep,
 )
+from benchmarks.fanout_sim import main
 
 S, C, B, L = 2_000_000_000, 16 * 2**20, 50e9, 10e-6
 LINK = LinkModel(model_bytes=S, chunk_bytes=C, bandwidth=B, latency_s=L)

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from megatron_hf.sharding import TP_PLACEMENTS, shard, stage_of
-from refit_sidecar.layout import ShardSpec, megatron_shard_spec
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     DType,
 )
-from refit_sidecar.plan import plan_pull, whole
-from refit_sidecar.transport import InMemoryTransport, Region
+from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.memory.region import Region
+from refit_sidecar.publish.shard_specs import ShardSpec, megatron_shard_spec
+from refit_sidecar.pull.transport import InMemoryTransport
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
 
 

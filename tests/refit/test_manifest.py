@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 
-from refit_sidecar.layout import split_pieces
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -19,6 +18,7 @@ from refit_sidecar.manifest import (
     c_strides,
     merge_manifests,
 )
+from refit_sidecar.publish.shard_specs import split_pieces
 
 
 def test_box_arithmetic() -> None:

@@ -21,9 +21,7 @@ from multiprocessing.process import BaseProcess
 import numpy as np
 import pytest
 
-from refit_sidecar.chunking import chunk_bounds
-from refit_sidecar.layout import ShardSpec, megatron_shard_spec, split_pieces
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -32,10 +30,14 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport, PendingPull, _Xfer
-from refit_sidecar.plan import PullPlan, Want, plan_pull, whole
-from refit_sidecar.source import SourceConfig
-from refit_sidecar.transport import Region, SourceLost
+from refit_sidecar.core.plan import PullPlan, Want, plan_pull, whole
+from refit_sidecar.memory.region import Region
+from refit_sidecar.publish.shard_source import SourceConfig
+from refit_sidecar.publish.shard_specs import ShardSpec, megatron_shard_spec, split_pieces
+from refit_sidecar.pull.chunking import chunk_bounds
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pull.pending_pull import PendingPull, Xfer
+from refit_sidecar.pull.transport import SourceLost
 from tests.refit.shards import index, random_global
 from tests.refit.source_worker import serve
 from tests.support.isolation import in_child_process
@@ -325,7 +327,7 @@ def test_a_pull_does_its_idle_work_while_its_requests_are_in_flight() -> None:
     transport = dataclasses.make_dataclass("Transport", [("_agent", Agent)])(agent)
     array = np.zeros(8, np.uint8)
     dest = Region.of_array(array)
-    xfer = _Xfer(b"key", "source", dest, None, (), reads=1, nbytes=8)
+    xfer = Xfer(b"key", "source", dest, None, (), reads=1, nbytes=8)
     now = time.perf_counter()
     pending = PendingPull(transport, now + 10, now, False, dest, window=1)  # type: ignore[arg-type]
     pending.xfers.append(xfer)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from refit_sidecar.arena import HostArena
-from refit_sidecar.nixl_network import NixlNetwork, interface_addresses, interface_of
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.source import SourceAgent, SourceConfig
+from refit_sidecar.core.network import NixlNetwork, interface_addresses, interface_of
+from refit_sidecar.memory.host_arena import HostArena
+from refit_sidecar.publish.shard_source import SourceAgent, SourceConfig
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from tests.support.isolation import in_child_process
 from trainer_svc.cli import parse_config
 

@@ -1,4 +1,4 @@
-"""A receiver's staged copy read as a source (`refit_sidecar.peer`): other receivers, of
+"""A receiver's staged copy read as a source (`tests.support.peer`): other receivers, of
 another TP layout, plan and pull from it with the same planner and get the trainer's bytes, bit
 for bit, checksums verified; mixed with the trainer's shards the reads spread over both."""
 
@@ -7,13 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refit_sidecar.checksum import ChecksumMismatch, checksum
-from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import AgentRecord, Box, DType, Manifest
-from refit_sidecar.peer import staged_manifest, with_peers
-from refit_sidecar.plan import PullPlan, UnsupportedRequest, Want, plan_pull
-from refit_sidecar.transport import InMemoryTransport, Region
+from refit_sidecar.core.manifest import AgentRecord, Box, DType, Manifest
+from refit_sidecar.core.plan import PullPlan, UnsupportedRequest, Want, plan_pull
+from refit_sidecar.integrity.checksum import ChecksumMismatch, checksum
+from refit_sidecar.memory.region import Region
+from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
+from refit_sidecar.pull.transport import InMemoryTransport
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
+from tests.support.peer import staged_manifest, with_peers
 
 PARAMS = {  # name: (global shape, TP split dim, parts)
     "decoder.layers.0.self_attention.linear_qkv.weight": ((48, 16), 0, 1),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     VERSION_WORD_BYTES,
     AgentRecord,
     Box,
@@ -24,15 +24,16 @@ from refit_sidecar.manifest import (
     ShardRecord,
     SnapshotPieces,
 )
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.piece_gate import PieceGate
-from refit_sidecar.plan import PullPlan, Want, plan_pull
-from refit_sidecar.pull_trace import PullTrace
-from refit_sidecar.snapshot_layout import Region as Copy
-from refit_sidecar.snapshot_layout import cut_into_pieces, piece_ends
-from refit_sidecar.transport import PullStats, Region, SourceLost
-from refit_sidecar.version_words import VersionWords, WordTimeout
-from refit_sidecar.wire import agent_from_proto, agent_to_proto
+from refit_sidecar.core.plan import PullPlan, Want, plan_pull
+from refit_sidecar.memory.region import Region
+from refit_sidecar.publish.slot_layout import Region as Copy
+from refit_sidecar.publish.slot_layout import cut_into_pieces, piece_ends
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pull.piece_gate import PieceGate
+from refit_sidecar.pull.trace import PullTrace
+from refit_sidecar.pull.transport import PullStats, SourceLost
+from refit_sidecar.pull.version_words import VersionWords, WordTimeout
+from refit_sidecar.service.wire import agent_from_proto, agent_to_proto
 
 # -- the pieces' layout -------------------------------------------------------------------------
 

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar.chunking import chunk_bounds
-from refit_sidecar.intervals import Intervals
-from refit_sidecar.manifest import (
+from refit_sidecar.core.intervals import Intervals
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -30,20 +29,22 @@ from refit_sidecar.manifest import (
     ShardPiece,
     ShardRecord,
 )
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.peer import staged_manifest
-from refit_sidecar.pipelined_pull import (
+from refit_sidecar.core.plan import PullPlan, Want, plan_pull
+from refit_sidecar.core.tree_records import NodeKind, Route
+from refit_sidecar.memory.region import Region
+from refit_sidecar.memory.tensor_arena import TorchWords
+from refit_sidecar.pull.chunking import chunk_bounds
+from refit_sidecar.pull.filled import Filled
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.pull.peer_words import ControlSlots, PeerGate
+from refit_sidecar.pull.pipelined import (
     HEARTBEAT_S,
     ChunkConfig,
-    ControlSlots,
-    Filled,
-    PeerGate,
     PipelinedPull,
     SourceFailed,
     _Peer,
 )
-from refit_sidecar.plan import PullPlan, Want, plan_pull
-from refit_sidecar.progress import (
+from refit_sidecar.pull.progress import (
     PROGRESS_BYTES,
     CopyProgress,
     HostWords,
@@ -52,14 +53,12 @@ from refit_sidecar.progress import (
     TornRead,
     Words,
 )
-from refit_sidecar.progress_file import ProgressFile, host_id
-from refit_sidecar.routing import clip, peer_bases, route_manifest
-from refit_sidecar.sources import Answer, SourceCopy, Sources
-from refit_sidecar.torch_arena import TorchWords
-from refit_sidecar.transport import Region, SourceLost
-from refit_sidecar.tree_pull import _one_source
-from refit_sidecar.tree_types import NodeKind, Route
-from refit_sidecar.wire import box_to_proto, location_to_proto, manifest_to_proto
+from refit_sidecar.pull.routing import clip, one_source, peer_bases, route_manifest
+from refit_sidecar.pull.shared_word import ProgressFile, host_id
+from refit_sidecar.pull.transport import SourceLost
+from refit_sidecar.service.sources import Answer, SourceCopy, Sources
+from refit_sidecar.service.wire import box_to_proto, location_to_proto, manifest_to_proto
+from tests.support.peer import staged_manifest
 from trainer_refit.v1 import refit_pb2 as pb
 
 # -- intervals ------------------------------------------------------------------------------------
@@ -286,7 +285,7 @@ def test_one_source_answers_are_routed_without_planning_exactly_as_planned() -> 
         ]
         return Answer.of(pb.GetSourcesResponse(version=3, routes=routes, sources=[copy]))
 
-    fast = _one_source(answer("peer"), plan)
+    fast = one_source(answer("peer"), plan)
     assert fast is not None
     sources = answer("peer").sources()
     planned = plan_pull(route_manifest(sources), wants)
@@ -294,12 +293,12 @@ def test_one_source_answers_are_routed_without_planning_exactly_as_planned() -> 
     assert fast[1] == {"peer": PeerGate(progress, peer_bases(sources)["peer"])}
     assert list(fast[0].agents) == ["peer"] and fast[0].targets == plan.targets
 
-    replayed = _one_source(answer("t"), plan)
+    replayed = one_source(answer("t"), plan)
     assert replayed is not None and replayed[0].reads is plan.reads and replayed[1] == {}
     # Two primaries: planned from the answer instead.
     mixed = answer("peer")
     mixed.reply.routes[0].primary = "t"
-    assert _one_source(Answer.of(mixed.reply), plan) is None
+    assert one_source(Answer.of(mixed.reply), plan) is None
 
 
 # -- a chunked pull gated on a peer driven by hand ------------------------------------------------

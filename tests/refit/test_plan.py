@@ -7,9 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from refit_sidecar.checksum import ChecksumMismatch
-from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -19,7 +17,7 @@ from refit_sidecar.manifest import (
     ShardLocation,
     ShardRecord,
 )
-from refit_sidecar.plan import (
+from refit_sidecar.core.plan import (
     Checksums,
     PullPlan,
     UnsupportedRequest,
@@ -28,7 +26,11 @@ from refit_sidecar.plan import (
     whole,
     with_checksums,
 )
-from refit_sidecar.transport import InMemoryTransport, Region, SourceLost, verifies_every_read
+from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.verify import verifies_every_read
+from refit_sidecar.memory.region import Region
+from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
+from refit_sidecar.pull.transport import InMemoryTransport, SourceLost
 from tests.refit.shards import in_memory_manifest, index, random_global, shard_of
 
 Placed = list[tuple[str, ShardSpec, np.ndarray]]

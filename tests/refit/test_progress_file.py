@@ -1,4 +1,4 @@
-"""A progress word mirrored in a file of shared memory (`refit_sidecar/progress_file.py`)."""
+"""A progress word mirrored in a file of shared memory (`refit_sidecar/pull/shared_word.py`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from refit_sidecar.progress import PROGRESS_BYTES, CopyProgress, OwnProgress, ProgressWord
-from refit_sidecar.progress_file import (
+from refit_sidecar.pull.progress import PROGRESS_BYTES, CopyProgress, OwnProgress, ProgressWord
+from refit_sidecar.pull.shared_word import (
     FILE_BYTES,
     ProgressFile,
     ProgressFileReader,
@@ -79,7 +79,7 @@ def _file_of_a_process(directory: Path, *, then: str) -> str:
     """The path of the file a Python process made in `directory`, holding it until it ran
     `then` and ended."""
     code = (
-        "import sys; from refit_sidecar.progress_file import ProgressFile; "
+        "import sys; from refit_sidecar.pull.shared_word import ProgressFile; "
         f"f = ProgressFile.create(sys.argv[1]); print(f.ref.path, flush=True); {then}"
     )
     return subprocess.run(

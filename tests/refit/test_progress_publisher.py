@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from refit_sidecar.progress_publisher import ProgressPublisher
+from refit_sidecar.pull.announcer import ProgressPublisher
 
 
 def test_every_prefix_is_heard_in_order_and_a_slow_listener_holds_no_word_back() -> None:

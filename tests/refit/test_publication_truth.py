@@ -28,11 +28,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from inference_ext.receiver import Receiver, RefitOptions
+from inference_ext.receiver import Receiver
+from inference_ext.refit_options import ReceiverAuth, RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import RegistrationHeld, TrainerLayout, UnknownVersion
+from refit_sidecar.service.client import RegistrationHeld, TrainerLayout, UnknownVersion
 from tests.refit.test_sidecar_restart import _wait_publication
 from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
@@ -237,7 +238,9 @@ def test_publication_answers_hold_through_restarts_and_a_rival_registration(
     )
     spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
     options = RefitOptions(
-        receiver_id="follower", pull_timeout_s=60, token_file=sidecar.sidecar.token_file()
+        receiver_id="follower",
+        pull_timeout_s=60,
+        auth=ReceiverAuth(token_file=sidecar.sidecar.token_file()),
     )
     receiver = Receiver(
         sidecar.sidecar.address,

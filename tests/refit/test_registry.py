@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_sidecar.registry import (
+from refit_sidecar.service.registry import (
     NotRegistered,
     PendingVersion,
     PublicationPending,

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar import wsum
-from refit_sidecar.checksum import ChecksumMismatch
-from refit_sidecar.chunking import chunk_bounds
-from refit_sidecar.layout import ShardSpec
-from refit_sidecar.manifest import Box, DType, MemType, ShardPiece
-from refit_sidecar.plan import Checksums, PullPlan, plan_pull, whole, with_read_checksums
-from refit_sidecar.running_check import RunningCheck
-from refit_sidecar.torch_wsum import PartedSums
-from refit_sidecar.transport import InMemoryTransport, Region
+from refit_sidecar.core.manifest import Box, DType, MemType, ShardPiece
+from refit_sidecar.core.plan import Checksums, PullPlan, plan_pull, whole, with_read_checksums
+from refit_sidecar.integrity import wsum
+from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.device_sums import PartedSums
+from refit_sidecar.memory.region import Region
+from refit_sidecar.publish.shard_specs import ShardSpec
+from refit_sidecar.pull.chunking import chunk_bounds
+from refit_sidecar.pull.running_check import RunningCheck
+from refit_sidecar.pull.transport import InMemoryTransport
 from tests.refit.shards import in_memory_manifest
 
 SHAPES = [(64, 32), (16,), (128, 32), (8, 32), (96, 32), (40,)]

@@ -17,7 +17,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_ext.receiver import Receiver, RefitError, RefitOptions
+from inference_ext.receiver import Receiver, RefitError
+from inference_ext.refit_options import ReceiverAuth, RefitOptions
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
@@ -76,7 +77,9 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
     spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
     names = hf_names(spec)
     token = running.token_file()
-    options = RefitOptions(receiver_id="restart", pull_timeout_s=60, token_file=token)
+    options = RefitOptions(
+        receiver_id="restart", pull_timeout_s=60, auth=ReceiverAuth(token_file=token)
+    )
     receiver = Receiver(
         address, spec, ReceiverLayout(), names, options=options, device=torch.device("cpu")
     )
@@ -124,7 +127,10 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
 
         # A lease that runs out before the pull ends protects nothing: the refit fails closed.
         brief = RefitOptions(
-            receiver_id="brief", pull_timeout_s=60, lease_ttl_s=1e-4, token_file=token
+            receiver_id="brief",
+            pull_timeout_s=60,
+            lease_ttl_s=1e-4,
+            auth=ReceiverAuth(token_file=token),
         )
         short = Receiver(
             address, spec, ReceiverLayout(), names, options=brief, device=torch.device("cpu")
@@ -138,7 +144,10 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         # A pull that takes longer than the lease's time keeps its version: the lease is
         # renewed every third of it while the pull runs (a dead receiver's lapses within it).
         slow_options = RefitOptions(
-            receiver_id="slow", pull_timeout_s=60, lease_ttl_s=0.6, token_file=token
+            receiver_id="slow",
+            pull_timeout_s=60,
+            lease_ttl_s=0.6,
+            auth=ReceiverAuth(token_file=token),
         )
         slow = Receiver(
             address, spec, ReceiverLayout(), names, options=slow_options, device=torch.device("cpu")
@@ -182,7 +191,10 @@ def test_the_trainer_publishes_again_after_the_sidecar_restarts(tmp_path: Path) 
         # A lease asked for long before its version came counts its time from the asking: it
         # is renewed before the pull, which would otherwise fail closed.
         follower_options = RefitOptions(
-            receiver_id="follower", pull_timeout_s=60, lease_ttl_s=0.6, token_file=token
+            receiver_id="follower",
+            pull_timeout_s=60,
+            lease_ttl_s=0.6,
+            auth=ReceiverAuth(token_file=token),
         )
         follower = Receiver(
             address,

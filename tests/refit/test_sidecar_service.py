@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
-from refit_sidecar.client import InvalidRequest, TrainerLayout, UnknownVersion
-from refit_sidecar.pending import CallCancelled
+from refit_sidecar.service.client import InvalidRequest, TrainerLayout, UnknownVersion
+from refit_sidecar.service.pending import CallCancelled
 from tests.support.sidecar import running_sidecar
 from trainer_refit.auth import Role
 from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages

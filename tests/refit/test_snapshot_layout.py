@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_sidecar.snapshot_layout import Placement, Region, snapshot_layout
+from refit_sidecar.publish.slot_layout import Placement, Region, snapshot_layout
 
 
 def test_parameters_of_one_buffer_are_one_region_and_keep_their_positions():

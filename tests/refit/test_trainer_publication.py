@@ -13,11 +13,11 @@ import torch
 
 from megatron_hf.convert import megatron_to_hf
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.client import SidecarClient, UnknownVersion
-from refit_sidecar.manifest import Box
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.plan import Want, plan_pull, whole
-from refit_sidecar.transport import Region
+from refit_sidecar.core.manifest import Box
+from refit_sidecar.core.plan import Want, plan_pull, whole
+from refit_sidecar.memory.region import Region
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
+from refit_sidecar.service.client import SidecarClient, UnknownVersion
 from tests.support.batches import make_batch
 from tests.support.damaged_checkpoints import resealed_copies
 from tests.support.isolation import in_child_process
@@ -252,8 +252,8 @@ def test_a_slots_report_carries_each_versions_own_checksums() -> None:
     # the first's checksums.
     from types import SimpleNamespace
 
-    from refit_sidecar.checksum import checksum
-    from refit_sidecar.manifest import MemType
+    from refit_sidecar.core.manifest import MemType
+    from refit_sidecar.integrity.checksum import checksum
     from trainer_refit.v1 import refit_pb2 as pb
 
     data = {"a": np.arange(16, dtype=np.uint8), "b": np.full(8, 7, dtype=np.uint8)}

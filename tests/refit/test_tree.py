@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import Box, DType, Manifest
-from refit_sidecar.plan import Want
-from refit_sidecar.tree import (
+from refit_sidecar.core.manifest import Box, DType, Manifest
+from refit_sidecar.core.plan import Want
+from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
+from refit_sidecar.service.tree import (
     Assignment,
     CopyState,
     NodeKind,
@@ -593,7 +593,7 @@ def test_holding_can_be_turned_off():
 
 
 def test_the_sidecar_flag_sets_the_holding_time():
-    from refit_sidecar.cli import parse_config
+    from refit_sidecar.service.cli import parse_config
 
     config, _ = parse_config(["--insecure", "--hold-parents-seconds", "0.25"])
     assert config.tree.hold_parents_s == 0.25

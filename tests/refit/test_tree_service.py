@@ -15,9 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from refit_sidecar.cli import parse_config
-from refit_sidecar.client import SidecarClient, TrainerLayout, UnknownVersion, lease_from_proto
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -27,10 +25,18 @@ from refit_sidecar.manifest import (
     ShardPiece,
     ShardRecord,
 )
-from refit_sidecar.pending import Pending
-from refit_sidecar.plan import Want
-from refit_sidecar.progress_file import ProgressFileRef
-from refit_sidecar.sources import (
+from refit_sidecar.core.plan import Want
+from refit_sidecar.core.shared_word_ref import ProgressFileRef
+from refit_sidecar.core.tree_records import CopyState, NodeInfo, NodeKind, TreeConfig
+from refit_sidecar.service.cli import parse_config
+from refit_sidecar.service.client import (
+    SidecarClient,
+    TrainerLayout,
+    UnknownVersion,
+    lease_from_proto,
+)
+from refit_sidecar.service.pending import Pending
+from refit_sidecar.service.sources import (
     Answer,
     NoLiveSource,
     NoSourceFree,
@@ -38,8 +44,7 @@ from refit_sidecar.sources import (
     Sources,
     get_sources_request,
 )
-from refit_sidecar.tree_types import CopyState, NodeInfo, NodeKind, TreeConfig
-from refit_sidecar.wire import box_to_proto, location_to_proto
+from refit_sidecar.service.wire import box_to_proto, location_to_proto
 from tests.support.sidecar import Sidecar, running_sidecar
 from trainer_refit.auth import Role
 from trainer_refit.errors import InvalidRequest

@@ -9,8 +9,7 @@ import random
 
 import pytest
 
-from refit_sidecar.layout import split_pieces
-from refit_sidecar.manifest import (
+from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
     DType,
@@ -23,9 +22,10 @@ from refit_sidecar.manifest import (
     c_strides,
     merge_manifests,
 )
-from refit_sidecar.registry import Registry, RegistryConfig
-from refit_sidecar.server import RefitServicer
-from refit_sidecar.wire import (
+from refit_sidecar.publish.shard_specs import split_pieces
+from refit_sidecar.service.registry import Registry, RegistryConfig
+from refit_sidecar.service.server import RefitServicer
+from refit_sidecar.service.wire import (
     agent_from_proto,
     agent_to_proto,
     box_from_proto,

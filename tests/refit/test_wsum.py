@@ -1,6 +1,6 @@
-"""WSUM-64 (refit_sidecar/wsum.py): the reference's properties, the torch implementation held to
-it on the CPU (the Triton kernel is held to it by tests/gpu), a torch arena's device checksums,
-and pulls verified by it, host and device staging alike."""
+"""WSUM-64 (refit_sidecar/integrity/wsum.py): the reference's properties, the torch
+implementation held to it on the CPU (the Triton kernel is held to it by tests/gpu), a torch arena's
+device checksums, and pulls verified by it, host and device staging alike."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar import wsum
-from refit_sidecar.checksum import ChecksumMismatch
-from refit_sidecar.layout import ShardSpec, split_pieces
-from refit_sidecar.manifest import DType
-from refit_sidecar.nixl_transport import NixlConfig, NixlTransport
-from refit_sidecar.plan import plan_pull, whole
-from refit_sidecar.source import ShardSource, SourceConfig
-from refit_sidecar.torch_arena import TorchArena
-from refit_sidecar.torch_wsum import group_sums, verify_device
-from refit_sidecar.transport import Region, verify_pulled
+from refit_sidecar.core.manifest import DType
+from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.integrity import wsum
+from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.device_sums import group_sums, verify_device
+from refit_sidecar.integrity.verify import verify_pulled
+from refit_sidecar.memory.region import Region
+from refit_sidecar.memory.tensor_arena import TorchArena
+from refit_sidecar.publish.shard_source import ShardSource, SourceConfig
+from refit_sidecar.publish.shard_specs import ShardSpec, split_pieces
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from tests.support.isolation import in_child_process
 
 _RNG = np.random.default_rng(7)

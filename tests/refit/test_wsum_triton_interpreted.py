@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from refit_sidecar import wsum
+from refit_sidecar.integrity import wsum
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INTERPRETED, reason="runs in the child with TRITON_INTERPRET=1")
@@ -43,7 +43,7 @@ def test_the_kernel_passes_under_the_interpreter() -> None:
 @inside
 @pytest.mark.parametrize("block", [wsum.BLOCK // 2, wsum.BLOCK, wsum.BLOCK * 2])
 def test_the_kernel_gives_the_reference_sums(block: int, monkeypatch) -> None:
-    from refit_sidecar import torch_wsum
+    from refit_sidecar.integrity import device_sums as torch_wsum
 
     monkeypatch.setattr(wsum, "BLOCK", block)
     data = torch.from_numpy(np.random.default_rng(1).integers(0, 256, 200_000, dtype=np.uint8))
@@ -75,8 +75,8 @@ def test_parted_sums_launch_the_kernel_over_runs_of_consecutive_parts() -> None:
     """`PartedSums.start(first, stop)`: every part's whole blocks, then every part's other
     blocks, as two runs of its table, summed by the kernel as the torch reference sums them
     part by part."""
-    from refit_sidecar import torch_wsum
-    from refit_sidecar.manifest import MemType
+    from refit_sidecar.core.manifest import MemType
+    from refit_sidecar.integrity import device_sums as torch_wsum
     from tests.refit.test_running_check import LARGE, _pulled
 
     plan, _, region, _ = _pulled(MemType.VRAM, shapes=LARGE)

@@ -20,8 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from refit_sidecar.access import SERVICE as REFIT_SERVICE
-from refit_sidecar.client import Lease, SidecarClient, UnknownLease
+from refit_sidecar.service.access import SERVICE as REFIT_SERVICE
+from refit_sidecar.service.client import Lease, SidecarClient, UnknownLease
 from tests.support.auth import TlsFiles, Tokens
 from tests.support.batches import make_batch
 from tests.support.sidecar import Sidecar, running_sidecar

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from inference_ext.receiver import RefitOptions
-from refit_sidecar import access as sidecar_access
-from refit_sidecar.cli import parse_config as parse_sidecar
+from inference_ext.refit_options import ReceiverAuth, RefitOptions
+from refit_sidecar.service import access as sidecar_access
+from refit_sidecar.service.cli import parse_config as parse_sidecar
 from trainer_refit.auth import ClientAuth, Role, ServerAuth, method_roles, write_token_dir
 from trainer_svc.cli import parse_config as parse_trainer
 from trainer_svc.server import access as trainer_access
@@ -212,7 +212,7 @@ def test_the_trainer_needs_the_sidecar_token_unless_insecure(
 def test_receiver_options_carry_the_client_auth(tmp_path: Path) -> None:
     options = RefitOptions.from_dict({"token_file": "/t", "tls_ca": "/ca"})
     assert options.client_auth() == ClientAuth(token_file=Path("/t"), tls_ca=Path("/ca"))
-    assert RefitOptions(insecure=True).client_auth() == ClientAuth(insecure=True)
+    assert RefitOptions(auth=ReceiverAuth(insecure=True)).client_auth() == ClientAuth(insecure=True)
     with pytest.raises(ValueError, match="token file, or insecure mode explicitly"):
         RefitOptions()
     with pytest.raises(ValueError, match=r"^token_file must be a file path or null, got 3"):

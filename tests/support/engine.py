@@ -110,7 +110,7 @@ _LOAD = "_load"
 def _build(model: str, tensor_parallel: int, hosted: bool) -> Any:
     from vllm import LLM
 
-    from inference_ext.engine import EXTENSION, RefitEngine
+    from inference_ext.llm_engine import EXTENSION, RefitEngine
 
     llm = LLM(
         model=model,

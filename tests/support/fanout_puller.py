@@ -161,7 +161,8 @@ class _Ranks:
     def build(self) -> None:
         import torch
 
-        from inference_ext.receiver import Receiver, RefitOptions
+        from inference_ext.receiver import Receiver
+        from inference_ext.refit_options import FanOutOptions, ReceiverAuth, RefitOptions
         from inference_ext.slices import ReceiverLayout
         from megatron_hf.convert import hf_names
         from megatron_hf.spec import ModelSpec
@@ -172,12 +173,14 @@ class _Ranks:
         names = hf_names(spec)
         options = RefitOptions(
             receiver_id=config.receiver_id,
-            fanout=True,
-            chunk_bytes=config.chunk_bytes,
-            stall_timeout_s=config.stall_timeout_s,
+            fanout=FanOutOptions(
+                enabled=True,
+                chunk_bytes=config.chunk_bytes,
+                stall_timeout_s=config.stall_timeout_s,
+            ),
             pull_timeout_s=config.pull_timeout_s,
             lease_ttl_s=config.lease_ttl_s,
-            token_file=config.token_file,
+            auth=ReceiverAuth(token_file=config.token_file),
         )
         for rank in range(config.tp_size):
             layout = ReceiverLayout(tp_size=config.tp_size, tp_rank=rank)
@@ -230,7 +233,7 @@ def _paced(receiver: Any, command: Fetch, started: threading.Event) -> Iterator[
     lands, and once the first progress is out (`started`) it waits for the gate. (Progress is
     published from a thread of its own: sleeping there would slow the copy's word, not the
     pull.)"""
-    from refit_sidecar.progress import PROGRESS_BYTES
+    from refit_sidecar.pull.progress import PROGRESS_BYTES
 
     transport = receiver.transport
     check = transport.check
@@ -264,7 +267,7 @@ def _fetch_one(receiver: Any, command: Fetch, send: Callable[[object], None]) ->
             if filled <= total // 4:
                 return
             # Nobody reads this copy before `Started`: its children read the flipped byte.
-            from refit_sidecar.transport import host_view
+            from refit_sidecar.memory.region import host_view
 
             host_view(receiver.staging.region)[filled // 2] ^= 0xFF
         calls += 1

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import psutil
 import torch
 
-from inference_ext.receiver import Receiver, RefitStats
+from inference_ext.receiver import Receiver
+from inference_ext.refit_options import RefitStats
 from tests.support.sidecar import Sidecar
 from tests.support.trainer import TrainerProcess
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from refit_sidecar.client import SidecarClient
+from refit_sidecar.service.client import SidecarClient
 from tests.support.auth import TlsFiles, Tokens
 from trainer_refit.auth import ClientAuth, Role, open_channel
 from trainer_refit.v1 import refit_pb2_grpc
@@ -42,7 +42,7 @@ class Sidecar:
         )
 
     def token_file(self, role: Role = Role.RECEIVER) -> str:
-        """The role's token file as a string (what `RefitOptions.token_file` takes)."""
+        """The role's token file as a string (what `RefitOptions.auth.token_file` takes)."""
         return str(self.tokens.file(role))
 
     def client(self, role: Role = Role.RECEIVER, timeout: float | None = None) -> SidecarClient:

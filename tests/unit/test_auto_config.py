@@ -14,7 +14,7 @@ import pytest
 
 from inference_ext.auto_config import AutoRefitConfig, FollowPolicy, PauseMode
 from inference_ext.auto_refit import AutoRefit, choose_version
-from inference_ext.receiver import RefitOptions
+from inference_ext.refit_options import ReceiverAuth, RefitOptions
 from inference_ext.worker_refit import RefitTarget
 
 
@@ -86,7 +86,9 @@ def test_recent_failures_are_skipped() -> None:
 
 
 def test_a_version_that_keeps_failing_is_retried_less_and_less_often() -> None:
-    target = RefitTarget(sidecar="127.0.0.1:1", options=RefitOptions(insecure=True))
+    target = RefitTarget(
+        sidecar="127.0.0.1:1", options=RefitOptions(auth=ReceiverAuth(insecure=True))
+    )
     follower = AutoRefit(None, target, AutoRefitConfig(retry_interval_s=1.0))  # type: ignore[arg-type]
     assert follower._retry_at(3) is None
     waits = []
@@ -140,7 +142,9 @@ class RecordingEngine:
 def _follower(
     engine: RecordingEngine, mode: PauseMode, options: RefitOptions | None = None
 ) -> AutoRefit:
-    target = RefitTarget(sidecar="127.0.0.1:1", options=options or RefitOptions(insecure=True))
+    target = RefitTarget(
+        sidecar="127.0.0.1:1", options=options or RefitOptions(auth=ReceiverAuth(insecure=True))
+    )
     config = AutoRefitConfig(pause_mode=mode, poll_interval_s=0.001)
     return AutoRefit(engine, target, config)  # type: ignore[arg-type]
 
@@ -260,7 +264,7 @@ def test_a_follower_keeping_up_asks_again_before_its_ask_lapses(keeping_up: bool
     visible_timeout_s): while nothing newer is announced, the follower asks for the next
     version again every half of that wait; one that is behind does not."""
     engine = RecordingEngine(["ready"])
-    options = RefitOptions(insecure=True, visible_timeout_s=0.2)
+    options = RefitOptions(auth=ReceiverAuth(insecure=True), visible_timeout_s=0.2)
     follower = _follower(engine, PauseMode.KEEP, options)
     follower.newest = 7
 

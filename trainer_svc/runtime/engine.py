@@ -20,10 +20,7 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.registry import (
-    PublicationPending,
-    SlotsExhausted,
-)
+from refit_sidecar.core.errors import PublicationPending, SlotsExhausted
 from trainer_refit.errors import quoted
 from trainer_svc.config import OptimizerConfig
 from trainer_svc.domain import (

@@ -42,8 +42,20 @@ import torch
 
 from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.checksum import checksum
-from refit_sidecar.client import (
+from refit_sidecar.core.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
+from refit_sidecar.integrity.checksum import checksum
+from refit_sidecar.memory.tensor_arena import TorchArena
+from refit_sidecar.publish.shard_source import ShardSource, SourceAgent, SourceConfig
+from refit_sidecar.publish.shard_specs import ShardSpec, placement_spec
+from refit_sidecar.publish.slot_layout import (
+    DEFAULT_FIRST_PIECE_BYTES,
+    Placement,
+    SnapshotLayout,
+    cut_into_pieces,
+    piece_ends,
+    snapshot_layout,
+)
+from refit_sidecar.service.client import (
     InvalidRequest,
     NotRegistered,
     PublicationPending,
@@ -53,19 +65,7 @@ from refit_sidecar.client import (
     TrainerLayout,
     UnknownVersion,
 )
-from refit_sidecar.layout import ShardSpec, placement_spec
-from refit_sidecar.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
-from refit_sidecar.snapshot_layout import (
-    DEFAULT_FIRST_PIECE_BYTES,
-    Placement,
-    SnapshotLayout,
-    cut_into_pieces,
-    piece_ends,
-    snapshot_layout,
-)
-from refit_sidecar.source import ShardSource, SourceAgent, SourceConfig
-from refit_sidecar.torch_arena import TorchArena
-from refit_sidecar.wire import location_to_proto, publish_request
+from refit_sidecar.service.wire import location_to_proto, publish_request
 from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_svc.runtime.agreement import fault

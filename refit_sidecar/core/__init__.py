@@ -1,0 +1,1 @@
+"""Torch-, NIXL- and gRPC-free records every room below builds on."""

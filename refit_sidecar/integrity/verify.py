@@ -1,0 +1,29 @@
+"""Checking a pull's bytes where they landed: CRC-32 or WSUM-64 on the host, WSUM-64 on
+the device (`device_sums`, imported only there: torch is there)."""
+
+from __future__ import annotations
+
+from refit_sidecar.core.manifest import MemType
+from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.integrity.checksum import verify_checksums
+from refit_sidecar.memory.region import Region, host_view
+
+
+def verify_pulled(plan: PullPlan, dest: Region) -> int:
+    """Check every shard of `plan` read whole into `dest` that carries a checksum, where `dest`
+    is (host memory here, device memory on its own GPU); returns how many were checked.
+    ChecksumMismatch names the first that differs."""
+    if dest.mem_type is MemType.DRAM:
+        return verify_checksums(plan, host_view(dest))
+    from refit_sidecar.integrity.device_sums import verify_device  # device memory: torch is there
+
+    return verify_device(plan, dest)
+
+
+def verifies_every_read(plan: PullPlan, dest: Region) -> bool:
+    """Whether `verify_pulled` into `dest` checks every byte of `plan`: each read is of a whole
+    shard carrying the checksum that memory is checked with (WSUM-64 in device memory; CRC-32
+    or WSUM-64 in host memory)."""
+    if dest.mem_type is MemType.DRAM:
+        return all(r.complete and (r.crc32 is not None or r.sum64 is not None) for r in plan.reads)
+    return all(r.complete and r.sum64 is not None for r in plan.reads)

@@ -1,0 +1,1 @@
+"""Registered memory both ends use: host and tensor arenas."""

@@ -1,0 +1,1 @@
+"""A trainer rank's publishing end: its shards laid out in registered slots."""

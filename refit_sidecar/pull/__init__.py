@@ -1,0 +1,1 @@
+"""A receiver's pulling end: plans read over NIXL, checked, pipelined, leased."""

@@ -1,0 +1,1 @@
+"""The sidecar process (registry, source tree, gRPC edge) and its typed client."""
