@@ -303,7 +303,12 @@ class InstallEndpoint:
         import torch
 
         from inference_ext.receiver import Receiver
-        from inference_ext.refit_options import DirectOptions, ReceiverAuth, RefitOptions
+        from inference_ext.refit_options import (
+            DirectOptions,
+            FanOutOptions,
+            ReceiverAuth,
+            RefitOptions,
+        )
         from inference_ext.slices import ReceiverLayout
         from megatron_hf.convert import hf_names
         from megatron_hf.spec import ModelSpec
@@ -344,10 +349,12 @@ class InstallEndpoint:
             tree = replace(
                 options,
                 receiver_id=f"{settings.receiver_id}-tree",
-                fanout=True,
-                chunk_bytes=settings.chunk_bytes,
-                chunk_taper=settings.chunk_taper,
-                check_part_bytes=settings.check_part_bytes,
+                fanout=FanOutOptions(
+                    enabled=True,
+                    chunk_bytes=settings.chunk_bytes,
+                    chunk_taper=settings.chunk_taper,
+                    check_part_bytes=settings.check_part_bytes,
+                ),
                 trace_pull=settings.trace,
             )
             self.receivers["tree"] = Receiver(

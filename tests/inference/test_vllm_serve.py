@@ -150,7 +150,8 @@ def test_a_sidecar_that_does_not_answer_changes_nothing(stack: Stack, server: Vl
     response = server.rl_update("latest", "never")
     assert response.status_code >= 400
     assert "refit to the latest version failed, the engine still serves version" in response.text
-    assert "UNAVAILABLE" in response.text
+    # Refused at once, or (another process took the free port meanwhile) at the deadline.
+    assert "UNAVAILABLE" in response.text or "DEADLINE_EXCEEDED" in response.text
     assert _probe(server) == served
     assert server.weight_version() == reported
     ok(server.post("/init_weight_transfer_engine", {"init_info": _init_info(stack.sidecar)}))

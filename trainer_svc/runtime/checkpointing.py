@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hf.checkpoint import save_hf_checkpoint
@@ -132,17 +131,38 @@ _UNREADABLE = "its content cannot be read: a file is damaged, or changed after i
 _MISMATCH = "its tensors do not match this model and layout (a name or shape differs)"
 
 
-class _ReadCommonState(TorchCommonLoadStrategy):
-    """Hands megatron's load the common state (`common.pt`) read before it, in a phase of its
-    own: read inside the load, a failure on one rank would leave that rank outside the load's
-    first collective while the others wait in it."""
+def _common_strategy() -> type | None:
+    """megatron-core's strategy that reads the common state (`common.pt`) inside its load, on
+    the versions that have one (0.16; later versions read that state through torch's reader,
+    and their `load` takes no common strategy)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import common
+    except ImportError:
+        return None
+    return getattr(common, "TorchCommonLoadStrategy", None)
 
-    def __init__(self, state: dict) -> None:
-        super().__init__()
-        self.state = state
 
-    def load_common(self, checkpoint_dir: str | Path) -> dict:
-        return self.state
+def _read_common(path: Path) -> dict | None:
+    """The common state, read before megatron's load where megatron would read it inside:
+    there a failure on one rank would leave that rank outside the load's first collective
+    while the others wait in it. None where megatron reads it through torch's reader."""
+    strategy = _common_strategy()
+    return None if strategy is None else strategy().load_common(path)
+
+
+def _load_arguments(common: dict | None) -> dict:
+    """Hands megatron's load the common state read before it (`_read_common`)."""
+    strategy = _common_strategy()
+    if strategy is None or common is None:
+        return {}
+
+    read: dict = common
+
+    class ReadCommonState(strategy):  # type: ignore[misc, valid-type]
+        def load_common(self, checkpoint_dir: str | Path) -> dict:
+            return read
+
+    return {"common_strategy": ReadCommonState()}
 
 
 @dataclass(frozen=True)
@@ -150,7 +170,7 @@ class _Prepared:
     """What a load needs before its collectives, made on every rank in a phase."""
 
     state: TrainerState
-    common: dict
+    common: dict | None
     sharded: dict
     staging: Staging
 
@@ -274,7 +294,7 @@ class Checkpointer:
         def prepare() -> _Prepared:
             with _refusals(action, (Exception,), _UNREADABLE, _MISMATCH):
                 state = TrainerState.read(path)
-                common = TorchCommonLoadStrategy().load_common(path)
+                common = _read_common(path)
             # Not a refusal when it fails (no host memory for the staging): a fault.
             with cpu_compat.active(), torch.no_grad():
                 sharded = self._sharded_state(training)
@@ -287,9 +307,7 @@ class Checkpointer:
             with cpu_compat.active(), torch.no_grad():
                 with _refusals(action, (Exception, CheckpointException), _UNREADABLE, _MISMATCH):
                     loaded = dist_checkpointing.load(
-                        prepared.sharded,
-                        str(path),
-                        common_strategy=_ReadCommonState(prepared.common),
+                        prepared.sharded, str(path), **_load_arguments(prepared.common)
                     )
                 return prepared.staging.check(loaded, f"the checkpoint {path}")
 
