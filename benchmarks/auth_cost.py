@@ -28,7 +28,7 @@ from trainer_refit.tokens import TokenFile
 
 
 def measure(calls: int, blocks: int) -> dict[str, float]:
-    """Median microseconds per call by mode; prints the table BENCHMARKS.md quotes."""
+    """Median microseconds per call by mode; prints the table (BENCHMARKS.md, auth_cost)."""
     tokens = TokenDir.create(Path(tempfile.mkdtemp()) / "tokens")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

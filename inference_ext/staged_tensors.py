@@ -1,21 +1,20 @@
 """Engine tensors that live in staging: a refit pulls straight into the tensors the engine
 computes with, and a backup taken off the refit's path restores them when a refit fails.
 
-Without it, a refit copies staging into the engine's tensors once the pull is over and
-checked: a device-local copy of every byte after the last one landed (2.2-2.4 ms for a 1B model
-on an H100, 4.6 ms for 3B). With it (`Receiver.fetch(version, in_place=...)`, the engine's
-tensors by HF name), each tensor whose slice lies in staging exactly as the engine holds it
-(contiguous, the same shape, dtype and device, the whole tensor) is **adopted** once: after the
-first refit of a layout installs it the usual way, the tensor is pointed at its slice of
-staging (`tensor.data = view`), and the engine's own copy is freed. From the next refit of
-that layout on, the pull lands in the engine's tensors themselves. A tensor the engine holds
-in another dtype than the trainer (Megatron's fp32 norm weights in a bf16 model) cannot live
-in staging; the receiver casts those in itself after the check. Staged in the slot's order,
-their slices lie together (a trainer rank's fp32 parameters are a buffer of their own, laid out
-first), so at adoption they get storage in one **cast arena** laid out as their slices are, and
-each install casts the whole span in one copy (37 small tensors of the 1B Llama: one kernel
-instead of one per tensor); others are cast in one `_foreach_copy_`. Only the slices assembled
-from several reads still go to the installer.
+Without it, a refit copies staging into the engine's tensors once the pull is over and checked: a
+device-local copy of every byte after the last one landed. With it (`Receiver.fetch(version,
+in_place=...)`, the engine's tensors by HF name), each tensor whose slice lies in staging exactly as
+the engine holds it (contiguous, the same shape, dtype and device, the whole tensor) is **adopted**
+once: after the first refit of a layout installs it the usual way, the tensor is pointed at its
+slice of staging (`tensor.data = view`), and the engine's own copy is freed. From the next refit of
+that layout on, the pull lands in the engine's tensors themselves. A tensor the engine holds in
+another dtype than the trainer (Megatron's fp32 norm weights in a bf16 model) cannot live in
+staging; the receiver casts those in itself after the check. Staged in the slot's order, their
+slices lie together (a trainer rank's fp32 parameters are a buffer of their own, laid out first), so
+at adoption they get storage in one **cast arena** laid out as their slices are, and each install
+casts the whole span in one copy (37 small tensors of the 1B Llama: one kernel instead of one per
+tensor); others are cast in one `_foreach_copy_`. Only the slices assembled from several reads still
+go to the installer.
 
 Bytes landing in the engine's tensors before the whole version is checked would leave it
 half-loaded when the refit fails. So after each install a **backup** of staging is copied on a
@@ -176,8 +175,7 @@ class InPlace:
         """Copy the staged slices of the cast tensors into them: one copy per arena, the rest
         in one `_foreach_copy_` (queued on the current stream on a GPU). Gathering them per
         pair of dtypes into a buffer, casting once and copying out in one multi-tensor copy,
-        with the views built on every install, was measured slower (BENCHMARKS.md, "Reading
-        behind the snapshot copy")."""
+        with the views built on every install, was measured slower."""
         with torch.no_grad():
             for span in self.spans:
                 span.arena.copy_(span.source, non_blocking=True)

@@ -1,5 +1,5 @@
-"""Shard checksums: the CRC-32 (zlib) of a host slot's shard, ~4.8 GiB/s on one core here, and
-the WSUM-64 (`wsum`) of a device slot's shard, computed on the GPU.
+"""Shard checksums: the CRC-32 (zlib) of a host slot's shard, and the WSUM-64 (`wsum`) of a device
+slot's shard, computed on the GPU.
 
 They catch torn or misplaced reads, not tampering. A source computes them when it publishes a
 version; a puller that read a shard whole recomputes them from the destination buffer, walking

@@ -251,11 +251,11 @@ class PartedSums:
     and their groups. Consecutive parts' rows of each kind are then one run of the table, so
     starting any number of consecutive parts is two kernel launches writing their rows of one
     buffer of partial sums: the requests in flight at a pull's end land together, and one
-    launch pair per part (about 0.1 ms of Python and launches each on an H100) stood between
-    their last byte and their sums. `check` adds the partial sums per read (one launch),
+    launch pair per part (Python and launches each) stood between their last byte and their
+    sums. `check` adds the partial sums per read (one launch),
     copies them to the host once and compares. Started with a part's own tables, sums and
-    reduction, a part cost 0.3 ms on an idle H100 (the pull's loop and its publisher share
-    that thread's interpreter)."""
+    reduction, each part cost several launches (the pull's loop and its publisher share that
+    thread's interpreter)."""
 
     def __init__(self, plan: PullPlan, dest: Region, parts: Sequence[Sequence[int]]) -> None:
         """`parts`: the indices in `plan.reads` of each part's reads (each read whole, with a

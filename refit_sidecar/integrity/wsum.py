@@ -47,9 +47,8 @@ MASK64 = (1 << 64) - 1
 UNIT = 2
 """Bytes per unit: every shard dtype (float32, bfloat16, float16) is a whole number of them."""
 BLOCK = 16384
-"""Units summed by one block of the device kernel (32 KiB; on an H100 over a 2.5 GiB slot,
-16 KiB blocks ran at 1.48 TB/s, 32 KiB at 1.67, 64 KiB at 0.69: tests/gpu/test_wsum_gpu.py
-prints them)."""
+"""Units summed by one block of the device kernel (32 KiB: the fastest of 16, 32 and 64 KiB
+over a whole slot; tests/gpu/test_wsum_gpu.py prints the three)."""
 
 _HOST_CHUNK = 1 << 22
 """Units per NumPy pass, to bound the reference's temporary memory."""

@@ -4,8 +4,8 @@ As a pull's destination fills in order, two things follow each new prefix: the r
 progress word advances (its children read behind it) and the caller hears of it (the running
 check starts the sums of the shards that lie there, a refit prints its progress). On a GPU
 both are slow next to the loop that posts and collects reads: a word write is a copy that
-waits for the GPU's copy queue (0.3-1 ms while 256 MiB copies are queued beside it), and a
-check part's start launches kernels from Python (0.5-1.8 ms on a loaded host). Done in the
+waits for the GPU's copy queue (behind the 256 MiB copies queued beside it), and a check
+part's start launches kernels from Python. Done in the
 loop, they held the next chunks back while the link sat idle.
 
 `ProgressPublisher.offer(prefix, total)` queues the new prefix and returns at once. Two lanes,
@@ -16,8 +16,8 @@ each a thread of its own, take the prefixes in order:
 - the listener lane tells the listener of every prefix.
 
 The lanes do not wait for each other. In one lane, a check part's launches held the next word
-back by 0.4-1.5 ms on a GPU host (traced: a parent stored a fill that late after it landed,
-and its child waited that long more), while a child needs the word as soon as the bytes are
+back (traced: a parent stored a fill late after it landed, and its child waited that long
+more), while a child needs the word as soon as the bytes are
 there; the listener needs nothing from the word (the check sums bytes that landed, whatever a
 child was told). The word may run ahead of what the listener was told, or behind it.
 
@@ -30,10 +30,10 @@ ends the lanes: the caller may then finish or restart the copy's word (a fill st
 on a GPU stream lands before any later store, `progress.Words`). An error in either lane stops
 the publications of both after it and is raised by the next `offer` or by `close`.
 
-The lanes share the interpreter with the pull's loop, which polls its reads without blocking:
-while it keeps finding progress it would not sleep, and a lane waiting to take the interpreter
-back after a launch waited up to its switch interval (5 ms; traced: a check part's start took
-2.6 ms). `busy` tells the loop to yield a moment at each turn while a lane has work.
+The lanes share the interpreter with the pull's loop, which polls its reads without blocking: while
+it keeps finding progress it would not sleep, and a lane waiting to take the interpreter back after
+a launch waited up to its switch interval. `busy` tells the loop to yield a moment at each turn
+while a lane has work.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from refit_sidecar.memory.region import Region
 
 DEFAULT_REQUESTS_IN_FLIGHT = 4
 """A receiver's direct pull keeps this many requests in flight (`RefitOptions.direct`): a few
-at a time moved a pull faster than all of them posted at once (BENCHMARKS.md), and its bytes
-land in order, so the running check sums most of them during the pull."""
+at a time moved a pull faster than all of them posted at once (BENCHMARKS.md, refit_install), and
+its bytes land in order, so the running check sums most of them during the pull."""
 
 
 def cut_long(

@@ -172,8 +172,8 @@ class BeforeReadable:
 
 class _Later:
     """`LaterChecksums` of a GetChecksums in flight: `pick` converts its answer into each
-    read's (a record per shard: 0.20-0.41 ms of a 1B refit's tail when taken after
-    the last byte, so the pull prepares it while its bytes are in flight)."""
+    read's (a record per shard: a share of a refit's tail when taken after the last byte, so
+    the pull prepares it while its bytes are in flight)."""
 
     def __init__(self, asked: Pending[VersionChecksums], pick: Callable[[], list[Checksums]]):
         self._asked = asked

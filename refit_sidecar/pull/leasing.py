@@ -44,8 +44,7 @@ RELEASE_AFTER_S = 0.005
 """A pull whose bytes need no word from the sidecar (all verified, or the version words still
 name the version) ends its lease this long after the fetch, when the refit's install is
 through: a receiver's threads share one interpreter, and a release sent at the fetch's end
-takes it from the install (BENCHMARKS.md, "The receiver's own threads off the refit's path").
-The slot it frees is wanted by the trainer's next step, much later."""
+takes it from the install. The slot it frees is wanted by the trainer's next step, much later."""
 
 
 class HeldBy(enum.StrEnum):

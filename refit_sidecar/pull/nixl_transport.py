@@ -62,9 +62,8 @@ class NixlConfig:
     """Transfer requests kept for re-posting."""
     request_bytes: int = 256 << 20
     """About how many bytes one READ request of a pull carries (`chunking.groups`). Several
-    requests in flight move a model faster than one request holding every read: on two H200s,
-    a 1B model's 1.96 GB took 9.6-10.3 ms in one request, 7.8-8.9 ms in 256 MiB requests
-    (BENCHMARKS.md, "Refit in peer-copy time")."""
+    requests in flight move a model faster than one request holding every read (measured:
+    BENCHMARKS.md, refit_install)."""
     request_taper: int = 0
     """Halvings of `request_bytes` towards each end of a source's reads
     (`chunking.chunk_bounds`): small last requests land the pull's last bytes in small steps,
@@ -177,8 +176,7 @@ class NixlTransport:
         say which reads are checked); they are prepared on this thread while the bytes are in
         flight, and waited for once they have landed. A receiver's threads share one
         interpreter: prepared on a thread of its own, a version's checksums took it from the
-        pull's set-up, delaying the first request (BENCHMARKS.md, "The receiver's own threads
-        off the refit's path"). `gate`: which
+        pull's set-up, delaying the first request. `gate`: which
         requests may be posted yet (`piece_gate.PieceGate`). `trace`: records the pull's
         timeline into its stats."""
         if not verify:

@@ -67,7 +67,7 @@ the read fails at once when the peer died, while its file only stops changing.""
 DEFAULT_CHUNK_BYTES = 256 << 20
 """Each chunk costs a fixed overhead of its own (its gate, post and progress update), whatever
 its size, while a level of the tree lags its parent by about one chunk: large chunks, a short
-lag at device bandwidths (BENCHMARKS.md, "Rerun on two H100s")."""
+lag at device bandwidths (BENCHMARKS.md, refit_fanout)."""
 
 
 @dataclass(frozen=True, kw_only=True)

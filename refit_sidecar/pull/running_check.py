@@ -1,22 +1,21 @@
 """Checking a pull against the trainer's checksums while it runs (docs/fanout.md, step 6).
 
-A pull into device memory checks the WSUM-64 of every trainer shard it read whole. Done after
-the last byte lands, the check is a tail every refit waits for (about 2 ms for 2 GB on a GPU
-that three receivers share), and in a tree every level waits for its own. `RunningCheck`
-starts the sums of a part of the shards as soon as the destination holds every byte of them
-(the pull fills it in order: `advance(prefix)` with the bytes filled from its start), on a
-stream of its own, so they run while later chunks are in flight; `finish` starts what is left,
-waits for all of them and compares. When bytes may be read again (a source failed and another
-one delivers them), `restart` drops what was started, and `finish` checks everything; so does
-a part that could not be started (its error is logged, never raised into the pull's loop, which
-has reads in flight).
+A pull into device memory checks the WSUM-64 of every trainer shard it read whole. Done after the
+last byte lands, the check is a tail every refit waits for, and in a tree every level waits for its
+own. `RunningCheck` starts the sums of a part of the shards as soon as the destination holds every
+byte of them (the pull fills it in order: `advance(prefix)` with the bytes filled from its start),
+on a stream of its own, so they run while later chunks are in flight; `finish` starts what is left,
+waits for all of them and compares. When bytes may be read again (a source failed and another one
+delivers them), `restart` drops what was started, and `finish` checks everything; so does a part
+that could not be started (its error is logged, never raised into the pull's loop, which has reads
+in flight).
 
 The parts are cut from the layout alone, never from when bytes landed: consecutive shards (in
 the order they end) until a part holds `part_bytes`. A pull of the same layout cuts the same
 parts, so each part's block tables are on the GPU from the pull before (`torch_wsum`). Parts
 cut where the prefix happened to grow differed from pull to pull; each new part uploaded its
-tables, a copy queued behind the peers' 256 MiB copies on the GPU's copy engines, and a part's
-start took 1.6-2 ms (traced on two H200s).
+tables, a copy queued behind the peers' 256 MiB copies on the GPU's copy engines, which
+delayed the part's start.
 
 Host memory is checked in `finish`, as `transport.verify_pulled` does.
 """

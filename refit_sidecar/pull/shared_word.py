@@ -4,8 +4,8 @@ step 4).
 A child follows its parent's copy by reading the parent's progress word (`progress.py`) again
 and again. Read one-sidedly from device memory, each look is a copy between two GPU buffers and
 one back to the host, and on a GPU several receivers share it waits behind the other processes'
-work: on two H100s, with three receivers on one GPU, a look took 1-2 ms while the receivers'
-checks ran, and each level of a chain saw its parent's last chunk that much later. A child on
+work while the receivers' checks run, and each level of a chain saw its parent's last chunk
+that much later. A child on
 the parent's host reads this file instead: the same 24 bytes, stored in the same order with
 plain 8-byte stores, read back with plain 8-byte loads (each atomic where aligned), no GPU and
 no NIXL per look. The word in registered memory stays: readers on other hosts use it, and every

@@ -195,8 +195,8 @@ class TreePull:
             # answered: the copy's word starts the new version now, queued (a GPU's word is a
             # copy), while the caller plans; the pull waits for it to land before its first
             # read (`OwnProgress.flush`), by then as a rule long done. (Written and waited for
-            # on the release thread, they still held the pull 0.2-0.55 ms after planning, the
-            # planning thread holding the interpreter: docs/fanout.md, step 2.)
+            # on the release thread, they held the pull back after planning, the planning
+            # thread holding the interpreter: docs/fanout.md, step 2.)
             self._settle()
             self._own.start(ahead.version, wait=False)
             self._offered = self._started = ahead.version
@@ -338,8 +338,8 @@ class TreePull:
             raise TreePullError(f"version {version}: {_MAX_ATTEMPTS} sources failed in turn")
         verified = 0 if check is None else _verified(check, filled, trace)
         # The word says COMPLETE, then the sidecar hears of the release: both in the
-        # background, in that order. The write waits for the GPU's copy queue (up to 1 ms
-        # while children copy from this GPU), and a child checking its reads itself never
+        # background, in that order. The write waits for the GPU's copy queue (long while
+        # children copy from this GPU), and a child checking its reads itself never
         # waits for this word.
         self._released = self._releases.submit(self._complete, version, offer is not None)
         # What stayed valid, per source: bytes read from a source that failed later count.

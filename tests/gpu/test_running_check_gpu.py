@@ -41,7 +41,7 @@ def test_a_check_in_device_memory_sums_its_parts_and_finds_a_flipped_byte() -> N
 
 def _layout_1b() -> list[tuple[int, ...]]:
     """111 tensors shaped like the refit benchmarks' 1B preset (TP=1), in Megatron's order,
-    but for q/k/v of 3,072 rows (1.89 GB): the layout BENCHMARKS.md's figures were taken on."""
+    but for q/k/v of 3,072 rows (1.89 GB): the layout of the refit benchmarks' 1B preset."""
     hidden, ffn, layers, vocab = 2048, 5632, 18, 32000
     shapes: list[tuple[int, ...]] = [(vocab, hidden)]
     for _ in range(layers):

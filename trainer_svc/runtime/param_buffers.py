@@ -2,7 +2,7 @@
 
 Without the distributed optimizer Megatron leaves every parameter in an allocation of its own,
 and a snapshot would be one copy per tensor: on a GPU, a launch each, which for a 1B model
-costs about as much as the copy itself (BENCHMARKS.md). Packing them into one buffer per (device,
+costs about as much as the copy itself. Packing them into one buffer per (device,
 dtype) when the trainer publishes makes the snapshot a copy or two (`publication`,
 `refit_sidecar.publish.slot_layout`). Values, shapes and parameter objects are unchanged; only
 `.data` moves. Each parameter starts at an `alignment` boundary, at least the CUDA caching
