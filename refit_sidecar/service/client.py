@@ -208,9 +208,11 @@ class SidecarClient:
         *,
         tree: bool = False,
         extra_s: float = 0.0,
+        deadline_s: float | None = None,
     ) -> Reply:
-        """`extra_s`: seconds the call may take beyond the client's deadline (a wait)."""
-        timeout = self._timeout(extra_s)
+        """`extra_s`: seconds the call may take beyond the client's deadline (a wait);
+        `deadline_s`: this call's own deadline before them, instead of the client's."""
+        timeout = self._timeout(extra_s) if deadline_s is None else deadline_s + extra_s
         try:
             return method(request, timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as error:
@@ -274,15 +276,23 @@ class SidecarClient:
         return self.generation
 
     def renew_registration(
-        self, generation: int | None = None, *, wait_version: int = 0, wait_s: float = 0.0
+        self,
+        generation: int | None = None,
+        *,
+        wait_version: int = 0,
+        wait_s: float = 0.0,
+        deadline_s: float | None = None,
     ) -> RegistrationStatus:
         """Keeps the registration alive; `NotRegistered` when it is not the sidecar's current
         one (the sidecar restarted, or another trainer registered since). With `wait_version`,
-        answers once that version is no longer being published, or after `wait_s`."""
+        answers once that version is no longer being published, or after `wait_s`.
+        `deadline_s`: the call's deadline beyond that wait (None: the client's)."""
         request = pb.RenewRegistrationRequest(
             generation=self._generation(generation), wait_version=wait_version, wait_seconds=wait_s
         )
-        reply = self._call(self._stub.RenewRegistration, request, extra_s=wait_s)
+        reply = self._call(
+            self._stub.RenewRegistration, request, extra_s=wait_s, deadline_s=deadline_s
+        )
         return RegistrationStatus(
             reply.generation,
             tuple(PendingVersion(p.version, tuple(p.missing_ranks)) for p in reply.pending),

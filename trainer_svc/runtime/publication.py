@@ -451,9 +451,10 @@ class Publisher:
         lives. Sets `unreachable` when the sidecar does not answer within
         `SIDECAR_CHECK_TIMEOUT_S` or no longer holds this trainer's registration."""
         try:
-            self.client.wait_ready(timeout=SIDECAR_CHECK_TIMEOUT_S)
-            if self.client.generation:
-                self.client.renew_registration()
+            if self.client.generation:  # a renewal that answers is the sidecar answering
+                self.client.renew_registration(deadline_s=SIDECAR_CHECK_TIMEOUT_S)
+            else:
+                self.client.wait_ready(timeout=SIDECAR_CHECK_TIMEOUT_S)
         except NotRegistered as e:
             # Restarted (the next reservation registers again) or taken over by another
             # trainer (registering again then says by whom).
@@ -662,7 +663,9 @@ class Publisher:
             while not visible:
                 left = deadline - time.monotonic()
                 status = self.client.renew_registration(
-                    wait_version=version, wait_s=min(max(left, 0.0), _FOLLOW_WAIT_S)
+                    wait_version=version,
+                    wait_s=min(max(left, 0.0), _FOLLOW_WAIT_S),
+                    deadline_s=SIDECAR_CHECK_TIMEOUT_S,
                 )
                 missing = next(
                     (p.missing_ranks for p in status.pending if p.version == version), None
