@@ -728,7 +728,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 _TRACED = ("prepared", "saw", "readable", "posted", "landed", "verified")
-"""The events of a direct pull's timeline (`pull_trace.TraceEvent`) the summary times: the
+"""The events of a direct pull's timeline (`trace.TraceEvent`) the summary times: the
 first of each, and the last landing."""
 
 

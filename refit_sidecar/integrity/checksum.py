@@ -5,8 +5,8 @@ They catch torn or misplaced reads, not tampering. A source computes them when i
 version; a puller that read a shard whole recomputes them from the destination buffer, walking
 the reads in shard order for the CRC (a shard may land in the destination in several places),
 piece by piece for the WSUM (each piece weighted from its offset in the shard).
-`transport.verify_pulled` checks a destination where it is: host memory here, device memory on its
-own GPU (`torch_wsum`).
+`verify.verify_pulled` checks a destination where it is: host memory here, device memory on its
+own GPU (`device_sums`).
 """
 
 from __future__ import annotations

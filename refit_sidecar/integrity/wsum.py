@@ -23,7 +23,7 @@ What it is for, like the CRC-32 of host slots: torn, misplaced or corrupted read
 
 This module is the specification: a NumPy reference (`wsum64`), a faster host implementation
 (`host_wsum64`, what a receiver staging in host memory verifies with) and
-the block table the device kernels read (`SumPlan`). `torch_wsum` computes the same value on a
+the block table the device kernels read (`SumPlan`). `device_sums` computes the same value on a
 GPU (a Triton kernel) or a CPU tensor (torch), and a test holds them all to the reference.
 """
 

@@ -1,7 +1,7 @@
 """The source side of a pull: a rank's shards in one arena, registered with NIXL once.
 
 A `ShardSource` lays every shard it serves out in one aligned arena (`arena.Arena`: host DRAM by
-default, or any arena the caller allocates, such as a `torch_arena.TorchArena` in VRAM),
+default, or any arena the caller allocates, such as a `tensor_arena.TorchArena` in VRAM),
 registers it with a NIXL agent when it is built, and is refreshed in place (`write` or `view`
 for host memory, device copies into the arena for device memory); the registration, and with it
 the agent metadata, stays valid across refreshes. `manifest(version)` describes the current
@@ -49,7 +49,7 @@ class SourceConfig:
     """Serve agent metadata on this port so pullers can fetch it; None: no listener."""
     host: str = "127.0.0.1"
     """An address of the network interface the source's NIXL (UCX) endpoints listen on, and
-    advertise with the listener port when there is one (`nixl_network.NixlNetwork`; 0.0.0.0:
+    advertise with the listener port when there is one (`network.NixlNetwork`; 0.0.0.0:
     every interface). The default keeps a source reachable from its own host only."""
     net_devices: tuple[str, ...] = ()
     """RDMA ports (``mlx5_0:1``) the endpoints may use besides the interface of `host`."""
@@ -248,7 +248,7 @@ class ShardSource:
     def manifest(self, version: int, *, checksums: bool | None = None) -> Manifest:
         """The current contents as `version`. Checksums (None: when the arena is host memory):
         the CRC-32 of each shard of a host arena; the WSUM-64 of each shard of a torch arena in
-        device memory, computed on its device (`torch_wsum`); ValueError for other arenas."""
+        device memory, computed on its device (`device_sums`); ValueError for other arenas."""
         if checksums is None:
             checksums = self.arena.mem_type is MemType.DRAM
         records = self._records

@@ -77,7 +77,7 @@ class ChunkConfig:
     window: int = 4
     """Chunks in flight at once, over all sources."""
     trace: bool = False
-    """Record each pull's timeline (`pull_trace.py`) into its stats."""
+    """Record each pull's timeline (`trace.py`) into its stats."""
     taper: int = 0
     """Halvings of the chunk size towards each end of a source's reads (`chunking.chunk_bounds`):
     a child starts after a smaller first chunk of its parent's and ends a smaller last chunk

@@ -119,7 +119,7 @@ class OwnProgress:
         self, agent: str, words: Words | None = None, *, mirror: ProgressFile | None = None
     ) -> None:
         """`mirror`: a file the words are stored into too, for children on this host
-        (`progress_file.py`); it is closed (removed) with `close`."""
+        (`shared_word.py`); it is closed (removed) with `close`."""
         memory = words if words is not None else HostWords(PROGRESS_BYTES)
         self.mirror = mirror
         if memory.region.nbytes < PROGRESS_BYTES:

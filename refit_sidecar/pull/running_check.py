@@ -12,12 +12,12 @@ in flight).
 
 The parts are cut from the layout alone, never from when bytes landed: consecutive shards (in
 the order they end) until a part holds `part_bytes`. A pull of the same layout cuts the same
-parts, so each part's block tables are on the GPU from the pull before (`torch_wsum`). Parts
+parts, so each part's block tables are on the GPU from the pull before (`device_sums`). Parts
 cut where the prefix happened to grow differed from pull to pull; each new part uploaded its
 tables, a copy queued behind the peers' 256 MiB copies on the GPU's copy engines, which
 delayed the part's start.
 
-Host memory is checked in `finish`, as `transport.verify_pulled` does.
+Host memory is checked in `finish`, as `verify.verify_pulled` does.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class RunningCheck:
         self._next = 0
         """Parts started so far."""
         self._sums: Any = None
-        """The parts' sums (`torch_wsum.PartedSums`), from the first part started."""
+        """The parts' sums (`device_sums.PartedSums`), from the first part started."""
         self._stream: Any = None
         self._device: Any = None
         self._whole = False

@@ -65,7 +65,7 @@ class PullStats:
     gate_rounds: int = 0
     """Looks at the sources' pieces during the pull."""
     trace: tuple[Event, ...] = ()
-    """The pull's timeline, when asked for (`pull_trace.PullTrace`)."""
+    """The pull's timeline, when asked for (`trace.PullTrace`)."""
 
     @property
     def gib_per_s(self) -> float:

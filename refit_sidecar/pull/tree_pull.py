@@ -64,7 +64,7 @@ class TreePullConfig:
     device)."""
     progress_dir: str = DEFAULT_DIR
     """Where this receiver mirrors its progress word in a file, for children on its host
-    (`progress_file.py`); "" for no file (children read the word one-sidedly)."""
+    (`shared_word.py`); "" for no file (children read the word one-sidedly)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class TreePullStats:
     """The answer that completed the pull left its routes out: this receiver named the key of
     the plan it held, and replayed it."""
     trace: tuple[Event, ...] = ()
-    """The pull's timeline, when `ChunkConfig.trace` is on (`pull_trace.py`)."""
+    """The pull's timeline, when `ChunkConfig.trace` is on (`trace.py`)."""
 
 
 def _lease_in(sent: float) -> Callable[[Answer], Lease]:

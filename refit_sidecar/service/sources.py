@@ -69,7 +69,7 @@ class Offer:
     """24 bytes of registered memory: version, filled-up-to address, state (docs in the
     proto)."""
     progress_file: ProgressFileRef | None = None
-    """The same word mirrored in a file on this receiver's host (`progress_file.py`)."""
+    """The same word mirrored in a file on this receiver's host (`shared_word.py`)."""
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ def shard_specs(parameters: dict[str, torch.nn.Parameter], topology: Topology) -
 class Slot:
     source: ShardSource
     pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    """Per piece of the snapshot copy (`snapshot_layout.piece_ends`): (slot bytes, parameter
+    """Per piece of the snapshot copy (`slot_layout.piece_ends`): (slot bytes, parameter
     bytes) of each part of a layout region that lands in it."""
     report: pb.PublishShardsRequest
     """This rank's report of the slot, built once: a version sets its number (and checksums)."""
@@ -341,7 +341,7 @@ class Publisher:
     ) -> Publisher:
         """`nixl_host`, `nixl_net_devices`: where the rank's NIXL agent listens for receivers
         (`SourceConfig.host`, `SourceConfig.net_devices`); `first_piece_bytes`: the snapshot
-        copy's first piece (`snapshot_layout.piece_ends`; 0: one piece); `every`: which
+        copy's first piece (`slot_layout.piece_ends`; 0: one piece); `every`: which
         finished steps publish (`RefitConfig.publish_every`); `take_over`,
         `report_deadline_s`: as `RefitConfig`."""
         parameters = published_parameters(model, spec, topology)
