@@ -689,6 +689,46 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _meta(
+    args: argparse.Namespace, argv: list[str] | None, publish: dict[str, Any]
+) -> dict[str, Any]:
+    """What the results file says about the run: its command, model, batch and versions."""
+    return dict(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=" ".join(
+            [
+                os.path.basename(sys.executable),
+                "-m",
+                "benchmarks.refit_pull",
+                *(argv or sys.argv[1:]),
+            ]
+        ),
+        preset=args.preset,
+        model={k: getattr(args, k) for k in _MODEL_KEYS},
+        params_dtype=args.params_dtype,
+        num_parameters=publish["num_parameters"],
+        device=publish["device"],
+        refit_snapshot_bytes=publish["refit_snapshot_bytes"],
+        slots=args.slots,
+        batch=dict(
+            seq_len=args.seq_len,
+            seqs_per_microbatch=args.seqs_per_microbatch,
+            microbatches=args.microbatches,
+        ),
+        warmup=args.warmup,
+        steps=args.steps,
+        interleaved_steps=args.interleaved_steps,
+        interleaved_batch=dict(
+            seq_len=args.seq_len,
+            seqs_per_microbatch=args.interleaved_seqs_per_microbatch,
+            microbatches=args.interleaved_microbatches,
+        ),
+        pulls=args.pulls,
+        versions=_versions(),
+        ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.puller_plan is not None:
@@ -776,40 +816,7 @@ def main(argv: list[str] | None = None) -> None:
                         every=EVERY,
                     )
     summary = summarize(pull, runs)
-    meta = dict(
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=" ".join(
-            [
-                os.path.basename(sys.executable),
-                "-m",
-                "benchmarks.refit_pull",
-                *(argv or sys.argv[1:]),
-            ]
-        ),
-        preset=args.preset,
-        model={k: getattr(args, k) for k in _MODEL_KEYS},
-        params_dtype=args.params_dtype,
-        num_parameters=runs["publish"]["num_parameters"],
-        device=runs["publish"]["device"],
-        refit_snapshot_bytes=runs["publish"]["refit_snapshot_bytes"],
-        slots=args.slots,
-        batch=dict(
-            seq_len=args.seq_len,
-            seqs_per_microbatch=args.seqs_per_microbatch,
-            microbatches=args.microbatches,
-        ),
-        warmup=args.warmup,
-        steps=args.steps,
-        interleaved_steps=args.interleaved_steps,
-        interleaved_batch=dict(
-            seq_len=args.seq_len,
-            seqs_per_microbatch=args.interleaved_seqs_per_microbatch,
-            microbatches=args.interleaved_microbatches,
-        ),
-        pulls=args.pulls,
-        versions=_versions(),
-        ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
-    )
+    meta = _meta(args, argv, runs["publish"])
     args.out.write_text(
         json.dumps(dict(meta=meta, summary=summary, pull=pull, runs=runs), indent=1) + "\n"
     )

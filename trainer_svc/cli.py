@@ -24,15 +24,8 @@ from trainer_svc.config import (
 from trainer_svc.server.access import METHOD_ROLES
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="trainer-svc",
-        description=(
-            "Serve a Megatron-core trainer over gRPC (split training step, forward, checkpoints). "
-            "Without a torchrun environment it starts TP*PP*DP local ranks itself; under torchrun "
-            "(RANK/WORLD_SIZE set) each process is one rank and rank 0 serves gRPC."
-        ),
-    )
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Which model, in which dtype and attention, up to which length."""
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -60,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="pad the vocab to a multiple of this times TP",
     )
+
+
+def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """The parallel layout and the optimizer defaults."""
     layout = parser.add_argument_group("parallel layout (world size = tp * pp * dp)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -70,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--lr", type=float, default=OptimizerConfig.learning_rate)
     optim.add_argument("--weight-decay", type=float, default=OptimizerConfig.weight_decay)
     optim.add_argument("--max-grad-norm", type=float, default=OptimizerConfig.max_grad_norm)
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """The gRPC edge and its request limits."""
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=ServerConfig.host)
     server.add_argument("--port", type=int, default=ServerConfig.port, help="0 picks a free port")
@@ -87,7 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         "several passes with the same result (default: derived from the model and the free "
         "device memory; reported by GetStatus)",
     )
-    auth_flags.add_server_flags(parser)
+
+
+def _add_refit_flags(parser: argparse.ArgumentParser) -> None:
+    """Publication to the refit sidecar (the sidecar client's credentials come from
+    `auth_flags`)."""
     refit = parser.add_argument_group("refit publication")
     refit.add_argument(
         "--sidecar",
@@ -144,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="an RDMA port (UCX name, e.g. mlx5_0:1) NIXL may use besides the interface of "
         "--nixl-host (repeatable)",
     )
-    auth_flags.add_client_flags(parser, "sidecar", Role.TRAINER)
+
+
+def _add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """Rank liveness, seed, paths and logging."""
     liveness = parser.add_argument_group("rank liveness")
     liveness.add_argument(
         "--peer-timeout-seconds",
@@ -171,6 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO"
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainer-svc",
+        description=(
+            "Serve a Megatron-core trainer over gRPC (split training step, forward, checkpoints). "
+            "Without a torchrun environment it starts TP*PP*DP local ranks itself; under torchrun "
+            "(RANK/WORLD_SIZE set) each process is one rank and rank 0 serves gRPC."
+        ),
+    )
+    _add_model_flags(parser)
+    _add_layout_flags(parser)
+    _add_server_flags(parser)
+    auth_flags.add_server_flags(parser)
+    _add_refit_flags(parser)
+    auth_flags.add_client_flags(parser, "sidecar", Role.TRAINER)
+    _add_process_flags(parser)
     return parser
 
 

@@ -24,7 +24,8 @@ from tests.support.isolation import in_child_process
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess, assert_bit_identical
 from trainer_svc.domain import FailedPrecondition, LossConfig, OptimizerOverrides
-from trainer_svc.runtime.publication import Publisher, Slot
+from trainer_svc.runtime.publication import Publisher
+from trainer_svc.runtime.snapshot_slot import Slot
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -25,7 +25,6 @@ over is refused by the sidecar and publishes nothing more there.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -34,27 +33,14 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
-from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
-from refit_sidecar.core.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
-from refit_sidecar.integrity.checksum import checksum
-from refit_sidecar.memory.tensor_arena import TorchArena
-from refit_sidecar.publish.shard_source import ShardSource, SourceAgent, SourceConfig
-from refit_sidecar.publish.shard_specs import ShardSpec, placement_spec
-from refit_sidecar.publish.slot_layout import (
-    DEFAULT_FIRST_PIECE_BYTES,
-    Placement,
-    SnapshotLayout,
-    cut_into_pieces,
-    piece_ends,
-    snapshot_layout,
-)
+from refit_sidecar.publish.shard_source import SourceAgent
+from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES
 from refit_sidecar.service.client import (
     InvalidRequest,
     NotRegistered,
@@ -65,13 +51,12 @@ from refit_sidecar.service.client import (
     TrainerLayout,
     UnknownVersion,
 )
-from refit_sidecar.service.wire import location_to_proto, publish_request
 from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_svc.runtime.agreement import fault
 from trainer_svc.runtime.publication_book import PublicationBook
+from trainer_svc.runtime.snapshot_slot import Slot, build_slots, published_parameters
 from trainer_svc.runtime.topology import Topology
-from trainer_svc.runtime.weights import local_parameters
 
 log = logging.getLogger(__name__)
 
@@ -96,186 +81,6 @@ as the version is readable), so a trainer shutting down is not held by a longer 
 _DEFINITIVE = (NotRegistered, UnknownVersion, InvalidRequest)
 """A report refused for these never succeeds when sent again: the registration is gone or
 replaced, the version's reservation is gone, or the report is wrong."""
-
-_DTYPES = {
-    torch.float32: DType.FLOAT32,
-    torch.bfloat16: DType.BFLOAT16,
-    torch.float16: DType.FLOAT16,
-}
-
-
-def _global_shape(name: str, local: torch.Size, tp_size: int) -> tuple[int, ...]:
-    dim = tp_placement(name).dim
-    return tuple(n * tp_size if d == dim else n for d, n in enumerate(local))
-
-
-def published_parameters(
-    model: torch.nn.Module, spec: ModelSpec, topology: Topology
-) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters by global name; a tied output layer is not published twice."""
-    return {
-        name: param
-        for name, param in local_parameters(model, spec, topology).items()
-        if not (name == "output_layer.weight" and spec.tie_word_embeddings)
-    }
-
-
-def shard_specs(parameters: dict[str, torch.nn.Parameter], topology: Topology) -> list[ShardSpec]:
-    tp = topology.layout.tensor_parallel
-    return [
-        placement_spec(
-            name,
-            tp_placement(name),
-            _global_shape(name, param.shape, tp),
-            _DTYPES[param.dtype],
-            tp_rank=topology.tp_rank,
-            tp_size=tp,
-        )
-        for name, param in parameters.items()
-    ]
-
-
-@dataclass(frozen=True)
-class Slot:
-    source: ShardSource
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    """Per piece of the snapshot copy (`slot_layout.piece_ends`): (slot bytes, parameter
-    bytes) of each part of a layout region that lands in it."""
-    report: pb.PublishShardsRequest
-    """This rank's report of the slot, built once: a version sets its number (and checksums)."""
-    words: torch.Tensor
-    words_registration: Any
-    """The slot's words (one int64 per piece in registered memory, beside the slot's arena):
-    word i holds the number of the version whose bytes piece i holds, written after the
-    piece's copy, so a receiver that leased the version before it is readable reads each
-    piece behind the copy. The last is the slot's version word: every byte has landed. All
-    are 0 from before a copy changes any byte until their piece landed, so a receiver that
-    reads its version's word after its reads knows no copy had started under them."""
-
-    @functools.cached_property
-    def _live(self) -> tuple[pb.PublishShardsRequest, list[tuple[str, Any]]]:
-        """The report as sent, a copy of `report` whose version and checksums each request
-        sets, and each of its parameters' name and first (only) shard record. Held once:
-        reaching a record through its parameter builds wrappers each time, most of a report's
-        Python work, done on the reporter thread while the next step launches its kernels."""
-        live = pb.PublishShardsRequest()
-        live.CopyFrom(self.report)
-        return live, [(p.name, p.shards[0]) for p in live.parameters]
-
-    def request(
-        self, version: int, generation: int, stream: torch.cuda.Stream | None = None
-    ) -> pb.PublishShardsRequest:
-        """The report of `version`, held in this slot, with its checksums: the CRC-32 of each
-        shard of a host slot, the WSUM-64 of each shard of a device slot (computed on
-        `stream`, off the trainer's). The slot's one report message, rewritten by the next
-        request: send it before asking again (the reporter thread does, one at a time)."""
-        request, shards = self._live
-        request.version = version
-        request.generation = generation
-        if self.source.arena.mem_type is MemType.DRAM:
-            for name, shard in shards:
-                shard.crc32 = checksum(self.source.view(name))
-        else:
-            with torch.cuda.stream(stream):
-                sums = self.source.device_sums()
-            for (_, shard), value in zip(shards, sums, strict=True):
-                shard.wsum64 = value
-        return request
-
-
-def _storage_bytes(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Bytes [start, stop) of the tensor's storage as a uint8 tensor (no copy)."""
-    view = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    return view.set_(tensor.untyped_storage(), start, (stop - start,), (1,))
-
-
-def parameter_layout(
-    parameters: dict[str, torch.nn.Parameter], alignment: int
-) -> tuple[SnapshotLayout, dict[int, torch.nn.Parameter]]:
-    """The slot layout of the parameters (one region per Megatron buffer), and one parameter
-    of each storage, to reach the storage's bytes."""
-    placements: list[Placement] = []
-    holders: dict[int, torch.nn.Parameter] = {}
-    for name, param in parameters.items():
-        if not param.is_contiguous():
-            raise ValueError(f"{name} is not contiguous; a snapshot copies whole byte ranges")
-        storage = param.untyped_storage()
-        holders.setdefault(storage.data_ptr(), param)
-        start = param.data_ptr() - storage.data_ptr()
-        placements.append(Placement(name, storage.data_ptr(), start, param.nbytes))
-    return snapshot_layout(placements, alignment), holders
-
-
-@dataclass(frozen=True)
-class _Built:
-    source: ShardSource
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    words: TorchArena
-    ends: tuple[int, ...]
-    registration: Any
-
-
-def create_slot(
-    config: SourceConfig,
-    specs: list[ShardSpec],
-    parameters: dict[str, torch.nn.Parameter],
-    device: torch.device,
-    agent: SourceAgent,
-    *,
-    first_piece_bytes: int,
-) -> _Built:
-    """A slot's source, registered with the rank's agent, its copies in pieces, and its words
-    (registered too, 0 until a version is copied in) with their registration."""
-    layout, holders = parameter_layout(parameters, config.alignment)
-    source = ShardSource.create(
-        config,
-        specs,
-        functools.partial(TorchArena.allocate, device=device),
-        agent,
-        (layout.offsets, layout.nbytes),
-    )
-    arena = source.arena
-    assert isinstance(arena, TorchArena)
-    ends = piece_ends(layout.nbytes, first_piece_bytes)
-    pieces = [
-        [
-            (
-                arena.tensor_view(part.offset, torch.uint8, torch.Size([part.nbytes])),
-                _storage_bytes(holders[part.storage], part.start, part.stop),
-            )
-            for part in parts
-        ]
-        for parts in cut_into_pieces(layout.regions, ends)
-    ]
-    words = TorchArena.allocate(len(ends) * VERSION_WORD_BYTES, config.alignment, device=device)
-    words.tensor.zero_()
-    return _Built(source, pieces, words, ends, agent.register(words))
-
-
-def with_words(report: pb.PublishShardsRequest, built: _Built) -> None:
-    """Names the slot's words in its report's agent: the pieces', and the last as its
-    version word."""
-    words, name = built.words, report.agent.name
-    count = len(built.ends)
-    location = ShardLocation.contiguous(
-        agent=name,
-        address=words.address,
-        shape=(count * VERSION_WORD_BYTES,),
-        itemsize=1,
-        mem_type=words.mem_type,
-        device_id=words.device_id,
-    )
-    last = replace(
-        location,
-        address=words.address + (count - 1) * VERSION_WORD_BYTES,
-        nbytes=VERSION_WORD_BYTES,
-        shape=(VERSION_WORD_BYTES,),
-    )
-    report.agent.version_word.CopyFrom(location_to_proto(last))
-    pieces = report.agent.pieces
-    pieces.words.CopyFrom(location_to_proto(location))
-    pieces.slot_address = built.source.arena.address
-    pieces.ends.extend(built.ends)
 
 
 @dataclass
@@ -345,47 +150,15 @@ class Publisher:
         finished steps publish (`RefitConfig.publish_every`); `take_over`,
         `report_deadline_s`: as `RefitConfig`."""
         parameters = published_parameters(model, spec, topology)
-        specs = shard_specs(parameters, topology)
-        config = SourceConfig(
-            # A name per process: a restarted trainer's agents are new peers to a receiver,
-            # which would otherwise reuse its connection to the dead process's agent of the
-            # same name (its first pulls hung until their deadline).
-            name=f"trainer-rank{topology.rank}-{secrets.token_hex(4)}",
-            rank=topology.rank,
-            tensor_rank=topology.tp_rank,
-            pipeline_stage=topology.pp_rank,
-            host=nixl_host,
-            net_devices=nixl_net_devices,
+        filled, agent = build_slots(
+            parameters,
+            topology,
+            device,
+            slots=slots,
+            nixl_host=nixl_host,
+            nixl_net_devices=nixl_net_devices,
+            first_piece_bytes=first_piece_bytes,
         )
-        agent = SourceAgent.create(config)
-        built = [
-            create_slot(
-                config, specs, parameters, device, agent, first_piece_bytes=first_piece_bytes
-            )
-            for _ in range(slots)
-        ]
-        log.info(
-            "refit: a snapshot copies %d memory regions holding %d parameters, in %d pieces",
-            sum(len(parts) for parts in built[0].pieces),
-            len(parameters),
-            len(built[0].pieces),
-        )
-        # Built after every slot is registered: the agent metadata in them covers all slots.
-        reports = [
-            publish_request(0, topology.rank, b.source.manifest(0, checksums=False)) for b in built
-        ]
-        for report, b in zip(reports, built, strict=True):
-            with_words(report, b)
-        filled = [
-            Slot(
-                b.source,
-                b.pieces,
-                report,
-                b.words.tensor_view(0, torch.int64, (len(b.ends),)),
-                b.registration,
-            )
-            for b, report in zip(built, reports, strict=True)
-        ]
         client = SidecarClient(sidecar, auth=auth)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if stream is not None:

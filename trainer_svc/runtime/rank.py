@@ -28,7 +28,8 @@ from trainer_svc.runtime.model_factory import build_model, wrap_for_training
 from trainer_svc.runtime.param_buffers import pack_parameters
 from trainer_svc.runtime.passes import derived_budget
 from trainer_svc.runtime.path_roots import PathRoots
-from trainer_svc.runtime.publication import Publisher, published_parameters
+from trainer_svc.runtime.publication import Publisher
+from trainer_svc.runtime.snapshot_slot import published_parameters
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import load_global_state
 from trainer_svc.server.app import create_server
