@@ -48,6 +48,12 @@ VICTIM_THROTTLE_S = 0.01
 """Per progress call (about a hundred per pull): a victim's whole pull would last ~1 s."""
 VICTIM_LEASE_S = 5.0
 """A dead victim's lease pins its version's snapshot slot until it runs out."""
+CORRUPTER_LEASE_S = 30.0
+"""The corrupting parent lives through its test: a lease this long survives renewals delayed
+on a loaded machine, so the child is never given another parent because the corrupter's lapsed."""
+EDGE_WAIT_S = 30.0
+"""How long a child may take to be given the corrupting parent and start reading from it (a
+loaded machine starts a pull slowly)."""
 RECOVERY_S = 10.0
 """How soon after its parent's death a child must complete (stall_timeout_s is 2 s)."""
 
@@ -346,11 +352,11 @@ FILLER = 0
 
 
 def _wait_for_edge(
-    stack: Stack, version: int, parent: str, children: tuple[str, ...]
+    stack: Stack, version: int, parent: str, children: tuple[str, ...], timeout: float = 10.0
 ) -> str | None:
     """Until the sidecar lists `parent` -> one of `children` for `version`: that child (it
-    has its sources); None if none does within 10 s."""
-    deadline = time.monotonic() + 10.0
+    has its sources); None if none does within `timeout`."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for edge in stack.client.list_tree(version).edges:
             if edge.parent == parent and edge.child in children:
@@ -453,7 +459,7 @@ def test_a_parent_serving_a_corrupted_copy_fails_its_childs_refit_closed(stack: 
     version, first = stack.new_version()
     gate = stack.root / "gate-corrupt"
     victim = stack.zygote.victim(
-        stack.config("corrupter", 2, lease_ttl_s=VICTIM_LEASE_S),
+        stack.config("corrupter", 2, lease_ttl_s=CORRUPTER_LEASE_S),
         version,
         corrupt=True,
         throttle_s=VICTIM_THROTTLE_S,
@@ -463,9 +469,9 @@ def test_a_parent_serving_a_corrupted_copy_fails_its_childs_refit_closed(stack: 
     filler.fetch(version, throttle_s=VICTIM_THROTTLE_S)
     filler.wait_started()
     child.fetch(version)
-    reader = _wait_for_edge(stack, version, agent, child.agents)
+    reader = _wait_for_edge(stack, version, agent, child.agents, timeout=EDGE_WAIT_S)
     assert reader is not None, "the child was not given the corrupting parent"
-    child.wait_started(reader, timeout=10.0)
+    child.wait_started(reader, timeout=EDGE_WAIT_S)
     victim.release()
     outcome = child.result()
     assert isinstance(outcome, Failed), outcome
