@@ -1,7 +1,7 @@
 """The main job, shortened: `python -m examples.rl_loop` brings up the whole stack (trainer
 TP=2, sidecar, vLLM engines TP=1 and TP=2), learns, keeps every engine within 1e-4 of the
-trainer, and leaves no process behind, also when interrupted with Ctrl-C in the middle. Its
-terminal shows progress bars, the version lines and the summary only; vLLM's logs go to the
+trainer, and leaves no process behind (interrupted with Ctrl-C too: `test_demo_interrupt`).
+Its terminal shows progress bars, the version lines and the summary only; vLLM's logs go to the
 file it names (with --verbose, to the terminal).
 
 The short run is shared by the tests that read it (it takes minutes on 2 cores)."""
@@ -12,10 +12,7 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +21,13 @@ import psutil
 import pytest
 
 from refit_sidecar.pull import shared_word as progress_file
-from tests.support.trainer import TEST_ENV, TEST_PEER_TIMEOUT_S
+from tests.demo.demo_process import VERSION_LINE, start, wait_gone
 
 SHORT_RUN = ["--iterations", "24"]
 # The short run trains the tied-embedding variant; the fidelity tests cover untied models too.
 TIED = ["--tie-embeddings"]
 SUMMARY_LINE = re.compile(r"reward ([0-9.]+) -> ([0-9.]+) .* largest fidelity gap ([0-9.e+-]+)")
-VERSION_LINE = re.compile(r"^v(\d+)\s+reward ([0-9.]+) .* gap ([0-9.e+-]+)$", re.MULTILINE)
+
 LOG_LINE = re.compile(r"^vLLM logs: (.+?); ", re.MULTILINE)
 TERMINAL_LINES = [
     LOG_LINE,
@@ -42,42 +39,6 @@ TERMINAL_LINES = [
     SUMMARY_LINE,
 ]
 """Every line the demo may show on a run that passes; vLLM's output is not among them."""
-
-
-def _start(workdir: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
-    log_path = workdir.parent / "demo.log"
-    command = [sys.executable, "-m", "examples.rl_loop", "--workdir", str(workdir)]
-    command += ["--peer-timeout-seconds", str(TEST_PEER_TIMEOUT_S), *args]
-    process = subprocess.Popen(
-        command,
-        stdout=log_path.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **TEST_ENV, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True,  # its own process group, as a terminal would give it
-        text=True,
-    )
-    return process, log_path
-
-
-def _leftovers(process: subprocess.Popen[str], workdir: Path) -> list[str]:
-    """Processes of the demo's session, or any process started for its work directory."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            in_session = os.getsid(proc.pid) == process.pid
-        except ProcessLookupError:
-            continue
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if in_session or str(workdir) in cmdline:
-            found.append(f"{proc.pid}: {cmdline[:120]}")
-    return found
-
-
-def _wait_gone(process: subprocess.Popen[str], workdir: Path) -> list[str]:
-    deadline = time.monotonic() + 30
-    while (left := _leftovers(process, workdir)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
 
 
 def _unexpected_lines(output: str) -> list[str]:
@@ -106,7 +67,7 @@ class DemoRun:
 def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     workdir = tmp_path_factory.mktemp("demo") / "run"
     before = _progress_files()
-    process, log_path = _start(workdir, *SHORT_RUN, *TIED)
+    process, log_path = start(workdir, *SHORT_RUN, *TIED)
     members: set[int] = set()
     done = threading.Event()
     watcher = threading.Thread(target=_session_members, args=(process.pid, members, done))
@@ -118,7 +79,7 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
         watcher.join()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    leftovers = _wait_gone(process, workdir)  # the run's last messages are written by then
+    leftovers = wait_gone(process, workdir)  # the run's last messages are written by then
     # Only the demo's own processes' files count: the default run's other worker runs test
     # modules beside it whose receivers, some killed on purpose, leave files of their own.
     left = sorted(name for name in _progress_files() - before if _pid_of(name) in members)
@@ -154,10 +115,11 @@ def test_short_demo_learns_keeps_fidelity_and_cleans_up(short_run: DemoRun) -> N
     assert short_run.returncode == 0, output[-4000:]
     versions = VERSION_LINE.findall(output)
     assert len(versions) >= 4, output[-4000:]
-    # The engine that refits second reads each version from the first engine's copy.
-    assert re.search(r"tp1 [^|]* from trainer \| tp2 [^|]* from engine-tp1 ", output)
+    # The engine that refits second reads each version from the first engine's copy (and, when
+    # that copy falls behind on a loaded machine, some pieces from the trainer).
+    assert re.search(r"tp1 [^|]* from trainer \| tp2 [^|]* from engine-tp1[ +]", output)
     assert all(
-        re.search(r"\| tp2 [^|]* from engine-tp1 ", line)
+        re.search(r"\| tp2 [^|]* from engine-tp1[ +]", line)
         for line in output.splitlines()
         if VERSION_LINE.match(line)
     ), output[-4000:]
@@ -185,26 +147,3 @@ def test_short_demo_vllm_logs_are_in_the_printed_file(short_run: DemoRun) -> Non
     for source in ("(MainProcess pid=", "(EngineCore pid=", "(Worker pid=", "(Worker_TP1 pid="):
         assert source in log, f"no {source} lines in {log_path}"
     assert "Traceback" not in log
-
-
-def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
-    workdir = tmp_path / "run"
-    # One engine (TP=2: an engine core and two worker processes to clean up) and a short
-    # warm-up: the run is interrupted at its first GRPO version anyway. With --verbose, vLLM's
-    # logs share the terminal.
-    process, log_path = _start(
-        workdir, "--iterations", "50", "--engine-tp", "2", "--warmup-steps", "5", "--verbose"
-    )
-    deadline = time.monotonic() + 1200
-    while not VERSION_LINE.search(log_path.read_text()):
-        assert process.poll() is None, log_path.read_text()[-4000:]
-        assert time.monotonic() < deadline, "no GRPO version line in time"
-        time.sleep(1)
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-    assert process.wait(timeout=300) == 130, log_path.read_text()[-4000:]
-    assert _wait_gone(process, workdir) == []
-    output = log_path.read_text()
-    assert "vLLM logs: on this terminal (--verbose)" in output
-    assert "(EngineCore pid=" in output
-    assert not (workdir / "vllm.log").exists()
-    assert "interrupted: every process was stopped" in output
