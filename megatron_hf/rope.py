@@ -109,12 +109,13 @@ def hf_rope_scaling(cfg: Mapping[str, Any]) -> RopeScaling:
     field = _Fields(source, kind, params)
     if kind is RopeKind.LINEAR:
         return RopeScaling(kind=kind, factor=field.required("factor"))
+    maximum = cfg.get("max_position_embeddings")
+    if not isinstance(maximum, int) or isinstance(maximum, bool) or maximum <= 0:
+        raise ValueError(f"{kind.value} RoPE needs a positive max_position_embeddings: {maximum!r}")
     # transformers lets a top-level original_max_position_embeddings override the dict's.
     original = cfg.get("original_max_position_embeddings")
     if original is None:
-        original = params.get("original_max_position_embeddings")
-    if original is None:
-        original = cfg.get("max_position_embeddings")
+        original = params.get("original_max_position_embeddings", maximum)
     if not isinstance(original, int) or isinstance(original, bool):
         raise ValueError(f"{source}.original_max_position_embeddings must be an int: {original!r}")
     if kind is RopeKind.LLAMA3:
@@ -128,7 +129,7 @@ def hf_rope_scaling(cfg: Mapping[str, Any]) -> RopeScaling:
     field.present("factor")  # transformers refuses a YaRN dict without it, but takes null
     factor = field.optional("factor")
     if factor is None:  # the extension the config's lengths imply
-        factor = cfg["max_position_embeddings"] / original
+        factor = maximum / original
     truncate = params.get("truncate", True)
     if truncate is not None and not isinstance(truncate, bool):
         raise ValueError(f"{source}.truncate must be a boolean, got {truncate!r}")
