@@ -1,10 +1,11 @@
 """Megatron-core <-> Hugging Face translation for Llama, Qwen2 and Qwen3 causal LMs.
 
-`spec` reads model shapes from an HF config; `convert` maps global (unsharded) state dicts both
-ways with a name table and named fused-tensor helpers (`fused`); `sharding` says which TP rank
-and PP stage holds which part of a Megatron parameter; `checkpoint` reads and writes HF
-safetensors checkpoints; `tiny` builds small seeded checkpoints locally. Nothing here imports
-megatron, vllm or the trainer, so the trainer and the vLLM receiver share it.
+`spec` reads model shapes from an HF config (`rope` its RoPE scaling, computed as transformers
+computes it); `convert` maps global (unsharded) state dicts both ways with a name table and named
+fused-tensor helpers (`fused`); `sharding` says which TP rank and PP stage holds which part of a
+Megatron parameter; `checkpoint` reads and writes HF safetensors checkpoints; `tiny` builds small
+seeded checkpoints locally. Nothing here imports megatron, vllm or the trainer, so the trainer
+and the vLLM receiver share it.
 """
 
 from importlib import import_module

@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_hf.rope import RopeScaling, hf_rope_scaling, hf_rope_scaling_dict, hf_rope_theta
 
 
 class ModelFamily(enum.Enum):
@@ -23,7 +25,6 @@ ARCHITECTURES: Mapping[ModelFamily, str] = {
     ModelFamily.QWEN3: "Qwen3ForCausalLM",
 }
 
-_SUPPORTED_ROPE_TYPES = (None, "default")
 _REQUIRED_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -50,6 +51,8 @@ class ModelSpec:
     """HF vocabulary size, without Megatron's padding."""
     max_position_embeddings: int
     rope_theta: float
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """How the rotary frequencies are scaled for a longer context; default: unscaled."""
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -130,7 +133,8 @@ class ModelSpec:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             vocab_size=int(cfg["vocab_size"]),
             max_position_embeddings=int(cfg["max_position_embeddings"]),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=hf_rope_theta(cfg),
+            rope_scaling=hf_rope_scaling(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family is ModelFamily.QWEN2,  # Qwen2 q/k/v always carry a bias.
@@ -159,7 +163,8 @@ class ModelSpec:
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            # The legacy form: transformers 5 and vLLM read it (as rope_parameters).
+            "rope_scaling": hf_rope_scaling_dict(self.rope_scaling),
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
@@ -198,27 +203,7 @@ def padding_row(pad_token_id: Any, vocab_size: int) -> int | None:
     return row % vocab_size
 
 
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
-    return float(theta)
-
-
 def _reject_unsupported_features(cfg: Mapping[str, Any], family: ModelFamily) -> None:
-    # transformers 5 folds rope_theta into `rope_parameters` (and aliases it as rope_scaling);
-    # only the plain (unscaled) rope is supported.
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = cfg.get(key)
-        if rope is None:
-            continue
-        if not isinstance(rope, Mapping) or any(isinstance(v, Mapping) for v in rope.values()):
-            raise ValueError(f"unsupported {key}={rope!r}: only unscaled rope is supported")
-        rope_type = rope.get("rope_type", rope.get("type"))
-        if rope_type not in _SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported {key} rope_type {rope_type!r}: only unscaled rope "
-                f"(rope_scaling=None / rope_type='default') is supported"
-            )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is supported")

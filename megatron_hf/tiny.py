@@ -6,6 +6,7 @@ swaps, drops or misorders them is caught by a round trip or a logits comparison.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +90,12 @@ def write_tiny_checkpoint(
     seed: int = 0,
     head_dim: int | None = None,
     max_position_embeddings: int = 256,
+    rope_scaling: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a seeded random float32 model + tokenizer to `path`; returns `path`."""
+    """Write a seeded random float32 model + tokenizer to `path`; returns `path`.
+
+    `rope_scaling` is an HF RoPE dict (`megatron_hf.rope`); a scaled model's
+    max_position_embeddings is its extended length, as in HF's long-context configs."""
     default_head_dim = hidden_size // num_attention_heads
     if hidden_size % num_attention_heads and head_dim is None:
         raise ValueError(
@@ -115,6 +120,8 @@ def write_tiny_checkpoint(
         "dtype": "float32",
         **ids,
     }
+    if rope_scaling is not None:
+        fields["rope_scaling"] = dict(rope_scaling)
     if family is not ModelFamily.QWEN2:
         fields["head_dim"] = head_dim or default_head_dim
     config = config_cls(**fields)

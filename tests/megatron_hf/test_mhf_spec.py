@@ -81,9 +81,7 @@ def test_rejects_unsupported_model_type_naming_supported_ones() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"mlp_bias": True}, "mlp_bias=True"),

@@ -20,6 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hf.spec import ModelSpec
 from trainer_svc.config import Attention, OptimizerConfig, ParamsDType
+from trainer_svc.runtime import rotary
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 from trainer_svc.runtime.topology import Topology
 
@@ -69,6 +70,7 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        softmax_scale=rotary.softmax_scale(spec),
         tensor_model_parallel_size=topology.layout.tensor_parallel,
         pipeline_model_parallel_size=topology.layout.pipeline_parallel,
         params_dtype=dtype,
@@ -124,6 +126,9 @@ def build_model(
         freeze_padding_row(model, spec.pad_token_id)
     if on_gpu:
         model.cuda(torch.cuda.current_device())
+    # Megatron's rotary is built plain; transformers' (scaled) frequencies replace its own.
+    rotary.install_frequencies(model, spec)
+    rotary.check_softmax_scale(model, spec)
     return model, config
 
 
