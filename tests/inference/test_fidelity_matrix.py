@@ -1,7 +1,8 @@
 """Refit fidelity across model families: for Llama, Qwen2 and Qwen3, tied and untied, with
-grouped, single (MQA) and full key/value heads, head_dim != hidden/heads and a vocabulary both
-sides pad, a real trainer (TP=1, TP=2 or PP=2) trains two versions and real vLLM engines
-(TP=1, TP=2) refit to each: their prompt logprobs equal the trainer's Forward.
+grouped, single (MQA) and full key/value heads, head_dim != hidden/heads, scaled RoPE (Llama
+3's and YaRN, on prompts longer than the original context) and a vocabulary both sides pad, a
+real trainer (TP=1, TP=2 or PP=2) trains two versions and real vLLM engines (TP=1, TP=2) refit
+to each: their prompt logprobs equal the trainer's Forward.
 
 Processes are shared: one engine host per engine TP builds each model's engine in turn and
 refits it from every trainer layout; one trainer serves both versions. The default run covers
@@ -43,12 +44,28 @@ class MatrixModel:
     """`write_tiny_checkpoint` arguments (vocabulary 101: padded by Megatron and vLLM)."""
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+"""Llama 3.2's scaling with an original length the prompts pass (11 tokens > 8), so the
+scaled frequencies matter; max_position_embeddings (256) is the extended length."""
+YARN_ROPE = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8}
+"""YaRN as Qwen3 ships it (with a factor that makes vLLM's table, original x factor, as long
+as the engines' 256 positions), its attention factor included."""
+
 MODELS = {
-    # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads.
-    "llama-gqa": MatrixModel(ModelFamily.LLAMA, False, {"num_key_value_heads": 2, "head_dim": 32}),
-    "llama-mqa-tied": MatrixModel(
-        ModelFamily.LLAMA, True, {"num_key_value_heads": 1, "head_dim": 32}
+    # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads. Llama 3.2's shape:
+    # tied, grouped, scaled RoPE.
+    "llama3-gqa-tied": MatrixModel(
+        ModelFamily.LLAMA,
+        True,
+        {"num_key_value_heads": 2, "head_dim": 32, "rope_scaling": LLAMA3_ROPE},
     ),
+    "llama-mqa": MatrixModel(ModelFamily.LLAMA, False, {"num_key_value_heads": 1, "head_dim": 32}),
     # Qwen2 has q/k/v biases and head_dim = hidden / heads (32 is vLLM-CPU's smallest).
     "qwen2-gqa": MatrixModel(
         ModelFamily.QWEN2, False, {"hidden_size": 128, "num_key_value_heads": 2}
@@ -57,19 +74,21 @@ MODELS = {
         ModelFamily.QWEN2, True, {"hidden_size": 128, "num_key_value_heads": 4}
     ),
     # Qwen3 has q/k norms.
-    "qwen3-gqa-tied": MatrixModel(
-        ModelFamily.QWEN3, True, {"num_key_value_heads": 2, "head_dim": 32}
+    "qwen3-yarn-gqa-tied": MatrixModel(
+        ModelFamily.QWEN3,
+        True,
+        {"num_key_value_heads": 2, "head_dim": 32, "rope_scaling": YARN_ROPE},
     ),
     "qwen3-mha": MatrixModel(ModelFamily.QWEN3, False, {"num_key_value_heads": 4, "head_dim": 64}),
 }
 TRAINER_LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 ENGINE_TPS = (1, 2)
 DEFAULT: dict[str, tuple[str, tuple[int, ...]]] = {
-    "llama-gqa": ("pp2", (1, 2)),
-    "llama-mqa-tied": ("tp1", (1, 2)),
+    "llama3-gqa-tied": ("pp2", (1, 2)),
+    "llama-mqa": ("tp1", (1, 2)),
     "qwen2-gqa": ("tp2", (1,)),
     "qwen2-mha-tied": ("pp2", (1,)),
-    "qwen3-gqa-tied": ("tp2", (1, 2)),
+    "qwen3-yarn-gqa-tied": ("tp2", (1, 2)),
     "qwen3-mha": ("tp1", (1,)),
 }
 """The default run: trainer layout and engine sizes per model."""

@@ -23,7 +23,7 @@ and assertions (`tests/support/parity.py`): a tied Llama at PP=2 in test_checkpo
 TP=2 in test_layouts. Their own worlds start in the slow run only."""
 CHECKED_AGAINST_VLLM = {"qwen3-tp2"}
 """Cases the default run checks against another reference: the fidelity matrix's Qwen3 at
-trainer TP=2 (tests/inference/test_fidelity_matrix.py, qwen3-gqa-tied) holds the trainer's
+trainer TP=2 (tests/inference/test_fidelity_matrix.py, qwen3-yarn-gqa-tied) holds the trainer's
 Forward to vLLM's own Qwen3 at 1e-4. Here, against transformers, in the slow run."""
 
 
