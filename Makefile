@@ -5,13 +5,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# PYTEST_WORKERS=2 spreads the test modules over two worker processes (pytest-xdist; a
-# module's tests stay in one worker and share its fixtures, the demo's, the longest, first):
-# about 20 minutes of tests instead of 27. Test trainers wait 60 s to hear from a silent rank
-# (tests/support/trainer.py), so one worker's stacks starving the other's ranks no longer ends
-# a world; it is not the default yet because a fan-out test's timing (a child given the
-# corrupting parent) has not been shown to hold with a neighbour loading the cores.
-PYTEST_WORKERS ?= 0
+# The test modules run in two worker processes (pytest-xdist; a module's tests stay in one
+# worker and share its fixtures; the demo's two modules, the longest, first). Test trainers wait
+# 60 s to hear from a silent rank (tests/support/trainer.py), so one worker's stacks starving
+# the other's ranks does not end a world. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test lint typecheck protos venv clean
 
