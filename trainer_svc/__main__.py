@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
 
     identity = RankIdentity.from_env()
     prefix = f"[rank {identity.rank}] " if identity else "[trainer-svc] "
-    logging.basicConfig(level=log_level, format=f"%(asctime)s {prefix}%(levelname)s %(message)s")
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s {prefix}%(levelname)s %(message)s", force=True
+    )
     if log_level != "DEBUG":
         # megatron logs every parameter name and its full config at INFO, and warns about
         # optional fused kernels it cannot find; keep the service's own lines readable.

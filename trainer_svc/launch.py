@@ -1,6 +1,7 @@
 """Starts a local world of ranks when trainer-svc is not run under torchrun, and supervises it:
 SIGINT/SIGTERM shut the world down cleanly, and when a rank fails the world ends with a
-non-zero status.
+non-zero status. The ranks are forked from the launcher once it has imported what they import
+(docs/architecture.md, "A rank that dies").
 
 The ranks notice a lost rank themselves (`runtime/liveness.py`): rank 0 answers UNAVAILABLE
 naming the rank for a few seconds, then exits; the others exit when rank 0 is gone. So the
@@ -9,13 +10,17 @@ status of the rank that failed first."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import multiprocessing.util
 import os
 import signal
-import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +34,7 @@ _SETTLE_SECONDS = 20.0
 """After a rank failed, how long the others have to exit on their own (with the default
 liveness settings they do within about 10 s) before they are terminated."""
 _TERMINATE_SECONDS = 10.0
+_PR_SET_NAME = 15
 
 
 def rendezvous_store() -> TCPStore:
@@ -45,25 +51,123 @@ def _threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
-    """Runs ``world_size`` copies of ``python -m trainer_svc argv`` as ranks; returns the exit
-    code."""
-    store = rendezvous_store()
-    children: list[subprocess.Popen[bytes]] = []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(store.port),
-            TORCHELASTIC_USE_AGENT_STORE="True",
-        )
-        env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(world_size)))
-        command = [sys.executable, "-m", "trainer_svc", *argv, "--model", str(model_dir)]
-        children.append(subprocess.Popen(command, env=env))
+@dataclass
+class ForkedRank:
+    """A rank forked from the launcher, with the part of `subprocess.Popen`'s interface the
+    supervisor uses."""
 
+    pid: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code once the rank exited (-N for signal N, as Popen reports it)."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _preload() -> None:
+    """Imports what every rank imports (torch, megatron-core, transformers, gRPC) once, in the
+    launcher, so a forked rank starts with them loaded instead of importing them again: each
+    rank's import is most of a small world's start-up CPU."""
+    import trainer_svc.runtime.rank  # noqa: F401
+
+
+def _fork_rank(
+    argv: Sequence[str], env: dict[str, str], threads: int, earlier: Sequence[int]
+) -> tuple[ForkedRank, int]:
+    """Forks a rank: it waits for the rendezvous port on a pipe (the store is made after every
+    fork, so no rank inherits the store's server thread), then runs as
+    ``python -m trainer_svc argv`` would with `env`. `earlier`: the earlier ranks' pipes, which
+    this rank must not hold open. Returns the rank and its pipe's writing end."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(read_end)
+        return ForkedRank(pid), write_end
+    code = 1
+    try:
+        for fd in (write_end, *earlier):
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with os.fdopen(read_end, "rb") as port:
+            master_port = port.readline().decode().strip()
+        if not master_port:
+            raise SystemExit(1)  # the launcher gave up before the world started
+        os.environ.update(env, MASTER_PORT=master_port)
+        _name_process(f"trainer-rank{env['RANK']}")
+        import torch
+
+        # OMP_NUM_THREADS is read when the OpenMP runtime loads, before the fork.
+        torch.set_num_threads(threads)
+        from trainer_svc.__main__ import main
+
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        # The rank never returns into the launcher's frames. What the interpreter's exit would
+        # do for a rank: end the processes megatron's checkpoint writer started, flush.
+        with contextlib.suppress(BaseException):
+            multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    raise AssertionError("unreachable")
+
+
+def _name_process(name: str) -> None:
+    """Names this process (Linux: /proc/PID/comm, what `ps -o comm` and `top` show), so a
+    forked rank is told apart from its launcher."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
+    """Runs ``world_size`` ranks of ``trainer-svc argv``, forked from this process once it has
+    imported what they need; returns the world's exit code."""
+    _preload()
+    threads = _threads_per_rank(world_size)
+    rank_argv = [*argv, "--model", str(model_dir)]
+    children: list[ForkedRank] = []
+    ports: list[int] = []
+    try:
+        for rank in range(world_size):
+            env = dict(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                TORCHELASTIC_USE_AGENT_STORE="True",
+                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)),
+            )
+            child, port = _fork_rank(rank_argv, env, threads, ports)
+            children.append(child)
+            ports.append(port)
+        store = rendezvous_store()
+        for port in ports:
+            os.write(port, f"{store.port}\n".encode())
+    finally:
+        for port in ports:
+            os.close(port)  # a rank that read no port exits
     stopping = False
 
     def request_stop(signum: int, frame: object) -> None:
@@ -71,12 +175,13 @@ def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
         if not stopping:
             stopping = True
             log.info("stopping the trainer (%s)", signal.Signals(signum).name)
-            if children[0].poll() is None:
-                children[0].send_signal(signal.SIGTERM)
+            children[0].send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    return _supervise(children, lambda: stopping)
+    code = _supervise(children, lambda: stopping)
+    del store  # held for the world's lifetime, as torchrun's agent holds it
+    return code
 
 
 def _status(code: int) -> int:
@@ -84,7 +189,7 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _supervise(children: list[subprocess.Popen[bytes]], stopping: Callable[[], bool]) -> int:
+def _supervise(children: list[ForkedRank], stopping: Callable[[], bool]) -> int:
     first_failure: int | None = None
     exited: set[int] = set()
     settle: float | None = None

@@ -160,11 +160,12 @@ def test_the_other_ranks_exit_when_rank_0_is_killed(tmp_path: Path) -> None:
 
 
 def _ranks_of(launcher: int) -> dict[int, int]:
-    """The launcher's rank processes: rank -> pid (Linux /proc)."""
+    """The launcher's rank processes: rank -> pid, from the names the launcher gives them
+    (Linux /proc)."""
     children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
     ranks = {}
     for pid in map(int, children):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        rank = next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1]
-        ranks[int(rank)] = pid
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        assert name.startswith("trainer-rank"), name
+        ranks[int(name.removeprefix("trainer-rank"))] = pid
     return ranks
