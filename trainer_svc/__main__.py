@@ -53,6 +53,17 @@ def _check_layout(config: TrainerConfig, model_dir: Path) -> None:
         sys.exit(2)
 
 
+def _on_cpu(config: TrainerConfig) -> bool:
+    """Whether the world's ranks run on the CPU (their launcher may then fork them)."""
+    from trainer_svc.config import Device
+
+    if config.device is not Device.AUTO:
+        return config.device is Device.CPU
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # megatron's checkpoint writer forks worker processes; gRPC's fork handlers must stay out of
@@ -62,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     from trainer_svc.runtime.rank import RankIdentity
 
     identity = RankIdentity.from_env()
+    if identity is not None:
+        from trainer_svc.launch import name_process
+
+        name_process(f"trainer-rank{identity.rank}")
     prefix = f"[rank {identity.rank}] " if identity else "[trainer-svc] "
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s {prefix}%(levelname)s %(message)s", force=True
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         from trainer_svc.launch import spawn_world
 
         world_argv = [*argv, "--work-dir", str(work)]
-        code = spawn_world(world_argv, config.layout.world_size, model_dir)
+        code = spawn_world(world_argv, config.layout.world_size, model_dir, fork=_on_cpu(config))
     # The launcher's world is down and the scratch directory gone; it started no process but
     # the ranks. What is left is the teardown of the modules it imported (torch, transformers
     # for the built-in model), about two seconds at interpreter exit on every stop: flush and

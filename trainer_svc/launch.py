@@ -1,7 +1,7 @@
 """Starts a local world of ranks when trainer-svc is not run under torchrun, and supervises it:
 SIGINT/SIGTERM shut the world down cleanly, and when a rank fails the world ends with a
-non-zero status. The ranks are forked from the launcher once it has imported what they import
-(docs/architecture.md, "A rank that dies").
+non-zero status. A CPU world's ranks are forked from the launcher once it has imported what they
+import; a GPU world's are new interpreters (docs/architecture.md, "A rank that dies").
 
 The ranks notice a lost rank themselves (`runtime/liveness.py`): rank 0 answers UNAVAILABLE
 naming the rank for a few seconds, then exits; the others exit when rank 0 is gone. So the
@@ -16,13 +16,14 @@ import logging
 import multiprocessing.util
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -49,6 +50,18 @@ def rendezvous_store() -> TCPStore:
 
 def _threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class RankProcess(Protocol):
+    """What the supervisor needs of a rank's process (`subprocess.Popen` has it)."""
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, signum: int, /) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -108,7 +121,6 @@ def _fork_rank(
         if not master_port:
             raise SystemExit(1)  # the launcher gave up before the world started
         os.environ.update(env, MASTER_PORT=master_port)
-        _name_process(f"trainer-rank{env['RANK']}")
         import torch
 
         # OMP_NUM_THREADS is read when the OpenMP runtime loads, before the fork.
@@ -133,33 +145,39 @@ def _fork_rank(
     raise AssertionError("unreachable")
 
 
-def _name_process(name: str) -> None:
+def name_process(name: str) -> None:
     """Names this process (Linux: /proc/PID/comm, what `ps -o comm` and `top` show), so a
-    forked rank is told apart from its launcher."""
+    rank is told apart from its launcher and the other ranks."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
-def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
-    """Runs ``world_size`` ranks of ``trainer-svc argv``, forked from this process once it has
-    imported what they need; returns the world's exit code."""
+def _rank_env(rank: int, world_size: int) -> dict[str, str]:
+    return dict(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(_threads_per_rank(world_size))),
+    )
+
+
+def _fork_world(argv: Sequence[str], world_size: int) -> tuple[list[RankProcess], TCPStore] | None:
+    """The ranks forked from this process, and the store they meet at; None where forking is
+    unsafe (CUDA was initialised here, which a forked rank cannot use)."""
     _preload()
-    threads = _threads_per_rank(world_size)
-    rank_argv = [*argv, "--model", str(model_dir)]
-    children: list[ForkedRank] = []
+    import torch
+
+    if torch.cuda.is_initialized():
+        return None
+    children: list[RankProcess] = []
     ports: list[int] = []
     try:
         for rank in range(world_size):
-            env = dict(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                TORCHELASTIC_USE_AGENT_STORE="True",
-                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)),
-            )
-            child, port = _fork_rank(rank_argv, env, threads, ports)
+            env = _rank_env(rank, world_size)
+            child, port = _fork_rank(argv, env, _threads_per_rank(world_size), ports)
             children.append(child)
             ports.append(port)
         store = rendezvous_store()
@@ -168,6 +186,31 @@ def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
     finally:
         for port in ports:
             os.close(port)  # a rank that read no port exits
+    return children, store
+
+
+def _spawn_world(argv: Sequence[str], world_size: int) -> tuple[list[RankProcess], TCPStore]:
+    """The ranks as new interpreters (``python -m trainer_svc argv``), each importing all it
+    needs, and the store they meet at."""
+    store = rendezvous_store()
+    children: list[RankProcess] = []
+    for rank in range(world_size):
+        env = {**os.environ, **_rank_env(rank, world_size), "MASTER_PORT": str(store.port)}
+        command = [sys.executable, "-m", "trainer_svc", *argv]
+        children.append(subprocess.Popen(command, env=env))
+    return children, store
+
+
+def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path, *, fork: bool) -> int:
+    """Runs ``world_size`` ranks of ``trainer-svc argv``; returns the world's exit code.
+
+    `fork`: fork the ranks from this process once it has imported what they import (a CPU
+    world); else, or where forking is unsafe, start each as a new interpreter. A GPU world is
+    never forked: CUDA cannot be used in a child forked after the parent touched it, and its
+    host has the cores to import in parallel."""
+    rank_argv = [*argv, "--model", str(model_dir)]
+    world = _fork_world(rank_argv, world_size) if fork else None
+    children, store = world or _spawn_world(rank_argv, world_size)
     stopping = False
 
     def request_stop(signum: int, frame: object) -> None:
@@ -175,7 +218,8 @@ def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path) -> int:
         if not stopping:
             stopping = True
             log.info("stopping the trainer (%s)", signal.Signals(signum).name)
-            children[0].send_signal(signal.SIGTERM)
+            if children[0].poll() is None:
+                children[0].send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
@@ -189,7 +233,7 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _supervise(children: list[ForkedRank], stopping: Callable[[], bool]) -> int:
+def _supervise(children: Sequence[RankProcess], stopping: Callable[[], bool]) -> int:
     first_failure: int | None = None
     exited: set[int] = set()
     settle: float | None = None
