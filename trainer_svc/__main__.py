@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         from trainer_svc.launch import spawn_world
 
         world_argv = [*argv, "--work-dir", str(work)]
-        code = spawn_world(world_argv, config.layout.world_size, model_dir, fork=_on_cpu(config))
+        entry = main if _on_cpu(config) else None
+        code = spawn_world(world_argv, config.layout.world_size, model_dir, fork=entry)
     # The launcher's world is down and the scratch directory gone; it started no process but
     # the ranks. What is left is the teardown of the modules it imported (torch, transformers
     # for the built-in model), about two seconds at interpreter exit on every stop: flush and

@@ -98,8 +98,12 @@ def _preload() -> None:
     import trainer_svc.runtime.rank  # noqa: F401
 
 
+RankEntry = Callable[[list[str]], None]
+"""A rank's entry point, given its argv (``trainer_svc.__main__.main``)."""
+
+
 def _fork_rank(
-    argv: Sequence[str], env: dict[str, str], threads: int, earlier: Sequence[int]
+    entry: RankEntry, argv: Sequence[str], env: dict[str, str], threads: int, earlier: Sequence[int]
 ) -> tuple[ForkedRank, int]:
     """Forks a rank: it waits for the rendezvous port on a pipe (the store is made after every
     fork, so no rank inherits the store's server thread), then runs as
@@ -125,9 +129,7 @@ def _fork_rank(
 
         # OMP_NUM_THREADS is read when the OpenMP runtime loads, before the fork.
         torch.set_num_threads(threads)
-        from trainer_svc.__main__ import main
-
-        main(list(argv))
+        entry(list(argv))
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -164,7 +166,9 @@ def _rank_env(rank: int, world_size: int) -> dict[str, str]:
     )
 
 
-def _fork_world(argv: Sequence[str], world_size: int) -> tuple[list[RankProcess], TCPStore] | None:
+def _fork_world(
+    entry: RankEntry, argv: Sequence[str], world_size: int
+) -> tuple[list[RankProcess], TCPStore] | None:
     """The ranks forked from this process, and the store they meet at; None where forking is
     unsafe (CUDA was initialised here, which a forked rank cannot use)."""
     _preload()
@@ -177,7 +181,7 @@ def _fork_world(argv: Sequence[str], world_size: int) -> tuple[list[RankProcess]
     try:
         for rank in range(world_size):
             env = _rank_env(rank, world_size)
-            child, port = _fork_rank(argv, env, _threads_per_rank(world_size), ports)
+            child, port = _fork_rank(entry, argv, env, _threads_per_rank(world_size), ports)
             children.append(child)
             ports.append(port)
         store = rendezvous_store()
@@ -201,15 +205,18 @@ def _spawn_world(argv: Sequence[str], world_size: int) -> tuple[list[RankProcess
     return children, store
 
 
-def spawn_world(argv: Sequence[str], world_size: int, model_dir: Path, *, fork: bool) -> int:
+def spawn_world(
+    argv: Sequence[str], world_size: int, model_dir: Path, *, fork: RankEntry | None
+) -> int:
     """Runs ``world_size`` ranks of ``trainer-svc argv``; returns the world's exit code.
 
-    `fork`: fork the ranks from this process once it has imported what they import (a CPU
-    world); else, or where forking is unsafe, start each as a new interpreter. A GPU world is
+    `fork`: the ranks' entry point, to fork them from this process once it has imported what
+    they import (a CPU world); None, or where forking is unsafe: start each as a new
+    interpreter. A GPU world is
     never forked: CUDA cannot be used in a child forked after the parent touched it, and its
     host has the cores to import in parallel."""
     rank_argv = [*argv, "--model", str(model_dir)]
-    world = _fork_world(rank_argv, world_size) if fork else None
+    world = _fork_world(fork, rank_argv, world_size) if fork is not None else None
     children, store = world or _spawn_world(rank_argv, world_size)
     stopping = False
 
