@@ -12,6 +12,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+# megatron's checkpoint writer forks worker processes, and a CPU world's ranks are forked from
+# their launcher; gRPC's fork handlers must stay out of both (the writer's children never use
+# gRPC, and a writer forked while the rank serves would lose its work to them). gRPC reads this
+# when it is first imported, which the imports below do.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 from trainer_svc.cli import parse_config
 from trainer_svc.config import TrainerConfig
 
@@ -66,9 +72,6 @@ def _on_cpu(config: TrainerConfig) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    # megatron's checkpoint writer forks worker processes; gRPC's fork handlers must stay out of
-    # them (the children never use gRPC). Read by grpc when it is first imported, below.
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     config, log_level = parse_config(argv)
     from trainer_svc.runtime.rank import RankIdentity
 

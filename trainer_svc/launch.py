@@ -13,15 +13,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import multiprocessing.util
+import multiprocessing
+import multiprocessing.process
 import os
 import signal
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -64,21 +63,23 @@ class RankProcess(Protocol):
     def kill(self) -> None: ...
 
 
-@dataclass
 class ForkedRank:
-    """A rank forked from the launcher, with the part of `subprocess.Popen`'s interface the
-    supervisor uses."""
+    """A rank forked from the launcher (a `multiprocessing` process of the fork context, so
+    the rank starts with multiprocessing's own state reset, as megatron's checkpoint writer
+    needs when it starts processes of its own), with the part of `subprocess.Popen`'s interface
+    the supervisor uses."""
 
-    pid: int
-    returncode: int | None = None
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None
+        return self._process.pid
 
     def poll(self) -> int | None:
         """The exit code once the rank exited (-N for signal N, as Popen reports it)."""
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid == self.pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self._process.exitcode
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -102,49 +103,61 @@ RankEntry = Callable[[list[str]], None]
 """A rank's entry point, given its argv (``trainer_svc.__main__.main``)."""
 
 
+def _forked_rank_main(
+    *,
+    entry: RankEntry,
+    argv: list[str],
+    env: dict[str, str],
+    threads: int,
+    read_end: int,
+    close: tuple[int, ...],
+) -> None:
+    """A forked rank's body: waits for the rendezvous port on its pipe (the store is made after
+    every fork, so no rank inherits the store's server thread), then runs as
+    ``python -m trainer_svc argv`` would with `env`."""
+    for fd in close:
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with os.fdopen(read_end, "rb") as port:
+        master_port = port.readline().decode().strip()
+    if not master_port:
+        raise SystemExit(1)  # the launcher gave up before the world started
+    os.environ.update(env, MASTER_PORT=master_port)
+    import torch
+
+    # OMP_NUM_THREADS is read when the OpenMP runtime loads, before the fork.
+    torch.set_num_threads(threads)
+    try:
+        entry(argv)
+    finally:
+        # Flush what the rank logged: multiprocessing ends the process without the
+        # interpreter's exit handlers.
+        logging.shutdown()
+
+
 def _fork_rank(
     entry: RankEntry, argv: Sequence[str], env: dict[str, str], threads: int, earlier: Sequence[int]
 ) -> tuple[ForkedRank, int]:
-    """Forks a rank: it waits for the rendezvous port on a pipe (the store is made after every
-    fork, so no rank inherits the store's server thread), then runs as
-    ``python -m trainer_svc argv`` would with `env`. `earlier`: the earlier ranks' pipes, which
-    this rank must not hold open. Returns the rank and its pipe's writing end."""
+    """Forks a rank. `earlier`: the earlier ranks' pipes, which this rank must not hold open.
+    Returns the rank and its pipe's writing end."""
     read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(read_end)
-        return ForkedRank(pid), write_end
-    code = 1
-    try:
-        for fd in (write_end, *earlier):
-            os.close(fd)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        with os.fdopen(read_end, "rb") as port:
-            master_port = port.readline().decode().strip()
-        if not master_port:
-            raise SystemExit(1)  # the launcher gave up before the world started
-        os.environ.update(env, MASTER_PORT=master_port)
-        import torch
-
-        # OMP_NUM_THREADS is read when the OpenMP runtime loads, before the fork.
-        torch.set_num_threads(threads)
-        entry(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        # The rank never returns into the launcher's frames. What the interpreter's exit would
-        # do for a rank: end the processes megatron's checkpoint writer started, flush.
-        with contextlib.suppress(BaseException):
-            multiprocessing.util._exit_function()  # type: ignore[attr-defined]
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-    raise AssertionError("unreachable")
+    context = multiprocessing.get_context("fork")
+    process = context.Process(
+        target=_forked_rank_main,
+        kwargs=dict(
+            entry=entry,
+            argv=list(argv),
+            env=env,
+            threads=threads,
+            read_end=read_end,
+            close=(write_end, *earlier),
+        ),
+        name=f"trainer-rank{env['RANK']}",
+    )
+    process.start()
+    os.close(read_end)
+    return ForkedRank(process), write_end
 
 
 def name_process(name: str) -> None:
