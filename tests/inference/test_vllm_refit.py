@@ -24,7 +24,7 @@ from tests.support.fidelity import (
 )
 from tests.support.receiver import corrupt_one_byte
 from tests.support.sidecar import Sidecar, running_sidecar
-from tests.support.trainer import TrainerProcess, kill_tree
+from tests.support.trainer import TrainerProcess, kill_tree, rank_process
 from trainer_svc.builtin_model import write_builtin_model
 
 
@@ -131,7 +131,7 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
                 engine.call("refit_to", 1)
             served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
             assert train_step(trainer, "s2", seed=5) == 2
-            (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
+            rank0 = rank_process(launcher, 0)
             corrupted = corrupt_one_byte(sidecar, 2, rank0)
             for tp, engine in engines.items():
                 # TP=2: worker 0 reads the shard and fails; worker 1 succeeds, and the
@@ -144,7 +144,7 @@ def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_
             with sidecar.client() as client:  # both ranks reported it (just after the step)
                 client.wait_visible(3, timeout=30)
             launcher.suspend()
-            (rank1,) = [p for p in launcher.children() if p.environ().get("RANK") == "1"]
+            rank1 = rank_process(launcher, 1)
             rank1.kill()
             while rank1.status() != psutil.STATUS_ZOMBIE:  # its paused parent cannot reap it
                 time.sleep(0.05)

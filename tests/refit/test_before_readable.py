@@ -44,7 +44,7 @@ from tests.support.receiver import (
     write_memory,
 )
 from tests.support.sidecar import running_sidecar
-from tests.support.trainer import TrainerProcess
+from tests.support.trainer import TrainerProcess, rank_process
 
 
 class _Answered:
@@ -207,7 +207,7 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
             assert plain_stats.lease_held_by is HeldBy.WORDS and plain_stats.verified_shards == 0
             assert_exported(trainer, plain, "v3-unverified")
             launcher = psutil.Process(trainer.process.pid)
-            (rank0,) = [p for p in launcher.children() if p.environ().get("RANK") == "0"]
+            rank0 = rank_process(launcher, 0)
             word = next(
                 a.version_word
                 for a in unverified.client.manifest(3).agents.values()

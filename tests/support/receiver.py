@@ -53,7 +53,7 @@ def corrupt_one_byte(sidecar: Sidecar, version: int, rank: psutil.Process) -> st
     """Flips one byte of a TP-split shard that `rank` published for `version`, in the rank's
     own memory (its DRAM snapshot slot), after the version's CRC-32s were reported."""
     manifest = sidecar.client().manifest(version)
-    prefix = f"trainer-rank{rank.environ()['RANK']}-"
+    prefix = f"{rank.name()}-"  # a rank's NIXL agent is named trainer-rank<N>-…, as the rank
     agent = next(a for a in manifest.agents if a.startswith(prefix))
     record = next(p for p in manifest.parameters if len(p.shards) == 2 and "linear_qkv" in p.name)
     (shard,) = [s for s in record.shards if s.location.agent == agent]

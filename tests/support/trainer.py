@@ -92,6 +92,13 @@ class TrainerProcess:
         return code
 
 
+def rank_process(launcher: psutil.Process, rank: int) -> psutil.Process:
+    """A local launcher's rank, by the name every rank gives itself (``trainer-rank<N>``): a
+    forked rank's /proc environ is its launcher's."""
+    (found,) = [p for p in launcher.children() if p.name() == f"trainer-rank{rank}"]
+    return found
+
+
 def kill_tree(process: psutil.Process) -> None:
     """SIGKILL `process` and all its descendants."""
     for proc in [*process.children(recursive=True), process]:
