@@ -47,13 +47,13 @@ import statistics
 import sys
 import tempfile
 from dataclasses import asdict, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from benchmarks import refit_install as ri
+from benchmarks.harness import run_meta, tokens_for, trainer_root, trainer_server
 from benchmarks.refit_pull import sidecar_server
-from benchmarks.trainer_step import make_batches, tokens_for, trainer_root, trainer_server
+from benchmarks.trainer_step import make_batches
 from refit_sidecar.core.tree_records import TreeConfig
 from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES
 from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
@@ -453,11 +453,9 @@ def main(argv: list[str] | None = None) -> None:
         result = run(config, options, work)
     summary = summarize(result["records"])
     meta = dict(
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=" ".join(["python", "-m", "benchmarks.refit_fanout", *(argv or sys.argv[1:])]),
+        run_meta("benchmarks.refit_fanout", argv),
         config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         fanout=fan,
-        versions=ri._versions(),
         gpus=ri.gpus(),
     )
     config.out.write_text(json.dumps(dict(meta=meta, summary=summary, **result), indent=1) + "\n")

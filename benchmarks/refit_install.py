@@ -71,24 +71,23 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
-from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from benchmarks.refit_pull import _MODEL_KEYS, sidecar_server
-from benchmarks.refit_pull import PRESETS as PULL_PRESETS
-from benchmarks.trainer_step import (
+from benchmarks.harness import (
     REPO,
-    _child_env,
-    _tail,
-    make_batches,
+    child_env,
+    run_meta,
+    tail,
     tokens_for,
     trainer_root,
     trainer_server,
 )
+from benchmarks.refit_pull import _MODEL_KEYS, sidecar_server
+from benchmarks.refit_pull import PRESETS as PULL_PRESETS
+from benchmarks.trainer_step import make_batches
 from benchmarks.trainer_step import write_model as _write_model
 from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES
 from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
@@ -96,7 +95,7 @@ from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES
 from refit_sidecar.pull.running_check import DEFAULT_PART_BYTES
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
-from trainer_svc.domain import LossConfig, SequenceBatch
+from trainer_svc.domain import ExportDType, LossConfig, SequenceBatch
 
 log = logging.getLogger("benchmarks.refit_install")
 
@@ -532,7 +531,7 @@ class ReceiverProcess:
                 str(reply_w),
             ],
             cwd=REPO,
-            env=_child_env(),
+            env=child_env(),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             pass_fds=(command_r, reply_w),
@@ -552,7 +551,7 @@ class ReceiverProcess:
         line = self._replies.readline() if ready else ""
         if not line:
             why = "exited" if ready else f"did not answer within {timeout_s} s"
-            raise RuntimeError(f"the receiver {why}, {self.log_path}:\n{_tail(self.log_path)}")
+            raise RuntimeError(f"the receiver {why}, {self.log_path}:\n{tail(self.log_path)}")
         answer: dict[str, Any] = json.loads(line)
         return answer
 
@@ -656,7 +655,7 @@ def verify(
     of the same (the latest) version."""
     export = root / "export"
     shutil.rmtree(export, ignore_errors=True)  # an earlier run's, in the same work dir
-    client.export_hf(export)
+    client.export_hf(export, dtype=ExportDType.PARAMS)
     prompts = check_batch(config)
     batch = SequenceBatch.from_lists(prompts, loss_mask=[[True] * len(p) for p in prompts])
     result = client.forward(batch)
@@ -945,24 +944,6 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for name in (
-        "torch",
-        "transformers",
-        "megatron-core",
-        "nixl",
-        "nixl-cu13",
-        "nixl-cu12",
-        "grpcio",
-    ):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "-"
-    return out
-
-
 def gpus() -> list[str]:
     """The machine's GPUs by name (`nvidia-smi`; none where it is missing): the cards a
     result was measured on, without starting CUDA in the driver."""
@@ -1052,16 +1033,10 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
 
 
 def _meta(config: RunConfig, argv: list[str] | None) -> dict[str, Any]:
-    args = sys.argv[1:] if argv is None else argv
     return dict(
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=" ".join(
-            [os.path.basename(sys.executable), "-m", "benchmarks.refit_install", *args]
-        ),
+        run_meta("benchmarks.refit_install", argv),
         config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
-        versions=_versions(),
         gpus=gpus(),
-        ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
     )
 
 

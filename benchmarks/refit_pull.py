@@ -55,31 +55,32 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import (
+    REPO,
+    child_env,
+    run_meta,
+    tail,
+    tokens_for,
+    trainer_root,
+    trainer_server,
+)
 from benchmarks.trainer_step import (
     PRESETS as STEP_PRESETS,
 )
 from benchmarks.trainer_step import (
-    REPO,
     Driver,
-    _child_env,
-    _tail,
     apply_preset,
     make_batches,
     run_steps,
-    tokens_for,
-    trainer_root,
-    trainer_server,
     write_model,
 )
 from refit_sidecar.service.client import SidecarClient
 from trainer_refit.auth import ClientAuth, Role, TokenDir
 from trainer_svc.client import TrainerClient
-from trainer_svc.domain import LossConfig
+from trainer_svc.domain import ExportDType, LossConfig
 
 log = logging.getLogger("benchmarks.refit_pull")
 
@@ -135,7 +136,7 @@ def sidecar_server(
     process = subprocess.Popen(
         [*command, "--port-file", str(port_file)],
         cwd=REPO,
-        env=_child_env(),
+        env=child_env(),
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -144,7 +145,7 @@ def sidecar_server(
         deadline = time.perf_counter() + timeout_s
         while not port_file.exists():
             if process.poll() is not None:
-                raise RuntimeError(f"refit-sidecar exited early:\n{_tail(log_path)}")
+                raise RuntimeError(f"refit-sidecar exited early:\n{tail(log_path)}")
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"refit-sidecar did not serve within {timeout_s} s")
             time.sleep(0.05)
@@ -184,14 +185,14 @@ def _check_against_export(
 ) -> dict[str, Any]:
     """The pulled Megatron tensors, translated to HF, against ExportHF's safetensors."""
     import torch
-    from safetensors.torch import load_file
 
+    from megatron_hf.checkpoint import load_hf_state_dict
     from megatron_hf.convert import megatron_to_hf
     from megatron_hf.spec import ModelSpec
 
     spec = ModelSpec.from_pretrained_dir(model_dir)
     hf = megatron_to_hf({k: v.cpu() for k, v in pulled.items()}, spec)
-    exported = load_file(str(export_dir / "model.safetensors"))
+    exported = load_hf_state_dict(export_dir)
     differing = sorted(
         name for name in exported if name not in hf or not torch.equal(hf[name], exported[name])
     )
@@ -317,14 +318,14 @@ def run_puller(plan: dict[str, Any], run_dir: Path, log_path: Path) -> dict[str,
         code = subprocess.run(
             [*command, "--puller-result", str(result_path)],
             cwd=REPO,
-            env=_child_env(),
+            env=child_env(),
             stdout=out,
             stderr=subprocess.STDOUT,
             timeout=plan["timeout_s"],
             check=False,
         ).returncode
     if code != 0 or not result_path.exists():
-        raise RuntimeError(f"the puller failed ({code}), {log_path}:\n{_tail(log_path)}")
+        raise RuntimeError(f"the puller failed ({code}), {log_path}:\n{tail(log_path)}")
     return json.loads(result_path.read_text())
 
 
@@ -679,30 +680,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "megatron-core", "nixl", "nixl-cu13", "nixl-cu12", "grpcio"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "-"
-    return out
-
-
 def _meta(
     args: argparse.Namespace, argv: list[str] | None, publish: dict[str, Any]
 ) -> dict[str, Any]:
     """What the results file says about the run: its command, model, batch and versions."""
     return dict(
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=" ".join(
-            [
-                os.path.basename(sys.executable),
-                "-m",
-                "benchmarks.refit_pull",
-                *(argv or sys.argv[1:]),
-            ]
-        ),
+        run_meta("benchmarks.refit_pull", argv),
         preset=args.preset,
         model={k: getattr(args, k) for k in _MODEL_KEYS},
         params_dtype=args.params_dtype,
@@ -724,8 +707,6 @@ def _meta(
             microbatches=args.interleaved_microbatches,
         ),
         pulls=args.pulls,
-        versions=_versions(),
-        ucx_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
     )
 
 
@@ -771,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
                     export = root / "export"
                     shutil.rmtree(export, ignore_errors=True)  # an earlier run's, same work dir
                     with TrainerClient(target, auth=orchestrator) as client:
-                        client.export_hf(export)
+                        client.export_hf(export, dtype=ExportDType.PARAMS)
                 puller_plan = dict(
                     sidecar=sidecar,
                     token_file=str(tokens.file(Role.RECEIVER)),

@@ -44,28 +44,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import pickle
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainer_refit.auth import ClientAuth, Role, TokenDir
+from benchmarks.harness import (
+    REPO,
+    child_env,
+    run_meta,
+    tail,
+    tokens_for,
+    trainer_root,
+    trainer_server,
+    versions,
+)
+from trainer_refit.auth import ClientAuth, Role
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.cli import parse_config
@@ -74,7 +80,6 @@ from trainer_svc.domain import LossConfig, OptimizerOverrides, SequenceBatch
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.server import convert
 
-REPO = Path(__file__).resolve().parents[1]
 MODES = ("grpc", "inprocess", "leader", "grpc-pipelined")
 DEFAULT_MODES = "grpc,inprocess"
 
@@ -352,7 +357,7 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
                 device=device.type,
                 data_checksum=data_checksum(batches),
                 records=records,
-                versions=_versions(),
+                versions=versions(),
                 **extra,
             ),
             indent=1,
@@ -457,18 +462,8 @@ def forward_memory(run: Callable[[Any], Any], batch: Any, device: Any) -> dict[s
     return measured
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "megatron-core", "grpcio", "protobuf", "numpy"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "?"
-    return out
-
-
 def _inprocess_env() -> dict[str, str]:
-    env = _child_env()
+    env = child_env()
     # As trainer_svc.launch gives a rank of a one-rank world.
     env.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1)))
     return env
@@ -499,102 +494,11 @@ def run_worker(mode: str, plan: dict[str, Any], run_dir: Path, log_path: Path) -
             check=False,
         ).returncode
     if code != 0 or not result_path.exists():
-        raise RuntimeError(f"{mode} run failed ({code}), {log_path}:\n{_tail(log_path)}")
+        raise RuntimeError(f"{mode} run failed ({code}), {log_path}:\n{tail(log_path)}")
     return json.loads(result_path.read_text())
 
 
 # -- mode "grpc" -------------------------------------------------------------------------------
-
-
-def _child_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-# -- the deployed configuration: tokens and the trainer's path root -------------------------------
-
-
-def tokens_for(work: Path) -> TokenDir:
-    """Authentication as deployed, set up as ``examples.local_stack`` does: fresh random
-    bearer tokens for every role in ``<work>/tokens`` that both services read; each client
-    presents its own role's token."""
-    return TokenDir.create(work / "tokens")
-
-
-def trainer_root(work: Path) -> Path:
-    """The trainer's ``--work-dir`` and so its path root: whatever it saves or exports lies
-    below it, apart from the token files and the run's other files (as in local_stack)."""
-    root = work / "trainer"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-@contextlib.contextmanager
-def trainer_server(
-    plan: dict[str, Any], run_dir: Path, log_path: Path, *, auth: ClientAuth
-) -> Iterator[tuple[str, float]]:
-    """Starts ``python -m trainer_svc`` on a free port (its authentication flags are in
-    plan["trainer_args"]); yields (target, seconds to SERVING) once it answers a client of
-    `auth`."""
-    port_file = run_dir / "port"
-    port_file.unlink(missing_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "trainer_svc",
-        *plan["trainer_args"],
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-    ]
-    started = time.perf_counter()
-    out = log_path.open("ab")
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=_child_env(),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = started + plan["timeout_s"]
-        while not port_file.exists():
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"trainer-svc exited with {process.returncode}:\n{_tail(log_path)}"
-                )
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"trainer-svc did not serve within {plan['timeout_s']} s")
-            time.sleep(0.1)
-        target = f"127.0.0.1:{int(port_file.read_text())}"
-        with TrainerClient(target, auth=auth) as client:
-            client.wait_ready(timeout=60.0)
-        yield target, time.perf_counter() - started
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)  # the launcher stops its rank cleanly
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the group of the server we started
-            process.wait()
-        out.close()
 
 
 def _pipelined_sender(
@@ -926,15 +830,7 @@ def _meta(
     first = runs[0]
     inproc: dict[str, Any] = next((r for r in runs if r["mode"] == "inprocess"), {})
     return dict(
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=" ".join(
-            [
-                os.path.basename(sys.executable),
-                "-m",
-                "benchmarks.trainer_step",
-                *(sys.argv[1:] if argv is None else argv),
-            ]
-        ),
+        run_meta("benchmarks.trainer_step", argv),
         preset=args.preset,
         model=dict(
             layers=args.layers,

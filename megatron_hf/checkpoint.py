@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from megatron_hf.convert import hf_names, hf_shape
+from megatron_hf.safetensors_file import INDEX_NAME, CheckpointFiles
 from megatron_hf.spec import ModelSpec
 
 WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 # Copied next to the weights when the config source is a checkpoint directory.
 SIDECAR_FILES = (
     "generation_config.json",
@@ -33,30 +33,8 @@ SIDECAR_FILES = (
 
 def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF checkpoint dir (sharded with an index, or *.safetensors files)."""
-    root = Path(path)
-    index_path = root / INDEX_NAME
-    weight_map: dict[str, str] | None = None
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {root}; expected an HF checkpoint directory")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = root / name
-        if not file.is_file():
-            raise ValueError(f"{INDEX_NAME} in {root} lists {name}, which does not exist")
-        tensors = load_file(file)
-        duplicated = state.keys() & tensors.keys()
-        if duplicated:
-            raise ValueError(f"tensors {sorted(duplicated)[:5]} appear in more than one file")
-        state.update(tensors)
-    if weight_map is not None and set(weight_map) != set(state):
-        diff = sorted(set(weight_map) ^ set(state))
-        raise ValueError(f"{INDEX_NAME} in {root} disagrees with the shard contents: {diff[:5]}")
-    return state
+    with CheckpointFiles(path) as files:
+        return {name: files.read(name) for name in files.names()}
 
 
 def save_hf_checkpoint(

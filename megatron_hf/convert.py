@@ -15,6 +15,7 @@ from megatron_hf.fused import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from megatron_hf.spec import ModelSpec
 
 __all__ = [
+    "check_hf_shapes",
     "fuse_gate_up",
     "fuse_qkv",
     "hf_names",
@@ -154,12 +155,21 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
     return shapes[key]
 
 
-def _check_hf_shape(hf_name: str, tensor: torch.Tensor, spec: ModelSpec) -> None:
+def _check_hf_shape(hf_name: str, shape: tuple[int, ...], spec: ModelSpec) -> None:
     expected = hf_shape(hf_name, spec)
-    if tuple(tensor.shape) != expected:
-        raise ValueError(
-            f"{hf_name} has shape {tuple(tensor.shape)}, expected {expected} for this model spec"
-        )
+    if shape != expected:
+        raise ValueError(f"{hf_name} has shape {shape}, expected {expected} for this model spec")
+
+
+def check_hf_shapes(shapes: Mapping[str, tuple[int, ...]], spec: ModelSpec) -> None:
+    """An HF checkpoint's tensor names and shapes (``name -> shape``) against the model: none
+    missing, none unexpected, each of its shape."""
+    needed = hf_names(spec)
+    known = set(needed) | ({"lm_head.weight"} if spec.tie_word_embeddings else set())
+    extra = sorted(k for k in shapes if k not in known and not k.endswith(_HF_IGNORED_SUFFIXES))
+    _check_names("HF", missing=[k for k in needed if k not in shapes], unexpected=extra)
+    for hf_name in needed:
+        _check_hf_shape(hf_name, tuple(shapes[hf_name]), spec)
 
 
 def hf_to_megatron(
@@ -168,12 +178,7 @@ def hf_to_megatron(
     """HF state dict -> global Megatron state dict; padded vocab rows are zeros."""
     if padded_vocab < spec.vocab_size:
         raise ValueError(f"padded_vocab {padded_vocab} < vocab_size {spec.vocab_size}")
-    needed = hf_names(spec)
-    known = set(needed) | ({"lm_head.weight"} if spec.tie_word_embeddings else set())
-    extra = sorted(k for k in hf if k not in known and not k.endswith(_HF_IGNORED_SUFFIXES))
-    _check_names("HF", missing=[k for k in needed if k not in hf], unexpected=extra)
-    for hf_name in needed:
-        _check_hf_shape(hf_name, hf[hf_name], spec)
+    check_hf_shapes({name: tuple(tensor.shape) for name, tensor in hf.items()}, spec)
     out: dict[str, torch.Tensor] = {}
     for name in megatron_names(spec):
         sources = [hf[h] for h in hf_names_of(name)]
@@ -214,7 +219,7 @@ def megatron_param_to_hf(
     """
     out = _param_to_hf(megatron_name, tensor, spec)
     for hf_name, hf_tensor in out.items():
-        _check_hf_shape(hf_name, hf_tensor, spec)
+        _check_hf_shape(hf_name, tuple(hf_tensor.shape), spec)
     return out
 
 

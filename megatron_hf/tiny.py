@@ -91,11 +91,15 @@ def write_tiny_checkpoint(
     head_dim: int | None = None,
     max_position_embeddings: int = 256,
     rope_scaling: Mapping[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write a seeded random float32 model + tokenizer to `path`; returns `path`.
+    """Write a seeded random model + tokenizer to `path`; returns `path`.
 
     `rope_scaling` is an HF RoPE dict (`megatron_hf.rope`); a scaled model's
-    max_position_embeddings is its extended length, as in HF's long-context configs."""
+    max_position_embeddings is its extended length, as in HF's long-context configs. The weights
+    are drawn in float32 and saved in `dtype`; `max_shard_bytes` splits them into several files
+    with an index, as large checkpoints ship."""
     default_head_dim = hidden_size // num_attention_heads
     if hidden_size % num_attention_heads and head_dim is None:
         raise ValueError(
@@ -117,7 +121,7 @@ def write_tiny_checkpoint(
         "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": tie_word_embeddings,
         "rms_norm_eps": 1e-6,
-        "dtype": "float32",
+        "dtype": str(dtype).removeprefix("torch."),
         **ids,
     }
     if rope_scaling is not None:
@@ -131,8 +135,9 @@ def write_tiny_checkpoint(
         model.float()
     _perturb_norms_and_biases(model, seed)
     model.generation_config = GenerationConfig(**ids)
+    model.to(dtype)
     out = Path(path)
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size=max_shard_bytes or "5GB")
     tokenizer.save_pretrained(out)
     return out
 

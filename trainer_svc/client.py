@@ -28,6 +28,7 @@ from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
 from trainer_svc.domain import (
     AlreadyExists,
+    ExportDType,
     FailedPrecondition,
     ForwardOutput,
     ForwardResult,
@@ -41,6 +42,7 @@ from trainer_svc.domain import (
     StepMetrics,
 )
 from trainer_svc.wire_enums import (
+    EXPORT_DTYPES_TO_PROTO,
     FORWARD_OUTPUTS_TO_PROTO,
     LOSS_KINDS_TO_PROTO,
     NORMALIZATIONS_TO_PROTO,
@@ -281,8 +283,19 @@ class TrainerClient:
         reply = self._call("LoadCheckpoint", pb.LoadCheckpointRequest(path=str(path)))
         return CheckpointInfo(Path(path), reply.weights_version, reply.optimizer_step)
 
-    def export_hf(self, path: Path | str) -> pb.ExportHFResponse:
-        return self._call("ExportHF", pb.ExportHFRequest(path=str(path)))
+    def export_hf(
+        self,
+        path: Path | str,
+        *,
+        dtype: ExportDType = ExportDType.BFLOAT16,
+        max_file_bytes: int = 0,
+    ) -> pb.ExportHFResponse:
+        """Writes a sharded HF checkpoint (the weights in `dtype`, files of at most
+        `max_file_bytes`, 0 for the trainer's default) into `path` on the trainer's host."""
+        request = pb.ExportHFRequest(
+            path=str(path), dtype=EXPORT_DTYPES_TO_PROTO[dtype], max_file_bytes=max_file_bytes
+        )
+        return self._call("ExportHF", request)
 
     def status(self) -> pb.GetStatusResponse:
         return self._call("GetStatus", pb.GetStatusRequest())

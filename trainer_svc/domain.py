@@ -45,6 +45,15 @@ class LossKind(enum.Enum):
     PPO = "ppo"
 
 
+class ExportDType(enum.Enum):
+    """The dtype of an exported checkpoint's weights."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+    PARAMS = "params"
+    """The trainer's own parameter dtype: the weights bit for bit."""
+
+
 class Normalization(enum.Enum):
     TOKEN = "token"
     SEQUENCE = "sequence"

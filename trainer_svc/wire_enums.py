@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.domain import (
+    ExportDType,
     ForwardOutput,
     LossKind,
     Normalization,
@@ -31,6 +32,11 @@ PUBLICATION_STATES = {
     pb.PUBLICATION_STATE_FAILED: PublicationState.FAILED,
     pb.PUBLICATION_STATE_NOT_PUBLISHED: PublicationState.NOT_PUBLISHED,
 }
+EXPORT_DTYPES = {
+    pb.EXPORT_DTYPE_BFLOAT16: ExportDType.BFLOAT16,
+    pb.EXPORT_DTYPE_FLOAT32: ExportDType.FLOAT32,
+    pb.EXPORT_DTYPE_PARAMS: ExportDType.PARAMS,
+}
 STEP_GRADIENTS = {
     pb.STEP_GRADIENT_NONZERO: StepGradient.NONZERO,
     pb.STEP_GRADIENT_ZERO: StepGradient.ZERO,
@@ -40,3 +46,4 @@ NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}
 FORWARD_OUTPUTS_TO_PROTO = {v: k for k, v in FORWARD_OUTPUTS.items()}
 PUBLICATION_STATES_TO_PROTO = {v: k for k, v in PUBLICATION_STATES.items()}
 STEP_GRADIENTS_TO_PROTO = {v: k for k, v in STEP_GRADIENTS.items()}
+EXPORT_DTYPES_TO_PROTO = {v: k for k, v in EXPORT_DTYPES.items()}

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from benchmarks.trainer_step import write_model
+from megatron_hf.checkpoint import load_hf_state_dict
 from megatron_hf.convert import megatron_to_hf
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.plan import plan_pull, whole
@@ -27,7 +27,7 @@ from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess
-from trainer_svc.domain import LossConfig, OptimizerOverrides
+from trainer_svc.domain import ExportDType, LossConfig, OptimizerOverrides
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,8 +86,8 @@ def test_a_version_pulled_the_moment_it_is_readable_equals_export(tmp_path) -> N
                 }
                 pulled = megatron_to_hf(tensors, spec)
                 export = tmp_path / "trainer" / "exports" / step_id
-                trainer.client.export_hf(export)
-                exported = load_file(str(export / "model.safetensors"), device="cuda")
+                trainer.client.export_hf(export, dtype=ExportDType.PARAMS)
+                exported = {k: v.cuda() for k, v in load_hf_state_dict(export).items()}
                 assert pulled.keys() == exported.keys()
                 differing = [n for n, t in exported.items() if not torch.equal(pulled[n], t)]
                 assert not differing, f"version {version}: {differing[:5]} differ from ExportHF"

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from safetensors.numpy import load_file
 
+from megatron_hf.checkpoint import load_hf_state_dict
 from tests.support.auth import Tokens
 from trainer_refit.auth import Role, open_channel
 from trainer_refit.v1 import trainer_pb2_grpc
 from trainer_svc.client import TrainerClient
+from trainer_svc.domain import ExportDType
 
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 TEST_PEER_TIMEOUT_S = 60.0
@@ -65,9 +66,10 @@ class TrainerProcess:
         return "\n".join(text[-lines:])
 
     def export(self, name: str) -> dict[str, np.ndarray]:
+        """The weights bit for bit as the trainer holds them, by HF name."""
         path = self.workdir / "exports" / name
-        self.client.export_hf(path)
-        return load_file(str(path / "model.safetensors"))
+        self.client.export_hf(path, dtype=ExportDType.PARAMS)
+        return {k: v.numpy() for k, v in load_hf_state_dict(path).items()}
 
     def kill(self) -> None:
         """SIGKILL the launcher and every rank at once, as a node failure would, and reap the

@@ -8,13 +8,18 @@ first and stays untouched until it loads."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from megatron_hf.checkpoint import load_hf_state_dict
+from megatron_hf.safetensors_file import INDEX_NAME
 from megatron_hf.spec import ModelFamily
 from megatron_hf.tiny import write_tiny_checkpoint
 from tests.support.batches import make_batch
@@ -122,3 +127,29 @@ def test_a_damaged_checkpoint_is_refused_and_changes_nothing(worlds):
     assert_refusals_change_nothing(
         process, copies, lambda step_id: _step(process, step_id, seed=6), batch, scratch
     )
+
+
+def test_the_default_export_is_a_sharded_bf16_checkpoint_each_stage_writes(worlds):
+    """ExportHF's default at PP=2: bf16 weights in several files (none spanning the two stages
+    that write them), an index, the config's dtype and tie flag, and transformers loads it with
+    no key missing or unexpected; the weights are the trainer's, rounded to bf16."""
+    first = worlds.first
+    path = first.workdir / "exports" / "bf16"
+    reply = first.client.export_hf(path, max_file_bytes=20_000)
+    exact = first.export("exact-beside-bf16")
+    files = sorted(path.glob("model-*-of-*.safetensors"))
+    index = json.loads((path / INDEX_NAME).read_text())
+    assert len(files) >= 3 and set(index["weight_map"].values()) == {f.name for f in files}
+    assert not list(path.glob("*.partial"))
+    exported = load_hf_state_dict(path)
+    assert exported.keys() == exact.keys()
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, torch.from_numpy(exact[name]).to(torch.bfloat16)), name
+    assert reply.num_tensors == len(exported)
+    total = sum(t.nbytes for t in exported.values())
+    assert reply.num_bytes == index["metadata"]["total_size"] == total
+    config = json.loads((path / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
+    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

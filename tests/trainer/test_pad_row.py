@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hf.checkpoint import load_hf_state_dict
-from megatron_hf.convert import hf_to_megatron
 from megatron_hf.spec import ModelFamily, ModelSpec, padded_vocab_size
 from megatron_hf.tiny import write_tiny_checkpoint
 from tests.support.isolation import in_child_process
@@ -23,7 +21,7 @@ from trainer_svc.config import ParallelLayout, ParamsDType
 from trainer_svc.runtime import cpu_compat
 from trainer_svc.runtime.model_factory import build_model
 from trainer_svc.runtime.topology import Topology
-from trainer_svc.runtime.weights import load_global_state
+from trainer_svc.runtime.weights import load_hf_weights
 
 PAD = 0
 TOKENS = [[5, PAD, 9, PAD, PAD, 7, 3, 12, PAD, 40], [PAD, PAD, 44, 8, PAD, 21, 2, PAD, 17, 5]]
@@ -43,8 +41,7 @@ def _trainer_gradients(model_dir: Path, tokens: torch.Tensor) -> dict[str, torch
             params_dtype=ParamsDType.FLOAT32,
             on_gpu=False,
         )
-        megatron_state = hf_to_megatron(load_hf_state_dict(model_dir), spec, padded)
-        load_global_state(model, megatron_state, spec, topology)
+        load_hf_weights(model, model_dir, spec, topology, padded)
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         logits = model(tokens, positions, None)[..., : spec.vocab_size]
         next_token_loss(logits, tokens).backward()

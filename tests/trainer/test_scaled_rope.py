@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_hf.checkpoint import load_hf_state_dict
-from megatron_hf.convert import hf_to_megatron
 from megatron_hf.rope import RopeScaling
 from megatron_hf.spec import ModelFamily, ModelSpec, padded_vocab_size
 from megatron_hf.tiny import write_tiny_checkpoint
@@ -25,7 +23,7 @@ from trainer_svc.config import Attention, ParallelLayout, ParamsDType
 from trainer_svc.runtime import cpu_compat
 from trainer_svc.runtime.model_factory import build_model
 from trainer_svc.runtime.topology import Topology
-from trainer_svc.runtime.weights import load_global_state
+from trainer_svc.runtime.weights import load_hf_weights
 
 ORIGINAL = 32
 """The tiny models' pretraining context; the sequences are three times as long."""
@@ -83,8 +81,7 @@ def _trainer_logprobs(
             on_gpu=False,
             attention=attention,
         )
-        megatron_state = hf_to_megatron(load_hf_state_dict(model_dir), spec, padded)
-        load_global_state(model, megatron_state, spec, topology)
+        load_hf_weights(model, model_dir, spec, topology, padded)
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         logits = model(tokens, positions, None)[..., : spec.vocab_size]
     return torch.log_softmax(logits, dim=-1)

@@ -41,6 +41,13 @@ class ForwardOutput(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORWARD_OUTPUT_LOGPROBS: _ClassVar[ForwardOutput]
     FORWARD_OUTPUT_TOP_K: _ClassVar[ForwardOutput]
     FORWARD_OUTPUT_ENTROPY: _ClassVar[ForwardOutput]
+
+class ExportDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EXPORT_DTYPE_UNSPECIFIED: _ClassVar[ExportDType]
+    EXPORT_DTYPE_BFLOAT16: _ClassVar[ExportDType]
+    EXPORT_DTYPE_FLOAT32: _ClassVar[ExportDType]
+    EXPORT_DTYPE_PARAMS: _ClassVar[ExportDType]
 LOSS_KIND_UNSPECIFIED: LossKind
 LOSS_KIND_CROSS_ENTROPY: LossKind
 LOSS_KIND_PPO: LossKind
@@ -60,6 +67,10 @@ FORWARD_OUTPUT_UNSPECIFIED: ForwardOutput
 FORWARD_OUTPUT_LOGPROBS: ForwardOutput
 FORWARD_OUTPUT_TOP_K: ForwardOutput
 FORWARD_OUTPUT_ENTROPY: ForwardOutput
+EXPORT_DTYPE_UNSPECIFIED: ExportDType
+EXPORT_DTYPE_BFLOAT16: ExportDType
+EXPORT_DTYPE_FLOAT32: ExportDType
+EXPORT_DTYPE_PARAMS: ExportDType
 
 class Sequences(_message.Message):
     __slots__ = ("tokens", "offsets")
@@ -290,10 +301,14 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
 
 class ExportHFRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "dtype", "max_file_bytes")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    dtype: ExportDType
+    max_file_bytes: int
+    def __init__(self, path: _Optional[str] = ..., dtype: _Optional[_Union[ExportDType, str]] = ..., max_file_bytes: _Optional[int] = ...) -> None: ...
 
 class ExportHFResponse(_message.Message):
     __slots__ = ("path", "weights_version", "num_tensors", "num_bytes")

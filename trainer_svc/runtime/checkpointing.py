@@ -14,7 +14,6 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_hf.checkpoint import save_hf_checkpoint
 from megatron_hf.spec import ModelSpec
 from trainer_refit.errors import quoted
 from trainer_svc.domain import FailedPrecondition, PathNotAllowed
@@ -31,9 +30,14 @@ from trainer_svc.runtime.checkpoint_files import (
 )
 from trainer_svc.runtime.checkpoint_record import record_files
 from trainer_svc.runtime.checkpoint_staging import StagedState, Staging, stage
+from trainer_svc.runtime.hf_export import (
+    ExportSettings,
+    export_plan,
+    write_index,
+    write_stage_files,
+)
 from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.topology import Topology
-from trainer_svc.runtime.weights import gather_hf_state
 
 log = logging.getLogger(__name__)
 
@@ -315,17 +319,41 @@ class Checkpointer:
         return ReadCheckpoint(path, prepared.state.optimizer_step, staged)
 
     def export_hf(
-        self, path: Path, training: TrainingState, *, weights_version: int
+        self,
+        path: Path,
+        training: TrainingState,
+        *,
+        weights_version: int,
+        settings: ExportSettings,
     ) -> ExportSummary | None:
-        """The write on rank 0 comes after the last collective; the engine agrees on its
-        outcome with every rank."""
+        """Every stage writes its own files, then rank 0 the index (`hf_export`); each part
+        is agreed by every rank, so a failed write on one fails the command on all."""
         topology = training.topology
         phase(topology, lambda: make_directory(path, "export") if topology.is_leader else None)
-        hf_state = gather_hf_state(training.model, training.spec, topology)
-        if hf_state is None:
+        plan = export_plan(training.spec, topology, settings)
+        action = f"cannot write the export to {path}"
+
+        def stage_files() -> None:
+            with filesystem_errors(action):
+                write_stage_files(training.model, training.spec, topology, plan, path)
+
+        phase(topology, stage_files)
+
+        def index() -> None:
+            if topology.is_leader:
+                with filesystem_errors(action):
+                    write_index(plan, path, self.hf_source_dir)
+
+        phase(topology, index)
+        if not topology.is_leader:
             return None
-        with filesystem_errors(f"cannot write the export to {path}"):
-            save_hf_checkpoint(path, hf_state, self.hf_source_dir)
-        num_bytes = sum(t.numel() * t.element_size() for t in hf_state.values())
-        log.info("exported %d tensors (%d bytes) to %s", len(hf_state), num_bytes, path)
-        return ExportSummary(path, weights_version, len(hf_state), num_bytes)
+        tensors = sum(len(f.tensors) for f in plan.files)
+        log.info(
+            "exported %d tensors (%d bytes, %s) in %d files to %s",
+            tensors,
+            plan.total_bytes,
+            plan.dtype,
+            len(plan.files),
+            path,
+        )
+        return ExportSummary(path, weights_version, tensors, plan.total_bytes)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer_svc.domain import ForwardOutput, LossConfig, OptimizerOverrides, SequenceBatch
+from megatron_hf.export_plan import DEFAULT_FILE_BYTES
+from trainer_svc.domain import (
+    ExportDType,
+    ForwardOutput,
+    LossConfig,
+    OptimizerOverrides,
+    SequenceBatch,
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class LoadCheckpoint:
 @dataclass(frozen=True)
 class ExportHF:
     path: Path
+    dtype: ExportDType = ExportDType.BFLOAT16
+    max_file_bytes: int = DEFAULT_FILE_BYTES
 
 
 @dataclass(frozen=True)

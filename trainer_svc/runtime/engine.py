@@ -25,6 +25,7 @@ from trainer_refit.errors import quoted
 from trainer_svc.config import OptimizerConfig
 from trainer_svc.domain import (
     AlreadyExists,
+    ExportDType,
     FailedPrecondition,
     ForwardOutput,
     ForwardResult,
@@ -43,6 +44,7 @@ from trainer_svc.runtime import cpu_compat
 from trainer_svc.runtime.agreement import CommandFailed, phase
 from trainer_svc.runtime.checkpointing import Checkpointer, TrainingState
 from trainer_svc.runtime.finite import Contents, contents
+from trainer_svc.runtime.hf_export import ExportSettings
 from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
 from trainer_svc.runtime.model_runner import ModelRunner
@@ -52,6 +54,8 @@ from trainer_svc.runtime.publication import Publisher, describe
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
 from trainer_svc.validation import BatchLimits, check_id, check_sequences, check_training_batch
+
+_EXPORT_DTYPES = {ExportDType.BFLOAT16: torch.bfloat16, ExportDType.FLOAT32: torch.float32}
 
 log = logging.getLogger(__name__)
 
@@ -337,9 +341,11 @@ class StepEngine:
                 self.weights_version += 1
                 self._publish(slot)
                 return self.weights_version, self.optimizer_step
-            case cmd.ExportHF(path=path):
+            case cmd.ExportHF(path=path, dtype=dtype, max_file_bytes=max_file_bytes):
+                params_dtype = next(self.training.model.parameters()).dtype
+                settings = ExportSettings(_EXPORT_DTYPES.get(dtype, params_dtype), max_file_bytes)
                 return self.checkpointer.export_hf(
-                    path, self.training, weights_version=self.weights_version
+                    path, self.training, weights_version=self.weights_version, settings=settings
                 )
             case cmd.Shutdown():
                 return None

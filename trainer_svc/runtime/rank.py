@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -13,12 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_hf.checkpoint import load_hf_state_dict
-from megatron_hf.convert import hf_to_megatron
 from megatron_hf.spec import ModelSpec, padded_vocab_size
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
 from trainer_svc.config import Device, TrainerConfig
-from trainer_svc.runtime import cpu_compat
+from trainer_svc.runtime import cpu_compat, host_memory
 from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
 from trainer_svc.runtime.engine import StepEngine
@@ -31,7 +30,7 @@ from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.publication import Publisher
 from trainer_svc.runtime.snapshot_slot import published_parameters
 from trainer_svc.runtime.topology import Topology
-from trainer_svc.runtime.weights import load_global_state
+from trainer_svc.runtime.weights import load_hf_weights
 from trainer_svc.server.app import create_server
 from trainer_svc.server.publication_health import watch_publication
 from trainer_svc.server.status import ServiceInfo
@@ -123,6 +122,25 @@ def _init_model_parallel(config: TrainerConfig, device: torch.device) -> None:
     model_parallel_cuda_manual_seed(config.seed)
 
 
+def _load_weights(
+    model: torch.nn.Module, model_dir: Path, spec: ModelSpec, topology: Topology, padded: int
+) -> None:
+    baseline = host_memory.reset_peak()
+    start = time.monotonic()
+    report = load_hf_weights(model, model_dir, spec, topology, padded)
+    mib = 1 << 20
+    # benchmarks/checkpoint_io.py reads this line.
+    log.info(
+        "loaded HF weights from %s: read %.1f MiB for a share of %.1f MiB in %.2f s, "
+        "host memory peak +%.1f MiB",
+        model_dir,
+        report.bytes_read / mib,
+        report.share_bytes / mib,
+        time.monotonic() - start,
+        max(0, host_memory.peak_bytes() - baseline) / mib,
+    )
+
+
 def build_engine(
     config: TrainerConfig, model_dir: Path, device: torch.device
 ) -> tuple[StepEngine, ServiceInfo]:
@@ -143,10 +161,7 @@ def build_engine(
             attention=config.model.attention,
         )
         if any(model_dir.glob("*.safetensors")):
-            megatron_state = hf_to_megatron(load_hf_state_dict(model_dir), spec, padded)
-            load_global_state(model, megatron_state, spec, topology)
-            del megatron_state
-            log.info("loaded HF weights from %s", model_dir)
+            _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
             pack_parameters(published_parameters(model, spec, topology).values())
         built = wrap_for_training(model, transformer_config, topology, config.optimizer)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megatron_hf.convert import local_spec_name, megatron_to_hf
-from megatron_hf.sharding import global_layer_name, shard, stage_layers, unshard
+from megatron_hf.convert import local_spec_name
+from megatron_hf.safetensors_file import CheckpointFiles
+from megatron_hf.shard_reader import check_checkpoint, padding_rows, read_shard
+from megatron_hf.sharding import global_layer_name, stage_layers
 from megatron_hf.spec import ModelSpec
 from trainer_svc.runtime.topology import Topology
 
@@ -33,51 +34,44 @@ def local_parameters(
     }
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What loading an HF checkpoint cost this rank."""
+
+    bytes_read: int
+    """Tensor bytes read from the checkpoint's files."""
+    share_bytes: int
+    """Bytes of this rank's shards in the checkpoint's dtype, vocabulary padding excluded: what
+    it had to read."""
+
+
 @torch.no_grad()
-def load_global_state(
+def load_hf_weights(
     model: torch.nn.Module,
-    megatron_state: Mapping[str, torch.Tensor],
+    model_dir: Path,
     spec: ModelSpec,
     topology: Topology,
-) -> None:
-    """Copies this rank's TP shard of every global tensor into its parameters."""
+    padded_vocab: int,
+) -> LoadReport:
+    """Copies this rank's TP shard of every parameter from the HF checkpoint in `model_dir`,
+    reading only those bytes, one parameter at a time: no rank holds the whole checkpoint, and
+    at most one converted parameter is in flight."""
     tp = topology.layout.tensor_parallel
-    for name, param in local_parameters(model, spec, topology).items():
-        source = name
-        if name == _TIED_OUTPUT and spec.tie_word_embeddings:
-            source = _EMBEDDING
-        if source not in megatron_state:
-            raise ValueError(f"the checkpoint has no tensor for Megatron parameter {name}")
-        piece = shard(name, megatron_state[source], topology.tp_rank, tp)
-        if piece.shape != param.shape:
-            raise ValueError(
-                f"{name}: checkpoint shard {tuple(piece.shape)} != parameter {tuple(param.shape)}"
-            )
-        param.copy_(piece.to(param.dtype))
-
-
-def gather_hf_state(
-    model: torch.nn.Module, spec: ModelSpec, topology: Topology
-) -> dict[str, torch.Tensor] | None:
-    """Collective over every rank: the full HF state dict on rank 0 (None elsewhere)."""
-    mine: dict[str, torch.Tensor] = {}
-    if topology.dp_rank == 0:
+    share = 0
+    with CheckpointFiles(model_dir) as files:
+        check_checkpoint(files, spec)
         for name, param in local_parameters(model, spec, topology).items():
-            if name == _TIED_OUTPUT and spec.tie_word_embeddings:
-                continue
-            mine[name] = param.detach().to("cpu", copy=True)
-    gathered: list[tuple[int, dict[str, torch.Tensor]]] | None = (
-        [None] * topology.layout.world_size if topology.is_leader else None  # type: ignore[list-item]
-    )
-    dist.gather_object((topology.tp_rank, mine), gathered, dst=0, group=topology.control_group)
-    if gathered is None:
-        return None
-    shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    for tp_rank, tensors in gathered:
-        for name, tensor in tensors.items():
-            shards[name][tp_rank] = tensor
-    full = {
-        name: unshard(name, [by_rank[r] for r in sorted(by_rank)])
-        for name, by_rank in shards.items()
-    }
-    return megatron_to_hf(full, spec)
+            source = _EMBEDDING if name == _TIED_OUTPUT and spec.tie_word_embeddings else name
+            piece = read_shard(
+                files, source, spec, padded_vocab=padded_vocab, tp_rank=topology.tp_rank, tp_size=tp
+            )
+            zeros = padding_rows(source, spec, padded_vocab, topology.tp_rank, tp)
+            share += (piece.numel() - zeros * piece[0].numel()) * piece.element_size()
+            if piece.shape != param.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shard {tuple(piece.shape)} != parameter "
+                    f"{tuple(param.shape)}"
+                )
+            param.copy_(piece)
+            del piece
+        return LoadReport(bytes_read=files.bytes_read, share_bytes=share)

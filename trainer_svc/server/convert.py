@@ -9,6 +9,7 @@ import numpy as np
 
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.domain import (
+    ExportDType,
     ForwardOutput,
     ForwardResult,
     InvalidArgument,
@@ -21,6 +22,7 @@ from trainer_svc.domain import (
     StepMetrics,
 )
 from trainer_svc.wire_enums import (
+    EXPORT_DTYPES,
     FORWARD_OUTPUTS,
     LOSS_KINDS,
     LOSS_KINDS_TO_PROTO,
@@ -29,6 +31,13 @@ from trainer_svc.wire_enums import (
     PUBLICATION_STATES_TO_PROTO,
     STEP_GRADIENTS_TO_PROTO,
 )
+
+
+def export_dtype(value: int) -> ExportDType:
+    """An ExportHF request's dtype; UNSPECIFIED is bfloat16, as exported checkpoints ship."""
+    if value == pb.EXPORT_DTYPE_UNSPECIFIED:
+        return ExportDType.BFLOAT16
+    return _enum(value, EXPORT_DTYPES, "dtype", pb.ExportDType)  # type: ignore[no-any-return]
 
 
 def _enum(value: int, table: dict, field: str, wrapper: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from megatron_hf.export_plan import DEFAULT_FILE_BYTES
 from trainer_refit.serving import status_codes
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
@@ -134,7 +135,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     @_grpc_errors
     async def ExportHF(self, request: pb.ExportHFRequest, context: Any) -> Any:
-        summary = await self.leader.submit(cmd.ExportHF(path=self._path(request.path)))
+        command = cmd.ExportHF(
+            path=self._path(request.path),
+            dtype=convert.export_dtype(request.dtype),
+            max_file_bytes=request.max_file_bytes or DEFAULT_FILE_BYTES,
+        )
+        summary = await self.leader.submit(command)
         return pb.ExportHFResponse(
             path=str(summary.path),
             weights_version=summary.weights_version,

@@ -1,0 +1,133 @@
+"""ExportHF without a whole-model gather: each pipeline stage writes its own files of a sharded
+HF checkpoint (`megatron_hf.export_plan`), in parallel with the other stages, one parameter at a
+time; rank 0 writes the index and config last.
+
+A parameter's TP shards meet on the stage's writer (its TP rank 0 of data-parallel replica 0),
+which converts it to its HF tensors and appends them to its open file. So a writer holds, besides
+its own shards, one gathered parameter and its HF tensors; the other replicas take no part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_hf.checkpoint import SIDECAR_FILES
+from megatron_hf.convert import megatron_names, megatron_param_to_hf
+from megatron_hf.export_plan import ExportPlan, PlannedFile, plan_export
+from megatron_hf.safetensors_file import INDEX_NAME, FileWriter
+from megatron_hf.sharding import stage_of, unshard
+from megatron_hf.spec import ModelSpec
+from trainer_svc.runtime.topology import Topology
+from trainer_svc.runtime.weights import local_parameters
+
+log = logging.getLogger(__name__)
+
+_CONFIG_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    dtype: torch.dtype
+    max_file_bytes: int
+
+
+def export_plan(spec: ModelSpec, topology: Topology, settings: ExportSettings) -> ExportPlan:
+    return plan_export(
+        spec,
+        pipeline_parallel=topology.layout.pipeline_parallel,
+        dtype=settings.dtype,
+        max_file_bytes=settings.max_file_bytes,
+    )
+
+
+@torch.no_grad()
+def write_stage_files(
+    model: torch.nn.Module, spec: ModelSpec, topology: Topology, plan: ExportPlan, path: Path
+) -> None:
+    """Collective over each stage's TP group of replica 0: writes this stage's files of `plan`
+    into `path` (on the writer; the others send their shards)."""
+    if topology.dp_rank != 0:
+        return
+    writer = topology.tp_rank == 0
+    files = plan.files_of(topology.pp_rank)
+    where = {t.name: (k, t) for k, f in enumerate(files) for t in f.tensors}
+    params = local_parameters(model, spec, topology)
+    layers, stages = spec.num_layers, topology.layout.pipeline_parallel
+    open_files: dict[int, FileWriter] = {}
+    opened: set[int] = set()
+    failure: Exception | None = None
+    try:
+        for name in megatron_names(spec):
+            if stage_of(name, layers, stages) != topology.pp_rank:
+                continue
+            full = _gathered(name, params[name], topology, writer)
+            if full is None or failure is not None:
+                continue  # a failed writer still takes its part in every gather
+            try:
+                for hf_name, tensor in megatron_param_to_hf(name, full, spec).items():
+                    k, planned = where[hf_name]
+                    if k not in open_files:
+                        _close_before(open_files, k)
+                        open_files[k] = _open(path, files[k], plan.dtype)
+                        opened.add(k)
+                    open_files[k].write(planned.name, tensor)
+            except Exception as e:
+                failure = e
+            del full
+        if writer and failure is None:
+            _close_before(open_files, len(files))
+            if len(opened) != len(files):
+                failure = RuntimeError(f"the export plan has files no tensor went to: {files}")
+    finally:
+        for file in open_files.values():
+            file.abandon()
+    if failure is not None:
+        raise failure
+
+
+def write_index(plan: ExportPlan, path: Path, source_dir: Path) -> None:
+    """Rank 0, once every stage wrote its files: the config (its dtype the export's), the index
+    (last: its presence says the export is complete) and the tokenizer files."""
+    config = json.loads((source_dir / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config["dtype"] = _CONFIG_DTYPE[plan.dtype]
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in SIDECAR_FILES:
+        source = source_dir / name
+        if source.is_file():
+            shutil.copyfile(source, path / name)
+    index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
+    partial = path / (INDEX_NAME + ".partial")
+    partial.write_text(json.dumps(index, indent=2) + "\n")
+    partial.replace(path / INDEX_NAME)
+
+
+def _gathered(
+    name: str, shard: torch.Tensor, topology: Topology, writer: bool
+) -> torch.Tensor | None:
+    """The global parameter on the writer (None elsewhere), from every TP rank's shard."""
+    tp = topology.layout.tensor_parallel
+    if tp == 1:
+        return shard.detach()
+    shard = shard.detach().contiguous()
+    pieces = [torch.empty_like(shard) for _ in range(tp)] if writer else None
+    dst = dist.get_global_rank(topology.tp_group, 0)
+    dist.gather(shard, pieces, dst=dst, group=topology.tp_group)
+    return unshard(name, pieces) if pieces is not None else None
+
+
+def _open(path: Path, planned: PlannedFile, dtype: torch.dtype) -> FileWriter:
+    return FileWriter(path / planned.name, dtype, [(t.name, t.shape) for t in planned.tensors])
+
+
+def _close_before(open_files: dict[int, FileWriter], k: int) -> None:
+    """Completes the files before file `k`: tensors arrive in file order."""
+    for done in sorted(i for i in open_files if i < k):
+        open_files.pop(done).close()
