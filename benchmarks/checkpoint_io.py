@@ -1,5 +1,7 @@
-"""What loading an HF checkpoint costs each trainer rank: the bytes it reads and its host memory
-at the worst moment, against the bytes of its own shard, and the time to SERVING.
+"""What loading and exporting an HF checkpoint cost each trainer rank. Loading: the bytes it
+reads and its host memory at the worst moment, against the bytes of its own shard, and the time
+to SERVING. Exporting (ExportHF, bf16): its host memory peak against the largest tensor, and the
+export's throughput against the disk's own (`dd` of the same bytes, flushed, in the same run).
 
 The checkpoint is random, of a real model's shape, in bf16 and split in several files with an
 index, as published checkpoints are; the trainer is the deployed service (``trainer-svc`` with
@@ -15,6 +17,7 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +33,7 @@ from megatron_hf.convert import hf_names, hf_shape
 from megatron_hf.safetensors_file import INDEX_NAME
 from megatron_hf.spec import ModelSpec
 from trainer_refit.auth import Role
+from trainer_svc.client import TrainerClient
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,33 @@ def write_checkpoint(path: Path, shape: Shape, *, files: int, seed: int) -> dict
     return {"bytes": total, "files": files, "parameters": total // 2}
 
 
+_EXPORTED = re.compile(
+    r"\[rank (?P<rank>\d+)\] INFO wrote this rank's part of the export in (?P<seconds>[\d.]+) s, "
+    r"host memory peak \+(?P<peak>[\d.]+) MiB"
+)
+
+
+def dd_seconds(path: Path, nbytes: int) -> float:
+    """Seconds for `dd` to write `nbytes` to `path` and flush them, as the export's files are."""
+    block = 64 << 20
+    started = time.perf_counter()
+    subprocess.run(
+        [
+            "dd",
+            "if=/dev/zero",
+            f"of={path}",
+            f"bs={block}",
+            f"count={-(-nbytes // block)}",
+            "conv=fdatasync",
+            "status=none",
+        ],
+        check=True,
+    )
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
 def rank_loads(log: str) -> list[dict[str, float]]:
     """Each rank's load, from the trainer's log, in rank order."""
     loads = [{k: float(v) for k, v in m.groupdict().items()} for m in _LOADED.finditer(log)]
@@ -140,15 +171,41 @@ def measure_import(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ]
     log_path = work / "trainer.log"
     plan = {"trainer_args": trainer_args, "timeout_s": args.timeout}
-    with trainer_server(plan, work, log_path, auth=tokens.client(Role.ORCHESTRATOR)) as served:
-        _, serving_s = served
-    loads = rank_loads(log_path.read_text(errors="replace"))
-    if len(loads) != args.tp:
-        raise RuntimeError(f"expected {args.tp} ranks' load lines in {log_path}, got {loads}")
-    for load in loads:
+    auth = tokens.client(Role.ORCHESTRATOR)
+    with trainer_server(plan, work, log_path, auth=auth) as (target, serving_s):
+        export_dir = trainer_root(work) / "export"
+        with TrainerClient(target, auth=auth) as client:
+            started = time.perf_counter()
+            reply = client.export_hf(export_dir, max_file_bytes=args.export_file_bytes)
+            export_s = time.perf_counter() - started
+        shutil.rmtree(export_dir)
+        disk_s = dd_seconds(work / "dd.bin", reply.num_bytes)
+    log = log_path.read_text(errors="replace")
+    loads = rank_loads(log)
+    exports = [{k: float(v) for k, v in m.groupdict().items()} for m in _EXPORTED.finditer(log)]
+    if len(loads) != args.tp or len(exports) != args.tp:
+        raise RuntimeError(f"expected {args.tp} ranks' load and export lines in {log_path}")
+    largest = largest_tensor_mib(PRESETS[args.preset], args.params_dtype)
+    for load, export in zip(loads, sorted(exports, key=lambda r: r["rank"]), strict=True):
         load["read_over_share"] = load["read"] / load["share"]
         load["peak_over_share"] = load["peak"] / load["share"]
-    return {"checkpoint": written, "serving_s": serving_s, "ranks": loads}
+        load["export_peak"] = export["peak"]
+        load["export_peak_over_largest_tensor"] = export["peak"] / largest
+    exported = {
+        "bytes": reply.num_bytes,
+        "seconds": export_s,
+        "disk_seconds": disk_s,
+        "over_disk": export_s / disk_s,
+        "largest_tensor_mib": largest,
+    }
+    return {"checkpoint": written, "serving_s": serving_s, "ranks": loads, "export": exported}
+
+
+def largest_tensor_mib(shape: Shape, params_dtype: str) -> float:
+    """The largest parameter in the trainer's dtype: what an export writer holds at once."""
+    spec = ModelSpec.from_hf_config(hf_config(shape))
+    itemsize = torch.empty(0, dtype=getattr(torch, params_dtype)).element_size()
+    return max(torch.Size(hf_shape(n, spec)).numel() for n in hf_names(spec)) * itemsize / 2**20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--files", type=int, default=4, help="safetensors files to split into")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--params-dtype", default="bfloat16")
+    parser.add_argument(
+        "--export-file-bytes", type=int, default=1 << 30, help="ExportHF's largest file"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to SERVING")
     parser.add_argument("--work-dir", type=Path, help="keep the checkpoint and logs here")
@@ -185,6 +245,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{int(r['rank']):>4}  {r['share']:>9.1f}  {r['read_over_share']:>10.3f}  "
             f"{r['peak_over_share']:>22.3f}  {r['seconds']:>6.1f}"
         )
+    export = result["export"]
+    print(
+        f"export: {export['bytes'] / 2**30:.2f} GiB in {export['seconds']:.1f} s, "
+        f"{export['over_disk']:.2f}x dd's {export['disk_seconds']:.1f} s; host memory peak per "
+        "rank / largest tensor: "
+        + ", ".join(f"{r['export_peak_over_largest_tensor']:.2f}" for r in result["ranks"])
+    )
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, **result}, indent=1) + "\n")
         print(f"results: {args.out}")

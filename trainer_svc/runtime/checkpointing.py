@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_hf.spec import ModelSpec
 from trainer_refit.errors import quoted
 from trainer_svc.domain import FailedPrecondition, PathNotAllowed
-from trainer_svc.runtime import cpu_compat
+from trainer_svc.runtime import cpu_compat, host_memory
 from trainer_svc.runtime.agreement import phase
 from trainer_svc.runtime.checkpoint_files import (
     STATE_FILE,
@@ -334,8 +335,16 @@ class Checkpointer:
         action = f"cannot write the export to {path}"
 
         def stage_files() -> None:
+            baseline = host_memory.reset_peak()
+            start = time.monotonic()
             with filesystem_errors(action):
                 write_stage_files(training.model, training.spec, topology, plan, path)
+            # benchmarks/checkpoint_io.py reads this line.
+            log.info(
+                "wrote this rank's part of the export in %.2f s, host memory peak +%.1f MiB",
+                time.monotonic() - start,
+                max(0, host_memory.peak_bytes() - baseline) / (1 << 20),
+            )
 
         phase(topology, stage_files)
 
