@@ -166,10 +166,12 @@ def measure_import(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     trainer_args = [
         *("--model", str(model_dir), "--tp", str(args.tp), "--device", args.device),
         *("--params-dtype", args.params_dtype, "--max-seq-len", "256"),
+        *("--optimizer", args.optimizer),
         *tokens.server_args(),
         *("--work-dir", str(trainer_root(work))),
     ]
     log_path = work / "trainer.log"
+    log_path.unlink(missing_ok=True)  # an earlier run's, in the same work dir
     plan = {"trainer_args": trainer_args, "timeout_s": args.timeout}
     auth = tokens.client(Role.ORCHESTRATOR)
     with trainer_server(plan, work, log_path, auth=auth) as (target, serving_s):
@@ -217,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--params-dtype", default="bfloat16")
     parser.add_argument(
         "--export-file-bytes", type=int, default=1 << 30, help="ExportHF's largest file"
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=("sgd", "adam"),
+        default="sgd",
+        help="the trainer's (sgd holds no state: the 1b preset's trainer fits a 24 GiB host)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to SERVING")

@@ -2,9 +2,10 @@
 HF checkpoint (`megatron_hf.export_plan`), in parallel with the other stages, one parameter at a
 time; rank 0 writes the index and config last.
 
-A parameter's TP shards meet on the stage's writer (its TP rank 0 of data-parallel replica 0),
-which converts it to its HF tensors and appends them to its open file. So a writer holds, besides
-its own shards, one gathered parameter and its HF tensors; the other replicas take no part.
+A parameter's TP shards, each cast to the export's dtype by its own rank, meet on the stage's
+writer (its TP rank 0 of data-parallel replica 0), which converts the parameter to its HF tensors
+and appends them to its open file. So a writer holds, besides its own shards, one gathered
+parameter and its HF tensors; the other replicas take no part.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def write_stage_files(
         for name in megatron_names(spec):
             if stage_of(name, layers, stages) != topology.pp_rank:
                 continue
-            full = _gathered(name, params[name], topology, writer)
+            full = _gathered(name, params[name].detach().to(plan.dtype), topology, writer)
             if full is None or failure is not None:
                 continue  # a failed writer still takes its part in every gather
             try:
@@ -112,11 +113,13 @@ def write_index(plan: ExportPlan, path: Path, source_dir: Path) -> None:
 def _gathered(
     name: str, shard: torch.Tensor, topology: Topology, writer: bool
 ) -> torch.Tensor | None:
-    """The global parameter on the writer (None elsewhere), from every TP rank's shard."""
+    """The global parameter on the writer (None elsewhere), from every TP rank's shard. The
+    shards come cast to the export's dtype (casting commutes with concatenation): each rank
+    casts its own, and the writer receives and holds half as many bytes from float32."""
     tp = topology.layout.tensor_parallel
     if tp == 1:
-        return shard.detach()
-    shard = shard.detach().contiguous()
+        return shard
+    shard = shard.contiguous()
     pieces = [torch.empty_like(shard) for _ in range(tp)] if writer else None
     dst = dist.get_global_rank(topology.tp_group, 0)
     dist.gather(shard, pieces, dst=dst, group=topology.tp_group)
