@@ -9,6 +9,7 @@ before any tensor is: no rank gathers the model or waits to learn another stage'
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ DEFAULT_FILE_BYTES = 5 * 1024**3
 class PlannedTensor:
     name: str
     shape: tuple[int, ...]
+    dtype: torch.dtype
     begin: int
     """Offset of its data within the file's data section."""
     end: int
@@ -44,7 +46,6 @@ class PlannedFile:
 
 @dataclass(frozen=True)
 class ExportPlan:
-    dtype: torch.dtype
     files: tuple[PlannedFile, ...]
 
     def weight_map(self) -> dict[str, str]:
@@ -54,6 +55,14 @@ class ExportPlan:
     def total_bytes(self) -> int:
         return sum(f.nbytes for f in self.files)
 
+    @property
+    def main_dtype(self) -> torch.dtype:
+        """The dtype of most of the bytes: the one the exported config names."""
+        bytes_of: dict[torch.dtype, int] = {}
+        for t in (t for f in self.files for t in f.tensors):
+            bytes_of[t.dtype] = bytes_of.get(t.dtype, 0) + t.end - t.begin
+        return max(bytes_of, key=lambda d: bytes_of[d])
+
     def files_of(self, stage: int) -> list[PlannedFile]:
         return [f for f in self.files if f.stage == stage]
 
@@ -62,34 +71,38 @@ def plan_export(
     spec: ModelSpec,
     *,
     pipeline_parallel: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype | Mapping[str, torch.dtype],
     max_file_bytes: int = DEFAULT_FILE_BYTES,
 ) -> ExportPlan:
     """The files of an export in HF parameter order: each stage's tensors fill files of at most
-    `max_file_bytes` (a larger tensor gets a file of its own), and no file spans two stages."""
+    `max_file_bytes` (a larger tensor gets a file of its own), and no file spans two stages.
+    `dtype`: every tensor's, or each Megatron parameter's (its HF tensors take it)."""
     if max_file_bytes <= 0:
         raise ValueError(f"max_file_bytes must be positive, got {max_file_bytes}")
-    by_stage: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(pipeline_parallel)]
+    by_stage: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [
+        [] for _ in range(pipeline_parallel)
+    ]
     for megatron_name in megatron_names(spec):
         stage = stage_of(megatron_name, spec.num_layers, pipeline_parallel)
-        by_stage[stage] += [(h, hf_shape(h, spec)) for h in hf_names_of(megatron_name)]
-    groups: list[tuple[int, list[tuple[str, tuple[int, ...]]]]] = []
+        kind = dtype if isinstance(dtype, torch.dtype) else dtype[megatron_name]
+        by_stage[stage] += [(h, hf_shape(h, spec), kind) for h in hf_names_of(megatron_name)]
+    groups: list[tuple[int, list[tuple[str, tuple[int, ...], torch.dtype]]]] = []
     for stage, tensors in enumerate(by_stage):
         size = max_file_bytes  # forces a new file for the stage's first tensor
-        for name, shape in tensors:
-            nbytes = math.prod(shape) * dtype.itemsize
+        for tensor in tensors:
+            nbytes = math.prod(tensor[1]) * tensor[2].itemsize
             if size + nbytes > max_file_bytes and size:
                 groups.append((stage, []))
                 size = 0
-            groups[-1][1].append((name, shape))
+            groups[-1][1].append(tensor)
             size += nbytes
     files = []
     for k, (stage, tensors) in enumerate(groups, start=1):
         planned, offset = [], 0
-        for name, shape in tensors:
-            end = offset + math.prod(shape) * dtype.itemsize
-            planned.append(PlannedTensor(name, shape, offset, end))
+        for name, shape, kind in tensors:
+            end = offset + math.prod(shape) * kind.itemsize
+            planned.append(PlannedTensor(name, shape, kind, offset, end))
             offset = end
         name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
         files.append(PlannedFile(name, stage, tuple(planned)))
-    return ExportPlan(dtype, tuple(files))
+    return ExportPlan(tuple(files))

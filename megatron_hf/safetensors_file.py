@@ -224,14 +224,13 @@ class FileWriter:
     they come, and the file takes its name only once complete (until then it is ``NAME.partial``),
     so a reader never finds a file that ends early."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, tensors: list[tuple[str, tuple[int, ...]]]):
+    def __init__(self, path: Path, tensors: list[tuple[str, tuple[int, ...], torch.dtype]]):
         self.path = path
         self._partial = path.with_name(path.name + ".partial")
-        self._dtype = dtype
         self._pending = list(reversed(tensors))
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
-        for name, shape in tensors:
+        for name, shape, dtype in tensors:
             end = offset + math.prod(shape) * dtype.itemsize
             header[name] = {
                 "dtype": _NAMES[dtype],
@@ -245,17 +244,17 @@ class FileWriter:
         self._file.write(len(raw).to_bytes(8, "little") + raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """The next tensor of the header, cast to the file's dtype."""
+        """The next tensor of the header, cast to its dtype there."""
         if not self._pending:
             raise ValueError(f"{self.path.name}: {name} is not in its header")
-        expected, shape = self._pending[-1]
+        expected, shape, dtype = self._pending[-1]
         if name != expected or tuple(tensor.shape) != shape:
             raise ValueError(
                 f"{self.path.name}: got {name} {list(tensor.shape)} where its header has "
                 f"{expected} {list(shape)}"
             )
-        data = tensor.detach().to("cpu", self._dtype).contiguous()
-        self._file.write(memoryview(data.view(torch.uint8).numpy()))
+        data = tensor.detach().to("cpu", dtype).contiguous()
+        self._file.write(data.view(torch.uint8).numpy().data)
         self._pending.pop()
 
     def close(self) -> None:

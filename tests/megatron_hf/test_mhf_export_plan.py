@@ -62,10 +62,9 @@ def test_a_tensor_larger_than_a_file_gets_a_file_of_its_own():
 
 def test_the_writer_writes_what_safetensors_reads(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7), "c": torch.randn(2, 2, 2)}
+    dtypes = {"a": torch.bfloat16, "b": torch.float32, "c": torch.float16}
     writer = FileWriter(
-        tmp_path / "x.safetensors",
-        torch.bfloat16,
-        [(k, tuple(v.shape)) for k, v in tensors.items()],
+        tmp_path / "x.safetensors", [(k, tuple(v.shape), dtypes[k]) for k, v in tensors.items()]
     )
     assert not (tmp_path / "x.safetensors").exists()  # only once complete
     for name, tensor in tensors.items():
@@ -74,17 +73,36 @@ def test_the_writer_writes_what_safetensors_reads(tmp_path):
     loaded = load_file(tmp_path / "x.safetensors")
     assert list(loaded) == list(tensors)
     for name, tensor in tensors.items():
-        assert torch.equal(loaded[name], tensor.to(torch.bfloat16))
+        assert torch.equal(loaded[name], tensor.to(dtypes[name]))
     with CheckpointFiles(tmp_path) as files:
-        assert torch.equal(files.read("c"), tensors["c"].to(torch.bfloat16))
+        assert torch.equal(files.read("c"), tensors["c"].to(torch.float16))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
 
 
 def test_the_writer_refuses_a_tensor_out_of_order_and_leaves_no_file(tmp_path):
-    writer = FileWriter(tmp_path / "x.safetensors", torch.float32, [("a", (2,)), ("b", (3,))])
+    f32 = torch.float32
+    writer = FileWriter(tmp_path / "x.safetensors", [("a", (2,), f32), ("b", (3,), f32)])
     with pytest.raises(ValueError, match=r"got b \[3\] where its header has a \[2\]"):
         writer.write("b", torch.zeros(3))
     with pytest.raises(ValueError, match="a was never written"):
         writer.close()
     writer.abandon()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_each_tensor_may_keep_its_parameters_dtype():
+    """The trainer's own dtypes (a bf16 model keeps its norms in float32): an HF tensor takes
+    its Megatron parameter's dtype, and the config names the dtype of most bytes."""
+    dtypes = {
+        name: torch.float32 if name.endswith("layernorm.weight") else torch.bfloat16
+        for name in megatron_names(SPEC)
+    }
+    plan = plan_export(SPEC, pipeline_parallel=2, dtype=dtypes)
+    for megatron_name in megatron_names(SPEC):
+        for hf_name in hf_names_of(megatron_name):
+            (planned,) = [t for f in plan.files for t in f.tensors if t.name == hf_name]
+            assert planned.dtype == dtypes[megatron_name], hf_name
+            assert planned.end - planned.begin == torch.Size(planned.shape).numel() * (
+                4 if planned.dtype == torch.float32 else 2
+            )
+    assert plan.main_dtype == torch.bfloat16

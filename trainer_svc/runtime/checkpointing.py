@@ -331,7 +331,7 @@ class Checkpointer:
         is agreed by every rank, so a failed write on one fails the command on all."""
         topology = training.topology
         phase(topology, lambda: make_directory(path, "export") if topology.is_leader else None)
-        plan = export_plan(training.spec, topology, settings)
+        plan = export_plan(training.model, training.spec, topology, settings)
         action = f"cannot write the export to {path}"
 
         def stage_files() -> None:
@@ -351,7 +351,7 @@ class Checkpointer:
         def index() -> None:
             if topology.is_leader:
                 with filesystem_errors(action):
-                    write_index(plan, path, self.hf_source_dir)
+                    write_index(plan, path, training.spec, self.hf_source_dir)
 
         phase(topology, index)
         if not topology.is_leader:
@@ -361,7 +361,7 @@ class Checkpointer:
             "exported %d tensors (%d bytes, %s) in %d files to %s",
             tensors,
             plan.total_bytes,
-            plan.dtype,
+            plan.main_dtype,
             len(plan.files),
             path,
         )

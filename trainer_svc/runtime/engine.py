@@ -342,8 +342,7 @@ class StepEngine:
                 self._publish(slot)
                 return self.weights_version, self.optimizer_step
             case cmd.ExportHF(path=path, dtype=dtype, max_file_bytes=max_file_bytes):
-                params_dtype = next(self.training.model.parameters()).dtype
-                settings = ExportSettings(_EXPORT_DTYPES.get(dtype, params_dtype), max_file_bytes)
+                settings = ExportSettings(_EXPORT_DTYPES.get(dtype), max_file_bytes)
                 return self.checkpointer.export_hf(
                     path, self.training, weights_version=self.weights_version, settings=settings
                 )

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hf.checkpoint import SIDECAR_FILES
-from megatron_hf.convert import megatron_names, megatron_param_to_hf
+from megatron_hf.convert import hf_names_of, megatron_names, megatron_param_to_hf
 from megatron_hf.export_plan import ExportPlan, PlannedFile, plan_export
 from megatron_hf.safetensors_file import INDEX_NAME, FileWriter
 from megatron_hf.sharding import stage_of, unshard
@@ -35,15 +35,26 @@ _CONFIG_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.flo
 
 @dataclass(frozen=True)
 class ExportSettings:
-    dtype: torch.dtype
+    dtype: torch.dtype | None
+    """None: each parameter's own dtype (the weights bit for bit)."""
     max_file_bytes: int
 
 
-def export_plan(spec: ModelSpec, topology: Topology, settings: ExportSettings) -> ExportPlan:
+def export_plan(
+    model: torch.nn.Module, spec: ModelSpec, topology: Topology, settings: ExportSettings
+) -> ExportPlan:
+    """Collective over every rank when the parameters keep their own dtypes (each stage knows
+    only its own): the same plan on every rank."""
+    dtype: torch.dtype | dict[str, torch.dtype] | None = settings.dtype
+    if dtype is None:
+        mine = {name: p.dtype for name, p in local_parameters(model, spec, topology).items()}
+        every: list[dict[str, torch.dtype]] = [{} for _ in range(topology.layout.world_size)]
+        dist.all_gather_object(every, mine, group=topology.control_group)
+        dtype = {name: d for held in every for name, d in held.items()}
     return plan_export(
         spec,
         pipeline_parallel=topology.layout.pipeline_parallel,
-        dtype=settings.dtype,
+        dtype=dtype,
         max_file_bytes=settings.max_file_bytes,
     )
 
@@ -59,6 +70,7 @@ def write_stage_files(
     writer = topology.tp_rank == 0
     files = plan.files_of(topology.pp_rank)
     where = {t.name: (k, t) for k, f in enumerate(files) for t in f.tensors}
+    dtypes = {t.name: t.dtype for f in plan.files for t in f.tensors}
     params = local_parameters(model, spec, topology)
     layers, stages = spec.num_layers, topology.layout.pipeline_parallel
     open_files: dict[int, FileWriter] = {}
@@ -68,7 +80,9 @@ def write_stage_files(
         for name in megatron_names(spec):
             if stage_of(name, layers, stages) != topology.pp_rank:
                 continue
-            full = _gathered(name, params[name].detach().to(plan.dtype), topology, writer)
+            # Every HF tensor of a parameter has the parameter's planned dtype.
+            cast = dtypes[hf_names_of(name)[0]]
+            full = _gathered(name, params[name].detach().to(cast), topology, writer)
             if full is None or failure is not None:
                 continue  # a failed writer still takes its part in every gather
             try:
@@ -76,7 +90,7 @@ def write_stage_files(
                     k, planned = where[hf_name]
                     if k not in open_files:
                         _close_before(open_files, k)
-                        open_files[k] = _open(path, files[k], plan.dtype)
+                        open_files[k] = _open(path, files[k])
                         opened.add(k)
                     open_files[k].write(planned.name, tensor)
             except Exception as e:
@@ -93,17 +107,21 @@ def write_stage_files(
         raise failure
 
 
-def write_index(plan: ExportPlan, path: Path, source_dir: Path) -> None:
-    """Rank 0, once every stage wrote its files: the config (its dtype the export's), the index
-    (last: its presence says the export is complete) and the tokenizer files."""
-    config = json.loads((source_dir / "config.json").read_text())
+def write_index(plan: ExportPlan, path: Path, spec: ModelSpec, source_dir: Path | None) -> None:
+    """Rank 0, once every stage wrote its files: the config (the source's, or the spec's without
+    one; its dtype the export's), the index (last: its presence says the export is complete) and
+    the tokenizer files."""
+    if source_dir is None:
+        config = spec.to_hf_config()
+    else:
+        config = json.loads((source_dir / "config.json").read_text())
     config.pop("torch_dtype", None)
-    config["dtype"] = _CONFIG_DTYPE[plan.dtype]
+    config["dtype"] = _CONFIG_DTYPE[plan.main_dtype]
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for name in SIDECAR_FILES:
-        source = source_dir / name
+    sources = [source_dir / name for name in SIDECAR_FILES] if source_dir is not None else []
+    for source in sources:
         if source.is_file():
-            shutil.copyfile(source, path / name)
+            shutil.copyfile(source, path / source.name)
     index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
     partial = path / (INDEX_NAME + ".partial")
     partial.write_text(json.dumps(index, indent=2) + "\n")
@@ -126,8 +144,8 @@ def _gathered(
     return unshard(name, pieces) if pieces is not None else None
 
 
-def _open(path: Path, planned: PlannedFile, dtype: torch.dtype) -> FileWriter:
-    return FileWriter(path / planned.name, dtype, [(t.name, t.shape) for t in planned.tensors])
+def _open(path: Path, planned: PlannedFile) -> FileWriter:
+    return FileWriter(path / planned.name, [(t.name, t.shape, t.dtype) for t in planned.tensors])
 
 
 def _close_before(open_files: dict[int, FileWriter], k: int) -> None:

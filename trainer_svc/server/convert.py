@@ -37,7 +37,8 @@ def export_dtype(value: int) -> ExportDType:
     """An ExportHF request's dtype; UNSPECIFIED is bfloat16, as exported checkpoints ship."""
     if value == pb.EXPORT_DTYPE_UNSPECIFIED:
         return ExportDType.BFLOAT16
-    return _enum(value, EXPORT_DTYPES, "dtype", pb.ExportDType)  # type: ignore[no-any-return]
+    dtype: ExportDType = _enum(value, EXPORT_DTYPES, "dtype", pb.ExportDType)
+    return dtype
 
 
 def _enum(value: int, table: dict, field: str, wrapper: Any) -> Any:
