@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from benchmarks.harness import run_meta, tokens_for, trainer_root, trainer_server
 from megatron_hf.convert import hf_names, hf_shape
-from megatron_hf.safetensors_file import INDEX_NAME
+from megatron_hf.safetensors_file import INDEX_NAME, CheckpointFiles
 from megatron_hf.spec import ModelSpec
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
@@ -180,6 +180,7 @@ def measure_import(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             started = time.perf_counter()
             reply = client.export_hf(export_dir, max_file_bytes=args.export_file_bytes)
             export_s = time.perf_counter() - started
+        reloaded = compare(export_dir, model_dir)
         shutil.rmtree(export_dir)
         disk_s = dd_seconds(work / "dd.bin", reply.num_bytes)
     log = log_path.read_text(errors="replace")
@@ -199,8 +200,20 @@ def measure_import(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "disk_seconds": disk_s,
         "over_disk": export_s / disk_s,
         "largest_tensor_mib": largest,
+        **reloaded,
     }
     return {"checkpoint": written, "serving_s": serving_s, "ranks": loads, "export": exported}
+
+
+def compare(exported: Path, source: Path) -> dict[str, Any]:
+    """The export read back against the checkpoint it was loaded from, one tensor at a time: a
+    bf16 checkpoint through float32 or bf16 parameters and back to bf16 is the same bits."""
+    with CheckpointFiles(exported) as ours, CheckpointFiles(source) as theirs:
+        same_names = set(ours.names()) == set(theirs.names())
+        differing = [n for n in theirs.names() if not torch.equal(ours.read(n), theirs.read(n))]
+        files = len({e.file for e in ours.entries.values()})
+    index = (exported / INDEX_NAME).is_file()
+    return {"files": files, "index": index, "bit_exact": same_names and not differing}
 
 
 def largest_tensor_mib(shape: Shape, params_dtype: str) -> float:
@@ -254,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['peak_over_share']:>22.3f}  {r['seconds']:>6.1f}"
         )
     export = result["export"]
+    print(
+        f"export: {export['files']} files and an index ({export['index']}), equal to the "
+        f"checkpoint bit for bit: {export['bit_exact']}"
+    )
     print(
         f"export: {export['bytes'] / 2**30:.2f} GiB in {export['seconds']:.1f} s, "
         f"{export['over_disk']:.2f}x dd's {export['disk_seconds']:.1f} s; host memory peak per "

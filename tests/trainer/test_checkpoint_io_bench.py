@@ -30,6 +30,8 @@ def test_the_checkpoint_benchmark_reports_every_ranks_load_and_export(tmp_path: 
         assert rank["read_over_share"] == 1.0
         assert rank["share"] > 0 and rank["peak"] >= 0 and rank["export_peak"] >= 0
     assert result["export"]["bytes"] == result["checkpoint"]["bytes"]  # bf16 both
+    assert result["export"]["files"] >= 3 and result["export"]["index"]
+    assert result["export"]["bit_exact"]  # bf16 through float32 parameters and back
     assert result["export"]["seconds"] > 0 and result["export"]["disk_seconds"] > 0
     assert result["meta"]["command"].endswith(" ".join(command[3:]))
     assert "export:" in done.stdout and "time to SERVING" in done.stdout
