@@ -23,13 +23,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
 from inference_ext.receiver import Receiver
-from inference_ext.refit_options import ReceiverAuth, RefitOptions
+from inference_ext.refit_options import ReceiverAuth, RefitError, RefitOptions, RefitStats
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.convert import hf_names
 from megatron_hf.spec import ModelSpec
@@ -108,10 +109,29 @@ def _settled(trainer: TrainerProcess, version: int) -> Publication:
 
 
 def _assert_pulled(receiver: Receiver, version: int, exported: dict[str, np.ndarray]) -> None:
-    installed, _ = refit_with_stats(receiver, version)
+    installed, _ = _refit_after_restart(receiver, version)
     assert set(installed) == set(exported)
     for name, tensor in installed.items():
         assert torch.equal(tensor, torch.from_numpy(exported[name])), (version, name)
+
+
+def _refit_after_restart(
+    receiver: Receiver, version: int
+) -> tuple[dict[str, torch.Tensor], RefitStats]:
+    """A refit soon after the sidecar came back: the receiver's channel may still wait out its
+    reconnect backoff from the sidecar's absence (about a second), failing a lease at once
+    with UNAVAILABLE, and such a refit changes nothing; the next attempt reaches the sidecar."""
+    for attempt in range(5):
+        try:
+            return refit_with_stats(receiver, version)
+        except RefitError as e:
+            unavailable = isinstance(e.__cause__, grpc.RpcError) and (
+                e.__cause__.code() is grpc.StatusCode.UNAVAILABLE
+            )
+            if not unavailable or attempt == 4:
+                raise
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def _restarts(trainer: TrainerProcess, sidecar: RestartingSidecar, receiver: Receiver) -> None:
