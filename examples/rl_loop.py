@@ -84,7 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"show vLLM's logs on the terminal instead of writing them to {VLLM_LOG}",
     )
-    model = parser.add_argument_group("model (a tiny Llama built locally, head_dim 32)")
+    model = parser.add_argument_group(
+        "model (default: a tiny Llama built locally, head_dim 32)",
+        "--model points the loop at a local HF checkpoint directory instead: config.json, "
+        "*.safetensors weights (with or without model.safetensors.index.json) and the "
+        "tokenizer files, of a config trainer-svc accepts (README, 'Running the service'). "
+        "The trainer and every engine load it; --layers, --hidden and --tie-embeddings then "
+        "do not apply.",
+    )
+    model.add_argument("--model", type=Path, help="a local HF checkpoint directory")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--hidden", type=int, default=64, help="a multiple of 64")
     model.add_argument(
@@ -332,18 +340,19 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
 
 def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
     begin = time.monotonic()
-    model_dir = workdir / "model"
-    write_tiny_checkpoint(
-        model_dir,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.hidden // 16,
-        num_key_value_heads=args.hidden // 32,
-        head_dim=32,  # the smallest head size vLLM's CPU attention supports
-        intermediate_size=2 * args.hidden,
-        tie_word_embeddings=args.tie_embeddings,
-        seed=args.seed,
-    )
+    model_dir = args.model.absolute() if args.model else workdir / "model"
+    if args.model is None:
+        write_tiny_checkpoint(
+            model_dir,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.hidden // 16,
+            num_key_value_heads=args.hidden // 32,
+            head_dim=32,  # the smallest head size vLLM's CPU attention supports
+            intermediate_size=2 * args.hidden,
+            tie_word_embeddings=args.tie_embeddings,
+            seed=args.seed,
+        )
     from transformers import AutoTokenizer
 
     task = ReverseTask(AutoTokenizer.from_pretrained(model_dir))
@@ -422,7 +431,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; expected an HF checkpoint")
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything as on Ctrl-C
     signal.signal(signal.SIGINT, _interrupt)
     # The work directory outlives the run, so the logs named at the start can be read after it.

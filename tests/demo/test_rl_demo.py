@@ -20,12 +20,29 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_hf.tiny import write_tiny_checkpoint
 from refit_sidecar.pull import shared_word as progress_file
 from tests.demo.demo_process import VERSION_LINE, start, wait_gone
 
 SHORT_RUN = ["--iterations", "24"]
-# The short run trains the tied-embedding variant; the fidelity tests cover untied models too.
-TIED = ["--tie-embeddings"]
+
+
+def _demo_model(directory: Path) -> Path:
+    """The demo's own tiny model (its defaults, seed 0) with tied embeddings (the fidelity
+    tests cover untied models), written here and given with --model; the interrupted run
+    covers the model the demo writes itself."""
+    return write_tiny_checkpoint(
+        directory,
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+    )
+
+
 SUMMARY_LINE = re.compile(r"reward ([0-9.]+) -> ([0-9.]+) .* largest fidelity gap ([0-9.e+-]+)")
 
 LOG_LINE = re.compile(r"^vLLM logs: (.+?); ", re.MULTILINE)
@@ -67,7 +84,8 @@ class DemoRun:
 def short_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     workdir = tmp_path_factory.mktemp("demo") / "run"
     before = _progress_files()
-    process, log_path = start(workdir, *SHORT_RUN, *TIED)
+    model = _demo_model(tmp_path_factory.mktemp("demo-model"))
+    process, log_path = start(workdir, *SHORT_RUN, "--model", str(model))
     members: set[int] = set()
     done = threading.Event()
     watcher = threading.Thread(target=_session_members, args=(process.pid, members, done))

@@ -7,7 +7,8 @@ to each: their prompt logprobs equal the trainer's Forward.
 Processes are shared: one engine host per engine TP builds each model's engine in turn and
 refits it from every trainer layout; one trainer serves both versions. The default run covers
 every family x tied/untied (each trainer layout for tied and for untied models, both engine
-sizes); the slow run adds every remaining (trainer layout, engine) pair.
+sizes), and the scaled-RoPE models at both TP=2 and PP=2; the slow run adds every remaining
+(trainer layout, engine) pair.
 """
 
 from __future__ import annotations
@@ -83,15 +84,16 @@ MODELS = {
 }
 TRAINER_LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 ENGINE_TPS = (1, 2)
-DEFAULT: dict[str, tuple[str, tuple[int, ...]]] = {
-    "llama3-gqa-tied": ("pp2", (1, 2)),
-    "llama-mqa": ("tp1", (1, 2)),
-    "qwen2-gqa": ("tp2", (1,)),
-    "qwen2-mha-tied": ("pp2", (1,)),
-    "qwen3-yarn-gqa-tied": ("tp2", (1, 2)),
-    "qwen3-mha": ("tp1", (1,)),
+DEFAULT: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
+    "llama3-gqa-tied": (("pp2", "tp2"), (1, 2)),
+    "llama-mqa": (("tp1",), (1, 2)),
+    "qwen2-gqa": (("tp2",), (1,)),
+    "qwen2-mha-tied": (("pp2",), (1,)),
+    "qwen3-yarn-gqa-tied": (("tp2", "pp2"), (1, 2)),
+    "qwen3-mha": (("tp1",), (1,)),
 }
-"""The default run: trainer layout and engine sizes per model."""
+"""The default run: trainer layouts and engine sizes per model. The scaled-RoPE models run at
+both TP=2 and PP=2: the rotary tables are installed per stage and per TP rank."""
 
 
 @pytest.fixture(scope="module")
@@ -194,12 +196,10 @@ def _refit_matrix(
 
 @pytest.mark.parametrize("name", sorted(DEFAULT))
 def test_refit_fidelity(name, hosts, checkpoint, tmp_path):
-    layout, engine_tps = DEFAULT[name]
+    layouts, engine_tps = DEFAULT[name]
     path = checkpoint(name)
-    assert layout in _trainable_layouts(path)
-    _refit_matrix(
-        name, path, layouts=[layout], engine_tps=engine_tps, hosts=hosts, workdir=tmp_path
-    )
+    assert set(layouts) <= set(_trainable_layouts(path))
+    _refit_matrix(name, path, layouts=layouts, engine_tps=engine_tps, hosts=hosts, workdir=tmp_path)
 
 
 @pytest.mark.slow

@@ -221,6 +221,10 @@ def test_requests_wait_for_their_pieces_and_read_the_version_behind_the_copy(
         out: dict[str, object] = {}
         truth = _truth(version)
         thread, dest, gate = _pull(puller, words, slot, version, deadline_s=20, out=out)
+        # The copy starts once the gate has looked (a loaded machine may start the pull's
+        # thread late), so its first look finds no piece.
+        while gate.first_seen is None:
+            time.sleep(0.001)
         # The slot holds the last version's bytes until each piece is copied: a request
         # posted before its piece's word named the version would read those.
         slot.copy(version, truth, pause_s)

@@ -169,6 +169,12 @@ class LeaderLink:
         link._thread.start()
         return link
 
+    def await_loss(self, timeout: float) -> None:
+        """Gives the link up to `timeout` seconds to notice that rank 0 is gone, which ends the
+        process with `EXIT_PEER_LOST`: a collective failing is often how the loss shows first
+        on this rank, and the world's exit status should name it."""
+        self._thread.join(timeout)
+
     def close(self) -> None:
         """Clean shutdown, once this rank finished the Shutdown command: says goodbye and stops
         watching. After a loss it only releases the sockets."""

@@ -285,6 +285,11 @@ def _lost_rank(monitor: PeerMonitor) -> asyncio.Future[PeerLost]:
     return lost
 
 
+_NOTICE_SECONDS = 2.0
+"""How long a rank whose command loop failed waits for its liveness link to name rank 0's
+loss (a dead rank 0 first shows as a collective's error) before failing with that error."""
+
+
 def run_rank(config: TrainerConfig, identity: RankIdentity, model_dir: Path) -> None:
     device = _device(config, identity)
     _join_world(config, identity, device)
@@ -296,7 +301,11 @@ def run_rank(config: TrainerConfig, identity: RankIdentity, model_dir: Path) -> 
     else:
         # Rank 0 coordinates shutdown; an interrupt here would strand it in a collective.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        follow(engine)
+        try:
+            follow(engine)
+        except Exception:
+            liveness.await_loss(_NOTICE_SECONDS)
+            raise
     # Every rank finished the Shutdown command: from here on, a rank leaving is no loss.
     liveness.close()
     if engine.publisher is not None:
