@@ -101,9 +101,22 @@ def _tp2_ranks(
     ]
 
 
+def _start_listening(tensors: Tensors, *, tag: str, seed: int) -> Source:
+    """A source whose ranks take metadata requests on ports found free: another process may
+    bind such a port before NIXL does (the source then dies at start), so it starts again on
+    new ports."""
+    for attempt in range(3):
+        try:
+            return _start(_tp2_ranks(tensors, listen=True, tag=tag), seed=seed)
+        except EOFError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def source() -> Iterator[Source]:
-    src = _start(_tp2_ranks(TENSORS, listen=True, tag="src"), seed=1)
+    src = _start_listening(TENSORS, tag="src", seed=1)
     yield src
     src.conn.send(None)
     src.process.join(30)
