@@ -82,10 +82,11 @@ def write_stage_files(
                 continue
             # Every HF tensor of a parameter has the parameter's planned dtype.
             cast = dtypes[hf_names_of(name)[0]]
-            full = _gathered(name, params[name].detach().to(cast), topology, writer)
-            if full is None or failure is not None:
+            pieces = _gathered(params[name].detach().to(cast), topology, writer)
+            if pieces is None or failure is not None:
                 continue  # a failed writer still takes its part in every gather
             try:
+                full = unshard(name, pieces)
                 for hf_name, tensor in megatron_param_to_hf(name, full, spec).items():
                     k, planned = where[hf_name]
                     if k not in open_files:
@@ -95,7 +96,7 @@ def write_stage_files(
                     open_files[k].write(planned.name, tensor)
             except Exception as e:
                 failure = e
-            del full
+            del pieces
         if writer and failure is None:
             _close_before(open_files, len(files))
             if len(opened) != len(files):
@@ -128,20 +129,20 @@ def write_index(plan: ExportPlan, path: Path, spec: ModelSpec, source_dir: Path 
     partial.replace(path / INDEX_NAME)
 
 
-def _gathered(
-    name: str, shard: torch.Tensor, topology: Topology, writer: bool
-) -> torch.Tensor | None:
-    """The global parameter on the writer (None elsewhere), from every TP rank's shard. The
-    shards come cast to the export's dtype (casting commutes with concatenation): each rank
-    casts its own, and the writer receives and holds half as many bytes from float32."""
-    tp = topology.layout.tensor_parallel
-    if tp == 1:
-        return shard
+def _gathered(shard: torch.Tensor, topology: Topology, writer: bool) -> list[torch.Tensor] | None:
+    """Every TP rank's shard of a parameter on the writer (None elsewhere), to be joined there
+    inside its failure handling, so that nothing a writer does alone can leave its peers in the
+    next gather. The shards come cast to the export's dtype (casting commutes with
+    concatenation): each rank casts its own, and the writer receives half as many bytes from
+    float32."""
+    if topology.layout.tensor_parallel == 1:
+        return [shard]
     shard = shard.contiguous()
+    tp = topology.layout.tensor_parallel
     pieces = [torch.empty_like(shard) for _ in range(tp)] if writer else None
     dst = dist.get_global_rank(topology.tp_group, 0)
     dist.gather(shard, pieces, dst=dst, group=topology.tp_group)
-    return unshard(name, pieces) if pieces is not None else None
+    return pieces
 
 
 def _open(path: Path, planned: PlannedFile) -> FileWriter:
