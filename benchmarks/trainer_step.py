@@ -343,6 +343,8 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         torch.cuda.synchronize()
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         extra["device_name"] = torch.cuda.get_device_name()
+    if plan.get("profile_finish") and plan["mode"] == "inprocess":
+        extra["finish_profile"] = profile_finish(run, driver, batches, plan["profile_finish"])
     if plan.get("forward_memory") and plan["mode"] == "inprocess":
         extra["forward_memory"] = forward_memory(run, batches[0], device)
     if device.type == "cuda" and plan["mode"] == "inprocess":
@@ -367,6 +369,49 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         loop.run_until_complete(leader.shutdown())
         loop.close()
     dist.destroy_process_group()
+
+
+def profile_finish(
+    run: Callable[[Any], Any], driver: Driver, batches: list[Any], steps: int
+) -> dict[str, Any]:
+    """Where a FinishTrainStep's time goes: `steps` more steps whose finish waits for the
+    update (as a light RL step's would), each finish under torch's profiler (kernels, host
+    operators) and cProfile (the Python functions, host synchronizations included)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    finish_ms: list[float] = []
+    python = cProfile.Profile()
+    with profile(activities=activities) as kernels:
+        for index in range(steps):
+            step_id = f"profiled-{index}"
+            driver.begin(step_id)
+            for j, batch in enumerate(batches):
+                driver.microbatch(step_id, f"{step_id}-mb{j}", batch)
+            start = time.perf_counter()
+            python.enable()
+            run(cmd.FinishStep(step_id=step_id, wait_for_update=True))
+            python.disable()
+            finish_ms.append((time.perf_counter() - start) * 1e3)
+    stream = io.StringIO()
+    pstats.Stats(python, stream=stream).sort_stats("cumulative").print_stats(45)
+    averages = kernels.key_averages()
+    device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    found = dict(
+        finish_ms=finish_ms,
+        device_ops=averages.table(sort_by=device_sort, row_limit=30),
+        host_ops=averages.table(sort_by="cpu_time_total", row_limit=30),
+        python=stream.getvalue(),
+    )
+    log.info("profiled FinishTrainStep (wait_for_update): %s ms", [f"{t:.1f}" for t in finish_ms])
+    return found
 
 
 def matmul_peak_tflops(device: Any, n: int = 8192, repeats: int = 20) -> float:
@@ -773,6 +818,14 @@ def build_parser() -> argparse.ArgumentParser:
         "log-probabilities, entropy and top-20, through the chunked and the unfused "
         "vocab-parallel paths: peak memory of each above what was allocated before it",
     )
+    run.add_argument(
+        "--profile-finish",
+        type=int,
+        default=0,
+        metavar="N",
+        help="inprocess: after the steps, N more whose FinishTrainStep waits for the update, "
+        "profiled (kernels, host operators, Python functions); printed and in the JSON",
+    )
     out = p.add_argument_group("output")
     out.add_argument(
         "--out",
@@ -909,6 +962,7 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.seed,
             timeout_s=args.timeout,
             forward_memory=args.forward_memory,
+            profile_finish=args.profile_finish,
         )
         log.info("trainer args: %s", " ".join(trainer_args))
         costs = conversion_costs(plan)
@@ -956,6 +1010,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{summary['matmul_peak_tflops']:.0f} TFLOP/s (model FLOPs: 6 x parameters x tokens)"
         )
     for r in runs:
+        if r.get("finish_profile"):
+            profile = r["finish_profile"]
+            print(f"FinishTrainStep, waiting for the update, profiled: {profile['finish_ms']} ms")
+            for key in ("device_ops", "host_ops", "python"):
+                print(profile[key])
         if r.get("forward_memory"):
             print(f"forward with log-probabilities, entropy and top-20: {r['forward_memory']}")
     print(f"results: {args.out}")
