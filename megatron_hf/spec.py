@@ -16,6 +16,8 @@ class ModelFamily(enum.Enum):
     LLAMA = "llama"
     QWEN2 = "qwen2"
     QWEN3 = "qwen3"
+    MISTRAL = "mistral"
+    """Llama's layout under its own class name; accepted without a sliding window only."""
 
 
 # HF causal-LM class per family (the only architecture accepted for that family).
@@ -23,6 +25,7 @@ ARCHITECTURES: Mapping[ModelFamily, str] = {
     ModelFamily.LLAMA: "LlamaForCausalLM",
     ModelFamily.QWEN2: "Qwen2ForCausalLM",
     ModelFamily.QWEN3: "Qwen3ForCausalLM",
+    ModelFamily.MISTRAL: "MistralForCausalLM",
 }
 
 _REQUIRED_KEYS = (
@@ -171,6 +174,9 @@ class ModelSpec:
         }
         if self.pad_token_id is not None:
             cfg["pad_token_id"] = self.pad_token_id
+        if self.family is ModelFamily.MISTRAL:
+            # MistralConfig's default is a 4096-token window: say "none" explicitly.
+            cfg["sliding_window"] = None
         if self.family is ModelFamily.QWEN2:
             if self.head_dim * self.num_attention_heads != self.hidden_size:
                 raise ValueError("Qwen2 requires head_dim == hidden_size // num_attention_heads")
@@ -215,6 +221,18 @@ def _reject_unsupported_features(cfg: Mapping[str, Any], family: ModelFamily) ->
         )
     if cfg.get("use_sliding_window"):
         raise ValueError("unsupported use_sliding_window=True: only full attention is supported")
+    if family is ModelFamily.MISTRAL:
+        # MistralConfig reads an absent key as a 4096-token window, so only an explicit null
+        # means full attention; vLLM's Mistral class adds Llama-4 attention scaling and an
+        # adaptive norm when their keys are present.
+        if cfg.get("sliding_window", 4096) is not None:
+            raise ValueError(
+                f"unsupported sliding_window={cfg.get('sliding_window', 4096)!r} for mistral "
+                "(absent means 4096): only full attention (sliding_window null) is supported"
+            )
+        for key in ("llama_4_scaling", "ada_rms_norm_t_cond"):
+            if cfg.get(key):
+                raise ValueError(f"unsupported {key}={cfg[key]!r} for mistral")
     layer_types = cfg.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"unsupported layer_types {sorted(set(layer_types))}: full attention only")

@@ -16,6 +16,8 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -36,6 +38,7 @@ _MODEL_CLASSES: dict[ModelFamily, tuple[type[PretrainedConfig], type[PreTrainedM
     ModelFamily.LLAMA: (LlamaConfig, LlamaForCausalLM),
     ModelFamily.QWEN2: (Qwen2Config, Qwen2ForCausalLM),
     ModelFamily.QWEN3: (Qwen3Config, Qwen3ForCausalLM),
+    ModelFamily.MISTRAL: (MistralConfig, MistralForCausalLM),
 }
 
 
@@ -126,6 +129,8 @@ def write_tiny_checkpoint(
     }
     if rope_scaling is not None:
         fields["rope_scaling"] = dict(rope_scaling)
+    if family is ModelFamily.MISTRAL:
+        fields["sliding_window"] = None
     if family is not ModelFamily.QWEN2:
         fields["head_dim"] = head_dim or default_head_dim
     config = config_cls(**fields)

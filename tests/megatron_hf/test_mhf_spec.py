@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,11 @@ def test_from_pretrained_dir_reads_each_family(tiny_checkpoint: Callable[[str], 
     assert qwen3.head_dim == 24  # != hidden / heads
     assert qwen3.qkv_rows == 2 * (2 + 2) * 24
 
+    mistral = ModelSpec.from_pretrained_dir(tiny_checkpoint("mistral"))
+    assert mistral.family is ModelFamily.MISTRAL
+    assert mistral.architecture == "MistralForCausalLM"
+    assert not mistral.qkv_bias and not mistral.qk_layernorm and mistral.head_dim == 24
+
 
 def test_from_hf_config_accepts_pretrained_config_and_legacy_dict(
     tiny_checkpoint: Callable[[str], Path],
@@ -68,14 +74,53 @@ def test_from_hf_config_accepts_pretrained_config_and_legacy_dict(
 
 
 def test_to_hf_config_round_trips(tiny_checkpoint: Callable[[str], Path]) -> None:
-    for name in ("llama_tied", "qwen2", "qwen3"):
+    for name in ("llama_tied", "qwen2", "qwen3", "mistral"):
         spec = ModelSpec.from_pretrained_dir(tiny_checkpoint(name))
         assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
 
 
+def test_a_mistral_config_written_from_a_spec_means_full_attention_to_transformers(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """MistralConfig reads an absent sliding_window as 4096 tokens: the config a spec writes
+    must say null, or an exported model would attend through a window the trainer never had."""
+    spec = ModelSpec.from_pretrained_dir(tiny_checkpoint("mistral"))
+    (tmp_path / "config.json").write_text(json.dumps(spec.to_hf_config()))
+    assert AutoConfig.from_pretrained(tmp_path).sliding_window is None
+
+
+def _mistral_config(**overrides: Any) -> dict[str, Any]:
+    cfg = _legacy_llama_config(
+        model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (_mistral_config(sliding_window=4096), r"sliding_window=4096 for mistral"),
+        (
+            {k: v for k, v in _mistral_config().items() if k != "sliding_window"},
+            r"sliding_window=4096 for mistral \(absent means 4096\)",
+        ),
+        (_mistral_config(llama_4_scaling={"beta": 0.1}), r"llama_4_scaling=.* for mistral"),
+        (_mistral_config(architectures=["LlamaForCausalLM"]), "expected 'MistralForCausalLM'"),
+    ],
+)
+def test_a_mistral_config_is_refused_unless_it_is_llama_under_another_name(
+    cfg: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(cfg)
+
+
 def test_rejects_unsupported_model_type_naming_supported_ones() -> None:
-    with pytest.raises(ValueError, match=r"unsupported model_type 'mistral'.*llama, qwen2, qwen3"):
-        ModelSpec.from_hf_config(_legacy_llama_config(model_type="mistral"))
+    with pytest.raises(
+        ValueError, match=r"unsupported model_type 'gemma'.*llama, qwen2, qwen3, mistral"
+    ):
+        ModelSpec.from_hf_config(_legacy_llama_config(model_type="gemma"))
 
 
 @pytest.mark.parametrize(
