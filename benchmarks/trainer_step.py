@@ -344,7 +344,13 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         extra["device_name"] = torch.cuda.get_device_name()
     if plan.get("profile_finish") and plan["mode"] == "inprocess":
-        extra["finish_profile"] = profile_finish(run, driver, batches, plan["profile_finish"])
+        extra["finish_profile"] = profile_finish(
+            run,
+            driver,
+            batches,
+            plan["profile_finish"],
+            adam_update_bytes(info.num_parameters, info.params_dtype.value),
+        )
     if plan.get("forward_memory") and plan["mode"] == "inprocess":
         extra["forward_memory"] = forward_memory(run, batches[0], device)
     if device.type == "cuda" and plan["mode"] == "inprocess":
@@ -372,11 +378,17 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
 
 
 def profile_finish(
-    run: Callable[[Any], Any], driver: Driver, batches: list[Any], steps: int
+    run: Callable[[Any], Any],
+    driver: Driver,
+    batches: list[Any],
+    steps: int,
+    update_bytes: int,
 ) -> dict[str, Any]:
     """Where a FinishTrainStep's time goes: `steps` more steps whose finish waits for the
-    update (as a light RL step's would), each finish under torch's profiler (kernels, host
-    operators) and cProfile (the Python functions, host synchronizations included)."""
+    update (as a light RL step's would), timed alone (the microbatches' work drained first),
+    then as many again under torch's profiler (kernels, host operators) and cProfile (the
+    Python functions, host synchronizations included). The update's device time is set beside
+    its bandwidth-bound floor: `update_bytes` at the device's measured copy bandwidth."""
     import cProfile
     import io
     import pstats
@@ -384,34 +396,80 @@ def profile_finish(
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    finish_ms: list[float] = []
+    cuda = torch.cuda.is_available()
+
+    def step(step_id: str) -> float:
+        driver.begin(step_id)
+        for j, batch in enumerate(batches):
+            driver.microbatch(step_id, f"{step_id}-mb{j}", batch)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run(cmd.FinishStep(step_id=step_id, wait_for_update=True))
+        return (time.perf_counter() - start) * 1e3
+
+    finish_ms = [step(f"timed-{index}") for index in range(steps)]
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     python = cProfile.Profile()
     with profile(activities=activities) as kernels:
         for index in range(steps):
-            step_id = f"profiled-{index}"
-            driver.begin(step_id)
-            for j, batch in enumerate(batches):
-                driver.microbatch(step_id, f"{step_id}-mb{j}", batch)
-            start = time.perf_counter()
             python.enable()
-            run(cmd.FinishStep(step_id=step_id, wait_for_update=True))
+            step(f"profiled-{index}")
             python.disable()
-            finish_ms.append((time.perf_counter() - start) * 1e3)
     stream = io.StringIO()
     pstats.Stats(python, stream=stream).sort_stats("cumulative").print_stats(45)
     averages = kernels.key_averages()
-    device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    update = [e for e in averages if e.key.startswith("Optimizer.step#")]
+    update_device_ms = (
+        sum(e.device_time_total for e in update) / 1e3 / steps if cuda and update else None
+    )
+    bandwidth = copy_bandwidth() if cuda else None
     found = dict(
         finish_ms=finish_ms,
-        device_ops=averages.table(sort_by=device_sort, row_limit=30),
+        update_device_ms=update_device_ms,
+        update_bytes=update_bytes,
+        copy_bandwidth_gbs=bandwidth,
+        update_floor_ms=update_bytes / bandwidth / 1e6 if bandwidth else None,
+        device_ops=averages.table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30
+        ),
         host_ops=averages.table(sort_by="cpu_time_total", row_limit=30),
         python=stream.getvalue(),
     )
-    log.info("profiled FinishTrainStep (wait_for_update): %s ms", [f"{t:.1f}" for t in finish_ms])
+    log.info(
+        "FinishTrainStep (wait_for_update) alone: %s ms; the update on the device %s ms "
+        "against a floor of %s ms",
+        [f"{t:.1f}" for t in finish_ms],
+        found["update_device_ms"],
+        found["update_floor_ms"],
+    )
     return found
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """The device's copy bandwidth in GB/s, counting the bytes read and written."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def adam_update_bytes(num_parameters: int, params_dtype: str) -> int:
+    """The bytes one Adam(W) update must move at least: the fp32 main weight, both moments
+    (read and written) and the fp32 gradient (read), plus the bf16 model weight written from
+    the main weight under mixed precision."""
+    per_parameter = 4 * 2 + 4 * 2 + 4 * 2 + 4
+    if params_dtype == "bfloat16":
+        per_parameter += 2
+    return num_parameters * per_parameter
 
 
 def matmul_peak_tflops(device: Any, n: int = 8192, repeats: int = 20) -> float:
@@ -791,6 +849,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: bfloat16 on cuda, float32 on cpu",
     )
     run.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="the trainer's --recompute (activation recompute)",
+    )
+    run.add_argument(
+        "--update-kernels",
+        choices=["fused", "stock"],
+        default="fused",
+        help="the trainer's --update-kernels (the optimizer update's kernels)",
+    )
+    run.add_argument(
         "--attention",
         choices=["auto", "sdpa", "local"],
         default="auto",
@@ -938,6 +1008,10 @@ def main(argv: list[str] | None = None) -> None:
             args.params_dtype,
             "--attention",
             args.attention,
+            "--update-kernels",
+            args.update_kernels,
+            "--recompute",
+            args.recompute,
             "--lr",
             str(args.lr),
             "--seed",
@@ -1012,7 +1086,12 @@ def main(argv: list[str] | None = None) -> None:
     for r in runs:
         if r.get("finish_profile"):
             profile = r["finish_profile"]
-            print(f"FinishTrainStep, waiting for the update, profiled: {profile['finish_ms']} ms")
+            print(
+                f"FinishTrainStep alone, waiting for the update: {profile['finish_ms']} ms; the "
+                f"update on the device {profile['update_device_ms']} ms, its floor "
+                f"{profile['update_floor_ms']} ms ({profile['update_bytes'] / 1e9:.1f} GB at "
+                f"{profile['copy_bandwidth_gbs']} GB/s)"
+            )
             for key in ("device_ops", "host_ops", "python"):
                 print(profile[key])
         if r.get("forward_memory"):

@@ -29,6 +29,11 @@
 #               next training step up (against a device-local copy of the rank's shards;
 #               between two trainer processes, and within one publishing every third version),
 #               about 300 s
+#   step-tail   trainer_step, 1b: the light step (one 512-token sequence) over gRPC and
+#               in-process, its FinishTrainStep profiled (--profile-finish), then the preset's
+#               full steps; with the fused and the stock update kernels, alternating
+#   recompute   trainer_step, 1b, one 8,192-token sequence per microbatch, in-process: peak
+#               memory and tokens/s with --recompute none, selective and full
 #   tests       the GPU-marked tests
 #   tests-refit the GPU-marked tests of the refit's checksums, check and install
 # $OUT then holds env.txt, results.tgz (each run's JSON and printed log, archived again after
@@ -65,6 +70,27 @@ for group in "$@"; do
         run install-1b-copy python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --install copy \
             --out "$OUT/refit_install_1b_copy.json" --log-dir $logs/install-1b-copy
+        ;;
+    step-tail)
+        for round in 1 2; do
+            for kernels in fused stock; do
+                run "light-$kernels-$round" python3 -m benchmarks.trainer_step --preset 1b \
+                    --modes grpc,inprocess --repeats 1 --seq-len 512 --seqs-per-microbatch 1 \
+                    --microbatches 1 --warmup 3 --steps 8 --profile-finish 4 \
+                    --update-kernels $kernels --out "$OUT/trainer_step_light_${kernels}_$round.json"
+                run "step-$kernels-$round" python3 -m benchmarks.trainer_step --preset 1b \
+                    --modes inprocess --repeats 1 --update-kernels $kernels \
+                    --out "$OUT/trainer_step_1b_${kernels}_$round.json"
+            done
+        done
+        ;;
+    recompute)
+        for recompute in none selective full; do
+            run "recompute-$recompute" python3 -m benchmarks.trainer_step --preset 1b \
+                --modes inprocess --repeats 1 --max-positions 8192 --seq-len 8192 \
+                --seqs-per-microbatch 1 --microbatches 2 --recompute $recompute \
+                --out "$OUT/trainer_step_1b_8k_recompute_$recompute.json"
+        done
         ;;
     install-more | install-nc)
         run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \

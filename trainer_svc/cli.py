@@ -17,9 +17,11 @@ from trainer_svc.config import (
     OptimizerKind,
     ParallelLayout,
     ParamsDType,
+    Recompute,
     RefitConfig,
     ServerConfig,
     TrainerConfig,
+    UpdateKernels,
 )
 from trainer_svc.server.access import METHOD_ROLES
 
@@ -40,6 +42,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=Attention.AUTO.value,
         help="core attention: auto (Transformer Engine's where it imports on a GPU, else sdpa), "
         "sdpa (PyTorch's fused kernel) or local (megatron's unfused one)",
+    )
+    model.add_argument(
+        "--recompute",
+        choices=[r.value for r in Recompute],
+        default=Recompute.NONE.value,
+        help="activation recompute in the backward pass: none (default), selective (core "
+        "attention) or full (every layer keeps only its input): memory for long sequences",
     )
     model.add_argument(
         "--max-seq-len",
@@ -67,6 +76,14 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--lr", type=float, default=OptimizerConfig.learning_rate)
     optim.add_argument("--weight-decay", type=float, default=OptimizerConfig.weight_decay)
     optim.add_argument("--max-grad-norm", type=float, default=OptimizerConfig.max_grad_norm)
+    optim.add_argument(
+        "--update-kernels",
+        choices=[k.value for k in UpdateKernels],
+        default=OptimizerConfig.kernels.value,
+        help="without Transformer Engine or Apex: 'fused' (default) runs the gradient norm and "
+        "copies as multi-tensor ops and Adam fused on CUDA; 'stock' runs megatron-core's "
+        "per-tensor fallback (to compare against)",
+    )
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -206,6 +223,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             hf_path=args.model,
             params_dtype=ParamsDType(args.params_dtype),
             attention=Attention(args.attention),
+            recompute=Recompute(args.recompute),
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,
         ),
@@ -217,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             learning_rate=args.lr,
             weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm,
+            kernels=UpdateKernels(args.update_kernels),
         ),
         server=ServerConfig(
             host=args.host,

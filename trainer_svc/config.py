@@ -17,6 +17,27 @@ class OptimizerKind(enum.Enum):
     SGD = "sgd"
 
 
+class Recompute(enum.Enum):
+    """Which activations the backward pass recomputes instead of keeping (megatron-core's
+    activation recompute): memory for longer sequences, paid for in compute."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Core attention only: its score-sized activations, for little compute."""
+    FULL = "full"
+    """Every transformer layer, keeping only its input: one more forward per step."""
+
+
+class UpdateKernels(enum.Enum):
+    """How the optimizer update runs when neither Transformer Engine nor Apex is installed
+    (`runtime/update_kernels.py`)."""
+
+    FUSED = "fused"
+    """torch's multi-tensor ops for the norm and copies, its fused Adam(W) on CUDA."""
+    STOCK = "stock"
+    """megatron-core's own fallback: per-tensor loops and torch's foreach Adam(W)."""
+
+
 class ParamsDType(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -75,6 +96,7 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
+    kernels: UpdateKernels = UpdateKernels.FUSED
 
     def __post_init__(self) -> None:
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_eps"):
@@ -94,6 +116,7 @@ class ModelConfig:
     None builds the embedded tiny Llama-family model."""
     params_dtype: ParamsDType = ParamsDType.FLOAT32
     attention: Attention = Attention.AUTO
+    recompute: Recompute = Recompute.NONE
     vocab_multiple: int = 128
     """Vocab rows are padded to a multiple of vocab_multiple * tensor_parallel."""
     max_sequence_length: int | None = None

@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in a few places that matter for a CPU run: explicit ``device="cuda"``
 factories in the schedules and gradient clipping, ``torch.cuda.current_device()`` in rotary
-embeddings, CUDA streams around gradient sync, the CUDA RNG tracker, and
+embeddings, CUDA streams around gradient sync, the CUDA RNG tracker and the CUDA generator
+state activation recompute saves, and
 ``param.grad.type() == 'torch.cuda.FloatTensor'`` asserts in the optimizer path.
 
 On a machine without CUDA every one of those calls would raise, so redirecting them changes no
@@ -115,6 +116,18 @@ def _install_rng_tracker() -> None:
 
     mp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute saves the CUDA generator's state beside the CPU generator's and the
+    # tracker's, and restores all three before recomputing: a CPU rank has no CUDA generator.
+    mp_random._get_cuda_rng_state = _no_cuda_rng_state
+    mp_random._set_cuda_rng_state = _set_no_cuda_rng_state
+
+
+def _no_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> Any:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: Any, device: Any = -1, graph_safe: bool = False) -> None:
+    return None
 
 
 def install() -> None:

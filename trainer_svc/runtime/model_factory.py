@@ -19,8 +19,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hf.spec import ModelSpec
-from trainer_svc.config import Attention, OptimizerConfig, ParamsDType
-from trainer_svc.runtime import rotary
+from trainer_svc.config import Attention, OptimizerConfig, ParamsDType, Recompute
+from trainer_svc.runtime import rotary, update_kernels
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 from trainer_svc.runtime.topology import Topology
 
@@ -44,11 +44,27 @@ def transformer_engine_available() -> bool:
     return True
 
 
+_RECOMPUTE: dict[Recompute, dict[str, Any]] = {
+    Recompute.NONE: {},
+    Recompute.SELECTIVE: {"recompute_granularity": "selective"},  # megatron: core attention
+    Recompute.FULL: {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,  # each layer its own checkpoint: only layer inputs kept
+    },
+}
+
+
 def transformer_config(
-    spec: ModelSpec, topology: Topology, params_dtype: ParamsDType, on_gpu: bool
+    spec: ModelSpec,
+    topology: Topology,
+    params_dtype: ParamsDType,
+    on_gpu: bool,
+    recompute: Recompute = Recompute.NONE,
 ) -> TransformerConfig:
     dtype = _DTYPES[params_dtype]
     return TransformerConfig(
+        **_RECOMPUTE[recompute],
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -105,8 +121,9 @@ def build_model(
     params_dtype: ParamsDType,
     on_gpu: bool,
     attention: Attention = Attention.AUTO,
+    recompute: Recompute = Recompute.NONE,
 ) -> tuple[GPTModel, TransformerConfig]:
-    config = transformer_config(spec, topology, params_dtype, on_gpu)
+    config = transformer_config(spec, topology, params_dtype, on_gpu, recompute)
     layer_spec = layer_spec_for(spec, attention, on_gpu=on_gpu)
     model = GPTModel(
         config=config,
@@ -169,6 +186,7 @@ def wrap_for_training(
         ),
         model,
     )
+    update_kernels.install(optimizer.kernels)
     megatron_optimizer = get_megatron_optimizer(
         MegatronOptimizerConfig(
             optimizer=optimizer.kind.value,
@@ -184,6 +202,7 @@ def wrap_for_training(
         ),
         [ddp],
     )
+    update_kernels.use_fused_adam(megatron_optimizer, optimizer.kernels)
     _initialize_adam_state(megatron_optimizer)
     # The step engine reduces gradients itself, once per step (see engine.finish).
     config.finalize_model_grads_func = None

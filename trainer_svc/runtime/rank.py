@@ -159,6 +159,7 @@ def build_engine(
             params_dtype=config.model.params_dtype,
             on_gpu=device.type == "cuda",
             attention=config.model.attention,
+            recompute=config.model.recompute,
         )
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)

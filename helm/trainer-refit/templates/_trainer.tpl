@@ -96,6 +96,7 @@ spec:
         - --lr={{ $t.optimizer.lr | float64 }}
         - --weight-decay={{ $t.optimizer.weightDecay | float64 }}
         - --max-grad-norm={{ $t.optimizer.maxGradNorm | float64 }}
+        - --update-kernels={{ $t.optimizer.updateKernels }}
         - --host=0.0.0.0
         - --port={{ $t.port | int }}
         - --max-microbatch-tokens={{ $t.maxMicrobatchTokens | int }}
@@ -103,6 +104,7 @@ spec:
         - --pass-token-budget={{ $t.passTokenBudget | int }}
         {{- end }}
         - --attention={{ $t.attention }}
+        - --recompute={{ $t.recompute }}
         - --seed={{ $t.seed | int }}
         - --log-level={{ $t.logLevel }}
         {{- if $v.sidecar.enabled }}
