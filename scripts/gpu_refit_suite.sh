@@ -32,6 +32,7 @@
 #   step-tail   trainer_step, 1b: the light step (one 512-token sequence) over gRPC and
 #               in-process, its FinishTrainStep profiled (--profile-finish), then the preset's
 #               full steps; with the fused and the stock update kernels, alternating
+#               ($STEP_ROUNDS: the rounds, default "1 2")
 #   recompute   trainer_step, 1b, one 8,192-token sequence per microbatch, in-process: peak
 #               memory and tokens/s with --recompute none, selective and full
 #   tests       the GPU-marked tests
@@ -72,7 +73,7 @@ for group in "$@"; do
             --out "$OUT/refit_install_1b_copy.json" --log-dir $logs/install-1b-copy
         ;;
     step-tail)
-        for round in 1 2; do
+        for round in ${STEP_ROUNDS:-1 2}; do
             for kernels in fused stock; do
                 run "light-$kernels-$round" python3 -m benchmarks.trainer_step --preset 1b \
                     --modes grpc,inprocess --repeats 1 --seq-len 512 --seqs-per-microbatch 1 \
