@@ -387,8 +387,9 @@ def profile_finish(
     """Where a FinishTrainStep's time goes: `steps` more steps whose finish waits for the
     update (as a light RL step's would), timed alone (the microbatches' work drained first),
     then as many again under torch's profiler (kernels, host operators) and cProfile (the
-    Python functions, host synchronizations included). The update's device time is set beside
-    its bandwidth-bound floor: `update_bytes` at the device's measured copy bandwidth."""
+    Python functions of the microbatches and of the finish, host synchronizations included).
+    The update's device time is set beside its bandwidth-bound floor: `update_bytes` at the
+    device's measured copy bandwidth."""
     import cProfile
     import io
     import pstats
@@ -398,26 +399,35 @@ def profile_finish(
 
     cuda = torch.cuda.is_available()
 
-    def step(step_id: str) -> float:
+    microbatches, finishes = cProfile.Profile(), cProfile.Profile()
+
+    def step(step_id: str, profiled: bool = False) -> float:
         driver.begin(step_id)
         for j, batch in enumerate(batches):
+            if profiled:
+                microbatches.enable()
             driver.microbatch(step_id, f"{step_id}-mb{j}", batch)
+            if profiled:
+                microbatches.disable()
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
+        if profiled:
+            finishes.enable()
         run(cmd.FinishStep(step_id=step_id, wait_for_update=True))
+        if profiled:
+            finishes.disable()
         return (time.perf_counter() - start) * 1e3
 
     finish_ms = [step(f"timed-{index}") for index in range(steps)]
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    python = cProfile.Profile()
     with profile(activities=activities) as kernels:
         for index in range(steps):
-            python.enable()
-            step(f"profiled-{index}")
-            python.disable()
+            step(f"profiled-{index}", profiled=True)
     stream = io.StringIO()
-    pstats.Stats(python, stream=stream).sort_stats("cumulative").print_stats(45)
+    for title, python in (("TrainMicrobatch", microbatches), ("FinishTrainStep", finishes)):
+        stream.write(f"-- {title}, Python functions --\n")
+        pstats.Stats(python, stream=stream).sort_stats("cumulative").print_stats(45)
     averages = kernels.key_averages()
     update = [e for e in averages if e.key.startswith("Optimizer.step#")]
     update_device_ms = (
