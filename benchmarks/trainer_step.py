@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -76,7 +77,7 @@ from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.cli import parse_config
 from trainer_svc.client import AsyncTrainerClient, TrainerClient, microbatch_request
-from trainer_svc.domain import LossConfig, OptimizerOverrides, SequenceBatch
+from trainer_svc.domain import ExportDType, LossConfig, OptimizerOverrides, SequenceBatch
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.server import convert
 
@@ -343,6 +344,11 @@ def worker_inprocess(plan_path: Path, result_path: Path) -> None:
         torch.cuda.synchronize()
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         extra["device_name"] = torch.cuda.get_device_name()
+    if plan.get("weights_digest"):
+        assert config.work_dir is not None  # the trainer's path root (main sets it)
+        exported = config.work_dir / "exports" / f"{plan['mode']}-{os.getpid()}"
+        run(cmd.ExportHF(path=exported, dtype=ExportDType.PARAMS))
+        extra["weights_sha256"] = weights_digest(exported)
     if plan.get("profile_finish") and plan["mode"] == "inprocess":
         extra["finish_profile"] = profile_finish(
             run,
@@ -670,7 +676,13 @@ def run_grpc(
             records = run_steps(driver, batches, plan["warmup"], plan["steps"])
         finally:
             close()
+        extra: dict[str, Any] = {}
+        if plan.get("weights_digest"):
+            exported = trainer_root(run_dir) / "exports" / f"{log_path.stem}"
+            client.export_hf(exported, dtype=ExportDType.PARAMS)
+            extra["weights_sha256"] = weights_digest(exported)
     return dict(
+        **extra,
         mode="grpc-pipelined" if pipelined else "grpc",
         startup_s=startup_s,
         num_parameters=status.model.num_parameters,
@@ -680,6 +692,28 @@ def run_grpc(
         device=status.device,
         data_checksum=data_checksum(batches),
         records=records,
+    )
+
+
+def weights_digest(export: Path) -> str:
+    """SHA-256 over an export's safetensors files in name order: equal for equal weights."""
+    digest = hashlib.sha256()
+    for path in sorted(export.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def reproducibility(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether every run of every mode had the same loss at each step and, where recorded, the
+    same weights at the end."""
+    losses = [[r["loss"] for r in run["records"]] for run in runs]
+    digests = {run["weights_sha256"] for run in runs if "weights_sha256" in run}
+    return dict(
+        max_loss_difference_any_runs=max(
+            abs(a - b) for each in zip(*losses, strict=True) for a in each for b in each
+        ),
+        losses_identical=all(len(set(each)) == 1 for each in zip(*losses, strict=True)),
+        weights_identical=len(digests) == 1 if digests else None,
     )
 
 
@@ -747,6 +781,7 @@ def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any
     summary: dict[str, Any] = dict(
         tokens_per_step=tokens, trained_tokens_per_step=trained, modes=modes
     )
+    summary["reproducibility"] = reproducibility(runs)
     if "inprocess" not in modes:
         return summary
     base = modes["inprocess"]
@@ -863,6 +898,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "selective", "full"],
         default="none",
         help="the trainer's --recompute (activation recompute)",
+    )
+    run.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the trainer's --deterministic (bit-identical steps from run to run)",
+    )
+    run.add_argument(
+        "--weights-digest",
+        action="store_true",
+        help="after each run's steps, export its weights bit for bit (ExportHF, params dtype) "
+        "and record their SHA-256: whether every run and mode trained the same weights",
     )
     run.add_argument(
         "--update-kernels",
@@ -1022,6 +1068,7 @@ def main(argv: list[str] | None = None) -> None:
             args.update_kernels,
             "--recompute",
             args.recompute,
+            *(["--deterministic"] if args.deterministic else []),
             "--lr",
             str(args.lr),
             "--seed",
@@ -1047,6 +1094,7 @@ def main(argv: list[str] | None = None) -> None:
             timeout_s=args.timeout,
             forward_memory=args.forward_memory,
             profile_finish=args.profile_finish,
+            weights_digest=args.weights_digest,
         )
         log.info("trainer args: %s", " ".join(trainer_args))
         costs = conversion_costs(plan)
@@ -1088,6 +1136,12 @@ def main(argv: list[str] | None = None) -> None:
                     json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=1) + "\n"
                 )
     print_table(summary, meta)
+    same = summary["reproducibility"]
+    print(
+        f"every run and mode: losses identical {same['losses_identical']} (largest difference "
+        f"{same['max_loss_difference_any_runs']:.3g}), weights identical "
+        f"{same['weights_identical']}"
+    )
     if "mfu_inprocess" in summary:
         print(
             f"MFU in-process: {summary['mfu_inprocess']:.3f} of a measured bf16 matmul peak of "

@@ -35,6 +35,8 @@
 #               ($STEP_ROUNDS: the rounds, default "1 2")
 #   recompute   trainer_step, 1b, one 8,192-token sequence per microbatch, in-process: peak
 #               memory and tokens/s with --recompute none, selective and full
+#   determinism trainer_step, 1b, grpc, in-process and leader: twice each with --deterministic
+#               (losses and exported weights compared across every run), then once each without
 #   tests       the GPU-marked tests
 #   tests-refit the GPU-marked tests of the refit's checksums, check and install
 # $OUT then holds env.txt, results.tgz (each run's JSON and printed log, archived again after
@@ -92,6 +94,14 @@ for group in "$@"; do
                 --seqs-per-microbatch 1 --microbatches 2 --recompute $recompute \
                 --out "$OUT/trainer_step_1b_8k_recompute_$recompute.json"
         done
+        ;;
+    determinism)
+        run determinism-on python3 -m benchmarks.trainer_step --preset 1b \
+            --modes grpc,inprocess,leader --repeats 2 --deterministic --weights-digest \
+            --out "$OUT/trainer_step_1b_deterministic.json"
+        run determinism-off python3 -m benchmarks.trainer_step --preset 1b \
+            --modes grpc,inprocess,leader --repeats 1 --weights-digest \
+            --out "$OUT/trainer_step_1b_not_deterministic.json"
         ;;
     install-more | install-nc)
         run install-1b-no-checksums python3 -m benchmarks.refit_install --preset 1b \

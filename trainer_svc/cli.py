@@ -51,6 +51,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "attention) or full (every layer keeps only its input): memory for long sequences",
     )
     model.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical losses and weights from run to run: deterministic kernels only, "
+        "at some speed (default: the fastest kernels, reproducible up to rounding on a GPU)",
+    )
+    model.add_argument(
         "--max-seq-len",
         type=int,
         default=None,
@@ -224,6 +230,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             params_dtype=ParamsDType(args.params_dtype),
             attention=Attention(args.attention),
             recompute=Recompute(args.recompute),
+            deterministic=args.deterministic,
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,
         ),

@@ -117,6 +117,8 @@ class ModelConfig:
     params_dtype: ParamsDType = ParamsDType.FLOAT32
     attention: Attention = Attention.AUTO
     recompute: Recompute = Recompute.NONE
+    deterministic: bool = False
+    """Bit-identical steps from run to run, at some speed (`runtime/determinism.py`)."""
     vocab_multiple: int = 128
     """Vocab rows are padded to a multiple of vocab_multiple * tensor_parallel."""
     max_sequence_length: int | None = None

@@ -60,11 +60,14 @@ def transformer_config(
     topology: Topology,
     params_dtype: ParamsDType,
     on_gpu: bool,
+    *,
     recompute: Recompute = Recompute.NONE,
+    deterministic: bool = False,
 ) -> TransformerConfig:
     dtype = _DTYPES[params_dtype]
     return TransformerConfig(
         **_RECOMPUTE[recompute],
+        deterministic_mode=deterministic,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -122,8 +125,11 @@ def build_model(
     on_gpu: bool,
     attention: Attention = Attention.AUTO,
     recompute: Recompute = Recompute.NONE,
+    deterministic: bool = False,
 ) -> tuple[GPTModel, TransformerConfig]:
-    config = transformer_config(spec, topology, params_dtype, on_gpu, recompute)
+    config = transformer_config(
+        spec, topology, params_dtype, on_gpu, recompute=recompute, deterministic=deterministic
+    )
     layer_spec = layer_spec_for(spec, attention, on_gpu=on_gpu)
     model = GPTModel(
         config=config,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_hf.spec import ModelSpec, padded_vocab_size
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
 from trainer_svc.config import Device, TrainerConfig
-from trainer_svc.runtime import cpu_compat, host_memory
+from trainer_svc.runtime import cpu_compat, determinism, host_memory
 from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
 from trainer_svc.runtime.engine import StepEngine
@@ -63,6 +63,7 @@ class RankIdentity:
 
 
 def _device(config: TrainerConfig, identity: RankIdentity) -> torch.device:
+    determinism.apply(config.model.deterministic)  # before any CUDA work
     use_cuda = config.device is Device.CUDA or (
         config.device is Device.AUTO and torch.cuda.is_available()
     )
@@ -160,6 +161,7 @@ def build_engine(
             on_gpu=device.type == "cuda",
             attention=config.model.attention,
             recompute=config.model.recompute,
+            deterministic=config.model.deterministic,
         )
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)

@@ -105,6 +105,9 @@ spec:
         {{- end }}
         - --attention={{ $t.attention }}
         - --recompute={{ $t.recompute }}
+        {{- if $t.deterministic }}
+        - --deterministic
+        {{- end }}
         - --seed={{ $t.seed | int }}
         - --log-level={{ $t.logLevel }}
         {{- if $v.sidecar.enabled }}
