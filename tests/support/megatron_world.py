@@ -67,3 +67,32 @@ def attention_config(heads: int, groups: int, dim: int, dtype: torch.dtype) -> A
         params_dtype=dtype,
         use_cpu_initialization=True,
     )
+
+
+def cpu_model(model_dir: Path, **options: Any) -> tuple[Any, Any, torch.Tensor]:
+    """The trainer's model of the HF directory `model_dir` on the CPU, float32, in a world of
+    `one_rank_model_parallel` (call inside `cpu_compat.active()`), built with `build_model`'s
+    `options`; with it its TransformerConfig and a seeded [2, 16] batch of token ids."""
+    from megatron_hf.spec import ModelSpec
+    from trainer_svc.config import ParallelLayout, ParamsDType
+    from trainer_svc.runtime.model_factory import build_model
+    from trainer_svc.runtime.topology import Topology
+
+    spec = ModelSpec.from_pretrained_dir(model_dir)
+    model, config = build_model(
+        spec,
+        Topology.from_parallel_state(ParallelLayout()),
+        padded_vocab=128,
+        max_sequence_length=32,
+        params_dtype=ParamsDType.FLOAT32,
+        on_gpu=False,
+        **options,
+    )
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    return model, config, tokens
+
+
+def lm_loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """The summed next-token loss of `tokens` (labels = inputs), positions 0..n-1."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, None, labels=tokens).sum()

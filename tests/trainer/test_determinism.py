@@ -10,46 +10,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hf.spec import ModelSpec
 from tests.support.isolation import in_child_process
-from tests.support.megatron_world import one_rank_model_parallel
+from tests.support.megatron_world import cpu_model, lm_loss, one_rank_model_parallel
 from trainer_svc.builtin_model import write_builtin_model
 from trainer_svc.cli import parse_config
-from trainer_svc.config import ParallelLayout, ParamsDType
 from trainer_svc.runtime import determinism
 
 
 @in_child_process
 def test_a_deterministic_model_runs_deterministic_algorithms_and_repeats(model_dir: Path) -> None:
     from trainer_svc.runtime import cpu_compat
-    from trainer_svc.runtime.model_factory import build_model
-    from trainer_svc.runtime.topology import Topology
 
     determinism.apply(True)
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == determinism.CUBLAS_WORKSPACE
     one_rank_model_parallel(cuda=False)
-    spec = ModelSpec.from_pretrained_dir(model_dir)
-    topology = Topology.from_parallel_state(ParallelLayout())
-    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with cpu_compat.active():
-        model, config = build_model(
-            spec,
-            topology,
-            padded_vocab=128,
-            max_sequence_length=32,
-            params_dtype=ParamsDType.FLOAT32,
-            on_gpu=False,
-            deterministic=True,
-        )
+        model, config, tokens = cpu_model(model_dir, deterministic=True)
         assert config.deterministic_mode
         assert model.embedding.word_embeddings.deterministic_mode  # indexing, no atomics
         runs = []
         for _ in range(2):
             model.zero_grad()
-            model(tokens, positions, None, labels=tokens).sum().backward()
+            lm_loss(model, tokens).backward()
             runs.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     determinism.apply(False)

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hf.spec import ModelSpec
 from tests.support.isolation import in_child_process
-from tests.support.megatron_world import one_rank_model_parallel
+from tests.support.megatron_world import cpu_model, lm_loss, one_rank_model_parallel
 from trainer_svc.builtin_model import write_builtin_model
 from trainer_svc.cli import parse_config
-from trainer_svc.config import ParallelLayout, ParamsDType, Recompute
+from trainer_svc.config import Recompute
 
 
 @in_child_process
@@ -29,25 +28,13 @@ def test_recompute_reruns_the_forward_and_changes_no_gradient(model_dir: Path) -
 def _compare_recomputes(model_dir: Path) -> None:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from trainer_svc.runtime.model_factory import build_model
     from trainer_svc.runtime.sdpa_attention import SdpaAttention
-    from trainer_svc.runtime.topology import Topology
 
-    spec = ModelSpec.from_pretrained_dir(model_dir)
-    topology = Topology.from_parallel_state(ParallelLayout())
-    tokens = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     reference: dict[str, torch.Tensor] = {}
     for recompute in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL):
-        model, _ = build_model(
-            spec,
-            topology,
-            padded_vocab=128,
-            max_sequence_length=64,
-            params_dtype=ParamsDType.FLOAT32,
-            on_gpu=False,
-            recompute=recompute,
-        )
+        model, _, tokens = cpu_model(model_dir, recompute=recompute)
+        layers = len([m for m in model.modules() if isinstance(m, TransformerLayer)])
+        assert layers > 0
         if reference:
             model.load_state_dict(reference["weights"], strict=False)
         calls = {TransformerLayer: 0, SdpaAttention: 0}
@@ -58,11 +45,10 @@ def _compare_recomputes(model_dir: Path) -> None:
         for module in model.modules():
             if type(module) in calls:
                 module.register_forward_hook(count)
-        loss = model(tokens, positions, None, labels=tokens).sum()
+        loss = lm_loss(model, tokens)
         forward = dict(calls)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        layers = spec.num_layers
         assert forward == {TransformerLayer: layers, SdpaAttention: layers}
         again = {k: calls[k] - forward[k] for k in calls}
         expected = {
