@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 
 from trainer_svc.config import ParallelLayout
-from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
+from trainer_svc.domain import (
+    AlreadyExists,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    PathNotAllowed,
+)
 from trainer_svc.runtime.agreement import CommandFailed, phase
 from trainer_svc.runtime.topology import Topology
 
@@ -58,6 +64,8 @@ SCENARIOS: dict[str, Callable[[Topology], Any]] = {
     "both refuse": _both_fail_differently,
     "both refuse for a cause": _both_refuse_for_a_cause,
     "nested": _nested,
+    "rank 1 finds it exists": _fail_on(1, AlreadyExists("export dir exists")),
+    "rank 1 is outside the roots": _fail_on(1, PathNotAllowed("outside the roots")),
 }
 LOGGED = ("rank 1 breaks", "both refuse for a cause")
 """Scenarios whose log lines each rank reports."""
@@ -149,6 +157,9 @@ def test_without_failures_each_rank_gets_its_own_result(outcomes) -> None:
         ("rank 1 refuses", (FailedPrecondition.__name__, "on rank 1: disk full")),
         ("both refuse", (InvalidArgument.__name__, "bad on 0")),
         ("nested", (FailedPrecondition.__name__, "on rank 1: inner")),
+        # Each keeps its own class, so its own status code, from whichever rank it came.
+        ("rank 1 finds it exists", (AlreadyExists.__name__, "on rank 1: export dir exists")),
+        ("rank 1 is outside the roots", (PathNotAllowed.__name__, "on rank 1: outside the roots")),
     ],
 )
 def test_a_failure_on_any_rank_fails_every_rank_alike(outcomes, name, expected) -> None:

@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 
 from trainer_refit.errors import internal_message, new_error_id
-from trainer_svc.domain import FailedPrecondition, Internal, InvalidArgument
+from trainer_svc.domain import (
+    AlreadyExists,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    PathNotAllowed,
+)
 from trainer_svc.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -40,12 +46,18 @@ T = TypeVar("T")
 
 class FailureKind(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
+    ALREADY_EXISTS = "already_exists"
+    PATH_NOT_ALLOWED = "path_not_allowed"
     FAILED_PRECONDITION = "failed_precondition"
     INTERNAL = "internal"
 
 
 _ERRORS: dict[FailureKind, type[Exception]] = {
     FailureKind.INVALID_ARGUMENT: InvalidArgument,
+    # Subclasses of FailedPrecondition before it: the first match names the kind, and each
+    # keeps its own status code on the wire (ALREADY_EXISTS, PERMISSION_DENIED).
+    FailureKind.ALREADY_EXISTS: AlreadyExists,
+    FailureKind.PATH_NOT_ALLOWED: PathNotAllowed,
     FailureKind.FAILED_PRECONDITION: FailedPrecondition,
     FailureKind.INTERNAL: Internal,
 }
