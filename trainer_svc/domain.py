@@ -268,6 +268,8 @@ class StepGradient(enum.Enum):
     count, and weight decay and momentum from earlier steps, may still change the weights),
     but this step's data taught the model nothing: e.g. PPO without a KL term where every
     token's ratio is clipped or past the log-ratio clamp (`losses.LOG_RATIO_LIMIT`)."""
+    UNREPORTED = "unreported"
+    """The answer did not say (a server older than the field): a client cannot tell."""
 
 
 @dataclass(frozen=True, kw_only=True)

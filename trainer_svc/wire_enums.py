@@ -40,6 +40,7 @@ EXPORT_DTYPES = {
 STEP_GRADIENTS = {
     pb.STEP_GRADIENT_NONZERO: StepGradient.NONZERO,
     pb.STEP_GRADIENT_ZERO: StepGradient.ZERO,
+    pb.STEP_GRADIENT_UNSPECIFIED: StepGradient.UNREPORTED,  # only from an older server
 }
 LOSS_KINDS_TO_PROTO = {v: k for k, v in LOSS_KINDS.items()}
 NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}

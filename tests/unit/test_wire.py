@@ -243,6 +243,12 @@ def test_step_metrics_round_trip(gradient: StepGradient) -> None:
     assert result.weights_version == 9
 
 
+def test_an_answer_without_the_gradient_field_reads_as_unreported() -> None:
+    """A server older than StepMetrics.gradient sends no value (UNSPECIFIED on the wire)."""
+    reply = pb.FinishTrainStepResponse(step_id="s", metrics=pb.StepMetrics(loss=0.5))
+    assert client.step_result(reply).metrics.gradient is StepGradient.UNREPORTED
+
+
 def test_step_counts_round_trip_keeps_valid_sequences() -> None:
     counts = StepCounts(microbatches=2, sequences=5, valid_tokens=40, valid_sequences=4)
     reply = pb.TrainMicrobatchResponse(accumulated=convert.counts_to_proto(counts))
