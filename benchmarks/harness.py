@@ -91,30 +91,25 @@ def trainer_root(work: Path) -> Path:
 
 
 @contextlib.contextmanager
-def trainer_server(
-    plan: dict[str, Any], run_dir: Path, log_path: Path, *, auth: ClientAuth
+def served_process(
+    name: str,
+    module_args: Sequence[str],
+    port_file: Path,
+    log_path: Path,
+    *,
+    timeout_s: float,
+    stop_timeout_s: float,
 ) -> Iterator[tuple[str, float]]:
-    """Starts ``python -m trainer_svc`` on a free port (its authentication flags are in
-    plan["trainer_args"]); yields (target, seconds to SERVING) once it answers a client of
-    `auth`."""
-    port_file = run_dir / "port"
+    """Starts ``python -m MODULE_ARGS --host 127.0.0.1 --port 0 --port-file PORT_FILE`` in a
+    session of its own, logging to `log_path`; yields (HOST:PORT, its `time.perf_counter()` at
+    the start) once the port file is written. On exit: SIGTERM, then SIGKILL to the whole
+    session after `stop_timeout_s`."""
     port_file.unlink(missing_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "trainer_svc",
-        *plan["trainer_args"],
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-    ]
+    command = [sys.executable, "-m", *module_args, "--host", "127.0.0.1", "--port", "0"]
     started = time.perf_counter()
     out = log_path.open("ab")
     process = subprocess.Popen(
-        command,
+        [*command, "--port-file", str(port_file)],
         cwd=REPO,
         env=child_env(),
         stdout=out,
@@ -122,25 +117,61 @@ def trainer_server(
         start_new_session=True,
     )
     try:
-        deadline = started + plan["timeout_s"]
+        deadline = started + timeout_s
         while not port_file.exists():
             if process.poll() is not None:
-                raise RuntimeError(
-                    f"trainer-svc exited with {process.returncode}:\n{tail(log_path)}"
-                )
+                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail(log_path)}")
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"trainer-svc did not serve within {plan['timeout_s']} s")
-            time.sleep(0.1)
-        target = f"127.0.0.1:{int(port_file.read_text())}"
+                raise TimeoutError(f"{name} did not serve within {timeout_s} s")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{int(port_file.read_text())}", started
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # a clean stop: the trainer stops its ranks
+        try:
+            process.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the session of the process we started
+            process.wait()
+        out.close()
+
+
+@contextlib.contextmanager
+def trainer_server(
+    plan: dict[str, Any], run_dir: Path, log_path: Path, *, auth: ClientAuth
+) -> Iterator[tuple[str, float]]:
+    """Starts ``python -m trainer_svc`` on a free port (its authentication flags are in
+    plan["trainer_args"]); yields (target, seconds to SERVING) once it answers a client of
+    `auth`."""
+    with served_process(
+        "trainer-svc",
+        ["trainer_svc", *plan["trainer_args"]],
+        run_dir / "port",
+        log_path,
+        timeout_s=plan["timeout_s"],
+        stop_timeout_s=90,
+    ) as (target, started):
         with TrainerClient(target, auth=auth) as client:
             client.wait_ready(timeout=60.0)
         yield target, time.perf_counter() - started
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)  # the launcher stops its rank cleanly
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the group of the server we started
-            process.wait()
-        out.close()
+
+
+@contextlib.contextmanager
+def sidecar_server(
+    run_dir: Path,
+    log_path: Path,
+    timeout_s: float,
+    tokens: TokenDir,
+    extra_args: Sequence[str] = (),
+) -> Iterator[str]:
+    """Starts ``python -m refit_sidecar`` on a free port, accepting `tokens` (and given
+    `extra_args`); yields its HOST:PORT."""
+    with served_process(
+        "refit-sidecar",
+        ["refit_sidecar", *tokens.server_args(), *extra_args],
+        run_dir / "sidecar-port",
+        log_path,
+        timeout_s=timeout_s,
+        stop_timeout_s=60,
+    ) as (target, _):
+        yield target

@@ -51,8 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import refit_install as ri
-from benchmarks.harness import run_meta, tokens_for, trainer_root, trainer_server
-from benchmarks.refit_pull import sidecar_server
+from benchmarks.harness import run_meta, sidecar_server, tokens_for, trainer_root, trainer_server
 from benchmarks.trainer_step import make_batches
 from refit_sidecar.core.tree_records import TreeConfig
 from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES

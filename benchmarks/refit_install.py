@@ -80,12 +80,13 @@ from benchmarks.harness import (
     REPO,
     child_env,
     run_meta,
+    sidecar_server,
     tail,
     tokens_for,
     trainer_root,
     trainer_server,
 )
-from benchmarks.refit_pull import _MODEL_KEYS, sidecar_server
+from benchmarks.refit_pull import _MODEL_KEYS
 from benchmarks.refit_pull import PRESETS as PULL_PRESETS
 from benchmarks.trainer_step import make_batches
 from benchmarks.trainer_step import write_model as _write_model

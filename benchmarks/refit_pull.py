@@ -45,16 +45,14 @@ import itertools
 import json
 import logging
 import math
-import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +60,7 @@ from benchmarks.harness import (
     REPO,
     child_env,
     run_meta,
+    sidecar_server,
     tail,
     tokens_for,
     trainer_root,
@@ -113,52 +112,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
     },
 }
-
-
-# -- the sidecar ----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def sidecar_server(
-    run_dir: Path,
-    log_path: Path,
-    timeout_s: float,
-    tokens: TokenDir,
-    extra_args: Sequence[str] = (),
-) -> Iterator[str]:
-    """Starts ``python -m refit_sidecar`` on a free port, accepting `tokens` (and given
-    `extra_args`); yields its HOST:PORT."""
-    port_file = run_dir / "sidecar-port"
-    port_file.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "refit_sidecar", "--host", "127.0.0.1", "--port", "0"]
-    command += [*tokens.server_args(), *extra_args]
-    out = log_path.open("ab")
-    process = subprocess.Popen(
-        [*command, "--port-file", str(port_file)],
-        cwd=REPO,
-        env=child_env(),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.perf_counter() + timeout_s
-        while not port_file.exists():
-            if process.poll() is not None:
-                raise RuntimeError(f"refit-sidecar exited early:\n{tail(log_path)}")
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"refit-sidecar did not serve within {timeout_s} s")
-            time.sleep(0.05)
-        yield f"127.0.0.1:{int(port_file.read_text())}"
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the group of the sidecar we started
-            process.wait()
-        out.close()
 
 
 # -- the puller (a subprocess of this script) -----------------------------------------------------

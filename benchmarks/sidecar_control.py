@@ -45,7 +45,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.refit_pull import sidecar_server
+from benchmarks.harness import sidecar_server
 from benchmarks.trainer_step import tokens_for
 from refit_sidecar.core.manifest import (
     AgentRecord,
