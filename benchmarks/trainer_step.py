@@ -707,12 +707,11 @@ def reproducibility(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Whether every run of every mode had the same loss at each step and, where recorded, the
     same weights at the end."""
     losses = [[r["loss"] for r in run["records"]] for run in runs]
+    spread = max(max(step) - min(step) for step in zip(*losses, strict=True))
     digests = {run["weights_sha256"] for run in runs if "weights_sha256" in run}
     return dict(
-        max_loss_difference_any_runs=max(
-            abs(a - b) for each in zip(*losses, strict=True) for a in each for b in each
-        ),
-        losses_identical=all(len(set(each)) == 1 for each in zip(*losses, strict=True)),
+        max_loss_difference_any_runs=spread,
+        losses_identical=spread == 0,
         weights_identical=len(digests) == 1 if digests else None,
     )
 

@@ -225,9 +225,10 @@ def _reject_unsupported_features(cfg: Mapping[str, Any], family: ModelFamily) ->
         # MistralConfig reads an absent key as a 4096-token window, so only an explicit null
         # means full attention; vLLM's Mistral class adds Llama-4 attention scaling and an
         # adaptive norm when their keys are present.
-        if cfg.get("sliding_window", 4096) is not None:
+        window = cfg.get("sliding_window", 4096)
+        if window is not None:
             raise ValueError(
-                f"unsupported sliding_window={cfg.get('sliding_window', 4096)!r} for mistral "
+                f"unsupported sliding_window={window!r} for mistral "
                 "(absent means 4096): only full attention (sliding_window null) is supported"
             )
         for key in ("llama_4_scaling", "ada_rms_norm_t_cond"):

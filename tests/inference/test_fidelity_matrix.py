@@ -1,5 +1,5 @@
-"""Refit fidelity across model families: for Llama, Mistral, Qwen2 and Qwen3, tied and untied, with
-grouped, single (MQA) and full key/value heads, head_dim != hidden/heads, scaled RoPE (Llama
+"""Refit fidelity across model families: for Llama, Mistral, Qwen2 and Qwen3, tied and untied,
+with grouped, single (MQA) and full key/value heads, head_dim != hidden/heads, scaled RoPE (Llama
 3's and YaRN, on prompts longer than the original context) and a vocabulary both sides pad, a
 real trainer (TP=1, TP=2 or PP=2) trains two versions and real vLLM engines (TP=1, TP=2) refit
 to each: their prompt logprobs equal the trainer's Forward.

@@ -1,6 +1,7 @@
 """`--deterministic`: the process runs deterministic algorithms only, megatron looks the
-embedding up by indexing, and a step's gradients repeat bit for bit (on the CPU here; the GPU
-figures are in the results page)."""
+embedding up by indexing, and the model's forward and backward run under those settings without
+an op refusing. The CPU repeats bit for bit with or without the flag; that a GPU does with it,
+and does not without, is measured (`scripts/gpu_refit_suite.sh determinism`, BENCHMARKS.md)."""
 
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ def test_scale_in_place_and_into_another_dtype_equals_the_loop() -> None:
 
 def test_install_swaps_megatrons_fallbacks_and_stock_restores_them() -> None:
     assert update_kernels.megatron_uses_local_kernels()  # no TE or Apex here
+    found = (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl)
+    found_copy = optimizer.multi_tensor_scale_impl
     try:
         update_kernels.install(UpdateKernels.FUSED)
         assert clip_grads.l2_norm_impl is update_kernels.l2_norm
@@ -52,8 +54,9 @@ def test_install_swaps_megatrons_fallbacks_and_stock_restores_them() -> None:
         assert clip_grads.l2_norm_impl is megatron_utils.local_multi_tensor_l2_norm
         assert clip_grads.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale
         assert optimizer.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale
-    finally:
-        update_kernels.install(UpdateKernels.FUSED)
+    finally:  # this process's other tests see megatron as they found it
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = found
+        optimizer.multi_tensor_scale_impl = found_copy
 
 
 class _Wrapper:
