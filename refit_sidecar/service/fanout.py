@@ -291,8 +291,8 @@ class TreeService:
         """Follows the registry: a new trainer generation starts a fresh tree; versions no
         longer readable leave it."""
         if self.registry.generation != self._generation:
-            log.info("trainer generation %d: the source tree starts afresh", self._generation)
             self._generation = self.registry.generation
+            log.info("trainer generation %d: the source tree starts afresh", self._generation)
             self._tree = Tree(self.config, self._clock)
             self._open.clear()
             self._offers.clear()

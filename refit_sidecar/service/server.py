@@ -159,8 +159,9 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             generation=request.generation,
         )
         self._layout = layout
-        self._manifests.clear()
-        self._slot_keys.clear()
+        # Versions are numbered afresh in a new generation: nothing cached by number survives.
+        for cache in (self._manifests, self._sums, self._readable_at, self._slot_keys):
+            cache.clear()
         log.info(
             "trainer %r registered (generation %d): world size %d, %d slots",
             request.owner,

@@ -129,16 +129,22 @@ def puller() -> Iterator[NixlTransport]:
     transport.close()
 
 
-def _assert_pulled(plan: PullPlan, dest: np.ndarray, seed: int = 1) -> None:
+def _assert_pulled(
+    plan: PullPlan, dest: np.ndarray, seed: int = 1, tensors: Tensors = TENSORS
+) -> None:
     """Every target of `plan` in `dest` holds the source's bytes (of `random_global`)."""
     for t in plan.targets:
-        shape, dtype = TENSORS[t.name]
+        shape, dtype = tensors[t.name]
         expected = random_global(t.name, shape, dtype, seed)[index(t.box)]
         assert dest[t.span].tobytes() == expected.tobytes(), t
 
 
 def _pull_and_check(
-    transport: NixlTransport, manifest: Manifest, wants: list[Want], seed: int
+    transport: NixlTransport,
+    manifest: Manifest,
+    wants: list[Want],
+    seed: int,
+    tensors: Tensors = TENSORS,
 ) -> PullPlan:
     plan = plan_pull(manifest, wants)
     dest = np.zeros(plan.nbytes, np.uint8)
@@ -146,7 +152,7 @@ def _pull_and_check(
     assert stats.nbytes == plan.bytes_read == sum(t.nbytes for t in plan.targets)
     assert stats.reads == plan.num_reads
     assert stats.verified_shards == sum(r.complete for r in plan.reads)
-    _assert_pulled(plan, dest, seed)
+    _assert_pulled(plan, dest, seed, tensors)
     return plan
 
 
@@ -409,8 +415,10 @@ def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TLS", "tcp")
 
 
-def _frozen_big_source(tag: str, transport: NixlTransport) -> tuple[Source, PullPlan]:
-    src = _start(_tp2_ranks(BIG | SMALL, listen=False, tag=tag), seed=None)
+def _frozen_big_source(
+    tag: str, transport: NixlTransport, seed: int | None = None
+) -> tuple[Source, PullPlan]:
+    src = _start(_tp2_ranks(BIG | SMALL, listen=False, tag=tag), seed=seed)
     warm = plan_pull(src.manifest, whole(src.manifest, list(SMALL)))
     transport.pull(warm, Region.of_array(np.zeros(warm.nbytes, np.uint8)))  # connects
     os.kill(src.process.pid, signal.SIGSTOP)  # type: ignore[arg-type]
@@ -447,6 +455,24 @@ def test_stalled_source_hits_the_deadline_then_dead_source_raises() -> None:
         src.stop()
         with pytest.raises(SourceLost):
             transport.pull(plan, dest)
+    finally:
+        src.stop()
+        transport.close()
+
+
+@pytest.mark.usefixtures("tcp")
+@in_child_process
+def test_a_source_late_once_serves_the_next_pull_once_it_answers_again() -> None:
+    """A pull past its deadline disconnects the source; the next pull reconnects it and, the
+    source answering again, gets every byte: one slow moment does not lose a live source."""
+    transport = NixlTransport.create(NixlConfig(name="late-puller", pull_timeout_s=5))
+    src, plan = _frozen_big_source("late", transport, seed=3)
+    try:
+        with pytest.raises(SourceLost, match="deadline"):
+            transport.pull(plan, Region.of_array(np.zeros(plan.nbytes, np.uint8)))
+        os.kill(src.process.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        for _ in range(2):
+            _pull_and_check(transport, src.manifest, whole(src.manifest, list(BIG)), 3, BIG)
     finally:
         src.stop()
         transport.close()

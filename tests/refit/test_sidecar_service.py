@@ -329,6 +329,22 @@ def test_a_lease_call_waits_for_the_version_and_carries_its_checksums(tmp_path):
         assert time.monotonic() - start < 5
 
 
+def test_a_restarted_trainers_version_carries_its_own_checksums(tmp_path):
+    """A trainer that registers again numbers its versions afresh: its version 1 is leased and
+    described with the checksums it reported, never those of the earlier trainer's version 1."""
+    with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
+        stub = TrainerStub(sidecar.stub(Role.TRAINER))
+        for generation_crc in (10, 20):
+            _register(stub, world_size=1, slots=1)
+            stub.ReserveSlot(pb.ReserveSlotRequest(version=1))
+            _publish(stub, 1, rank=0, crc32=generation_crc)
+            lease = client.acquire_lease(1, "r", ttl=30, checksums=True)
+            assert lease.checksums is not None
+            assert [tuple(c) for c in lease.checksums] == [(generation_crc, generation_crc << 40)]
+            assert list(client.checksums(1).values()) == [((generation_crc, generation_crc << 40),)]
+            client.release_lease(lease)
+
+
 def test_a_lease_asked_later_is_answered_when_the_version_comes_or_cancelled(tmp_path):
     """`lease_later`: the call stays in flight until the version is readable and then gives
     what `acquire_lease` would (its errors too); a call cancelled while it waits holds
