@@ -158,6 +158,10 @@ class RunConfig:
     for the whole copy (`RefitOptions.direct.read_behind_copy`)."""
     first_piece_bytes: int
     """The trainer's `--refit-first-piece-bytes`."""
+    publish_start: bool
+    """The trainer publishes its start-up weights (`--refit-publish-start`) and the receiver
+    installs them before the first step, as a replica does at start: its first step's refit
+    is then timed like the rest (`--warmup` may be 0)."""
     lr: float
     seed: int
     timeout: float
@@ -183,6 +187,7 @@ class RunConfig:
             *("--max-seq-len", str(self.seq_len), "--log-level", self.trainer_log_level),
             *("--refit-slots", str(self.slots)),
             *("--refit-first-piece-bytes", str(self.first_piece_bytes)),
+            *(["--refit-publish-start"] if self.publish_start else []),
         ]
 
 
@@ -613,10 +618,16 @@ def train_step(client: TrainerClient, step_id: str, batches: list[Any]) -> dict[
 
 
 def run_refits(
-    client: TrainerClient, receiver: ReceiverProcess, batches: list[Any], config: RunConfig
+    client: TrainerClient,
+    receiver: ReceiverProcess,
+    batches: list[Any],
+    config: RunConfig,
+    installed: int | None = None,
 ) -> list[dict[str, Any]]:
+    """`installed`: the version the receiver holds already (the start-up one), whose
+    successor it asks for ahead of the first step like every later one."""
     records = []
-    version: int | None = None
+    version = installed
     for index in range(config.refits):
         peer_first = index % 2 == 1
         peer = receiver.request("peer_copy", config.timeout) if peer_first else None
@@ -692,7 +703,11 @@ def _phases(refit: dict[str, Any]) -> dict[str, float]:
     return {k: flat.get(k, 0.0) for k in ("latency_s", *_PHASES)}
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    records: list[dict[str, Any]], slots: int, startup: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`slots`: the trainer's; refits after the first on each slot are steady (every layout
+    met, planned and adopted), the baseline of the first refit's ratio."""
     timed = [r for r in records if not r["warmup"]]
     if not timed:
         raise RuntimeError("no timed refits: --steps must be >= 1")
@@ -716,6 +731,11 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         first_refit_ms={
             k.removesuffix("_s"): 1e3 * v for k, v in _phases(records[0]["refit"]).items()
         },
+        first_refit_over_steady=records[0]["refit"]["latency_s"]
+        / statistics.median(r["refit"]["latency_s"] for r in records[slots:] or records),
+        startup_refit_ms=None
+        if startup is None
+        else {k.removesuffix("_s"): 1e3 * v for k, v in _phases(startup).items()},
         warmup_latency_ms=[1e3 * r["refit"]["latency_s"] for r in records if r["warmup"]],
         replanned=[r["refit"]["stats"]["replanned"] for r in records],
         in_place_bytes=timed[-1]["refit"]["stats"].get("in_place_bytes", 0),
@@ -774,9 +794,16 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
         f"peer copy {g['peer_copy']:.1f}"
     )
     first = summary["first_refit_ms"]
+    startup = summary["startup_refit_ms"]
+    if startup is not None:
+        print(
+            f"start-up version installed before the first step: {startup['latency']:.1f} ms "
+            f"(plan {startup['plan']:.1f}, pull {startup['pull']:.1f}, lag {startup['lag']:.1f})"
+        )
     print(
-        f"first refit (connect, plan, register): {first['latency']:.1f} ms "
-        f"(plan {first['plan']:.1f}, pull {first['pull']:.1f}); warm-up refits "
+        f"first refit: {first['latency']:.1f} ms = {summary['first_refit_over_steady']:.2f}x "
+        f"the steady refits' median (plan {first['plan']:.1f}, pull {first['pull']:.1f}, lag "
+        f"{first['lag']:.1f}); warm-up refits "
         + ", ".join(f"{v:.1f}" for v in summary["warmup_latency_ms"])
         + " ms"
     )
@@ -838,6 +865,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-checksums",
         action="store_true",
         help="receivers skip verifying the trainer's checksums (WSUM-64 on the GPU)",
+    )
+    run.add_argument(
+        "--publish-start",
+        action="store_true",
+        help="the trainer publishes its start-up weights (--refit-publish-start) and the "
+        "receiver installs them before the first step, as a new replica does",
     )
     run.add_argument(
         "--no-expect",
@@ -936,9 +969,10 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         raise SystemExit(
             f"--seq-len {config.seq_len} exceeds --max-positions {config.max_positions}"
         )
-    if config.steps < 1 or config.warmup < 1 or config.slots < 1:
+    if config.steps < 1 or config.slots < 1 or config.warmup < (0 if config.publish_start else 1):
         raise SystemExit(
-            "--steps, --warmup and --slots must be >= 1 (the first refit is a warm-up)"
+            "--steps and --slots must be >= 1, and --warmup too unless --publish-start (the "
+            "first refit sets the receiver up)"
         )
     if config.cuda and config.dest_gpu == 0:
         raise SystemExit("--dest-gpu must not be 0: the trainer's rank uses GPU 0")
@@ -1016,7 +1050,15 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
         log.info("receiver ready: %s", ready)
         with TrainerClient(target, auth=orchestrator) as client:
             status = client.status()
-            records = run_refits(client, receiver, batches, config)
+            startup, installed = None, None
+            if config.publish_start:
+                # As a replica started before the first step: the start-up version installed,
+                # timed from the request (its set-up: connection, registration, plan).
+                receiver.send("refit", version=status.weights_version, finished_at=time.monotonic())
+                startup = receiver.reply(config.refit_timeout + 30)
+                log.info("start-up version installed in %.1f ms", 1e3 * startup["latency_s"])
+                installed = status.weights_version
+            records = run_refits(client, receiver, batches, config, installed)
             check = verify(client, receiver, root, config) if config.verify else None
         receiver.stop()
     return dict(
@@ -1029,6 +1071,7 @@ def run(config: RunConfig, work: Path) -> dict[str, Any]:
             args=trainer_args,
         ),
         records=records,
+        startup=startup,
         check=check,
     )
 
@@ -1056,7 +1099,7 @@ def main(argv: list[str] | None = None) -> None:
         work = (config.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)
         result = run(config, work)
-    summary = summarize(result["records"])
+    summary = summarize(result["records"], config.slots, result["startup"])
     output = dict(meta=_meta(config, argv), summary=summary, **result)
     config.out.write_text(json.dumps(output, indent=1) + "\n")
     print_summary(summary, result["check"])

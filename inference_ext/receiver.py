@@ -31,6 +31,7 @@ from inference_ext.staged_tensors import InPlace, candidates
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.manifest import Box, DType, MemType
 from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.integrity.device_sums import warm_up
 from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
 from refit_sidecar.pull.direct_puller import DirectConfig, DirectPuller
@@ -170,6 +171,8 @@ class Receiver:
                 request_taper=options.direct.request_taper,
             )
         )
+        if options.verify_checksums:
+            warm_up(device)  # compiled now, not in the first refit's check
         self.staging = Staging(self.transport, device)
         self.installed_version: int | None = None
         self._plans = ReceiverPlans(
@@ -195,11 +198,15 @@ class Receiver:
         trainer's slot until that fetch takes it, or for its TTL if none does. The call waits
         on the sidecar for up to `wait_s` (default `visible_timeout_s`); a `fetch` of another
         version, a later `expect` or `close` drops it. Through the tree it needs a first
-        pull (until then this does nothing)."""
+        pull (until then this does nothing). A direct receiver also plans the layout the
+        version will have when it has no plan for it yet (the first version into one of the
+        trainer's slots), so that its pull too reads behind the trainer's copy."""
         wait = self.options.visible_timeout_s if wait_s is None else wait_s
         if not 0 <= wait < math.inf:
             raise ValueError(f"wait_s must be a non-negative number of seconds, got {wait_s!r}")
         self._puller.expect(version, wait_s=wait)
+        if not self.options.fanout.enabled:
+            self._plans.prepare(version)
 
     def fetch(
         self,

@@ -7,6 +7,7 @@ manifest. The receiver's `PlanBook` (refit_sidecar/pull/puller.py).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -30,6 +31,8 @@ from refit_sidecar.core.plan import (
 )
 from refit_sidecar.pull.puller import Order, Planned
 from refit_sidecar.service.client import Lease, SidecarClient
+
+log = logging.getLogger(__name__)
 
 _KNOWN_MANIFESTS = 16
 """Plans kept by manifest key: one per snapshot slot of the trainers met lately."""
@@ -146,17 +149,40 @@ class ReceiverPlans:
         manifest = self._client.manifest(version)
         fresh, replanned = self._plan(manifest)
         if key:
-            order = tuple((p.name, len(p.shards)) for p in manifest.parameters)
-            self._by_manifest_key[key] = (fresh, order)
-            while len(self._by_manifest_key) > _KNOWN_MANIFESTS:
-                self._by_manifest_key.popitem(last=False)
+            self._hold(key, fresh, tuple((p.name, len(p.shards)) for p in manifest.parameters))
         return Planned(fresh, replanned=replanned, by_key=False)
+
+    def _hold(self, key: bytes, plan: ReceiverPlan, order: Order) -> None:
+        self._by_manifest_key[key] = (plan, order)
+        while len(self._by_manifest_key) > _KNOWN_MANIFESTS:
+            self._by_manifest_key.popitem(last=False)
 
     def held(self, key: bytes) -> tuple[ReceiverPlan, Order] | None:
         known = self._by_manifest_key.get(key)
         if known is not None:
             self._by_manifest_key.move_to_end(key)
         return known
+
+    def layout(self, lease: Lease) -> tuple[ReceiverPlan, Order] | None:
+        if not lease.manifest_key or not self.prepare(lease.version):
+            return None
+        return self.held(lease.manifest_key)  # None: the slot's layout changed since the lease
+
+    def prepare(self, version: int) -> bool:
+        """Before `version` is readable: plans the layout the sidecar gives for it
+        (`SidecarClient.pending_manifest`) unless a plan for that layout's key is held; whether
+        one is held now. False when the sidecar does not know the layout yet (the version not
+        reserved) or cannot be asked, or the layout does not fit (the fetch then finds out)."""
+        try:
+            manifest, key = self._client.pending_manifest(version)
+            if key not in self._by_manifest_key:
+                plan, _ = self._plan(manifest)
+                order = tuple((p.name, len(p.shards)) for p in manifest.parameters)
+                self._hold(key, plan, order)
+        except Exception as e:
+            log.debug("no layout of version %d planned ahead: %s", version, e)
+            return False
+        return True
 
     def replayed(self, plan: ReceiverPlan, pull: PullPlan) -> ReceiverPlan:
         return ReceiverPlan(pull, plan.slices)

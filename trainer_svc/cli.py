@@ -144,6 +144,13 @@ def _add_refit_flags(parser: argparse.ArgumentParser) -> None:
         "every K optimizer steps); loaded checkpoints are always published",
     )
     refit.add_argument(
+        "--refit-publish-start",
+        action="store_true",
+        help="publish the weights the trainer starts with as version 1 before serving, so "
+        "that inference engines started before the first step are ready at once (the first "
+        "step then makes version 2)",
+    )
+    refit.add_argument(
         "--refit-take-over",
         action="store_true",
         help="register with the sidecar even while another trainer's registration is alive "
@@ -257,6 +264,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             slots=args.refit_slots,
             first_piece_bytes=args.refit_first_piece_bytes,
             publish_every=args.refit_publish_every,
+            publish_start=args.refit_publish_start,
             take_over=args.refit_take_over,
             report_deadline_s=args.refit_report_deadline_seconds,
             auth=auth_flags.client_auth(args, "sidecar", used=args.sidecar is not None),

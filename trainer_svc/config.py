@@ -181,6 +181,11 @@ class RefitConfig:
     step; k, the last of every k optimizer steps (a loop that updates k times per rollout
     batch). A loaded checkpoint is always published. Receivers that ask for a version before
     it exists (`Receiver.expect`) must ask for published ones."""
+    publish_start: bool = False
+    """Publish the weights the trainer started with (an HF import or megatron's
+    initialisation) as version 1 before serving, so that receivers started before the first
+    step are ready at once; the first step then makes version 2. Off: the first step makes
+    version 1, and receivers have nothing to install until then."""
     take_over: bool = False
     """Register with the sidecar even while another trainer's registration is alive (that
     trainer's ranks are refused from then on). Off: wait for it to lapse, bounded."""

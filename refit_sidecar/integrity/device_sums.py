@@ -184,6 +184,20 @@ def device_group_sums(
     return sums
 
 
+def warm_up(device: torch.device) -> None:
+    """Compile and load both variants of the kernel on `device` now, so that a receiver's
+    first check does not (Triton compiles on first launch); checks the sums against the host
+    reference while at it. Nothing off CUDA."""
+    if device.type != "cuda" or _kernel() is None:
+        return
+    units = 2 * wsum.BLOCK + 3  # a whole aligned block, then a partial one
+    data = np.random.default_rng(0).integers(0, 256, size=units * wsum.UNIT, dtype=np.uint8)
+    plan = wsum.SumPlan.of([0], [data.nbytes], [0], [0], 1)
+    got = group_sums(torch.from_numpy(data).to(device), plan)
+    if not np.array_equal(got, plan.reference(data)):
+        raise RuntimeError(f"the WSUM-64 kernel disagrees with the host reference on {device}")
+
+
 def _torch_blocks(units: torch.Tensor, plan: wsum.SumPlan) -> torch.Tensor:
     """Partial sums per block in torch: a contiguous run of blocks (a piece) at a time."""
     out = torch.empty(len(plan.blocks), dtype=torch.int64, device=units.device)

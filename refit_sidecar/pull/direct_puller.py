@@ -81,7 +81,7 @@ class DirectPuller:
             return book.planned(lease)
         wait = max(wait_s, 0.0)
         deadline = time.monotonic() + wait
-        held = book.held(lease.manifest_key)
+        held = book.held(lease.manifest_key) or book.layout(lease)
         asked = leased.checksums
         if held is None:
             if asked is None:

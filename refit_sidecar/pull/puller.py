@@ -77,6 +77,13 @@ class PlanBook(Protocol[P]):
         is."""
         ...
 
+    def layout(self, lease: Lease) -> tuple[P, Order] | None:
+        """For a lease before its version is readable whose manifest key no held plan has:
+        the plan of the layout the sidecar gives for the version (its slot's, as the trainer
+        described it), held from then on under that key, and its order; None when the
+        sidecar does not know it or gives another key."""
+        ...
+
     def replayed(self, plan: P, pull: PullPlan) -> P:
         """`plan` pulling `pull` (the same targets, another version)."""
         ...

@@ -55,7 +55,12 @@ from refit_sidecar.service.sources import (
     get_sources_request,
     listing_from_proto,
 )
-from refit_sidecar.service.wire import checksums_from_proto, manifest_from_proto, publish_request
+from refit_sidecar.service.wire import (
+    checksums_from_proto,
+    manifest_from_proto,
+    manifest_key,
+    publish_request,
+)
 from trainer_refit.auth import ClientAuth, call_metadata, open_channel
 from trainer_refit.errors import InvalidRequest
 from trainer_refit.status_details import violated_field
@@ -367,6 +372,16 @@ class SidecarClient:
         """The merged manifest of a readable version (UnknownVersion otherwise)."""
         reply = self._call(self._stub.GetManifest, pb.GetManifestRequest(version=version))
         return manifest_from_proto(reply)
+
+    def pending_manifest(self, version: int) -> tuple[Manifest, bytes]:
+        """The layout of `version`, reserved and not readable yet (`Manifest.pending`: where
+        its shards and words will lie, no checksums), and its manifest key; a readable
+        version's manifest and key. UnknownVersion when the sidecar does not know the layout
+        (or is older than the field)."""
+        request = pb.GetManifestRequest(version=version, reserved=True)
+        reply = self._call(self._stub.GetManifest, request)
+        reply.pending = False  # not part of the layout's key
+        return manifest_from_proto(reply), manifest_key(reply)
 
     def checksums(self, version: int) -> dict[str, tuple[Checksums, ...]]:
         """Per parameter, the checksums of each shard of a readable version: what a replayed

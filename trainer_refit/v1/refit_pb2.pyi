@@ -115,16 +115,18 @@ class SnapshotPieces(_message.Message):
     def __init__(self, words: _Optional[_Union[ShardLocation, _Mapping]] = ..., slot_address: _Optional[int] = ..., ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "layout", "parameters", "agents")
+    __slots__ = ("version", "layout", "parameters", "agents", "pending")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     version: int
     layout: _common_pb2.ParallelLayout
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterRecord]
     agents: _containers.RepeatedCompositeFieldContainer[SourceAgent]
-    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[SourceAgent, _Mapping]]] = ...) -> None: ...
+    pending: bool
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[SourceAgent, _Mapping]]] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
     __slots__ = ("version", "total_bytes")
@@ -145,10 +147,12 @@ class WatchVersionsRequest(_message.Message):
     def __init__(self, after_version: _Optional[int] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "reserved")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    reserved: bool
+    def __init__(self, version: _Optional[int] = ..., reserved: _Optional[bool] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("version", "receiver_id", "ttl_seconds", "wait_seconds", "with_checksums", "before_readable")
@@ -305,18 +309,30 @@ class ReserveSlotResponse(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., retired_version: _Optional[int] = ...) -> None: ...
 
 class PublishShardsRequest(_message.Message):
-    __slots__ = ("version", "rank", "agent", "parameters", "generation")
+    __slots__ = ("version", "rank", "agent", "parameters", "generation", "slot_layouts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     version: int
     rank: int
     agent: SourceAgent
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterRecord]
     generation: int
-    def __init__(self, version: _Optional[int] = ..., rank: _Optional[int] = ..., agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+    slot_layouts: _containers.RepeatedCompositeFieldContainer[SlotLayout]
+    def __init__(self, version: _Optional[int] = ..., rank: _Optional[int] = ..., agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ..., generation: _Optional[int] = ..., slot_layouts: _Optional[_Iterable[_Union[SlotLayout, _Mapping]]] = ...) -> None: ...
+
+class SlotLayout(_message.Message):
+    __slots__ = ("slot", "agent", "parameters")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    agent: SourceAgent
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterRecord]
+    def __init__(self, slot: _Optional[int] = ..., agent: _Optional[_Union[SourceAgent, _Mapping]] = ..., parameters: _Optional[_Iterable[_Union[ParameterRecord, _Mapping]]] = ...) -> None: ...
 
 class PublishShardsResponse(_message.Message):
     __slots__ = ("visible",)

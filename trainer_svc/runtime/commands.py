@@ -79,6 +79,15 @@ class ExportHF:
 
 
 @dataclass(frozen=True)
+class PublishStart:
+    """The weights the trainer started with, published as its first version
+    (`RefitConfig.publish_start`): receivers started before the first step have a version to
+    install, and their first refit's set-up is behind them when the steps come."""
+
+    slot: Reservation | None = None
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -92,5 +101,6 @@ Command = (
     | SaveCheckpoint
     | LoadCheckpoint
     | ExportHF
+    | PublishStart
     | Shutdown
 )

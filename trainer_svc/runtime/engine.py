@@ -223,6 +223,13 @@ class StepEngine:
                 self.checkpointer.check_savable(path)
             case cmd.ExportHF(path=path):
                 self.checkpointer.check_exportable(path)
+            case cmd.PublishStart():
+                if self.weights_version != 0 or self.publisher is None:
+                    raise FailedPrecondition(
+                        "the start-up weights are published as the first version, before any "
+                        f"other (this trainer is at version {self.weights_version}"
+                        f"{'' if self.publisher is not None else ' and publishes nothing'})"
+                    )
         return None
 
     def projected_answer(self, command: cmd.BeginStep | cmd.TrainMicrobatch) -> Any:
@@ -248,9 +255,10 @@ class StepEngine:
 
     def prepare(self, command: cmd.Command) -> cmd.Command:
         """Rank 0, after precheck: reserves the refit slot of the version a checkpoint load,
-        or a finish that publishes (`RefitConfig.publish_every`), will make, before any rank
-        changes anything (a refusal leaves the trainer unchanged)."""
-        if not isinstance(command, cmd.FinishStep | cmd.LoadCheckpoint) or self.publisher is None:
+        or a finish that publishes (`RefitConfig.publish_every`), or the start-up weights' will
+        make, before any rank changes anything (a refusal leaves the trainer unchanged)."""
+        publishing = cmd.FinishStep | cmd.LoadCheckpoint | cmd.PublishStart
+        if not isinstance(command, publishing) or self.publisher is None:
             return command
         if isinstance(command, cmd.FinishStep) and not self.publisher.publishes(
             self.weights_version + 1
@@ -346,6 +354,10 @@ class StepEngine:
                 return self.checkpointer.export_hf(
                     path, self.training, weights_version=self.weights_version, settings=settings
                 )
+            case cmd.PublishStart(slot=slot):
+                self.weights_version += 1
+                self._publish(slot)
+                return self.weights_version
             case cmd.Shutdown():
                 return None
         raise TypeError(f"unknown command {command!r}")

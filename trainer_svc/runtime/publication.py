@@ -122,6 +122,8 @@ class Publisher:
     _ahead_suspect: bool = False
     """A problem was seen since the reservation ahead was made: the sidecar may have lost it
     (a restart), so the step reserves again instead of trusting it."""
+    _described: int = 0
+    """The registration (generation) that this rank's slots' layouts were last reported in."""
 
     def __post_init__(self) -> None:
         self._addresses = tuple(p.data_ptr() for p in self.parameters.values())
@@ -387,7 +389,13 @@ class Publisher:
             copy_done = time.perf_counter()
             request = self.slots[slot].request(version, generation, self.stream)
             summed = time.perf_counter()
-            visible = self._report(request, deadline)
+            if generation != self._described:
+                request.slot_layouts.extend(self._layouts(slot))
+            try:
+                visible = self._report(request, deadline)
+            finally:
+                request.ClearField("slot_layouts")
+            self._described = generation
             self.problem = None
             log.debug(
                 "refit: version %d reported (copy waited %.3f ms, checksums %.3f ms, "
@@ -407,6 +415,17 @@ class Publisher:
             return
         if self.topology.is_leader:
             self._follow(version, visible, deadline)
+
+    def _layouts(self, reported: int) -> list[pb.SlotLayout]:
+        """This rank's other slots as their reports describe them: with the first report of a
+        registration, so that the sidecar knows where every slot's versions will lie and
+        gives receivers that lease one early a layout to plan (the first version into each
+        slot read behind the copy, like the later ones)."""
+        return [
+            pb.SlotLayout(slot=index, agent=slot.report.agent, parameters=slot.report.parameters)
+            for index, slot in enumerate(self.slots)
+            if index != reported
+        ]
 
     def _report(self, request: pb.PublishShardsRequest, deadline: float) -> bool:
         """Sends the report until the sidecar takes it, refuses it for good (`_DEFINITIVE`),

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_hf.spec import ModelSpec, padded_vocab_size
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
 from trainer_svc.config import Device, TrainerConfig
+from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime import cpu_compat, determinism, host_memory
 from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
@@ -243,6 +244,8 @@ async def _serve(
     engine: StepEngine, info: ServiceInfo, config: TrainerConfig, monitor: PeerMonitor
 ) -> None:
     leader = Leader(engine)
+    if config.refit.publish_start and engine.publisher is not None:
+        await _publish_start(leader)
     running = await create_server(leader, info, config.server)
     lost = _lost_rank(monitor)
     log.info(
@@ -269,6 +272,17 @@ async def _serve(
     log.info("shutting down (%s)", stop.result().name)
     await running.stop(config.server.grace_seconds)
     await leader.shutdown()
+
+
+async def _publish_start(leader: Leader) -> None:
+    """The start-up weights as version 1, before any request can come; a failure (the sidecar
+    unreachable) leaves the trainer serving at version 0, as without the setting."""
+    try:
+        version = await leader.submit(cmd.PublishStart())
+    except Exception as e:
+        log.warning("refit: the start-up weights are not published: %s", e)
+    else:
+        log.info("refit: the start-up weights are version %d", version)
 
 
 def _lost_rank(monitor: PeerMonitor) -> asyncio.Future[PeerLost]:

@@ -112,6 +112,9 @@ spec:
         - --log-level={{ $t.logLevel }}
         {{- if $v.sidecar.enabled }}
         - --sidecar={{ include "trainer-refit.masterAddr" $root }}:{{ $v.sidecar.port | int }}
+        {{- if $t.publishStart }}
+        - --refit-publish-start
+        {{- end }}
         {{- end }}
         {{- include "trainer-refit.trainerAuthArgs" $root | nindent 8 }}
         {{- include "trainer-refit.trainerPlacementArgs" $root | nindent 8 }}
