@@ -4,6 +4,9 @@
 # scripts/gpu_wheelhouse.py in .whl. Results (JSON) and logs go to $OUT (default ./runs).
 #   install     refit_install, 1b, checksums on: pulled into the model's tensors (in place),
 #               and copied in after the pull
+#   first-refit refit_install, 1b: a receiver that installs the trainer's start-up version
+#               (--publish-start) and then refits every step, its first refit against its
+#               steady ones; beside the same run without a start-up version
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
 #               steps (--not-before-readable --install copy)
 #   install-nc  refit_install, 1b, checksums off
@@ -73,6 +76,14 @@ for group in "$@"; do
         run install-1b-copy python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --install copy \
             --out "$OUT/refit_install_1b_copy.json" --log-dir $logs/install-1b-copy
+        ;;
+    first-refit)
+        run first-refit-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \
+            --dest-gpu 1 --publish-start --warmup 0 --steps 12 \
+            --out "$OUT/refit_install_1b_first.json" --log-dir $logs/first-refit-1b
+        run first-refit-1b-cold python3 -m benchmarks.refit_install --preset 1b --device cuda \
+            --dest-gpu 1 --steps 12 \
+            --out "$OUT/refit_install_1b_cold.json" --log-dir $logs/first-refit-1b-cold
         ;;
     step-tail)
         for round in ${STEP_ROUNDS:-1 2}; do
