@@ -850,7 +850,13 @@ def build_parser() -> argparse.ArgumentParser:
         shape.add_argument(f"--{key.replace('_', '-')}", type=int)
     run = p.add_argument_group("run")
     run.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    run.add_argument("--dest-gpu", type=int, default=1, help="the receiver's GPU (the trainer: 0)")
+    run.add_argument(
+        "--dest-gpu",
+        type=int,
+        default=1,
+        help="the receiver's GPU (the trainer: 0); 0 shares the trainer's GPU (a one-GPU host: "
+        "its figures compare only with a baseline of the same placement)",
+    )
     run.add_argument(
         "--params-dtype", choices=_DTYPES, help="default: bfloat16 on cuda, else float32"
     )
@@ -974,8 +980,6 @@ def resolve(args: argparse.Namespace) -> RunConfig:
             "--steps and --slots must be >= 1, and --warmup too unless --publish-start (the "
             "first refit sets the receiver up)"
         )
-    if config.cuda and config.dest_gpu == 0:
-        raise SystemExit("--dest-gpu must not be 0: the trainer's rank uses GPU 0")
     return config
 
 

@@ -6,7 +6,8 @@
 #               and copied in after the pull
 #   first-refit refit_install, 1b: a receiver that installs the trainer's start-up version
 #               (--publish-start) and then refits every step, its first refit against its
-#               steady ones; beside the same run without a start-up version
+#               steady ones; beside the same run without a start-up version ($DEST_GPU: the
+#               receiver's GPU, default 1; 0 on a one-GPU host)
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
 #               steps (--not-before-readable --install copy)
 #   install-nc  refit_install, 1b, checksums off
@@ -79,10 +80,10 @@ for group in "$@"; do
         ;;
     first-refit)
         run first-refit-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \
-            --dest-gpu 1 --publish-start --warmup 0 --steps 12 \
+            --dest-gpu "${DEST_GPU:-1}" --publish-start --warmup 0 --steps 12 \
             --out "$OUT/refit_install_1b_first.json" --log-dir $logs/first-refit-1b
         run first-refit-1b-cold python3 -m benchmarks.refit_install --preset 1b --device cuda \
-            --dest-gpu 1 --steps 12 \
+            --dest-gpu "${DEST_GPU:-1}" --steps 12 \
             --out "$OUT/refit_install_1b_cold.json" --log-dir $logs/first-refit-1b-cold
         ;;
     step-tail)
