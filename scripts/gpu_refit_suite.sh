@@ -8,6 +8,9 @@
 #               (--publish-start) and then refits every step, its first refit against its
 #               steady ones; beside the same run without a start-up version ($DEST_GPU: the
 #               receiver's GPU, default 1; 0 on a one-GPU host)
+#   colocated   refit_install, 1b, the receiver on the trainer's GPU (one GPU is enough): reads
+#               over CUDA IPC (the agents' default), then with UCX's own choice
+#               (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto: no GET without NVLink, so through TCP)
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
 #               steps (--not-before-readable --install copy)
 #   install-nc  refit_install, 1b, checksums off
@@ -77,6 +80,15 @@ for group in "$@"; do
         run install-1b-copy python3 -m benchmarks.refit_install --preset 1b \
             --device cuda --dest-gpu 1 --install copy \
             --out "$OUT/refit_install_1b_copy.json" --log-dir $logs/install-1b-copy
+        ;;
+    colocated)
+        run colocated-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \
+            --dest-gpu 0 --out "$OUT/refit_install_1b_colocated.json" \
+            --log-dir $logs/colocated-1b
+        UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto run colocated-1b-ucx-auto python3 -m \
+            benchmarks.refit_install --preset 1b --device cuda --dest-gpu 0 --steps 3 \
+            --out "$OUT/refit_install_1b_colocated_ucx_auto.json" \
+            --log-dir $logs/colocated-1b-ucx-auto
         ;;
     first-refit)
         run first-refit-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \

@@ -10,7 +10,8 @@ NIXL 1.5.1 offers no way to pass a TCP device: its `device_list` backend paramet
 RDMA port number to each name, and its `ucx_devices` parameter leaves the TCP listeners on every
 interface (both checked here). UCX reads `UCX_NET_DEVICES` from the environment when the
 backend is created, so `create_ucx_backend` sets it for that call only and then restores it
-(the environment is the process's: agents are created one at a time, from one thread).
+(the environment is the process's: agents are created one at a time, from one thread), with
+the UCX defaults of `_UCX_DEFAULTS`.
 NIXL's own metadata listener takes a port but no address and binds every interface; the
 sources here publish their metadata through the sidecar instead, and pullers start that
 listener only when asked (`NixlConfig.metadata_listener`).
@@ -33,6 +34,12 @@ from typing import Any
 _SIOCGIFADDR = 0x8915
 """Linux ioctl: an interface's (primary) IPv4 address."""
 _UCX_NET_DEVICES = "UCX_NET_DEVICES"
+_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+"""UCX settings every agent here is created with, unless the environment sets them. UCX turns
+one-sided reads (GET) over CUDA IPC off where it finds no NVLink between the GPUs, and the two
+processes of one GPU (a trainer and an inference engine colocated) have none: their reads then
+go through TCP, thousands of times slower than a device copy (docs/refit.md, "Colocated on one
+GPU"). Every read of a refit is a GET."""
 _BACKEND_PARAMS = {"ucx_error_handling_mode": "peer"}
 """A source that dies mid-transfer raises NIXL_ERR_REMOTE_DISCONNECT instead of hanging."""
 
@@ -108,24 +115,33 @@ def interface_of(host: str) -> str:
 
 
 @contextlib.contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    if value is None:
-        yield
-        return
-    before = os.environ.get(name)
-    os.environ[name] = value
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in the process's environment for the block, then what was there before."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def ucx_settings(network: NixlNetwork) -> dict[str, str]:
+    """The UCX environment an agent on `network` is created with: its devices, and the
+    defaults the environment does not set already."""
+    settings = {k: v for k, v in _UCX_DEFAULTS.items() if k not in os.environ}
+    devices = network.ucx_net_devices()
+    if devices is not None:
+        settings[_UCX_NET_DEVICES] = devices
+    return settings
 
 
 def create_ucx_backend(agent: Any, network: NixlNetwork) -> None:
-    """Creates `agent`'s UCX backend on `network`'s devices."""
-    with _environment(_UCX_NET_DEVICES, network.ucx_net_devices()):
+    """Creates `agent`'s UCX backend on `network`'s devices (`ucx_settings`)."""
+    with _environment(ucx_settings(network)):
         agent.create_backend("UCX", dict(_BACKEND_PARAMS))
 
 

@@ -10,10 +10,13 @@ verified, or when the ranks' version words still name the version after the pull
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
+
+import grpc
 
 from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.memory.region import Region
@@ -24,6 +27,8 @@ from refit_sidecar.pull.progress import HostWords, Words
 from refit_sidecar.pull.puller import P, PlanBook, Planned, Progress, Pulled
 from refit_sidecar.pull.trace import PullTrace
 from refit_sidecar.service.client import SidecarClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +73,14 @@ class DirectPuller:
     def lease(self, version: int, *, wait_s: float) -> Leased:
         ahead = self._leasing.ahead.take(version)
         sums = self._leasing.ahead.take_checksums()
+        # The checksums asked beside a lease granted before the version was readable lost
+        # their sidecar: it went away (a restart forgets leases and reservations, and the
+        # trainer may publish the version into another slot). Lease anew.
+        error = sums.exception() if sums is not None and sums.done() else None
+        died = isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        if ahead is not None and ahead.pending and died:
+            log.info("version %d: the lease asked ahead died with its sidecar", version)
+            ahead = sums = None
         return self._leasing.hold(version, ahead, wait_s=wait_s, checksums=sums)
 
     def plan(self, leased: Leased, book: PlanBook[P], *, wait_s: float) -> Planned[P]:

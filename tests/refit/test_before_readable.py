@@ -65,6 +65,9 @@ class _Answered:
     def answered(self) -> bool:
         return self._error is None
 
+    def exception(self, timeout: float | None = None) -> Exception | None:
+        return self._error
+
     def cancel(self) -> bool:
         return False
 

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from refit_sidecar.core.network import NixlNetwork, interface_addresses, interface_of
+from refit_sidecar.core.network import (
+    NixlNetwork,
+    create_ucx_backend,
+    interface_addresses,
+    interface_of,
+)
 from refit_sidecar.memory.host_arena import HostArena
 from refit_sidecar.publish.shard_source import SourceAgent, SourceConfig
 from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
@@ -140,3 +145,27 @@ def test_trainer_flags_choose_the_nixl_network(capsys: pytest.CaptureFixture[str
         parse_config(["--nixl-host", "trainer-0", "--insecure"])
     assert info.value.code == 2
     assert "must be an IP address" in capsys.readouterr().err
+
+
+def test_agents_are_created_with_cuda_ipc_reads_on_unless_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """UCX turns GETs over CUDA IPC off without NVLink (two processes on one GPU): every
+    agent is created with them on and its devices set, the environment restored after; a
+    value the environment sets wins."""
+    names = ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "UCX_NET_DEVICES")
+    seen: dict[str, str | None] = {}
+
+    class Agent:
+        def create_backend(self, backend: str, params: dict[str, str]) -> None:
+            seen.update({name: os.environ.get(name) for name in names})
+
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    create_ucx_backend(Agent(), NixlNetwork(host="127.0.0.1"))
+    assert seen == {names[0]: "y", names[1]: interface_of("127.0.0.1")}
+    assert not any(name in os.environ for name in names)
+    monkeypatch.setenv(names[0], "n")
+    create_ucx_backend(Agent(), NixlNetwork())
+    assert seen == {names[0]: "n", names[1]: None}
+    assert os.environ[names[0]] == "n"

@@ -164,9 +164,11 @@ class Publisher:
         client = SidecarClient(sidecar, auth=auth)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if stream is not None:
-            # Compiles the checksum kernel now, not in the first version's report.
+            # Compiles the checksum kernel and lays out every slot's tables now, not in the
+            # report of the first version into each slot.
             with torch.cuda.stream(stream):
-                filled[0].source.device_sums()
+                for slot in filled:
+                    slot.source.device_sums()
         publisher = cls(
             client,
             filled,
