@@ -375,13 +375,24 @@ class SidecarClient:
 
     def pending_manifest(self, version: int) -> tuple[Manifest, bytes]:
         """The layout of `version`, reserved and not readable yet (`Manifest.pending`: where
-        its shards and words will lie, no checksums), and its manifest key; a readable
-        version's manifest and key. UnknownVersion when the sidecar does not know the layout
-        (or is older than the field)."""
+        its shards and words will lie), and its manifest key; a readable version's manifest
+        and key. A pending layout's shards carry a placeholder (0) of the checksum the
+        trainer publishes for their memory (CRC-32 on the host, WSUM-64 on a GPU), so that a
+        plan of it knows which reads its check covers; the values come with the version.
+        UnknownVersion when the sidecar does not know the layout (or is older than the
+        field)."""
         request = pb.GetManifestRequest(version=version, reserved=True)
         reply = self._call(self._stub.GetManifest, request)
-        reply.pending = False  # not part of the layout's key
-        return manifest_from_proto(reply), manifest_key(reply)
+        pending, reply.pending = reply.pending, False  # not part of the layout's key
+        key = manifest_key(reply)
+        if pending:
+            for parameter in reply.parameters:
+                for shard in parameter.shards:
+                    if shard.location.memory == pb.MEMORY_KIND_VRAM:
+                        shard.wsum64 = 0
+                    else:
+                        shard.crc32 = 0
+        return manifest_from_proto(reply), key
 
     def checksums(self, version: int) -> dict[str, tuple[Checksums, ...]]:
         """Per parameter, the checksums of each shard of a readable version: what a replayed

@@ -449,10 +449,15 @@ def test_a_slot_the_trainer_described_is_leased_early_with_its_layout(tmp_path):
         assert reserve(2) == 1
         lease = asked.result(timeout=10)
         assert lease.pending and lease.checksums is None and lease.manifest_key
+        raw = sidecar.stub(Role.RECEIVER).GetManifest(
+            pb.GetManifestRequest(version=2, reserved=True)
+        )
+        assert raw.pending and not raw.parameters[0].shards[0].HasField("crc32")
         manifest, key = client.pending_manifest(2)
         assert key == lease.manifest_key and manifest.version == 2
         (shard,) = manifest.parameters[0].shards
-        assert shard.location.address == 4096 * 2 and shard.crc32 is None
+        # Where slot 1's shard lies, with a placeholder of the checksum its memory gets.
+        assert shard.location.address == 4096 * 2 and (shard.crc32, shard.sum64) == (0, None)
         with pytest.raises(UnknownVersion):
             client.manifest(2)  # not readable: only asked for as reserved
         _publish_one_tensor(stub, 2, 1, crc=22)
