@@ -206,7 +206,7 @@ class Receiver:
             raise ValueError(f"wait_s must be a non-negative number of seconds, got {wait_s!r}")
         self._puller.expect(version, wait_s=wait)
         if not self.options.fanout.enabled:
-            self._plans.prepare(version)
+            self._plans.prepare_ahead(version)
 
     def fetch(
         self,

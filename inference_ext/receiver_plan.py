@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 _KNOWN_MANIFESTS = 16
 """Plans kept by manifest key: one per snapshot slot of the trainers met lately."""
+_HELD_IN_A_ROW = 4
+"""Layouts asked about ahead and found held, in a row, after which `prepare_ahead` stops
+asking (more than a trainer's usual slots: 2)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,8 @@ class ReceiverPlans:
         self._by_layout: dict[str, ReceiverPlan] = {}
         self._by_manifest_key: OrderedDict[bytes, tuple[ReceiverPlan, Order]] = OrderedDict()
         """Plans by manifest key, with the manifest's (parameter, shards) order."""
+        self._held_in_a_row = 0
+        """Layouts `prepare` found held already, since it last planned one."""
 
     def planned(self, lease: Lease) -> Planned[ReceiverPlan]:
         """The leased version's plan: a version whose manifest key this receiver has met (the
@@ -168,6 +173,14 @@ class ReceiverPlans:
             return None
         return self.held(lease.manifest_key)  # None: the slot's layout changed since the lease
 
+    def prepare_ahead(self, version: int) -> None:
+        """`prepare`, when asking for a version ahead, until the layouts asked about were
+        held already `_HELD_IN_A_ROW` times in a row (every slot of the trainer met): from
+        then on a version costs no manifest, and a layout not met (another trainer) is planned
+        by its fetch (`layout`)."""
+        if self._held_in_a_row < _HELD_IN_A_ROW:
+            self.prepare(version)
+
     def prepare(self, version: int) -> bool:
         """Before `version` is readable: plans the layout the sidecar gives for it
         (`SidecarClient.pending_manifest`) unless a plan for that layout's key is held; whether
@@ -175,7 +188,10 @@ class ReceiverPlans:
         reserved) or cannot be asked, or the layout does not fit (the fetch then finds out)."""
         try:
             manifest, key = self._client.pending_manifest(version)
-            if key not in self._by_manifest_key:
+            if key in self._by_manifest_key:
+                self._held_in_a_row += 1
+            else:
+                self._held_in_a_row = 0
                 plan, _ = self._plan(manifest)
                 order = tuple((p.name, len(p.shards)) for p in manifest.parameters)
                 self._hold(key, plan, order)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference_ext.receiver import TORCH_DTYPES
-from inference_ext.receiver_plan import HFSlice, ReceiverPlan, plan_receiver
+from inference_ext.receiver_plan import HFSlice, ReceiverPlan, ReceiverPlans, plan_receiver
 from inference_ext.slices import ReceiverLayout, hf_slice, vocab_rows
 from megatron_hf.convert import VOCAB_PADDED, hf_names, hf_to_megatron
 from megatron_hf.sharding import stage_of, tp_placement
@@ -21,6 +21,7 @@ from refit_sidecar.core.manifest import Box, Manifest
 from refit_sidecar.core.plan import PullPlan, UnsupportedRequest, layout_key, rebase
 from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.transport import InMemoryTransport, SourceLost
+from refit_sidecar.service.client import Lease
 from tests.inference.conftest import Tiny
 from tests.inference.publish import Published, publish
 
@@ -379,3 +380,46 @@ def test_staging_follows_the_order_of_the_slots(tiny: Models, tp: int) -> None:
     assert first[embedding] == min(first.values()) and last[embedding] == max(last.values())
     contiguous = [[s.contiguous for s in p.slices] for p in plans.values()]
     assert contiguous[0] == contiguous[1] and sum(contiguous[0]) == len(hf_names(spec))
+
+
+def test_asking_ahead_plans_each_slots_layout_once_then_stops_asking(tiny: Models) -> None:
+    """`ReceiverPlans.prepare_ahead` plans a layout it has not met from the sidecar's pending
+    manifest, and stops asking once the layouts asked about were held four times in a row;
+    `layout` still plans one not met (its fetch). A stand-in for the sidecar counts the
+    calls; `test_before_readable.py` runs the real path."""
+    model = tiny("llama_gqa")
+    spec = model.spec
+    slots = [publish(_megatron(model, 1), spec, tp=1, slot=s).manifest for s in range(3)]
+    asked: list[int] = []
+
+    def key(slot: int) -> bytes:
+        return f"{layout_key(slots[slot])}/{slot}".encode()
+
+    class Sidecar:
+        slot = 0
+
+        def pending_manifest(self, version: int) -> tuple[Manifest, bytes]:
+            asked.append(version)
+            return slots[self.slot], key(self.slot)
+
+    sidecar = Sidecar()
+    plans = ReceiverPlans(
+        sidecar,  # type: ignore[arg-type]
+        spec,
+        ReceiverLayout(),
+        hf_names(spec),
+        verify=False,
+    )
+    for version in range(1, 10):
+        sidecar.slot = version % 2
+        plans.prepare_ahead(version)
+    assert asked == [1, 2, 3, 4, 5, 6]  # two layouts planned, then held four times in a row
+    assert plans.held(key(0)) and plans.held(key(1))
+    sidecar.slot = 2
+    plans.prepare_ahead(10)
+    assert asked[-1] == 6 and plans.held(key(2)) is None  # no longer asked ahead
+    lease = Lease("id", 10, 30.0, manifest_key=key(2), receiver_id="r", pending=True)
+    held = plans.layout(lease)
+    first = plans.held(key(0))
+    assert held is not None and held == plans.held(key(2)) and first is not None
+    assert held[0].pull.bytes_read == first[0].pull.bytes_read
