@@ -38,8 +38,8 @@ _UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 """UCX settings every agent here is created with, unless the environment sets them. UCX turns
 one-sided reads (GET) over CUDA IPC off where it finds no NVLink between the GPUs, and the two
 processes of one GPU (a trainer and an inference engine colocated) have none: their reads then
-go through TCP, thousands of times slower than a device copy (docs/refit.md, "Colocated on one
-GPU"). Every read of a refit is a GET."""
+go through TCP, staged through the host (docs/refit.md, "Colocated on one GPU"; the results
+page has the cost). Every read of a refit is a GET."""
 _BACKEND_PARAMS = {"ucx_error_handling_mode": "peer"}
 """A source that dies mid-transfer raises NIXL_ERR_REMOTE_DISCONNECT instead of hanging."""
 

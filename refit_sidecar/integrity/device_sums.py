@@ -185,17 +185,25 @@ def device_group_sums(
 
 
 def warm_up(device: torch.device) -> None:
-    """Compile and load both variants of the kernel on `device` now, so that a receiver's
-    first check does not (Triton compiles on first launch); checks the sums against the host
-    reference while at it. Nothing off CUDA."""
-    if device.type != "cuda" or _kernel() is None:
+    """Compile and load the kernel's variants on `device` now, so that a receiver's first
+    check does not (Triton compiles on first launch, one variant per kind of block and per
+    16-byte alignment of the tables' rows, which a part's first row may have or not); checks
+    the sums against the host reference while at it. Nothing off CUDA."""
+    kernel = _kernel()
+    if device.type != "cuda" or kernel is None:
         return
-    units = 2 * wsum.BLOCK + 3  # a whole aligned block, then a partial one
+    units = 3 * wsum.BLOCK + 3  # three whole aligned blocks, then a partial one
     data = np.random.default_rng(0).integers(0, 256, size=units * wsum.UNIT, dtype=np.uint8)
     plan = wsum.SumPlan.of([0], [data.nbytes], [0], [0], 1)
-    got = group_sums(torch.from_numpy(data).to(device), plan)
-    if not np.array_equal(got, plan.reference(data)):
+    buffer = torch.from_numpy(data).to(device)
+    if not np.array_equal(group_sums(buffer, plan), plan.reference(data)):
         raise RuntimeError(f"the WSUM-64 kernel disagrees with the host reference on {device}")
+    blocks, _, full = _tables(plan, device)
+    partial = torch.empty(len(plan.blocks), dtype=torch.int64, device=device)
+    for first in (0, 1):  # rows starting on 16 bytes, and not
+        for whole in (True, False):
+            _launch(kernel, buffer.view(torch.int16), blocks[first:full], partial[first:], whole)
+    torch.cuda.synchronize(device)
 
 
 def _torch_blocks(units: torch.Tensor, plan: wsum.SumPlan) -> torch.Tensor:

@@ -327,16 +327,16 @@ class RefitServicer(pb_grpc.RefitServiceServicer):
         shape = self.registry.trainer
         assert shape is not None  # the report was taken
         for layout in request.slot_layouts:
+            if layout.slot in self._slot_keys:
+                continue  # a version was readable there: its manifest says it all
             ranks = self._slot_layouts.setdefault(layout.slot, {})
             ranks[request.rank] = layout
-            if len(ranks) < shape.world_size or layout.slot in self._slot_keys:
-                continue
-            described = self._merged(
-                0, [(ranks[r].agent, ranks[r].parameters) for r in sorted(ranks)]
-            )
-            self._slot_manifests[layout.slot] = described
-            self._slot_keys[layout.slot] = manifest_key(described)
-            del self._slot_layouts[layout.slot]
+            if len(ranks) == shape.world_size:
+                del self._slot_layouts[layout.slot]
+                reports = [(ranks[r].agent, ranks[r].parameters) for r in sorted(ranks)]
+                described = self._merged(0, reports)
+                self._slot_manifests[layout.slot] = described
+                self._slot_keys[layout.slot] = manifest_key(described)
 
     def _check_report(self, request: pb.PublishShardsRequest) -> None:
         """A rank's report parses and names only its own memory (`wire.partial_from_request`),

@@ -224,11 +224,10 @@ class StepEngine:
             case cmd.ExportHF(path=path):
                 self.checkpointer.check_exportable(path)
             case cmd.PublishStart():
-                if self.weights_version != 0 or self.publisher is None:
+                if self.publisher is None or self.weights_version != 0:
                     raise FailedPrecondition(
-                        "the start-up weights are published as the first version, before any "
-                        f"other (this trainer is at version {self.weights_version}"
-                        f"{'' if self.publisher is not None else ' and publishes nothing'})"
+                        "the start-up weights are published by a trainer with a sidecar, as its "
+                        f"first version; this one is at version {self.weights_version}"
                     )
         return None
 
