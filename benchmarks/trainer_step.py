@@ -29,8 +29,11 @@ Warm-up steps run first and are not counted. The modes alternate over ``--repeat
 order in even repeats, reversed in odd ones), each run in a fresh process, so drift of the
 machine falls on all of them.
 
-Tokens/s counts every token sent (microbatches x sequences x sequence length per step); the
-trained (predicted) tokens are one fewer per sequence and are reported too.
+Tokens/s counts every token sent (the sum of the step's sequence lengths); the trained
+(predicted) tokens are one fewer per sequence and are reported too. ``--length-mix MIN:MAX``
+draws the lengths uniformly, as RL rollouts come, and ``--sequence-layouts packed,padded`` runs
+every mode with the trainer's sequences packed into one row and right-padded, giving the
+tokens/s ratio of the two on the same steps (padding is computed but never counted).
 
 The services run as deployed, with authentication on (`tokens_for`: a fresh bearer token per role
 under the run's work dir, as ``examples.local_stack`` does); the trainer's path root is
@@ -38,6 +41,8 @@ its own directory beside them (`trainer_root`).
 
     python -m benchmarks.trainer_step --preset 1b --out results.json          # GPU, ~1B model
     python -m benchmarks.trainer_step --preset tiny --device cpu --out /tmp/r.json   # CPU smoke
+    python -m benchmarks.trainer_step --preset 1b --modes inprocess \
+        --sequence-layouts packed,padded --length-mix 64:4096 --out packing.json
 """
 
 from __future__ import annotations
@@ -185,18 +190,31 @@ def write_model(path: Path, args: argparse.Namespace) -> Path:
 
 
 def make_batches(plan: dict[str, Any]) -> list[Any]:
-    """k microbatches of `seqs` random sequences of `seq_len` tokens; every token but each
-    sequence's first is trained on. Deterministic in plan["seed"]."""
+    """k microbatches of `seqs` random sequences of `seq_len` tokens, or with a length mix
+    (MIN, MAX) of lengths drawn uniformly from MIN..MAX, as RL rollouts come; every token but
+    each sequence's first is trained on. Deterministic in plan["seed"]."""
     rng = np.random.default_rng(plan["seed"])
-    n, length = plan["seqs_per_microbatch"], plan["seq_len"]
+    n = plan["seqs_per_microbatch"]
+    mix = plan.get("length_mix")
     batches = []
     for _ in range(plan["microbatches"]):
-        tokens = rng.integers(0, plan["vocab"], size=n * length, dtype=np.int64)
-        offsets = np.arange(0, n * length + 1, length, dtype=np.int64)
-        mask = np.ones(n * length, dtype=bool)
+        if mix:
+            lengths = rng.integers(mix[0], mix[1] + 1, size=n, dtype=np.int64)
+        else:
+            lengths = np.full(n, plan["seq_len"], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        tokens = rng.integers(0, plan["vocab"], size=int(offsets[-1]), dtype=np.int64)
+        mask = np.ones(len(tokens), dtype=bool)
         mask[offsets[:-1]] = False
         batches.append(SequenceBatch(tokens=tokens, offsets=offsets, loss_mask=mask))
     return batches
+
+
+def step_tokens(plan: dict[str, Any]) -> tuple[int, int]:
+    """Tokens sent per step, and the trained (predicted) ones: one fewer per sequence."""
+    batches = make_batches(plan)
+    sent = sum(b.num_tokens for b in batches)
+    return sent, sent - sum(b.num_sequences for b in batches)
 
 
 def data_checksum(batches: list[Any]) -> int:
@@ -748,14 +766,16 @@ def conversion_costs(plan: dict[str, Any], repeats: int = 30) -> dict[str, float
 # -- summary --------------------------------------------------------------------------------------
 
 
+def variant(mode: str, layout: str, layouts: list[str]) -> str:
+    """A run's name in the summary: its mode, and its sequence layout when several are run."""
+    return mode if len(layouts) == 1 else f"{mode}-{layout}"
+
+
 def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
-    tokens = plan["microbatches"] * plan["seqs_per_microbatch"] * plan["seq_len"]
-    trained = plan["microbatches"] * plan["seqs_per_microbatch"] * (plan["seq_len"] - 1)
+    tokens, trained = step_tokens(plan)
     modes: dict[str, Any] = {}
-    for mode in MODES:
-        mine = [r for r in runs if r["mode"] == mode]
-        if not mine:
-            continue
+    for mode in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == mode]
         timed = [s for r in mine for s in r["records"] if not s["warmup"]]
         seconds = [s["seconds"] for s in timed]
         median = statistics.median(seconds)
@@ -781,10 +801,16 @@ def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any
         tokens_per_step=tokens, trained_tokens_per_step=trained, modes=modes
     )
     summary["reproducibility"] = reproducibility(runs)
+    # The same steps with the sequences packed into one row against right-padded rows.
+    summary["packed_over_padded"] = {
+        mode: modes[f"{mode}-packed"]["tokens_per_s"] / modes[f"{mode}-padded"]["tokens_per_s"]
+        for mode in MODES
+        if f"{mode}-packed" in modes and f"{mode}-padded" in modes
+    }
     if "inprocess" not in modes:
         return summary
     base = modes["inprocess"]
-    base_run = next(r for r in runs if r["mode"] == "inprocess")
+    base_run = next(r for r in runs if r["variant"] == "inprocess")
     peaks = [r["matmul_tflops"] for r in runs if r.get("matmul_tflops")]
     if peaks:
         summary["matmul_peak_tflops"] = max(peaks)
@@ -794,7 +820,7 @@ def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any
     for mode in [m for m in modes if m != "inprocess"]:
         m = modes[mode]
         # Same seed, same data, same commands: every mode should train identically.
-        run = next(r for r in runs if r["mode"] == mode)
+        run = next(r for r in runs if r["variant"] == mode)
         overhead_ms = 1e3 * (m["step_s_median"] - base["step_s_median"])
         summary["against_inprocess"][mode] = dict(
             ratio=m["tokens_per_s"] / base["tokens_per_s"],
@@ -816,11 +842,16 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
     print(
         f"model: {meta['num_parameters'] / 1e9:.3f}B parameters, {meta['params_dtype']}, "
         f"{meta['device']}; step = {meta['microbatches']} microbatches x "
-        f"{meta['seqs_per_microbatch']} seqs x {meta['seq_len']} tokens = "
-        f"{summary['tokens_per_step']} tokens"
+        f"{meta['seqs_per_microbatch']} seqs x "
+        + (
+            f"{meta['length_mix'][0]}-{meta['length_mix'][1]} tokens"
+            if meta.get("length_mix")
+            else f"{meta['seq_len']} tokens"
+        )
+        + f" = {summary['tokens_per_step']} tokens ({summary['trained_tokens_per_step']} trained)"
     )
     header = (
-        f"{'mode':<14} {'runs':>4} {'steps':>5} {'step s (median)':>16} {'tokens/s':>10} "
+        f"{'mode':<22} {'runs':>4} {'steps':>5} {'step s (median)':>16} {'tokens/s':>10} "
         f"{'tokens/s per run':>22} {'mb call ms':>10} {'finish ms':>9} {'startup s':>10}"
     )
     print(header)
@@ -829,7 +860,7 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
         each = ", ".join(f"{v:.0f}" for v in m["tokens_per_s_each_run"])
         startup = ", ".join(f"{v:.0f}" for v in m["startup_s"])
         print(
-            f"{mode:<14} {m['runs']:>4} {m['timed_steps']:>5} {m['step_s_median']:>16.4f} "
+            f"{mode:<22} {m['runs']:>4} {m['timed_steps']:>5} {m['step_s_median']:>16.4f} "
             f"{m['tokens_per_s']:>10.0f} {each:>22} {1e3 * m['microbatch_s_median']:>10.1f} "
             f"{1e3 * m['finish_s_median']:>9.1f} {startup:>10}"
         )
@@ -842,6 +873,8 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
                 f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in costs.items() if k.endswith("_ms")
             )
         )
+    for mode, ratio in summary.get("packed_over_padded", {}).items():
+        print(f"{mode}: packed/padded tokens/s (same tokens, same steps): {ratio:.3f}")
     for mode, c in summary.get("against_inprocess", {}).items():
         print(
             f"{mode}/inprocess tokens/s: {c['ratio']:.4f}; overhead "
@@ -921,6 +954,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the trainer's --attention (core attention kernel)",
     )
+    run.add_argument(
+        "--sequence-layouts",
+        default="auto",
+        help="comma-separated trainer --sequence-layout values, each run with every mode "
+        "(auto, packed, padded; default auto); packed,padded gives their tokens/s ratio",
+    )
+    run.add_argument(
+        "--length-mix",
+        metavar="MIN:MAX",
+        default=None,
+        help="sequence lengths drawn uniformly from MIN..MAX tokens (as RL rollouts come) "
+        "instead of all --seq-len; --seq-len becomes MAX",
+    )
     run.add_argument("--seq-len", type=int)
     run.add_argument("--seqs-per-microbatch", type=int)
     run.add_argument("--microbatches", type=int, help="microbatches per step (k)")
@@ -996,6 +1042,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.vocab = 101  # megatron_hf.tiny's character tokenizer
     if args.seq_len > args.max_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}")
+    if args.length_mix:
+        low, _, high = args.length_mix.partition(":")
+        args.length_mix = (int(low), int(high))
+        if not 2 <= args.length_mix[0] <= args.length_mix[1]:
+            raise SystemExit(f"--length-mix needs 2 <= MIN <= MAX, got {args.length_mix}")
+        args.seq_len = args.length_mix[1]
+        if args.seq_len > args.max_positions:
+            raise SystemExit(f"--length-mix MAX {args.seq_len} exceeds --max-positions")
+    args.layouts = [x.strip() for x in args.sequence_layouts.split(",") if x.strip()]
+    if not args.layouts or any(x not in ("auto", "packed", "padded") for x in args.layouts):
+        raise SystemExit("--sequence-layouts must be a subset of auto,packed,padded")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         raise SystemExit(f"--modes must be a subset of {','.join(MODES)}")
@@ -1027,6 +1084,8 @@ def _meta(
         peak_memory_gib_inprocess=inproc.get("peak_memory_gib"),
         versions=inproc.get("versions"),
         seq_len=args.seq_len,
+        length_mix=args.length_mix,
+        sequence_layouts=args.layouts,
         seqs_per_microbatch=args.seqs_per_microbatch,
         microbatches=args.microbatches,
         warmup=args.warmup,
@@ -1085,6 +1144,7 @@ def main(argv: list[str] | None = None) -> None:
             trainer_args=trainer_args,
             vocab=args.vocab,
             seq_len=args.seq_len,
+            length_mix=args.length_mix,
             seqs_per_microbatch=args.seqs_per_microbatch,
             microbatches=args.microbatches,
             warmup=args.warmup,
@@ -1098,32 +1158,39 @@ def main(argv: list[str] | None = None) -> None:
         log.info("trainer args: %s", " ".join(trainer_args))
         costs = conversion_costs(plan)
         log.info("host-side cost of one TrainMicrobatch: %s", costs)
+        variants = [(mode, layout) for layout in args.layouts for mode in args.modes]
         for repeat in range(args.repeats):
-            order = list(args.modes) if repeat % 2 == 0 else list(reversed(args.modes))
-            for mode in order:
-                log_path = log_dir / f"{mode}-run{repeat}.log"
+            order = variants if repeat % 2 == 0 else list(reversed(variants))
+            for mode, layout in order:
+                name = variant(mode, layout, args.layouts)
+                log_path = log_dir / f"{name}-run{repeat}.log"
                 log_path.unlink(missing_ok=True)
-                log.info("run %d: %s (log %s)", repeat, mode, log_path)
+                log.info("run %d: %s (log %s)", repeat, name, log_path)
                 started = time.perf_counter()
+                laid_out = dict(plan, trainer_args=[*trainer_args, "--sequence-layout", layout])
                 if mode.startswith("grpc"):
                     run = run_grpc(
-                        plan,
+                        laid_out,
                         work,
                         log_path,
                         auth=tokens.client(Role.ORCHESTRATOR),
                         pipelined=mode == "grpc-pipelined",
                     )
                 else:
-                    run = run_worker(mode, plan, work, log_path)
+                    run = run_worker(mode, laid_out, work, log_path)
                 run.update(
-                    repeat=repeat, position=order.index(mode), wall_s=time.perf_counter() - started
+                    variant=name,
+                    layout=layout,
+                    repeat=repeat,
+                    position=order.index((mode, layout)),
+                    wall_s=time.perf_counter() - started,
                 )
                 runs.append(run)
                 timed = [s["seconds"] for s in run["records"] if not s["warmup"]]
                 log.info(
                     "run %d %s: median step %.4f s, startup %.1f s",
                     repeat,
-                    mode,
+                    name,
                     statistics.median(timed),
                     run["startup_s"],
                 )

@@ -19,6 +19,7 @@ from trainer_svc.config import (
     ParamsDType,
     Recompute,
     RefitConfig,
+    SequenceLayout,
     ServerConfig,
     TrainerConfig,
     UpdateKernels,
@@ -49,6 +50,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=Recompute.NONE.value,
         help="activation recompute in the backward pass: none (default), selective (core "
         "attention) or full (every layer keeps only its input): memory for long sequences",
+    )
+    model.add_argument(
+        "--sequence-layout",
+        choices=[layout.value for layout in SequenceLayout],
+        default=SequenceLayout.AUTO.value,
+        help="packed: a pass's sequences back to back in one row, attention kept inside each, "
+        "no padding computed (needs the sdpa attention); padded: a row per sequence; auto "
+        "(default): packed where the attention allows",
     )
     model.add_argument(
         "--deterministic",
@@ -237,6 +246,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             params_dtype=ParamsDType(args.params_dtype),
             attention=Attention(args.attention),
             recompute=Recompute(args.recompute),
+            sequence_layout=SequenceLayout(args.sequence_layout),
             deterministic=args.deterministic,
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,

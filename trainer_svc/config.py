@@ -54,6 +54,17 @@ class Attention(enum.Enum):
     """megatron's local DotProductAttention: two matmuls around an fp32 softmax."""
 
 
+class SequenceLayout(enum.Enum):
+    """How a pass's sequences are laid out for the model (`runtime/packing.py`)."""
+
+    AUTO = "auto"
+    """Packed where the core attention can keep sequences apart (SDPA), else padded."""
+    PACKED = "packed"
+    """All of a pass's sequences in one row, attention inside each: no padding computed."""
+    PADDED = "padded"
+    """One row per sequence, right-padded to the longest."""
+
+
 class Device(enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
@@ -117,6 +128,7 @@ class ModelConfig:
     params_dtype: ParamsDType = ParamsDType.FLOAT32
     attention: Attention = Attention.AUTO
     recompute: Recompute = Recompute.NONE
+    sequence_layout: SequenceLayout = SequenceLayout.AUTO
     deterministic: bool = False
     """Bit-identical steps from run to run, at some speed (`runtime/determinism.py`)."""
     vocab_multiple: int = 128
@@ -129,6 +141,11 @@ class ModelConfig:
             raise ValueError("vocab_multiple must be >= 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError("max_sequence_length must be >= 2")
+        if self.sequence_layout is SequenceLayout.PACKED and self.attention is Attention.LOCAL:
+            raise ValueError(
+                "packed sequences need an attention that keeps them apart: use --attention "
+                "sdpa (or auto) with --sequence-layout packed"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""assign_to_data_parallel, pack and unpack_per_token on hand-checked and random batches."""
+"""assign_to_data_parallel, pack (padded and packed layouts) and per_token on hand-checked and
+random batches."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from trainer_svc.domain import SequenceBatch
-from trainer_svc.runtime.packing import assign_to_data_parallel, pack, unpack_per_token
+from trainer_svc.runtime.packing import assign_to_data_parallel, pack
 
 CPU = torch.device("cpu")
 
@@ -110,27 +111,30 @@ def test_pack_of_an_empty_selection_is_none() -> None:
     assert pack(hand_batch().select(np.array([], dtype=np.int64)), CPU) is None
 
 
-def test_unpack_per_token_inverts_the_position_layout() -> None:
+@pytest.mark.parametrize("one_row", [False, True], ids=["padded", "packed"])
+def test_per_token_inverts_the_position_layout(one_row: bool) -> None:
     rng = np.random.default_rng(1)
     lengths = [4, 1, 6, 2]
     values = [rng.normal(size=n).astype(np.float32) for n in lengths]
     batch = SequenceBatch.from_lists(
         [rng.integers(0, 9, n).tolist() for n in lengths], advantages=values
     )
-    packed = pack(batch, CPU)
+    packed = pack(batch, CPU, packed=one_row)
     assert packed is not None
-    flat = unpack_per_token(packed.token_inputs.advantages.numpy(), batch)
+    flat = packed.per_token(packed.token_inputs.advantages.numpy(), batch)
     expected = batch.advantages.copy()
     expected[batch.offsets[:-1]] = 0.0  # first tokens have no prediction
     assert flat.dtype == np.float32
     assert np.array_equal(flat, expected)
 
 
-def test_unpack_per_token_keeps_trailing_dimensions() -> None:
+def test_per_token_keeps_trailing_dimensions() -> None:
     # Top-k rows are [rows, width, k]; token j gets position j-1's k entries.
     batch = SequenceBatch.from_lists([[1, 2, 3], [4, 5]])
+    packed = pack(batch, CPU)
+    assert packed is not None
     rows = np.arange(2 * 2 * 3, dtype=np.int32).reshape(2, 2, 3)
-    flat = unpack_per_token(rows, batch)
+    flat = packed.per_token(rows, batch)
     assert flat.shape == (5, 3)
     assert flat.dtype == np.int32
     assert flat.tolist() == [
@@ -140,3 +144,57 @@ def test_unpack_per_token_keeps_trailing_dimensions() -> None:
         [0, 0, 0],
         [6, 7, 8],
     ]
+
+
+def test_pack_one_row_hand_checked_layout() -> None:
+    packed = pack(hand_batch(), CPU, packed=True)
+    assert packed is not None
+    # Sequences [1 2 3 4], [5 6], [7]: 3 + 1 + 0 predicted positions, back to back.
+    assert (packed.rows, packed.width) == (1, 4)
+    assert packed.inputs.tolist() == [[1, 2, 3, 5]]
+    assert packed.targets.tolist() == [[2, 3, 4, 6]]
+    # Positions restart for each sequence; the one-token sequence has no place in the row.
+    assert packed.positions.tolist() == [[0, 1, 2, 0]]
+    documents = packed.documents
+    assert documents is not None
+    assert documents.lengths == (3, 1)
+    assert documents.cu_seqlens_q.tolist() == [0, 3, 4]
+    assert documents.cu_seqlens_q.dtype == torch.int32
+    assert documents.max_seqlen_q == documents.max_seqlen_kv == 3
+    assert documents.positions.tolist() == [0, 1, 2, 0]
+    inputs = packed.token_inputs
+    assert inputs.mask.tolist() == [[True, False, True, True]]
+    assert inputs.advantages.tolist() == [[11, 12, 13, 21]]
+    assert inputs.behaviour_logprobs.tolist() == [[-2, -3, -4, -6]]
+    # Each position carries its sequence's count of trained targets (2 and 1).
+    assert inputs.sequence_tokens.tolist() == [[2, 2, 2, 1]]
+
+
+def test_padded_rows_carry_their_sequences_trained_counts() -> None:
+    packed = pack(hand_batch(), CPU)
+    assert packed is not None
+    assert packed.documents is None
+    # Padding positions hold 0 (their mask is false).
+    assert packed.token_inputs.sequence_tokens.tolist() == [[2, 2, 2], [1, 0, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_both_layouts_hold_the_same_positions_and_values(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 12, size=int(rng.integers(1, 9))).tolist()
+    batch = SequenceBatch.from_lists(
+        [rng.integers(0, 50, n).tolist() for n in lengths],
+        loss_mask=[rng.random(n) < 0.7 for n in lengths],
+        advantages=[rng.normal(size=n) for n in lengths],
+    )
+    padded, packed = pack(batch, CPU), pack(batch, CPU, packed=True)
+    if padded is None:
+        assert packed is None
+        return
+    assert packed is not None
+    valid = padded.positions < torch.as_tensor(padded.target_counts)[:, None]
+    for name in ("inputs", "targets", "positions"):
+        assert torch.equal(getattr(padded, name)[valid], getattr(packed, name)[0])
+    for name in ("mask", "advantages", "sequence_tokens"):
+        got = getattr(packed.token_inputs, name)[0]
+        assert torch.equal(getattr(padded.token_inputs, name)[valid], got)

@@ -48,7 +48,7 @@ from trainer_svc.runtime.hf_export import ExportSettings
 from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
 from trainer_svc.runtime.model_runner import ModelRunner
-from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack, unpack_per_token
+from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack
 from trainer_svc.runtime.passes import split_passes
 from trainer_svc.runtime.publication import Publisher, describe
 from trainer_svc.runtime.topology import Topology
@@ -118,9 +118,10 @@ class StepEngine:
         checkpointer: Checkpointer,
         publisher: Publisher | None = None,
         pass_tokens: int | None = None,
+        packed: bool = False,
     ) -> None:
         """`pass_tokens`: tokens per forward/backward pass (`passes.py`; None: the request
-        limit)."""
+        limit). `packed`: a pass's sequences go in as one packed row (`packing.py`)."""
         self.built = built
         self.spec = spec
         self.topology = topology
@@ -134,6 +135,7 @@ class StepEngine:
         )
         self.publisher = publisher
         self.pass_tokens = pass_tokens or limits.max_tokens
+        self.packed = packed
         self.runner = ModelRunner(built.ddp, device)
         local_vocab = padded_vocab // topology.layout.tensor_parallel
         self.vocab_shard = VocabShard(
@@ -396,7 +398,7 @@ class StepEngine:
 
         # Gradients and loss sums accumulate over the passes as over microbatches.
         for part in self._passes(local):
-            packed = pack(part, self.device)
+            packed = pack(part, self.device, packed=self.packed)
             if packed is None:  # nothing to predict: one-token sequences only
                 continue
             outputs = self.runner.run(packed, loss_function, forward_only=False)
@@ -544,12 +546,15 @@ class StepEngine:
         # pass with nothing to predict (one-token sequences) gives zeros.
         passes: list[tuple[Any, dict[str, np.ndarray]]] = []
         for part in self._passes(local):
-            packed = pack(part, self.device)
-            outputs = self.runner.run(packed, loss_function, forward_only=True) if packed else []
-            found = outputs[0] if outputs else {}
-            passes.append(
-                (part, {k: unpack_per_token(v.cpu().numpy(), part) for k, v in found.items()})
-            )
+            packed = pack(part, self.device, packed=self.packed)
+            found: dict[str, np.ndarray] = {}
+            if packed is not None:
+                outputs = self.runner.run(packed, loss_function, forward_only=True)
+                if outputs:
+                    found = {
+                        k: packed.per_token(v.cpu().numpy(), part) for k, v in outputs[0].items()
+                    }
+            passes.append((part, found))
         shapes = {k: v for _, found in passes for k, v in found.items()}
         rows = {
             key: np.concatenate(

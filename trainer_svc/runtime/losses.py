@@ -1,5 +1,6 @@
-"""Loss sums of one packed microbatch (rows are sequences). Sums, never means: the step divides
-by the global count once, at finish, so any split of the batch gives the same gradient."""
+"""Loss sums of one laid-out microbatch (`runtime/packing.py`: padded rows or one packed row).
+Sums, never means: the step divides by the global count once, at finish, so any split of the
+batch gives the same gradient."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class TokenInputs:
     advantages: torch.Tensor | None = None
     behaviour_logprobs: torch.Tensor | None = None
     reference_logprobs: torch.Tensor | None = None
+    sequence_tokens: torch.Tensor | None = None
+    """Each position's sequence's count of trained tokens, for per-sequence means in either
+    layout (a packed row holds many sequences); None: each row is one sequence."""
 
 
 def _per_token_terms(
@@ -79,7 +83,10 @@ def loss_sums(
     if config.normalization is Normalization.TOKEN:
         weights = mask
     else:
-        weights = mask / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        counts = inputs.sequence_tokens
+        if counts is None:
+            counts = mask.sum(dim=-1, keepdim=True)
+        weights = mask / counts.clamp(min=1.0)
     policy = (terms["policy"] * weights).sum()
     kl = (terms["kl"] * weights).sum()
     loss = policy + config.kl_coef * kl if config.needs_reference else policy

@@ -27,7 +27,7 @@ class ModelRunner:
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Any]:
             batch: PackedBatch = next(data_iterator)
-            output = model(batch.inputs, batch.positions, None)
+            output = model(batch.inputs, batch.positions, None, packed_seq_params=batch.documents)
             return output, partial(loss_function, batch)
 
         schedule = get_forward_backward_func()

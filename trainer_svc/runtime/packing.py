@@ -1,8 +1,16 @@
-"""Splits a ragged batch across data-parallel ranks and packs it into right-padded tensors.
+"""Splits a ragged batch across data-parallel ranks and lays it out as model inputs.
 
-Row i of a packed batch is one sequence of length L: inputs are its tokens 0..L-2, targets its
-tokens 1..L-1, so position p predicts token p+1. Right padding under a causal mask leaves every
-real position's result unchanged.
+Two layouts of a pass's sequences, each sequence of length L giving inputs (its tokens
+0..L-2) and targets (tokens 1..L-1), so position p predicts token p+1:
+
+- padded: row i is sequence i, right-padded to the longest. Under a causal mask padding
+  leaves every real position's result unchanged, but it is computed all the same.
+- packed: one row of all the sequences back to back (`runtime/documents.py`), positions
+  restarting at 0 for each, attention kept inside each. No padding is computed; every
+  per-token result equals the padded layout's.
+
+Per-position arrays (loss mask, advantages, ...) follow the same layout, so the loss sees
+``[rows, positions]`` either way.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import numpy as np
 import torch
 
 from trainer_svc.domain import SequenceBatch
+from trainer_svc.runtime.documents import DocumentBounds, bounds
 from trainer_svc.runtime.losses import TokenInputs
 
 
@@ -36,7 +45,9 @@ class PackedBatch:
     positions: torch.Tensor
     token_inputs: TokenInputs
     target_counts: np.ndarray
-    """Predicted positions per row (sequence length - 1)."""
+    """Predicted positions per sequence (sequence length - 1)."""
+    documents: DocumentBounds | None = None
+    """Set for the packed layout: where each sequence lies in the one row."""
 
     @property
     def rows(self) -> int:
@@ -46,14 +57,56 @@ class PackedBatch:
     def width(self) -> int:
         return int(self.inputs.shape[1])
 
+    def per_token(self, values: np.ndarray, batch: SequenceBatch) -> np.ndarray:
+        """Inverse of the layout: ``[rows, width, ...]`` -> a per-token array of `batch`, 0 at
+        each sequence's first token (nothing predicts it)."""
+        out = np.zeros((batch.num_tokens, *values.shape[2:]), dtype=values.dtype)
+        flat = values.reshape(-1, *values.shape[2:])
+        for source, target in zip(self._slots(batch), _target_ranges(batch), strict=True):
+            out[target] = flat[source]
+        return out
 
-def _per_position(values: np.ndarray | None, batch: SequenceBatch, width: int) -> np.ndarray | None:
-    """A per-token array as [rows, width] target positions (token j -> position j-1)."""
+    def _slots(self, batch: SequenceBatch) -> list[slice]:
+        """Where each sequence's predicted positions lie in the flattened layout."""
+        counts = batch.lengths() - 1
+        if self.documents is None:
+            return [slice(i * self.width, i * self.width + int(c)) for i, c in enumerate(counts)]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        return [slice(int(a), int(a + c)) for a, c in zip(starts[:-1], counts, strict=True)]
+
+
+def _target_ranges(batch: SequenceBatch) -> list[slice]:
+    """Each sequence's tokens 1..L-1 in the batch's per-token arrays (what it predicts)."""
+    return [
+        slice(int(start) + 1, int(end))
+        for start, end in zip(batch.offsets[:-1], batch.offsets[1:], strict=True)
+    ]
+
+
+def _input_ranges(batch: SequenceBatch) -> list[slice]:
+    """Each sequence's tokens 0..L-2 (what it reads)."""
+    return [
+        slice(int(start), int(end) - 1)
+        for start, end in zip(batch.offsets[:-1], batch.offsets[1:], strict=True)
+    ]
+
+
+def _layout(
+    values: np.ndarray | None, ranges: list[slice], shape: tuple[int, int], packed: bool
+) -> np.ndarray | None:
+    """Per-token `values` taken at `ranges` (one per sequence) into the layout's ``[rows,
+    width]``: row i from column 0 when padded, back to back in row 0 when packed. None stays
+    None."""
     if values is None:
         return None
-    out = np.zeros((batch.num_sequences, width), dtype=values.dtype)
-    for row, (start, end) in enumerate(zip(batch.offsets[:-1], batch.offsets[1:], strict=True)):
-        out[row, : end - start - 1] = values[start + 1 : end]
+    out = np.zeros(shape, dtype=values.dtype)
+    flat = out.reshape(-1)
+    cursor = 0
+    for row, taken in enumerate(ranges):
+        count = taken.stop - taken.start
+        begin = cursor if packed else row * shape[1]
+        flat[begin : begin + count] = values[taken]
+        cursor += count
     return out
 
 
@@ -70,46 +123,50 @@ def to_device(values: np.ndarray, device: torch.device, dtype: torch.dtype | Non
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def pack(batch: SequenceBatch, device: torch.device) -> PackedBatch | None:
-    """None when the batch has no position to predict (every sequence has one token). Its
-    tensors reach a GPU without a host synchronization (`to_device`)."""
+def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) -> PackedBatch | None:
+    """The pass's model inputs in the padded layout, or the packed one when `packed`. None
+    when the batch has no position to predict (every sequence has one token). Its tensors
+    reach a GPU without a host synchronization (`to_device`)."""
     counts = batch.lengths() - 1
-    width = int(counts.max()) if len(counts) else 0
-    if width == 0:
+    total = int(counts.sum()) if len(counts) else 0
+    if total == 0:
         return None
-    inputs = np.zeros((batch.num_sequences, width), dtype=np.int64)
-    targets = np.zeros((batch.num_sequences, width), dtype=np.int64)
-    for row, (start, end) in enumerate(zip(batch.offsets[:-1], batch.offsets[1:], strict=True)):
-        inputs[row, : end - start - 1] = batch.tokens[start : end - 1]
-        targets[row, : end - start - 1] = batch.tokens[start + 1 : end]
+    shape = (1, total) if packed else (batch.num_sequences, int(counts.max()))
+    targets = _target_ranges(batch)
 
-    def tensor(values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if values is None else to_device(values, device, dtype)
+    def laid_out(values: np.ndarray | None, dtype: torch.dtype | None = None) -> Any:
+        arranged = _layout(values, targets, shape, packed)
+        return None if arranged is None else to_device(arranged, device, dtype)
 
-    mask = _per_position(batch.loss_mask, batch, width)
-    token_inputs = TokenInputs(
-        mask=to_device(mask if mask is not None else np.zeros_like(inputs, dtype=bool), device),
-        advantages=tensor(_per_position(batch.advantages, batch, width), torch.float32),
-        behaviour_logprobs=tensor(
-            _per_position(batch.behaviour_logprobs, batch, width), torch.float32
-        ),
-        reference_logprobs=tensor(
-            _per_position(batch.reference_logprobs, batch, width), torch.float32
-        ),
+    mask = (
+        batch.loss_mask if batch.loss_mask is not None else np.zeros(batch.num_tokens, dtype=bool)
     )
-    positions = torch.arange(width, device=device).unsqueeze(0).expand(batch.num_sequences, -1)
+    # Every token carries its sequence's count of trained targets, for per-sequence means.
+    trained = np.zeros(batch.num_tokens, dtype=np.float32)
+    for taken in targets:
+        trained[taken] = np.count_nonzero(mask[taken])
+    token_inputs = TokenInputs(
+        mask=laid_out(mask),
+        advantages=laid_out(batch.advantages, torch.float32),
+        behaviour_logprobs=laid_out(batch.behaviour_logprobs, torch.float32),
+        reference_logprobs=laid_out(batch.reference_logprobs, torch.float32),
+        sequence_tokens=laid_out(trained),
+    )
+    documents = None
+    if packed:
+        lengths = [int(c) for c in counts if c > 0]
+        positions = to_device(np.concatenate([np.arange(c) for c in lengths])[None], device)
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        documents = bounds(lengths, positions[0], to_device(cu_seqlens, device))
+    else:
+        positions = torch.arange(shape[1], device=device).unsqueeze(0).expand(shape[0], -1)
+    inputs = _layout(batch.tokens, _input_ranges(batch), shape, packed)
+    assert inputs is not None
     return PackedBatch(
         inputs=to_device(inputs, device),
-        targets=to_device(targets, device),
+        targets=laid_out(batch.tokens),
         positions=positions,
         token_inputs=token_inputs,
         target_counts=counts,
+        documents=documents,
     )
-
-
-def unpack_per_token(rows: np.ndarray, batch: SequenceBatch) -> np.ndarray:
-    """Inverse of the position layout: [rows, width, ...] -> per-token array, 0 at first tokens."""
-    out = np.zeros((batch.num_tokens, *rows.shape[2:]), dtype=rows.dtype)
-    for row, (start, end) in enumerate(zip(batch.offsets[:-1], batch.offsets[1:], strict=True)):
-        out[start + 1 : end] = rows[row, : end - start - 1]
-    return out

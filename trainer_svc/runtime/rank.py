@@ -18,7 +18,7 @@ from megatron_hf.spec import ModelSpec, padded_vocab_size
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
 from trainer_svc.config import Device, TrainerConfig
 from trainer_svc.runtime import commands as cmd
-from trainer_svc.runtime import cpu_compat, determinism, host_memory
+from trainer_svc.runtime import cpu_compat, determinism, documents, host_memory
 from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
 from trainer_svc.runtime.engine import StepEngine
@@ -164,6 +164,7 @@ def build_engine(
             recompute=config.model.recompute,
             deterministic=config.model.deterministic,
         )
+        packed = documents.resolve(config.model.sequence_layout, model)
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
@@ -226,6 +227,7 @@ def build_engine(
         checkpointer=Checkpointer(model_dir, PathRoots.resolved(config.checkpoint_roots())),
         publisher=publisher,
         pass_tokens=int(budget[0]),
+        packed=packed,
     )
     info = ServiceInfo(
         spec=spec,

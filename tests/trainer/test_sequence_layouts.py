@@ -1,0 +1,100 @@
+"""Packed rows (`--sequence-layout packed`, several sequences back to back in one row) compute
+what padded rows compute: the model the trainer builds gives the same per-token logprobs and the
+same gradients for both layouts of one batch, within 1e-5 in float32 on the CPU, for grouped
+-query attention and for a YaRN checkpoint (scaled softmax, scaled RoPE). A control shows the
+comparison sees the document bounds: the same row without them (attention across sequences)
+misses by far more. (Positions that run on through the row instead of restarting would pass:
+RoPE scores depend on relative positions only, so restarting is a matter of float precision
+at large angles.) Which layout the trainer picks for each `--sequence-layout` and attention is
+checked too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_hf.spec import ModelFamily
+from megatron_hf.tiny import write_tiny_checkpoint
+from tests.support.batches import make_batch
+from tests.support.isolation import in_child_process
+from tests.support.megatron_world import one_rank_model_parallel
+from tests.support.sequence_layouts import built_model, predicted, run_layout
+from trainer_svc.config import Attention, ModelConfig, SequenceLayout
+from trainer_svc.domain import LossConfig, LossKind, Normalization
+from trainer_svc.runtime import cpu_compat, documents
+from trainer_svc.runtime.packing import pack
+
+CPU = torch.device("cpu")
+LENGTHS = [9, 23, 2, 1, 16, 31, 5]
+LOSS = LossConfig(kind=LossKind.PPO, normalization=Normalization.SEQUENCE, kl_coef=0.1)
+CASES: dict[str, tuple[ModelFamily, dict[str, Any]]] = {
+    "llama-gqa": (ModelFamily.LLAMA, {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "qwen3-yarn": (
+        ModelFamily.QWEN3,
+        {
+            "head_dim": 24,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+}
+TOLERANCE = 1e-5
+
+
+@in_child_process
+def test_packed_rows_give_the_padded_logprobs_and_gradients(tmp_path: Path) -> None:
+    one_rank_model_parallel(cuda=False)
+    batch = make_batch(seed=4, lengths=LENGTHS, loss=LOSS, vocab_size=100)
+    padded = pack(batch, CPU)
+    packed = pack(batch, CPU, packed=True)
+    assert padded is not None and packed is not None and packed.documents is not None
+    assert packed.width == sum(n - 1 for n in LENGTHS) < padded.rows * padded.width
+    for name, (family, options) in CASES.items():
+        model_dir = write_tiny_checkpoint(tmp_path / name, family, seed=3, **options)
+        with cpu_compat.active():
+            model = built_model(model_dir, Attention.SDPA)
+            assert documents.resolve(SequenceLayout.AUTO, model)
+            want, want_grads = run_layout(model, padded, LOSS)
+            got, got_grads = run_layout(model, packed, LOSS)
+            # Control: the same row as one causal sequence, attending across sequences.
+            crossing, _ = run_layout(model, dataclasses.replace(packed, documents=None), LOSS)
+        want = want[predicted(padded)]
+        gap = (got[0] - want).abs().max().item()
+        assert gap <= TOLERANCE, f"{name}: logprobs differ by {gap}"
+        for g, w in zip(got_grads, want_grads, strict=True):
+            scale = max(w.abs().max().item(), 1e-12)
+            assert (g - w).abs().max().item() <= TOLERANCE * scale, f"{name}: gradients differ"
+        miss = (crossing[0] - want).abs().max().item()
+        assert miss > 100 * TOLERANCE, f"{name}: attention across sequences misses by {miss}"
+
+
+@in_child_process
+def test_each_layout_choice_packs_only_where_the_attention_keeps_sequences_apart(
+    tmp_path: Path,
+) -> None:
+    one_rank_model_parallel(cuda=False)
+    model_dir = write_tiny_checkpoint(tmp_path / "model", ModelFamily.LLAMA, seed=1)
+    with cpu_compat.active():
+        sdpa, local = (
+            built_model(model_dir, Attention.SDPA),
+            built_model(model_dir, Attention.LOCAL),
+        )
+    assert documents.resolve(SequenceLayout.PACKED, sdpa)
+    assert not documents.resolve(SequenceLayout.PADDED, sdpa)
+    assert not documents.resolve(SequenceLayout.AUTO, local)
+    with pytest.raises(ValueError, match="DotProductAttention"):
+        documents.resolve(SequenceLayout.PACKED, local)
+
+
+def test_packed_with_the_local_attention_is_refused_in_the_config() -> None:
+    with pytest.raises(ValueError, match="--attention sdpa"):
+        ModelConfig(attention=Attention.LOCAL, sequence_layout=SequenceLayout.PACKED)
+    assert ModelConfig().sequence_layout is SequenceLayout.AUTO
