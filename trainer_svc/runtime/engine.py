@@ -377,7 +377,7 @@ class StepEngine:
         share is empty)."""
         if not local.num_sequences:
             return []
-        groups = split_passes(local.lengths(), self.pass_tokens)
+        groups = split_passes(local.lengths(), self.pass_tokens, padded=not self.packed)
         return [local] if len(groups) == 1 else [local.select(g) for g in groups]
 
     def _local_share(self, command_batch: Any) -> Any:
