@@ -20,7 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hf.spec import ModelSpec
 from trainer_svc.config import Attention, OptimizerConfig, ParamsDType, Recompute
-from trainer_svc.runtime import rotary, update_kernels
+from trainer_svc.runtime import norms, rotary, update_kernels
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 from trainer_svc.runtime.topology import Topology
 
@@ -149,6 +149,7 @@ def build_model(
         freeze_padding_row(model, spec.pad_token_id)
     if on_gpu:
         model.cuda(torch.cuda.current_device())
+    norms.install(model)
     # Megatron's rotary is built plain; transformers' (scaled) frequencies replace its own.
     rotary.install_frequencies(model, spec)
     rotary.check_softmax_scale(model, spec)
