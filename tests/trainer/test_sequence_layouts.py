@@ -6,7 +6,7 @@ comparison sees the document bounds: the same row without them (attention across
 misses by far more. (Positions that run on through the row instead of restarting would pass:
 RoPE scores depend on relative positions only, so restarting is a matter of float precision
 at large angles.) Which layout the trainer picks for each `--sequence-layout` and attention is
-checked too.
+checked too, and that the built model's norms are the fused-kernel kind.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.support.megatron_world import one_rank_model_parallel
 from tests.support.sequence_layouts import built_model, predicted, run_layout
 from trainer_svc.config import Attention, ModelConfig, SequenceLayout
 from trainer_svc.domain import LossConfig, LossKind, Normalization
-from trainer_svc.runtime import cpu_compat, documents
+from trainer_svc.runtime import cpu_compat, documents, norms
 from trainer_svc.runtime.packing import pack
 
 CPU = torch.device("cpu")
@@ -87,6 +87,9 @@ def test_each_layout_choice_packs_only_where_the_attention_keeps_sequences_apart
             built_model(model_dir, Attention.SDPA),
             built_model(model_dir, Attention.LOCAL),
         )
+    # The built model's norms run fused under bf16 (`runtime/norms.py`): every one swapped.
+    found = [m for m in sdpa.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert found and all(isinstance(m, norms.ActivationDtypeRMSNorm) for m in found)
     assert documents.resolve(SequenceLayout.PACKED, sdpa)
     assert not documents.resolve(SequenceLayout.PADDED, sdpa)
     assert not documents.resolve(SequenceLayout.AUTO, local)
