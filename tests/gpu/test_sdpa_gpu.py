@@ -20,6 +20,16 @@ pytestmark = [
 ]
 
 
+def _assert_as_close(case, reference, candidate, baseline):
+    """Each of out, dq, dk, dv of `candidate` (name, values) is no further from `reference`
+    than `baseline`'s is, with some slack; prints both distances."""
+    (name, got), (base_name, base) = candidate, baseline
+    for what, ref, g, b in zip(("out", "dq", "dk", "dv"), reference, got, base, strict=True):
+        err, base_err = (g - ref).abs().max().item(), (b - ref).abs().max().item()
+        print(f"{case} {what}: max |err| {base_name} {base_err:.3g}, {name} {err:.3g}")
+        assert err <= 1.5 * base_err + 1e-3, (case, what, base_err, err)
+
+
 def _run(module, inputs, grad, dtype):
     leaves = [x.to(dtype).clone().requires_grad_() for x in inputs]
     out = module(*leaves, None)
@@ -42,12 +52,7 @@ def test_sdpa_in_bf16_is_as_close_to_fp32_as_the_local_attention() -> None:
         reference = _run(make(torch.float32, DotProductAttention), inputs, grad, torch.float32)
         local = _run(make(torch.bfloat16, DotProductAttention), inputs, grad, torch.bfloat16)
         fused = _run(make(torch.bfloat16, SdpaAttention), inputs, grad, torch.bfloat16)
-        names = ("out", "dq", "dk", "dv")
-        for name, ref, lo, fu in zip(names, reference, local, fused, strict=True):
-            local_err = (lo - ref).abs().max().item()
-            fused_err = (fu - ref).abs().max().item()
-            print(f"groups {groups} {name}: max |err| local {local_err:.3g}, sdpa {fused_err:.3g}")
-            assert fused_err <= 1.5 * local_err + 1e-3, (groups, name, local_err, fused_err)
+        _assert_as_close(f"groups {groups}", reference, ("sdpa", fused), ("local", local))
 
 
 def _packed(module, inputs, grad, dtype, documents):
@@ -104,9 +109,4 @@ def test_packed_rows_through_varlen_flash_are_as_close_as_padded_rows_without_a_
         finally:
             torch.cuda.set_sync_debug_mode("default")
         separate = _rows(half, inputs, grad, torch.bfloat16, lengths)
-        names = ("out", "dq", "dk", "dv")
-        for name, ref, fu, se in zip(names, reference, fused, separate, strict=True):
-            fused_err = (fu - ref).abs().max().item()
-            rows_err = (se - ref).abs().max().item()
-            print(f"groups {groups} {name}: max |err| varlen {fused_err:.3g}, rows {rows_err:.3g}")
-            assert fused_err <= 1.5 * rows_err + 1e-3, (groups, name, fused_err, rows_err)
+        _assert_as_close(f"groups {groups}", reference, ("varlen", fused), ("rows", separate))
