@@ -41,11 +41,10 @@ from trainer_svc.domain import (
     StepCounts,
     StepMetrics,
 )
+from trainer_svc.server.convert import loss_config_to_proto
 from trainer_svc.wire_enums import (
     EXPORT_DTYPES_TO_PROTO,
     FORWARD_OUTPUTS_TO_PROTO,
-    LOSS_KINDS_TO_PROTO,
-    NORMALIZATIONS_TO_PROTO,
     PUBLICATION_STATES,
     STEP_GRADIENTS,
 )
@@ -99,13 +98,7 @@ def begin_request(
     overrides = {k: v for k, v in vars(optimizer or OptimizerOverrides()).items() if v is not None}
     return pb.BeginTrainStepRequest(
         step_id=step_id,
-        loss=pb.LossConfig(
-            kind=LOSS_KINDS_TO_PROTO[loss.kind],
-            normalization=NORMALIZATIONS_TO_PROTO[loss.normalization],
-            clip_low=loss.clip_low,
-            clip_high=loss.clip_high,
-            kl_coef=loss.kl_coef,
-        ),
+        loss=loss_config_to_proto(loss),
         optimizer=pb.OptimizerParams(**overrides),
     )
 
@@ -155,6 +148,7 @@ def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
                 kl=m.terms.kl,
                 clip_fraction=m.terms.clip_fraction,
                 importance_ratio=m.terms.importance_ratio,
+                entropy=m.terms.entropy,
             ),
             grad_norm=m.grad_norm,
             learning_rate=m.learning_rate,

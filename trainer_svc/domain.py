@@ -43,6 +43,13 @@ class Internal(RuntimeError):
 class LossKind(enum.Enum):
     CROSS_ENTROPY = "cross_entropy"
     PPO = "ppo"
+    """Clipped importance-weighted policy gradient per token (PPO; GRPO, DAPO's clip-higher)."""
+    GSPO = "gspo"
+    """The ratio of a sequence's geometric-mean token ratio, clipped per sequence (GSPO's
+    token-level form: with one advantage per sequence it is GSPO itself)."""
+    CISPO = "cispo"
+    """REINFORCE on log pi weighted by the clipped importance ratio, the weight held constant
+    (CISPO): clipped tokens still train."""
 
 
 class ExportDType(enum.Enum):
@@ -57,6 +64,8 @@ class ExportDType(enum.Enum):
 class Normalization(enum.Enum):
     TOKEN = "token"
     SEQUENCE = "sequence"
+    CONSTANT = "constant"
+    """Token sums divided by a fixed length times the step's sequence count (Dr. GRPO)."""
 
 
 class ForwardOutput(enum.Enum):
@@ -72,25 +81,54 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
+    dual_clip: float = 0.0
+    """PPO and GSPO: for negative advantages the loss is at most ``-dual_clip * advantage``
+    (dual-clip PPO); 0 turns it off, otherwise > 1."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus subtracted from the loss; 0 turns it off."""
+    normalization_length: int = 0
+    """CONSTANT normalization's length (e.g. the longest generation allowed)."""
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0):
             raise InvalidArgument(
                 f"clip_low must lie in [0, 1), got {self.clip_low}", field="loss.clip_low"
             )
-        if not (self.clip_high >= 0.0 and np.isfinite(self.clip_high)):
+        for name in ("clip_high", "kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if not (value >= 0.0 and np.isfinite(value)):
+                raise InvalidArgument(
+                    f"{name} must be a finite value >= 0, got {value}", field=f"loss.{name}"
+                )
+        if self.dual_clip != 0.0 and not (self.dual_clip > 1.0 and np.isfinite(self.dual_clip)):
             raise InvalidArgument(
-                f"clip_high must be a finite value >= 0, got {self.clip_high}",
-                field="loss.clip_high",
+                f"dual_clip must be 0 (off) or a finite value > 1, got {self.dual_clip}",
+                field="loss.dual_clip",
             )
-        if not (self.kl_coef >= 0.0 and np.isfinite(self.kl_coef)):
+        if self.dual_clip and self.kind not in (LossKind.PPO, LossKind.GSPO):
             raise InvalidArgument(
-                f"kl_coef must be a finite value >= 0, got {self.kl_coef}", field="loss.kl_coef"
+                f"dual_clip applies to the ppo and gspo losses, not {self.kind.value}",
+                field="loss.dual_clip",
+            )
+        constant = self.normalization is Normalization.CONSTANT
+        if constant != (self.normalization_length > 0) or self.normalization_length < 0:
+            raise InvalidArgument(
+                "normalization_length must be > 0 with the constant normalization and absent "
+                f"otherwise, got {self.normalization_length} with {self.normalization.value}",
+                field="loss.normalization_length",
+            )
+        if self.kind is LossKind.GSPO and self.normalization is not Normalization.SEQUENCE:
+            # GSPO's ratio and clipping are per sequence, so is its objective: weighting its
+            # sequences by their token counts would scale long sequences' clipped terms.
+            raise InvalidArgument(
+                f"the gspo loss is a per-sequence objective: it needs the sequence "
+                f"normalization, not {self.normalization.value}",
+                field="loss.normalization",
             )
 
     @property
     def needs_policy_inputs(self) -> bool:
-        return self.kind is LossKind.PPO
+        return self.kind in (LossKind.PPO, LossKind.GSPO, LossKind.CISPO)
 
     @property
     def needs_reference(self) -> bool:
@@ -257,6 +295,8 @@ class LossTerms:
     kl: float = 0.0
     clip_fraction: float = 0.0
     importance_ratio: float = 0.0
+    entropy: float = 0.0
+    """Mean entropy per valid token; computed only with an entropy bonus (0 otherwise)."""
 
 
 class StepGradient(enum.Enum):

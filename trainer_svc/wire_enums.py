@@ -15,10 +15,13 @@ from trainer_svc.domain import (
 LOSS_KINDS = {
     pb.LOSS_KIND_CROSS_ENTROPY: LossKind.CROSS_ENTROPY,
     pb.LOSS_KIND_PPO: LossKind.PPO,
+    pb.LOSS_KIND_GSPO: LossKind.GSPO,
+    pb.LOSS_KIND_CISPO: LossKind.CISPO,
 }
 NORMALIZATIONS = {
     pb.NORMALIZATION_TOKEN: Normalization.TOKEN,
     pb.NORMALIZATION_SEQUENCE: Normalization.SEQUENCE,
+    pb.NORMALIZATION_CONSTANT: Normalization.CONSTANT,
 }
 FORWARD_OUTPUTS = {
     pb.FORWARD_OUTPUT_LOGPROBS: ForwardOutput.LOGPROBS,

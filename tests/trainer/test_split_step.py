@@ -23,6 +23,18 @@ LOSSES = {
     "ppo-sequence": LossConfig(
         kind=LossKind.PPO, normalization=Normalization.SEQUENCE, clip_low=0.1, clip_high=0.3
     ),
+    # Sequence-level ratios, a stop-gradient weight, dual clip, an entropy bonus and the
+    # constant divisor, each a sum over sequences that a split must not change.
+    "gspo-sequence": LossConfig(
+        kind=LossKind.GSPO, normalization=Normalization.SEQUENCE, clip_low=0.05, clip_high=0.08
+    ),
+    "cispo-constant": LossConfig(
+        kind=LossKind.CISPO,
+        normalization=Normalization.CONSTANT,
+        normalization_length=32,
+        entropy_coef=0.01,
+    ),
+    "ppo-dual-clip": LossConfig(kind=LossKind.PPO, dual_clip=2.0, kl_coef=0.1),
 }
 LENGTHS = [9, 17, 5, 12, 30, 7, 21]
 # Adam's first update is lr * g / (|g| + eps): with the default eps=1e-8, gradients near 1e-8 turn

@@ -40,6 +40,14 @@ LOSSES = [
     LossConfig(normalization=Normalization.SEQUENCE, kl_coef=0.01),
     LossConfig(kind=LossKind.PPO, clip_low=0.1, clip_high=0.28),
     LossConfig(kind=LossKind.PPO, normalization=Normalization.SEQUENCE, clip_low=0.0, kl_coef=1.5),
+    LossConfig(kind=LossKind.PPO, dual_clip=3.0, entropy_coef=0.01),
+    LossConfig(kind=LossKind.GSPO, normalization=Normalization.SEQUENCE, clip_low=3e-4),
+    LossConfig(
+        kind=LossKind.CISPO,
+        normalization=Normalization.CONSTANT,
+        normalization_length=4096,
+        clip_high=0.28,
+    ),
 ]
 
 OVERRIDES = [
@@ -162,7 +170,10 @@ def test_unknown_loss_kind_is_refused_by_name(value: int) -> None:
     message = pb.LossConfig(kind=value, normalization=pb.NORMALIZATION_TOKEN)
     with pytest.raises(
         InvalidArgument,
-        match=rf"^loss\.kind must be one of LOSS_KIND_CROSS_ENTROPY, LOSS_KIND_PPO; got {value}$",
+        match=(
+            r"^loss\.kind must be one of LOSS_KIND_CROSS_ENTROPY, LOSS_KIND_PPO, LOSS_KIND_GSPO, "
+            rf"LOSS_KIND_CISPO; got {value}$"
+        ),
     ):
         convert.loss_config(message)
 
@@ -173,8 +184,8 @@ def test_unknown_normalization_is_refused_by_name(value: int) -> None:
     with pytest.raises(
         InvalidArgument,
         match=(
-            r"^loss\.normalization must be one of NORMALIZATION_TOKEN, NORMALIZATION_SEQUENCE; "
-            rf"got {value}$"
+            r"^loss\.normalization must be one of NORMALIZATION_TOKEN, NORMALIZATION_SEQUENCE, "
+            rf"NORMALIZATION_CONSTANT; got {value}$"
         ),
     ):
         convert.loss_config(message)

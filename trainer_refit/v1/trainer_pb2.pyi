@@ -13,12 +13,15 @@ class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_KIND_UNSPECIFIED: _ClassVar[LossKind]
     LOSS_KIND_CROSS_ENTROPY: _ClassVar[LossKind]
     LOSS_KIND_PPO: _ClassVar[LossKind]
+    LOSS_KIND_GSPO: _ClassVar[LossKind]
+    LOSS_KIND_CISPO: _ClassVar[LossKind]
 
 class Normalization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NORMALIZATION_UNSPECIFIED: _ClassVar[Normalization]
     NORMALIZATION_TOKEN: _ClassVar[Normalization]
     NORMALIZATION_SEQUENCE: _ClassVar[Normalization]
+    NORMALIZATION_CONSTANT: _ClassVar[Normalization]
 
 class StepGradient(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,9 +54,12 @@ class ExportDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 LOSS_KIND_UNSPECIFIED: LossKind
 LOSS_KIND_CROSS_ENTROPY: LossKind
 LOSS_KIND_PPO: LossKind
+LOSS_KIND_GSPO: LossKind
+LOSS_KIND_CISPO: LossKind
 NORMALIZATION_UNSPECIFIED: Normalization
 NORMALIZATION_TOKEN: Normalization
 NORMALIZATION_SEQUENCE: Normalization
+NORMALIZATION_CONSTANT: Normalization
 STEP_GRADIENT_UNSPECIFIED: StepGradient
 STEP_GRADIENT_NONZERO: StepGradient
 STEP_GRADIENT_ZERO: StepGradient
@@ -81,18 +87,24 @@ class Sequences(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LossConfig(_message.Message):
-    __slots__ = ("kind", "normalization", "clip_low", "clip_high", "kl_coef")
+    __slots__ = ("kind", "normalization", "clip_low", "clip_high", "kl_coef", "dual_clip", "entropy_coef", "normalization_length")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
     CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    DUAL_CLIP_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_LENGTH_FIELD_NUMBER: _ClassVar[int]
     kind: LossKind
     normalization: Normalization
     clip_low: float
     clip_high: float
     kl_coef: float
-    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., normalization: _Optional[_Union[Normalization, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ...) -> None: ...
+    dual_clip: float
+    entropy_coef: float
+    normalization_length: int
+    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., normalization: _Optional[_Union[Normalization, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dual_clip: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., normalization_length: _Optional[int] = ...) -> None: ...
 
 class OptimizerParams(_message.Message):
     __slots__ = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm")
@@ -181,16 +193,18 @@ class FinishTrainStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., wait_for_update: _Optional[bool] = ..., wait_for_publication: _Optional[bool] = ...) -> None: ...
 
 class LossTerms(_message.Message):
-    __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio")
+    __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio", "entropy")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
     CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
     IMPORTANCE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
     policy: float
     kl: float
     clip_fraction: float
     importance_ratio: float
-    def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ...) -> None: ...
+    entropy: float
+    def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ..., entropy: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts", "gradient")

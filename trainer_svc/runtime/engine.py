@@ -200,7 +200,7 @@ class StepEngine:
                     )
             case cmd.FinishStep(step_id=step_id):
                 step = self._require_open(step_id, "FinishTrainStep")
-                if self._divisor(step) == 0:
+                if step.counts.valid_tokens == 0:
                     raise FailedPrecondition(
                         f"step {quoted(step_id)} has no valid tokens to train on "
                         f"({step.counts.microbatches} microbatches): send microbatches with "
@@ -391,8 +391,10 @@ class StepEngine:
         loss = step.loss
 
         def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
-            logprobs, _ = target_logprobs(logits, batch.targets, self.vocab_shard)
-            sums = loss_sums(logprobs, batch.token_inputs, loss)
+            logprobs, entropy = target_logprobs(
+                logits, batch.targets, self.vocab_shard, with_entropy=loss.entropy_coef > 0
+            )
+            sums = loss_sums(logprobs, batch.token_inputs, loss, entropy)
             count = sums["valid_tokens"].detach().to(torch.int)
             return sums["loss"], count, {k: v.detach() for k, v in sums.items()}
 
@@ -413,8 +415,11 @@ class StepEngine:
         return MicrobatchAck(command.step_id, command.request_id, False, step.counts)
 
     def _divisor(self, step: _OpenStep) -> int:
-        if step.loss.normalization is Normalization.TOKEN:
+        normalization = step.loss.normalization
+        if normalization is Normalization.TOKEN:
             return step.counts.valid_tokens
+        if normalization is Normalization.CONSTANT:
+            return step.loss.normalization_length * step.counts.sequences
         return step.counts.valid_sequences
 
     def _apply_hyperparameters(self, overrides: OptimizerOverrides) -> OptimizerConfig:
@@ -503,6 +508,7 @@ class StepEngine:
             kl=sums["kl"] / divisor,
             clip_fraction=sums["clipped_tokens"] / tokens,
             importance_ratio=sums["ratio"] / tokens,
+            entropy=sums["entropy"] / tokens,
         )
         metrics = StepMetrics(
             loss=sums["loss"] / divisor,

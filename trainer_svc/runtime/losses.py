@@ -10,7 +10,7 @@ import torch
 
 from trainer_svc.domain import LossConfig, LossKind, Normalization
 
-SUM_FIELDS = ("loss", "policy", "kl", "clipped_tokens", "ratio", "valid_tokens")
+SUM_FIELDS = ("loss", "policy", "kl", "clipped_tokens", "ratio", "valid_tokens", "entropy")
 
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to at most 20 before exp: the PPO ratio's to [-20, 20], the KL
@@ -40,6 +40,45 @@ class TokenInputs:
     sequence_tokens: torch.Tensor | None = None
     """Each position's sequence's count of trained tokens, for per-sequence means in either
     layout (a packed row holds many sequences); None: each row is one sequence."""
+    sequence_index: torch.Tensor | None = None
+    """Each position's sequence, numbered from 0 (int64), with `sequences` the count; None:
+    each row is one sequence."""
+    sequences: int = 0
+
+
+def _sequence_mean(values: torch.Tensor, inputs: TokenInputs) -> torch.Tensor:
+    """Each position's value replaced by the mean of its sequence's trained positions (no
+    gradient). Segment sums with one index_add: no host synchronization."""
+    mask = inputs.mask.to(values.dtype)
+    index, count = inputs.sequence_index, inputs.sequences
+    if index is None:
+        rows = values.shape[0]
+        index = torch.arange(rows, device=values.device)[:, None].expand_as(values)
+        count = rows
+    sums = torch.zeros(count, dtype=values.dtype, device=values.device)
+    sums.index_add_(0, index.reshape(-1), (values * mask).detach().reshape(-1))
+    tokens = inputs.sequence_tokens
+    if tokens is None:
+        tokens = mask.sum(dim=-1, keepdim=True)
+    return sums[index] / tokens.clamp(min=1.0)
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped loss per token, with dual clip for negative advantages;
+    and whether each token's clipped branch was taken."""
+    clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    unclipped = -advantages * ratio
+    clipped = -advantages * clipped_ratio
+    policy = torch.maximum(unclipped, clipped)
+    taken = clipped > unclipped
+    if config.dual_clip:
+        bound = -advantages * config.dual_clip
+        capped = (advantages < 0) & (policy > bound)
+        policy = torch.where(capped, bound, policy)
+        taken = taken | capped
+    return policy, taken
 
 
 def _per_token_terms(
@@ -50,14 +89,24 @@ def _per_token_terms(
         terms = {"policy": -logprobs, "clipped": zeros, "ratio": zeros}
     else:
         assert inputs.advantages is not None and inputs.behaviour_logprobs is not None
+        advantages = inputs.advantages
         log_ratio = torch.where(inputs.mask, logprobs - inputs.behaviour_logprobs, zeros)
-        ratio = _clamped(log_ratio, symmetric=True).exp()
-        clipped_ratio = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
-        unclipped = -inputs.advantages * ratio
-        clipped = -inputs.advantages * clipped_ratio
+        if config.kind is LossKind.GSPO:
+            # The sequence's log ratio as the value, the token's own log-probability as the
+            # gradient: exp(sg(log s) + log p - sg(log p)).
+            sequence = _clamped(_sequence_mean(log_ratio, inputs), symmetric=True)
+            ratio = (sequence + logprobs - logprobs.detach()).exp()
+        else:
+            ratio = _clamped(log_ratio, symmetric=True).exp()
+        if config.kind is LossKind.CISPO:
+            weight = ratio.detach().clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+            policy = -weight * advantages * logprobs
+            taken = weight != ratio.detach()
+        else:
+            policy, taken = _clipped_objective(ratio, advantages, config)
         terms = {
-            "policy": torch.maximum(unclipped, clipped),
-            "clipped": (clipped > unclipped).to(logprobs.dtype).detach(),
+            "policy": policy,
+            "clipped": taken.to(logprobs.dtype).detach(),
             "ratio": ratio.detach(),
         }
     if config.needs_reference:
@@ -71,25 +120,35 @@ def _per_token_terms(
 
 
 def loss_sums(
-    logprobs: torch.Tensor, inputs: TokenInputs, config: LossConfig
+    logprobs: torch.Tensor,
+    inputs: TokenInputs,
+    config: LossConfig,
+    entropy: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scalar sums over the microbatch; ``loss`` carries the gradient, the rest are detached.
 
-    Token normalization sums over valid tokens; sequence normalization sums each row's token
-    mean. Metrics that are per-token by nature (clip fraction, ratio) always sum over tokens.
+    Token and constant normalization sum over valid tokens (the step divides by the token
+    count, or by the constant length times the sequence count); sequence normalization sums
+    each sequence's token mean. Metrics that are per-token by nature (clip fraction, ratio,
+    entropy) always sum over tokens. `entropy` (per position) is needed for an entropy bonus.
     """
     mask = inputs.mask.to(logprobs.dtype)
     terms = _per_token_terms(logprobs, inputs, config)
-    if config.normalization is Normalization.TOKEN:
-        weights = mask
-    else:
+    if config.normalization is Normalization.SEQUENCE:
         counts = inputs.sequence_tokens
         if counts is None:
             counts = mask.sum(dim=-1, keepdim=True)
         weights = mask / counts.clamp(min=1.0)
+    else:
+        weights = mask
     policy = (terms["policy"] * weights).sum()
     kl = (terms["kl"] * weights).sum()
     loss = policy + config.kl_coef * kl if config.needs_reference else policy
+    entropy_sum = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    if config.entropy_coef:
+        assert entropy is not None, "an entropy bonus needs the policy's entropy"
+        loss = loss - config.entropy_coef * (entropy * weights).sum()
+        entropy_sum = (entropy * mask).sum().detach()
     return {
         "loss": loss,
         "policy": policy.detach(),
@@ -97,4 +156,5 @@ def loss_sums(
         "clipped_tokens": (terms["clipped"] * mask).sum(),
         "ratio": (terms["ratio"] * mask).sum(),
         "valid_tokens": mask.sum(),
+        "entropy": entropy_sum,
     }

@@ -210,30 +210,39 @@ def wrap_for_training(
         [ddp],
     )
     update_kernels.use_fused_adam(megatron_optimizer, optimizer.kernels)
-    _initialize_adam_state(megatron_optimizer)
+    _initialize_optimizer_state(megatron_optimizer)
     # The step engine reduces gradients itself, once per step (see engine.finish).
     config.finalize_model_grads_func = None
     return BuiltModel(model=model, ddp=ddp, optimizer=megatron_optimizer, config=config)
 
 
-def _initialize_adam_state(optimizer: Any) -> None:
-    """Creates Adam's per-parameter state now, exactly as torch would on the first step.
+def _initialize_optimizer_state(optimizer: Any) -> None:
+    """Creates the optimizer's per-parameter state now, with the values its first step would
+    start from, so that a checkpoint saved before the first step holds the same keys as any
+    later one (megatron's dist_checkpointing loads only into matching keys).
 
-    A checkpoint saved before the first step then holds the same keys as any later one, which
-    megatron's dist_checkpointing needs in order to load it.
+    Adam(W): step 0 and zero moments, exactly torch's. SGD with momentum: a zero momentum
+    buffer, which its first step turns into the gradient itself (0 * momentum + grad), as torch
+    does when it creates the buffer from the first gradient.
     """
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = inner.optimizer
-        if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
-            continue
         for group in torch_optimizer.param_groups:
             for param in group["params"]:
                 state = torch_optimizer.state[param]
                 if state:
                     continue
-                on_device = group.get("capturable") or group.get("fused")
-                state["step"] = torch.zeros(
-                    (), dtype=torch.float32, device=param.device if on_device else "cpu"
-                )
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
+                    on_device = group.get("capturable") or group.get("fused")
+                    state["step"] = torch.zeros(
+                        (), dtype=torch.float32, device=param.device if on_device else "cpu"
+                    )
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+                elif isinstance(torch_optimizer, torch.optim.SGD) and group["momentum"]:
+                    assert not group["dampening"], "a zero buffer equals torch's first step only"
+                    state["momentum_buffer"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )

@@ -141,16 +141,21 @@ def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) ->
     mask = (
         batch.loss_mask if batch.loss_mask is not None else np.zeros(batch.num_tokens, dtype=bool)
     )
-    # Every token carries its sequence's count of trained targets, for per-sequence means.
+    # Every token carries its sequence's count of trained targets and its sequence's number,
+    # for per-sequence means.
     trained = np.zeros(batch.num_tokens, dtype=np.float32)
-    for taken in targets:
+    number = np.zeros(batch.num_tokens, dtype=np.int64)
+    for index, taken in enumerate(targets):
         trained[taken] = np.count_nonzero(mask[taken])
+        number[taken] = index
     token_inputs = TokenInputs(
         mask=laid_out(mask),
         advantages=laid_out(batch.advantages, torch.float32),
         behaviour_logprobs=laid_out(batch.behaviour_logprobs, torch.float32),
         reference_logprobs=laid_out(batch.reference_logprobs, torch.float32),
         sequence_tokens=laid_out(trained),
+        sequence_index=laid_out(number),
+        sequences=batch.num_sequences,
     )
     documents = None
     if packed:

@@ -59,6 +59,9 @@ def loss_config(message: pb.LossConfig) -> LossConfig:
         clip_low=message.clip_low if message.HasField("clip_low") else 0.2,
         clip_high=message.clip_high if message.HasField("clip_high") else 0.2,
         kl_coef=message.kl_coef if message.HasField("kl_coef") else 0.0,
+        dual_clip=message.dual_clip if message.HasField("dual_clip") else 0.0,
+        entropy_coef=message.entropy_coef if message.HasField("entropy_coef") else 0.0,
+        normalization_length=message.normalization_length,
     )
 
 
@@ -69,6 +72,9 @@ def loss_config_to_proto(config: LossConfig) -> pb.LossConfig:
         clip_low=config.clip_low,
         clip_high=config.clip_high,
         kl_coef=config.kl_coef,
+        dual_clip=config.dual_clip,
+        entropy_coef=config.entropy_coef,
+        normalization_length=config.normalization_length or None,
     )
 
 
@@ -135,6 +141,7 @@ def metrics_to_proto(metrics: StepMetrics) -> pb.StepMetrics:
             kl=terms.kl,
             clip_fraction=terms.clip_fraction,
             importance_ratio=terms.importance_ratio,
+            entropy=terms.entropy,
         ),
         grad_norm=metrics.grad_norm,
         learning_rate=metrics.learning_rate,
