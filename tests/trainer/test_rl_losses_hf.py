@@ -54,8 +54,9 @@ def _clip(ratio: torch.Tensor, loss: LossConfig) -> torch.Tensor:
     return ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
 
 
-def formula_loss(model, batch, loss: LossConfig) -> torch.Tensor:
-    """The step's loss, sequence by sequence, as the papers define it."""
+def formula_loss(model, batch, loss: LossConfig, entropies: list[torch.Tensor]) -> torch.Tensor:
+    """The step's loss, sequence by sequence, as the papers define it; each sequence's
+    entropies at the trained positions go into `entropies`."""
     terms: list[torch.Tensor] = []
     for start, end in zip(batch.offsets[:-1], batch.offsets[1:], strict=True):
         ids = torch.as_tensor(batch.tokens[start:end])[None]
@@ -68,6 +69,7 @@ def formula_loss(model, batch, loss: LossConfig) -> torch.Tensor:
         old = torch.as_tensor(batch.behaviour_logprobs[start + 1 : end]).double()
         lp, ent = logp.double()[mask], entropy.double()[mask]
         adv, old = adv[mask], old[mask]
+        entropies.append(ent.detach())
         if loss.kind is LossKind.GSPO:
             # GSPO-token: s_i = exp(mean log r) as the value, each token's gradient its own.
             s = (lp - old).mean().detach().exp()
@@ -104,10 +106,14 @@ def test_one_sgd_step_moves_the_weights_by_the_formulas_gradient(trainer, name: 
     trainer.client.load_checkpoint(trainer.workdir / "base")
     trainer.client.begin_step(name, loss, SGD)
     trainer.client.train_microbatch(name, f"{name}-0", batch)
-    trainer.client.finish_step(name)
+    terms = trainer.client.finish_step(name).metrics.terms
     after = trainer.export(name)
     model = AutoModelForCausalLM.from_pretrained(trainer.model_dir, dtype=torch.float64)
-    formula_loss(model, batch, loss).backward()
+    entropies: list[torch.Tensor] = []
+    formula_loss(model, batch, loss, entropies).backward()
+    # The step reports the mean entropy of the trained tokens when it has an entropy bonus.
+    mean_entropy = float(torch.cat(entropies).mean()) if loss.entropy_coef else 0.0
+    assert terms.entropy == pytest.approx(mean_entropy, rel=1e-5)
     grads = dict(model.named_parameters())
     for hf_name, before in trainer.base.items():
         moved = before.astype(np.float64) - after[hf_name].astype(np.float64)
