@@ -37,6 +37,7 @@ from trainer_svc.domain import (
     LossTerms,
     OptimizerOverrides,
     Publication,
+    SamplerMismatch,
     SequenceBatch,
     StepCounts,
     StepMetrics,
@@ -112,6 +113,7 @@ def microbatch_request(
     _fill(request.advantages, batch.advantages)
     _fill(request.behaviour_logprobs, batch.behaviour_logprobs)
     _fill(request.reference_logprobs, batch.reference_logprobs)
+    _fill(request.sampler_logprobs, batch.sampler_logprobs)
     return request
 
 
@@ -138,6 +140,16 @@ def _counts(message: pb.StepCounts) -> StepCounts:
     )
 
 
+def _mismatch(message: pb.SamplerMismatch) -> SamplerMismatch:
+    return SamplerMismatch(
+        ratio_mean=message.ratio_mean,
+        ratio_min=message.ratio_min,
+        ratio_max=message.ratio_max,
+        corrected_fraction=message.corrected_fraction,
+        kl=message.kl,
+    )
+
+
 def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
     m = reply.metrics
     return StepResult(
@@ -149,6 +161,7 @@ def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
                 clip_fraction=m.terms.clip_fraction,
                 importance_ratio=m.terms.importance_ratio,
                 entropy=m.terms.entropy,
+                sampler=_mismatch(m.terms.sampler) if m.terms.HasField("sampler") else None,
             ),
             grad_norm=m.grad_norm,
             learning_rate=m.learning_rate,

@@ -68,6 +68,25 @@ class Normalization(enum.Enum):
     """Token sums divided by a fixed length times the step's sequence count (Dr. GRPO)."""
 
 
+class Correction(enum.Enum):
+    """How the policy term corrects for the sampler (vLLM) differing from the trainer's
+    policy the ratio is taken against (see trainer.proto)."""
+
+    NONE = "none"
+    TIS = "tis"
+    """Truncated importance sampling: each term weighted by min(pi_old / mu, cap)."""
+    ICEPOP = "icepop"
+    """Terms whose pi_old / mu lies outside [low, high] are dropped (weight 0), the rest kept."""
+
+
+class CorrectionLevel(enum.Enum):
+    TOKEN = "token"
+    """Each token's own ratio."""
+    SEQUENCE = "sequence"
+    """TIS: the sequence's product of ratios; IcePop: its geometric mean (a product of many
+    tokens leaves any band)."""
+
+
 class ForwardOutput(enum.Enum):
     LOGPROBS = "logprobs"
     TOP_K = "top_k"
@@ -88,6 +107,11 @@ class LossConfig:
     """Weight of an entropy bonus subtracted from the loss; 0 turns it off."""
     normalization_length: int = 0
     """CONSTANT normalization's length (e.g. the longest generation allowed)."""
+    correction: Correction = Correction.NONE
+    correction_level: CorrectionLevel = CorrectionLevel.TOKEN
+    tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0):
@@ -117,6 +141,21 @@ class LossConfig:
                 f"otherwise, got {self.normalization_length} with {self.normalization.value}",
                 field="loss.normalization_length",
             )
+        if self.correction is not Correction.NONE and self.kind is LossKind.CROSS_ENTROPY:
+            raise InvalidArgument(
+                "a sampler correction weights a policy-gradient loss, not cross_entropy",
+                field="loss.correction",
+            )
+        if not (self.tis_cap >= 1.0 and np.isfinite(self.tis_cap)):
+            raise InvalidArgument(
+                f"tis_cap must be a finite value >= 1, got {self.tis_cap}", field="loss.tis_cap"
+            )
+        if not (0.0 <= self.icepop_low < 1.0 < self.icepop_high and np.isfinite(self.icepop_high)):
+            raise InvalidArgument(
+                f"the IcePop band must satisfy 0 <= icepop_low < 1 < icepop_high (finite), got "
+                f"[{self.icepop_low}, {self.icepop_high}]",
+                field="loss.icepop_low",
+            )
         if self.kind is LossKind.GSPO and self.normalization is not Normalization.SEQUENCE:
             # GSPO's ratio and clipping are per sequence, so is its objective: weighting its
             # sequences by their token counts would scale long sequences' clipped terms.
@@ -129,6 +168,10 @@ class LossConfig:
     @property
     def needs_policy_inputs(self) -> bool:
         return self.kind in (LossKind.PPO, LossKind.GSPO, LossKind.CISPO)
+
+    @property
+    def corrects_sampler(self) -> bool:
+        return self.correction is not Correction.NONE
 
     @property
     def needs_reference(self) -> bool:
@@ -170,6 +213,7 @@ _BATCH_ARRAYS = (
     "advantages",
     "behaviour_logprobs",
     "reference_logprobs",
+    "sampler_logprobs",
 )
 
 
@@ -183,6 +227,8 @@ class SequenceBatch:
     advantages: np.ndarray | None = None
     behaviour_logprobs: np.ndarray | None = None
     reference_logprobs: np.ndarray | None = None
+    sampler_logprobs: np.ndarray | None = None
+    """The sampler's (vLLM's) logprobs, for a correction against it (LossConfig.correction)."""
 
     @classmethod
     def from_lists(
@@ -193,6 +239,7 @@ class SequenceBatch:
         advantages: Sequence[Sequence[float]] | None = None,
         behaviour_logprobs: Sequence[Sequence[float]] | None = None,
         reference_logprobs: Sequence[Sequence[float]] | None = None,
+        sampler_logprobs: Sequence[Sequence[float]] | None = None,
     ) -> SequenceBatch:
         """Builds a batch from per-sequence lists (each per-token list as long as its sequence)."""
         lengths = [len(s) for s in sequences]
@@ -214,6 +261,7 @@ class SequenceBatch:
             advantages=flat(advantages, np.float32),
             behaviour_logprobs=flat(behaviour_logprobs, np.float32),
             reference_logprobs=flat(reference_logprobs, np.float32),
+            sampler_logprobs=flat(sampler_logprobs, np.float32),
         )
 
     def digest(self) -> bytes:
@@ -268,6 +316,7 @@ class SequenceBatch:
             advantages=take(self.advantages),
             behaviour_logprobs=take(self.behaviour_logprobs),
             reference_logprobs=take(self.reference_logprobs),
+            sampler_logprobs=take(self.sampler_logprobs),
         )
 
 
@@ -296,7 +345,24 @@ class LossTerms:
     clip_fraction: float = 0.0
     importance_ratio: float = 0.0
     entropy: float = 0.0
-    """Mean entropy per valid token; computed only with an entropy bonus (0 otherwise)."""
+    """Mean entropy per valid token; computed with an entropy bonus or a sampler correction
+    (0 otherwise)."""
+    sampler: SamplerMismatch | None = None
+    """How far the sampler was from the policy the ratio is taken against (a correction)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerMismatch:
+    """Per step, over the trained tokens, of pi_old / mu (pi_old the policy the ratio is taken
+    against, mu the sampler's)."""
+
+    ratio_mean: float = 0.0
+    ratio_min: float = 0.0
+    ratio_max: float = 0.0
+    corrected_fraction: float = 0.0
+    """Tokens truncated (TIS) or dropped (IcePop), over the trained tokens."""
+    kl: float = 0.0
+    """k3 estimate of KL(mu || pi_old) per trained token."""
 
 
 class StepGradient(enum.Enum):

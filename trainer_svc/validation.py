@@ -112,26 +112,37 @@ def check_training_batch(batch: SequenceBatch, loss: LossConfig, limits: BatchLi
             "prefix to predict it from, so its mask entry must be false",
             field="loss_mask",
         )
+    # With a sampler correction pi_old may come from the step's own weights: behaviour
+    # logprobs are then optional.
+    optional = {"behaviour_logprobs"} if loss.corrects_sampler else set()
     inputs = {
         "advantages": (batch.advantages, loss.needs_policy_inputs),
         "behaviour_logprobs": (batch.behaviour_logprobs, loss.needs_policy_inputs),
         "reference_logprobs": (batch.reference_logprobs, loss.needs_reference),
+        "sampler_logprobs": (batch.sampler_logprobs, loss.corrects_sampler),
     }
     for name, (values, required) in inputs.items():
-        if required and values is None:
+        if required and values is None and name not in optional:
             raise InvalidArgument(
                 f"{name} is required by loss {loss.kind.value}"
-                + (f" with kl_coef={loss.kl_coef}" if name == "reference_logprobs" else ""),
+                + (f" with kl_coef={loss.kl_coef}" if name == "reference_logprobs" else "")
+                + (
+                    f" with correction {loss.correction.value}"
+                    if name == "sampler_logprobs"
+                    else ""
+                ),
                 field=name,
             )
         if not required and values is not None:
             raise InvalidArgument(
                 f"{name} was sent but loss {loss.kind.value} (kl_coef={loss.kl_coef}) does not "
-                "use it; leave it empty",
+                "use it"
+                + (" without a correction" if name == "sampler_logprobs" else "")
+                + "; leave it empty",
                 field=name,
             )
         _check_per_token(name, values, n)
-    for name in ("behaviour_logprobs", "reference_logprobs"):
+    for name in ("behaviour_logprobs", "reference_logprobs", "sampler_logprobs"):
         values = getattr(batch, name)
         if values is not None and (values[batch.loss_mask] > 0).any():
             raise InvalidArgument(

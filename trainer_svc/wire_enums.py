@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.domain import (
+    Correction,
+    CorrectionLevel,
     ExportDType,
     ForwardOutput,
     LossKind,
@@ -22,6 +24,15 @@ NORMALIZATIONS = {
     pb.NORMALIZATION_TOKEN: Normalization.TOKEN,
     pb.NORMALIZATION_SEQUENCE: Normalization.SEQUENCE,
     pb.NORMALIZATION_CONSTANT: Normalization.CONSTANT,
+}
+CORRECTIONS = {
+    pb.CORRECTION_UNSPECIFIED: Correction.NONE,
+    pb.CORRECTION_TIS: Correction.TIS,
+    pb.CORRECTION_ICEPOP: Correction.ICEPOP,
+}
+CORRECTION_LEVELS = {
+    pb.CORRECTION_LEVEL_UNSPECIFIED: CorrectionLevel.TOKEN,
+    pb.CORRECTION_LEVEL_SEQUENCE: CorrectionLevel.SEQUENCE,
 }
 FORWARD_OUTPUTS = {
     pb.FORWARD_OUTPUT_LOGPROBS: ForwardOutput.LOGPROBS,
@@ -47,6 +58,8 @@ STEP_GRADIENTS = {
 }
 LOSS_KINDS_TO_PROTO = {v: k for k, v in LOSS_KINDS.items()}
 NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}
+CORRECTIONS_TO_PROTO = {v: k for k, v in CORRECTIONS.items()}
+CORRECTION_LEVELS_TO_PROTO = {v: k for k, v in CORRECTION_LEVELS.items()}
 FORWARD_OUTPUTS_TO_PROTO = {v: k for k, v in FORWARD_OUTPUTS.items()}
 PUBLICATION_STATES_TO_PROTO = {v: k for k, v in PUBLICATION_STATES.items()}
 STEP_GRADIENTS_TO_PROTO = {v: k for k, v in STEP_GRADIENTS.items()}

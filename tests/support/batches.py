@@ -21,6 +21,10 @@ def make_batch(
         kwargs["behaviour_logprobs"] = [
             (np.log(1 / vocab_size) + rng.normal(scale=0.3, size=n)).clip(max=0.0) for n in lengths
         ]
+    if loss.corrects_sampler:
+        kwargs["sampler_logprobs"] = [
+            (np.log(1 / vocab_size) + rng.normal(scale=0.5, size=n)).clip(max=0.0) for n in lengths
+        ]
     if loss.needs_reference:
         kwargs["reference_logprobs"] = [
             (np.log(1 / vocab_size) + rng.normal(scale=0.3, size=n)).clip(max=0.0) for n in lengths

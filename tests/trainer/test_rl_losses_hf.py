@@ -8,6 +8,7 @@ of the same losses: test_split_step."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,7 +20,14 @@ from megatron_hf.spec import ModelFamily
 from megatron_hf.tiny import write_tiny_checkpoint
 from tests.support.batches import make_batch
 from tests.support.trainer import TrainerProcess
-from trainer_svc.domain import LossConfig, LossKind, Normalization, OptimizerOverrides
+from trainer_svc.domain import (
+    Correction,
+    CorrectionLevel,
+    LossConfig,
+    LossKind,
+    Normalization,
+    OptimizerOverrides,
+)
 
 LENGTHS = [9, 17, 5, 12]
 CASES = {
@@ -33,7 +41,17 @@ CASES = {
     "drgrpo-constant": LossConfig(
         kind=LossKind.PPO, normalization=Normalization.CONSTANT, normalization_length=24
     ),
+    # pi_old from the step's own weights (no behaviour logprobs sent), TIS against the sampler.
+    "ppo-tis-own-weights": LossConfig(kind=LossKind.PPO, correction=Correction.TIS, tis_cap=1.5),
+    "cispo-icepop-sequence": LossConfig(
+        kind=LossKind.CISPO,
+        correction=Correction.ICEPOP,
+        correction_level=CorrectionLevel.SEQUENCE,
+        icepop_low=0.8,
+        icepop_high=1.25,
+    ),
 }
+OWN_WEIGHTS = {"ppo-tis-own-weights"}
 SGD = OptimizerOverrides(learning_rate=1.0, max_grad_norm=0.0)
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -54,7 +72,9 @@ def _clip(ratio: torch.Tensor, loss: LossConfig) -> torch.Tensor:
     return ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
 
 
-def formula_loss(model, batch, loss: LossConfig, entropies: list[torch.Tensor]) -> torch.Tensor:
+def formula_loss(
+    model, batch, loss: LossConfig, entropies: list[torch.Tensor], corrections: list[float]
+) -> torch.Tensor:
     """The step's loss, sequence by sequence, as the papers define it; each sequence's
     entropies at the trained positions go into `entropies`."""
     terms: list[torch.Tensor] = []
@@ -65,10 +85,12 @@ def formula_loss(model, batch, loss: LossConfig, entropies: list[torch.Tensor]) 
         logp = logp_all.gather(-1, ids[0, 1:, None])[:, 0]
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         mask = torch.as_tensor(batch.loss_mask[start + 1 : end])
-        adv = torch.as_tensor(batch.advantages[start + 1 : end]).double()
-        old = torch.as_tensor(batch.behaviour_logprobs[start + 1 : end]).double()
+        adv = torch.as_tensor(batch.advantages[start + 1 : end]).double()[mask]
         lp, ent = logp.double()[mask], entropy.double()[mask]
-        adv, old = adv[mask], old[mask]
+        if batch.behaviour_logprobs is None:  # pi_old: the weights the step began with
+            old = lp.detach()
+        else:
+            old = torch.as_tensor(batch.behaviour_logprobs[start + 1 : end]).double()[mask]
         entropies.append(ent.detach())
         if loss.kind is LossKind.GSPO:
             # GSPO-token: s_i = exp(mean log r) as the value, each token's gradient its own.
@@ -86,6 +108,26 @@ def formula_loss(model, batch, loss: LossConfig, entropies: list[torch.Tensor]) 
                     adv < 0, torch.maximum(objective, loss.dual_clip * adv), objective
                 )
             per_token = -objective
+        if loss.corrects_sampler:
+            sampler = torch.as_tensor(batch.sampler_logprobs[start + 1 : end]).double()[mask]
+            rho = old.detach() - sampler  # log(pi_old / mu)
+            if loss.correction_level is CorrectionLevel.SEQUENCE:
+                # TIS: the product of ratios; IcePop: their geometric mean.
+                rho = rho.sum() if loss.correction is Correction.TIS else rho.mean()
+            measured = rho.exp().expand_as(per_token)
+            if loss.correction is Correction.TIS:
+                weight = measured.clamp(max=loss.tis_cap)
+            else:
+                band = (measured >= loss.icepop_low) & (measured <= loss.icepop_high)
+                weight = band.double()
+            per_token = per_token * weight
+            corrections.append(
+                float(
+                    (weight != measured).sum()
+                    if loss.correction is Correction.TIS
+                    else (~band).sum()
+                )
+            )
         per_token = per_token - loss.entropy_coef * ent
         if loss.normalization is Normalization.SEQUENCE:
             terms.append(per_token.mean() if len(per_token) else per_token.sum())
@@ -103,6 +145,8 @@ def formula_loss(model, batch, loss: LossConfig, entropies: list[torch.Tensor]) 
 def test_one_sgd_step_moves_the_weights_by_the_formulas_gradient(trainer, name: str) -> None:
     loss = CASES[name]
     batch = make_batch(seed=13, lengths=LENGTHS, loss=loss, vocab_size=100)
+    if name in OWN_WEIGHTS:
+        batch = dataclasses.replace(batch, behaviour_logprobs=None)
     trainer.client.load_checkpoint(trainer.workdir / "base")
     trainer.client.begin_step(name, loss, SGD)
     trainer.client.train_microbatch(name, f"{name}-0", batch)
@@ -110,9 +154,19 @@ def test_one_sgd_step_moves_the_weights_by_the_formulas_gradient(trainer, name: 
     after = trainer.export(name)
     model = AutoModelForCausalLM.from_pretrained(trainer.model_dir, dtype=torch.float64)
     entropies: list[torch.Tensor] = []
-    formula_loss(model, batch, loss, entropies).backward()
-    # The step reports the mean entropy of the trained tokens when it has an entropy bonus.
-    mean_entropy = float(torch.cat(entropies).mean()) if loss.entropy_coef else 0.0
+    corrections: list[float] = []
+    formula_loss(model, batch, loss, entropies, corrections).backward()
+    if loss.corrects_sampler:
+        assert terms.sampler is not None
+        trained = len(torch.cat(entropies))
+        assert 0 < sum(corrections) < trained, "the case should correct some tokens, not all"
+        assert terms.sampler.corrected_fraction == pytest.approx(sum(corrections) / trained)
+    else:
+        assert terms.sampler is None
+    # The step reports the mean entropy of the trained tokens with an entropy bonus or a
+    # sampler correction.
+    reported = loss.entropy_coef or loss.corrects_sampler
+    mean_entropy = float(torch.cat(entropies).mean()) if reported else 0.0
     assert terms.entropy == pytest.approx(mean_entropy, rel=1e-5)
     grads = dict(model.named_parameters())
     for hf_name, before in trainer.base.items():

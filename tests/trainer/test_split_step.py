@@ -1,5 +1,6 @@
 """A step streamed as k uneven microbatches equals the same data sent as one microbatch,
-for every parallel layout, both losses and both normalizations (through the gRPC server)."""
+for every parallel layout, every loss and normalization and a sampler correction (through the
+gRPC server)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 from tests.support.batches import make_batch, split
 from tests.support.damaged_checkpoints import assert_refusals_change_nothing, resealed_copies
 from tests.support.trainer import TrainerProcess, max_relative_difference
-from trainer_svc.domain import LossConfig, LossKind, Normalization, OptimizerOverrides
+from trainer_svc.domain import (
+    Correction,
+    CorrectionLevel,
+    LossConfig,
+    LossKind,
+    Normalization,
+    OptimizerOverrides,
+)
 
 LAYOUTS = {
     "tp2": ["--tp", "2"],
@@ -35,6 +43,12 @@ LOSSES = {
         entropy_coef=0.01,
     ),
     "ppo-dual-clip": LossConfig(kind=LossKind.PPO, dual_clip=2.0, kl_coef=0.1),
+    "ppo-tis-sequence": LossConfig(
+        kind=LossKind.PPO,
+        normalization=Normalization.SEQUENCE,
+        correction=Correction.TIS,
+        correction_level=CorrectionLevel.SEQUENCE,
+    ),
 }
 LENGTHS = [9, 17, 5, 12, 30, 7, 21]
 # Adam's first update is lr * g / (|g| + eps): with the default eps=1e-8, gradients near 1e-8 turn

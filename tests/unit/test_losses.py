@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from trainer_svc.domain import LossConfig, LossKind, Normalization, SequenceBatch
-from trainer_svc.runtime.losses import LOG_RATIO_LIMIT, SUM_FIELDS, TokenInputs, loss_sums
+from trainer_svc.runtime.losses import (
+    LOG_RATIO_LIMIT,
+    MAX_FIELDS,
+    SUM_FIELDS,
+    TokenInputs,
+    loss_sums,
+)
 from trainer_svc.runtime.packing import pack
 
 TOKEN, SEQUENCE = Normalization.TOKEN, Normalization.SEQUENCE
@@ -160,7 +166,7 @@ def test_loss_sums_match_the_reference(name: str) -> None:
     case = make_case()
     sums, _ = computed(case, config)
     expected = reference_sums(case, config, case.logprobs)
-    assert set(sums) == set(SUM_FIELDS)
+    assert set(sums) == {*SUM_FIELDS, *MAX_FIELDS}
     for field in SUM_FIELDS:
         assert sums[field] == pytest.approx(expected[field], rel=1e-12, abs=1e-12), field
     if config.kind is PPO:

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_svc.domain import InvalidArgument, LossConfig, LossKind, Normalization, SequenceBatch
+from trainer_svc.domain import (
+    Correction,
+    CorrectionLevel,
+    InvalidArgument,
+    LossConfig,
+    LossKind,
+    Normalization,
+    SequenceBatch,
+)
 from trainer_svc.runtime.losses import LOG_RATIO_LIMIT, TokenInputs, loss_sums
 from trainer_svc.runtime.packing import pack
 
@@ -245,6 +253,116 @@ def test_gspo_ratios_past_the_limit_stay_finite() -> None:
     ],
 )
 def test_inconsistent_loss_configs_are_refused_naming_the_field(options, field) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        LossConfig(**options)
+    assert refused.value.field == field
+
+
+def _corrected(config, logprobs, mask, advantages, sampler, *, behaviour=None):
+    lp = torch.tensor(logprobs, requires_grad=True)
+    inputs = TokenInputs(
+        mask=torch.tensor(mask),
+        advantages=torch.tensor(advantages),
+        behaviour_logprobs=None if behaviour is None else torch.tensor(behaviour),
+        sampler_logprobs=torch.tensor(sampler),
+    )
+    sums = loss_sums(lp, inputs, config)
+    sums["loss"].backward()
+    return {k: float(v) for k, v in sums.items()}, lp.grad.numpy()
+
+
+TIS = LossConfig(kind=LossKind.PPO, correction=Correction.TIS, tis_cap=2.0)
+ICEPOP = LossConfig(
+    kind=LossKind.PPO, correction=Correction.ICEPOP, icepop_low=0.5, icepop_high=5.0
+)
+
+
+def test_tis_weights_each_token_by_its_truncated_sampler_ratio() -> None:
+    """With pi_old the step's own weights, PPO's ratio is 1 and its gradient -A; TIS scales
+    it by min(pi_old / mu, 2): the constructed mismatch (ratios 0.5, 1.5, 4, 12) gives weights
+    0.5, 1.5, 2, 2, and a sampler far below the policy moves the gradient no more than twice."""
+    logprobs = np.array([[-1.0, -1.0, -1.0, -1.0]])
+    sampler = logprobs - np.log([[0.5, 1.5, 4.0, 12.0]])
+    advantages = np.array([[1.0, -1.0, 1.0, 2.0]])
+    mask = np.ones((1, 4), bool)
+    sums, grad = _corrected(TIS, logprobs, mask, advantages, sampler)
+    np.testing.assert_allclose(grad, [[-0.5, 1.5, -2.0, -4.0]], rtol=1e-12)
+    _, plain = _corrected(
+        LossConfig(
+            kind=LossKind.PPO, correction=Correction.ICEPOP, icepop_low=0.0, icepop_high=1e9
+        ),
+        logprobs,
+        mask,
+        advantages,
+        sampler,
+    )
+    np.testing.assert_allclose(plain, -advantages)  # a band that keeps all: no correction
+    assert sums["corrected_tokens"] == 2.0
+    assert sums["sampler_ratio"] == pytest.approx(0.5 + 1.5 + 4.0 + 12.0)
+    assert sums["sampler_ratio_max"] == pytest.approx(12.0)
+    assert -sums["sampler_ratio_neg_min"] == pytest.approx(0.5)
+    k3 = sum(r - 1 - math.log(r) for r in (0.5, 1.5, 4.0, 12.0))
+    assert sums["mismatch_kl"] == pytest.approx(k3)
+
+
+def test_icepop_drops_exactly_the_tokens_outside_its_band() -> None:
+    logprobs = -np.full((2, 4), 2.0)
+    ratios = np.array([[0.49, 0.51, 4.99, 5.01], [1.0, 0.1, 20.0, 2.0]])
+    sampler = logprobs - np.log(ratios)
+    advantages = np.ones((2, 4))
+    mask = np.array([[True, True, True, True], [True, True, False, True]])
+    sums, grad = _corrected(ICEPOP, logprobs, mask, advantages, sampler)
+    kept = (ratios >= 0.5) & (ratios <= 5.0) & mask
+    np.testing.assert_allclose(grad, np.where(kept, -1.0, 0.0), rtol=1e-12)
+    assert sums["corrected_tokens"] == 3.0  # 0.49, 5.01, 0.1; the unmasked 20 is not counted
+
+
+def test_sequence_level_corrections_use_the_sequences_ratio() -> None:
+    logprobs = -np.ones((2, 3))
+    ratios = np.array([[1.5, 1.5, 1.5], [0.9, 1.1, 1.0]])  # products 3.375 and 0.99
+    sampler = logprobs - np.log(ratios)
+    advantages = np.ones((2, 3))
+    mask = np.ones((2, 3), bool)
+    tis = LossConfig(
+        kind=LossKind.PPO, correction=Correction.TIS, correction_level=CorrectionLevel.SEQUENCE
+    )
+    _, grad = _corrected(tis, logprobs, mask, advantages, sampler)
+    np.testing.assert_allclose(grad, [[-2.0] * 3, [-0.99] * 3], rtol=1e-12)
+    icepop = LossConfig(
+        kind=LossKind.PPO,
+        correction=Correction.ICEPOP,
+        correction_level=CorrectionLevel.SEQUENCE,
+        icepop_low=0.8,
+        icepop_high=1.2,
+    )
+    # Geometric means 1.5 (outside the band: the whole sequence dropped) and ~1.0 (kept).
+    sums, grad = _corrected(icepop, logprobs, mask, advantages, sampler)
+    np.testing.assert_allclose(grad, [[0.0] * 3, [-1.0] * 3], rtol=1e-12)
+    assert sums["corrected_tokens"] == 3.0
+
+
+def test_a_correction_multiplies_the_ppo_term_against_the_behaviour_logprobs() -> None:
+    logprobs = np.array([[-1.0, -2.0]])
+    behaviour = np.array([[-1.1, -1.9]])
+    sampler = behaviour - np.log([[3.0, 0.5]])  # pi_old / mu = 3 and 0.5
+    advantages = np.array([[1.0, 1.0]])
+    sums, grad = _corrected(
+        TIS, logprobs, np.ones((1, 2), bool), advantages, sampler, behaviour=behaviour
+    )
+    ratios = np.exp(logprobs - behaviour)  # 1.105 and 0.905: inside the clip range
+    np.testing.assert_allclose(grad, -ratios * np.array([[2.0, 0.5]]), rtol=1e-12)
+    assert sums["corrected_tokens"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (dict(correction=Correction.TIS), "loss.correction"),  # cross-entropy
+        (dict(kind=LossKind.PPO, correction=Correction.TIS, tis_cap=0.5), "loss.tis_cap"),
+        (dict(kind=LossKind.PPO, icepop_low=1.5), "loss.icepop_low"),
+    ],
+)
+def test_inconsistent_corrections_are_refused(options, field) -> None:
     with pytest.raises(InvalidArgument) as refused:
         LossConfig(**options)
     assert refused.value.field == field

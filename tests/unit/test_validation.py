@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from trainer_svc.domain import InvalidArgument, LossConfig, LossKind, SequenceBatch
+from trainer_svc.domain import Correction, InvalidArgument, LossConfig, LossKind, SequenceBatch
 from trainer_svc.validation import BatchLimits, check_sequences, check_training_batch
 
 LIMITS = BatchLimits(vocab_size=50, max_sequence_length=8, max_tokens=20)
@@ -16,6 +16,7 @@ CE = LossConfig()
 CE_KL = LossConfig(kl_coef=0.1)
 PPO = LossConfig(kind=LossKind.PPO)
 PPO_KL = LossConfig(kind=LossKind.PPO, kl_coef=0.1)
+PPO_TIS = LossConfig(kind=LossKind.PPO, correction=Correction.TIS)
 
 
 def make_batch(loss: LossConfig) -> SequenceBatch:
@@ -28,6 +29,8 @@ def make_batch(loss: LossConfig) -> SequenceBatch:
         per_token["behaviour_logprobs"] = [[0.0, -1.0, -2.0], [0.0, -0.5], [0, 0, -3.0, -0.1]]
     if loss.needs_reference:
         per_token["reference_logprobs"] = [[0.0, -1.5, -2.5], [0.0, -0.4], [0, 0, -2.0, -0.2]]
+    if loss.corrects_sampler:
+        per_token["sampler_logprobs"] = [[0.0, -1.2, -1.9], [0.0, -0.6], [0, 0, -2.9, -0.3]]
     return SequenceBatch.from_lists(sequences, loss_mask=mask, **per_token)
 
 
@@ -268,6 +271,25 @@ TRAINING_CASES = [
         r"reference_logprobs is required by loss cross_entropy with kl_coef=0.1",
     ),
     (
+        "correction_without_sampler_logprobs",
+        PPO_TIS,
+        without("sampler_logprobs"),
+        r"sampler_logprobs is required by loss ppo with correction tis",
+    ),
+    (
+        "sampler_logprobs_without_a_correction",
+        PPO,
+        added("sampler_logprobs"),
+        r"sampler_logprobs was sent but loss ppo \(kl_coef=0.0\) does not use it without a "
+        r"correction",
+    ),
+    (
+        "positive_sampler_logprob",
+        PPO_TIS,
+        with_value("sampler_logprobs", 2, 0.5),
+        r"sampler_logprobs must be <= 0 \(log-probabilities\) at masked-in tokens",
+    ),
+    (
         "positive_behaviour_logprob",
         PPO,
         with_value("behaviour_logprobs", 2, 0.5),
@@ -296,7 +318,9 @@ def test_check_training_batch_rejects(
         check_training_batch(change(valid), loss, LIMITS)
 
 
-@pytest.mark.parametrize("loss", [CE, CE_KL, PPO, PPO_KL], ids=["ce", "ce_kl", "ppo", "ppo_kl"])
+@pytest.mark.parametrize(
+    "loss", [CE, CE_KL, PPO, PPO_KL, PPO_TIS], ids=["ce", "ce_kl", "ppo", "ppo_kl", "ppo_tis"]
+)
 def test_valid_batch_passes(loss: LossConfig) -> None:
     batch = make_batch(loss)
     before = {
@@ -307,6 +331,11 @@ def test_valid_batch_passes(loss: LossConfig) -> None:
     for name, value in before.items():
         after = getattr(batch, name)
         assert (value is None and after is None) or np.array_equal(value, after)
+
+
+def test_a_correction_takes_pi_old_from_the_step_when_behaviour_logprobs_are_absent() -> None:
+    batch = replaced(make_batch(PPO_TIS), behaviour_logprobs=None)
+    check_training_batch(batch, PPO_TIS, LIMITS)
 
 
 def test_positive_logprobs_outside_the_mask_are_accepted() -> None:

@@ -23,6 +23,17 @@ class Normalization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NORMALIZATION_SEQUENCE: _ClassVar[Normalization]
     NORMALIZATION_CONSTANT: _ClassVar[Normalization]
 
+class Correction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CORRECTION_UNSPECIFIED: _ClassVar[Correction]
+    CORRECTION_TIS: _ClassVar[Correction]
+    CORRECTION_ICEPOP: _ClassVar[Correction]
+
+class CorrectionLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CORRECTION_LEVEL_UNSPECIFIED: _ClassVar[CorrectionLevel]
+    CORRECTION_LEVEL_SEQUENCE: _ClassVar[CorrectionLevel]
+
 class StepGradient(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STEP_GRADIENT_UNSPECIFIED: _ClassVar[StepGradient]
@@ -60,6 +71,11 @@ NORMALIZATION_UNSPECIFIED: Normalization
 NORMALIZATION_TOKEN: Normalization
 NORMALIZATION_SEQUENCE: Normalization
 NORMALIZATION_CONSTANT: Normalization
+CORRECTION_UNSPECIFIED: Correction
+CORRECTION_TIS: Correction
+CORRECTION_ICEPOP: Correction
+CORRECTION_LEVEL_UNSPECIFIED: CorrectionLevel
+CORRECTION_LEVEL_SEQUENCE: CorrectionLevel
 STEP_GRADIENT_UNSPECIFIED: StepGradient
 STEP_GRADIENT_NONZERO: StepGradient
 STEP_GRADIENT_ZERO: StepGradient
@@ -87,7 +103,7 @@ class Sequences(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LossConfig(_message.Message):
-    __slots__ = ("kind", "normalization", "clip_low", "clip_high", "kl_coef", "dual_clip", "entropy_coef", "normalization_length")
+    __slots__ = ("kind", "normalization", "clip_low", "clip_high", "kl_coef", "dual_clip", "entropy_coef", "normalization_length", "correction", "correction_level", "tis_cap", "icepop_low", "icepop_high")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
     CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +112,11 @@ class LossConfig(_message.Message):
     DUAL_CLIP_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     NORMALIZATION_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
+    ICEPOP_LOW_FIELD_NUMBER: _ClassVar[int]
+    ICEPOP_HIGH_FIELD_NUMBER: _ClassVar[int]
     kind: LossKind
     normalization: Normalization
     clip_low: float
@@ -104,7 +125,12 @@ class LossConfig(_message.Message):
     dual_clip: float
     entropy_coef: float
     normalization_length: int
-    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., normalization: _Optional[_Union[Normalization, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dual_clip: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., normalization_length: _Optional[int] = ...) -> None: ...
+    correction: Correction
+    correction_level: CorrectionLevel
+    tis_cap: float
+    icepop_low: float
+    icepop_high: float
+    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., normalization: _Optional[_Union[Normalization, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dual_clip: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., normalization_length: _Optional[int] = ..., correction: _Optional[_Union[Correction, str]] = ..., correction_level: _Optional[_Union[CorrectionLevel, str]] = ..., tis_cap: _Optional[float] = ..., icepop_low: _Optional[float] = ..., icepop_high: _Optional[float] = ...) -> None: ...
 
 class OptimizerParams(_message.Message):
     __slots__ = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm")
@@ -141,7 +167,7 @@ class BeginTrainStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class TrainMicrobatchRequest(_message.Message):
-    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs")
+    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs", "sampler_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +175,7 @@ class TrainMicrobatchRequest(_message.Message):
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     BEHAVIOUR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     request_id: str
     sequences: Sequences
@@ -156,7 +183,8 @@ class TrainMicrobatchRequest(_message.Message):
     advantages: _containers.RepeatedScalarFieldContainer[float]
     behaviour_logprobs: _containers.RepeatedScalarFieldContainer[float]
     reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    sampler_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., sampler_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepCounts(_message.Message):
     __slots__ = ("microbatches", "sequences", "valid_tokens", "valid_sequences")
@@ -193,18 +221,34 @@ class FinishTrainStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., wait_for_update: _Optional[bool] = ..., wait_for_publication: _Optional[bool] = ...) -> None: ...
 
 class LossTerms(_message.Message):
-    __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio", "entropy")
+    __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio", "entropy", "sampler")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
     CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
     IMPORTANCE_RATIO_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
     policy: float
     kl: float
     clip_fraction: float
     importance_ratio: float
     entropy: float
-    def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ..., entropy: _Optional[float] = ...) -> None: ...
+    sampler: SamplerMismatch
+    def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ..., entropy: _Optional[float] = ..., sampler: _Optional[_Union[SamplerMismatch, _Mapping]] = ...) -> None: ...
+
+class SamplerMismatch(_message.Message):
+    __slots__ = ("ratio_mean", "ratio_min", "ratio_max", "corrected_fraction", "kl")
+    RATIO_MEAN_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    CORRECTED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    KL_FIELD_NUMBER: _ClassVar[int]
+    ratio_mean: float
+    ratio_min: float
+    ratio_max: float
+    corrected_fraction: float
+    kl: float
+    def __init__(self, ratio_mean: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., corrected_fraction: _Optional[float] = ..., kl: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts", "gradient")

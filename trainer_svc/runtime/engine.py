@@ -35,6 +35,7 @@ from trainer_svc.domain import (
     Normalization,
     OpenStepInfo,
     OptimizerOverrides,
+    SamplerMismatch,
     StepCounts,
     StepGradient,
     StepMetrics,
@@ -45,7 +46,7 @@ from trainer_svc.runtime.agreement import CommandFailed, phase
 from trainer_svc.runtime.checkpointing import Checkpointer, TrainingState
 from trainer_svc.runtime.finite import Contents, contents
 from trainer_svc.runtime.hf_export import ExportSettings
-from trainer_svc.runtime.losses import SUM_FIELDS, loss_sums
+from trainer_svc.runtime.losses import MAX_FIELDS, SUM_FIELDS, loss_sums
 from trainer_svc.runtime.model_factory import BuiltModel
 from trainer_svc.runtime.model_runner import ModelRunner
 from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack
@@ -72,6 +73,8 @@ class _OpenStep:
     sums: torch.Tensor | None = None
     """The loss sums (SUM_FIELDS, float64) on the device, added to without a host
     synchronization: read back once, at FinishTrainStep."""
+    maxima: torch.Tensor | None = None
+    """Likewise the MAX_FIELDS, kept by maximum."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class _StepTotals:
     """A finishing step's figures over every rank."""
 
     sums: dict[str, float]
-    """The loss sums (SUM_FIELDS)."""
+    """The loss sums (SUM_FIELDS) and maxima (MAX_FIELDS)."""
     non_finite_ranks: int
     """Ranks whose gradient buffers hold inf or NaN: the step is refused."""
     nonzero_ranks: int
@@ -392,7 +395,10 @@ class StepEngine:
 
         def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
             logprobs, entropy = target_logprobs(
-                logits, batch.targets, self.vocab_shard, with_entropy=loss.entropy_coef > 0
+                logits,
+                batch.targets,
+                self.vocab_shard,
+                with_entropy=loss.entropy_coef > 0 or loss.corrects_sampler,
             )
             sums = loss_sums(logprobs, batch.token_inputs, loss, entropy)
             count = sums["valid_tokens"].detach().to(torch.int)
@@ -408,6 +414,10 @@ class StepEngine:
                 for sums in outputs:
                     values = torch.stack([sums[k].to(torch.float64) for k in SUM_FIELDS])
                     step.sums = values if step.sums is None else step.sums + values
+                    peaks = torch.stack([sums[k].to(torch.float64) for k in MAX_FIELDS])
+                    step.maxima = (
+                        peaks if step.maxima is None else torch.maximum(step.maxima, peaks)
+                    )
         # Only rank 0 answers duplicates (`precheck`): the other ranks skip hashing the batch.
         digest = command.batch.digest() if self.topology.is_leader else b""
         step.request_ids[command.request_id] = digest
@@ -447,15 +457,23 @@ class StepEngine:
 
     def _global_sums(self, step: _OpenStep) -> _StepTotals:
         """The step's loss sums over every rank, and how many ranks hold a non-finite or a
-        non-zero gradient (one all-reduce for all)."""
+        non-zero gradient (one all-reduce for all; a second, by maximum, for the sampler
+        ratio's extremes with a correction)."""
         sums = [0.0] * len(SUM_FIELDS) if step.sums is None else step.sums.tolist()
         gradient = self._gradient_contents()
         local = [*sums, float(not gradient.finite), float(not gradient.zero)]
         totals = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(totals, group=self.topology.control_group)
         *values, non_finite, nonzero = totals.tolist()
+        maxima = dict.fromkeys(MAX_FIELDS, 0.0)
+        if step.loss.corrects_sampler:  # one more reduction, only where there is a maximum
+            peaks = torch.full((len(MAX_FIELDS),), -math.inf, dtype=torch.float64)
+            if step.maxima is not None:
+                peaks = step.maxima.to("cpu")
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.topology.control_group)
+            maxima = dict(zip(MAX_FIELDS, peaks.tolist(), strict=True))
         return _StepTotals(
-            sums=dict(zip(SUM_FIELDS, values, strict=True)),
+            sums={**dict(zip(SUM_FIELDS, values, strict=True)), **maxima},
             non_finite_ranks=int(non_finite),
             nonzero_ranks=int(nonzero),
         )
@@ -509,6 +527,15 @@ class StepEngine:
             clip_fraction=sums["clipped_tokens"] / tokens,
             importance_ratio=sums["ratio"] / tokens,
             entropy=sums["entropy"] / tokens,
+            sampler=SamplerMismatch(
+                ratio_mean=sums["sampler_ratio"] / tokens,
+                ratio_min=-sums["sampler_ratio_neg_min"],
+                ratio_max=sums["sampler_ratio_max"],
+                corrected_fraction=sums["corrected_tokens"] / tokens,
+                kl=sums["mismatch_kl"] / tokens,
+            )
+            if step.loss.corrects_sampler
+            else None,
         )
         metrics = StepMetrics(
             loss=sums["loss"] / divisor,

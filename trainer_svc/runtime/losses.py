@@ -8,9 +8,22 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer_svc.domain import LossConfig, LossKind, Normalization
+from trainer_svc.domain import Correction, CorrectionLevel, LossConfig, LossKind, Normalization
 
-SUM_FIELDS = ("loss", "policy", "kl", "clipped_tokens", "ratio", "valid_tokens", "entropy")
+SUM_FIELDS = (
+    "loss",
+    "policy",
+    "kl",
+    "clipped_tokens",
+    "ratio",
+    "valid_tokens",
+    "entropy",
+    "sampler_ratio",
+    "corrected_tokens",
+    "mismatch_kl",
+)
+MAX_FIELDS = ("sampler_ratio_max", "sampler_ratio_neg_min")
+"""Reduced by maximum, not by sum: the sampler ratio's largest and (negated) smallest value."""
 
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to at most 20 before exp: the PPO ratio's to [-20, 20], the KL
@@ -40,14 +53,15 @@ class TokenInputs:
     sequence_tokens: torch.Tensor | None = None
     """Each position's sequence's count of trained tokens, for per-sequence means in either
     layout (a packed row holds many sequences); None: each row is one sequence."""
+    sampler_logprobs: torch.Tensor | None = None
     sequence_index: torch.Tensor | None = None
     """Each position's sequence, numbered from 0 (int64), with `sequences` the count; None:
     each row is one sequence."""
     sequences: int = 0
 
 
-def _sequence_mean(values: torch.Tensor, inputs: TokenInputs) -> torch.Tensor:
-    """Each position's value replaced by the mean of its sequence's trained positions (no
+def _sequence_sum(values: torch.Tensor, inputs: TokenInputs) -> torch.Tensor:
+    """Each position's value replaced by the sum over its sequence's trained positions (no
     gradient). Segment sums with one index_add: no host synchronization."""
     mask = inputs.mask.to(values.dtype)
     index, count = inputs.sequence_index, inputs.sequences
@@ -57,10 +71,53 @@ def _sequence_mean(values: torch.Tensor, inputs: TokenInputs) -> torch.Tensor:
         count = rows
     sums = torch.zeros(count, dtype=values.dtype, device=values.device)
     sums.index_add_(0, index.reshape(-1), (values * mask).detach().reshape(-1))
+    return sums[index]
+
+
+def _sequence_tokens(inputs: TokenInputs, dtype: torch.dtype) -> torch.Tensor:
     tokens = inputs.sequence_tokens
     if tokens is None:
-        tokens = mask.sum(dim=-1, keepdim=True)
-    return sums[index] / tokens.clamp(min=1.0)
+        tokens = inputs.mask.to(dtype).sum(dim=-1, keepdim=True)
+    return tokens
+
+
+def _sequence_mean(values: torch.Tensor, inputs: TokenInputs) -> torch.Tensor:
+    """Each position's value replaced by the mean of its sequence's trained positions."""
+    tokens = _sequence_tokens(inputs, values.dtype)
+    return _sequence_sum(values, inputs) / tokens.clamp(min=1.0)
+
+
+def _sampler_correction(
+    old: torch.Tensor, inputs: TokenInputs, config: LossConfig
+) -> dict[str, torch.Tensor]:
+    """The correction's weight per position (no gradient) and its per-token statistics, of
+    r = pi_old / mu at each trained token."""
+    assert inputs.sampler_logprobs is not None
+    zeros = torch.zeros_like(old)
+    rho = _clamped(
+        torch.where(inputs.mask, old.detach() - inputs.sampler_logprobs, zeros), symmetric=True
+    )
+    ratio = rho.exp()
+    if config.correction_level is CorrectionLevel.SEQUENCE:
+        if config.correction is Correction.TIS:
+            measured = _clamped(_sequence_sum(rho, inputs), symmetric=True).exp()
+        else:  # IcePop: the geometric mean; a product of many ratios leaves any band
+            measured = _sequence_mean(rho, inputs).exp()
+    else:
+        measured = ratio
+    if config.correction is Correction.TIS:
+        weight = measured.clamp(max=config.tis_cap)
+        corrected = measured > config.tis_cap
+    else:
+        kept = (measured >= config.icepop_low) & (measured <= config.icepop_high)
+        weight = kept.to(old.dtype)
+        corrected = ~kept
+    return {
+        "weight": weight,
+        "corrected": corrected.to(old.dtype),
+        "ratio": ratio,
+        "kl": ratio - 1.0 - rho,
+    }
 
 
 def _clipped_objective(
@@ -88,9 +145,15 @@ def _per_token_terms(
     if config.kind is LossKind.CROSS_ENTROPY:
         terms = {"policy": -logprobs, "clipped": zeros, "ratio": zeros}
     else:
-        assert inputs.advantages is not None and inputs.behaviour_logprobs is not None
+        assert inputs.advantages is not None
         advantages = inputs.advantages
-        log_ratio = torch.where(inputs.mask, logprobs - inputs.behaviour_logprobs, zeros)
+        # pi_old: the behaviour logprobs sent, or else the step's own weights (with a sampler
+        # correction): every microbatch of a step runs with the weights it began with.
+        old = inputs.behaviour_logprobs
+        if old is None:
+            assert config.corrects_sampler, "behaviour_logprobs are required without a correction"
+            old = logprobs.detach()
+        log_ratio = torch.where(inputs.mask, logprobs - old, zeros)
         if config.kind is LossKind.GSPO:
             # The sequence's log ratio as the value, the token's own log-probability as the
             # gradient: exp(sg(log s) + log p - sg(log p)).
@@ -109,6 +172,10 @@ def _per_token_terms(
             "clipped": taken.to(logprobs.dtype).detach(),
             "ratio": ratio.detach(),
         }
+        if config.corrects_sampler:
+            correction = _sampler_correction(old, inputs, config)
+            terms["policy"] = policy * correction["weight"]
+            terms.update({f"sampler_{k}": v for k, v in correction.items()})
     if config.needs_reference:
         assert inputs.reference_logprobs is not None
         delta = torch.where(inputs.mask, inputs.reference_logprobs - logprobs, zeros)
@@ -130,7 +197,8 @@ def loss_sums(
     Token and constant normalization sum over valid tokens (the step divides by the token
     count, or by the constant length times the sequence count); sequence normalization sums
     each sequence's token mean. Metrics that are per-token by nature (clip fraction, ratio,
-    entropy) always sum over tokens. `entropy` (per position) is needed for an entropy bonus.
+    entropy) always sum over tokens. `entropy` (per position) is needed for an entropy bonus,
+    and reported whenever given.
     """
     mask = inputs.mask.to(logprobs.dtype)
     terms = _per_token_terms(logprobs, inputs, config)
@@ -145,10 +213,27 @@ def loss_sums(
     kl = (terms["kl"] * weights).sum()
     loss = policy + config.kl_coef * kl if config.needs_reference else policy
     entropy_sum = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    if entropy is not None:
+        entropy_sum = (entropy * mask).sum().detach()
     if config.entropy_coef:
         assert entropy is not None, "an entropy bonus needs the policy's entropy"
         loss = loss - config.entropy_coef * (entropy * weights).sum()
-        entropy_sum = (entropy * mask).sum().detach()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    sampler = {"sampler_ratio": zero, "corrected_tokens": zero, "mismatch_kl": zero}
+    extremes = {"sampler_ratio_max": zero, "sampler_ratio_neg_min": zero}
+    if "sampler_ratio" in terms:
+        ratio = terms["sampler_ratio"]
+        sampler = {
+            "sampler_ratio": (ratio * mask).sum(),
+            "corrected_tokens": (terms["sampler_corrected"] * mask).sum(),
+            "mismatch_kl": (terms["sampler_kl"] * mask).sum(),
+        }
+        # Over trained tokens only (ratios are > 0; -inf never wins a maximum).
+        lowest = torch.full_like(ratio, float("-inf"))
+        extremes = {
+            "sampler_ratio_max": torch.where(inputs.mask, ratio, zero).max(),
+            "sampler_ratio_neg_min": torch.where(inputs.mask, -ratio, lowest).max(),
+        }
     return {
         "loss": loss,
         "policy": policy.detach(),
@@ -157,4 +242,6 @@ def loss_sums(
         "ratio": (terms["ratio"] * mask).sum(),
         "valid_tokens": mask.sum(),
         "entropy": entropy_sum,
+        **sampler,
+        **extremes,
     }

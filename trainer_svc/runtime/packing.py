@@ -153,6 +153,7 @@ def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) ->
         advantages=laid_out(batch.advantages, torch.float32),
         behaviour_logprobs=laid_out(batch.behaviour_logprobs, torch.float32),
         reference_logprobs=laid_out(batch.reference_logprobs, torch.float32),
+        sampler_logprobs=laid_out(batch.sampler_logprobs, torch.float32),
         sequence_tokens=laid_out(trained),
         sequence_index=laid_out(number),
         sequences=batch.num_sequences,

@@ -17,11 +17,16 @@ from trainer_svc.domain import (
     OpenStepInfo,
     OptimizerOverrides,
     Publication,
+    SamplerMismatch,
     SequenceBatch,
     StepCounts,
     StepMetrics,
 )
 from trainer_svc.wire_enums import (
+    CORRECTION_LEVELS,
+    CORRECTION_LEVELS_TO_PROTO,
+    CORRECTIONS,
+    CORRECTIONS_TO_PROTO,
     EXPORT_DTYPES,
     FORWARD_OUTPUTS,
     LOSS_KINDS,
@@ -62,6 +67,16 @@ def loss_config(message: pb.LossConfig) -> LossConfig:
         dual_clip=message.dual_clip if message.HasField("dual_clip") else 0.0,
         entropy_coef=message.entropy_coef if message.HasField("entropy_coef") else 0.0,
         normalization_length=message.normalization_length,
+        correction=_enum(message.correction, CORRECTIONS, "loss.correction", pb.Correction),
+        correction_level=_enum(
+            message.correction_level,
+            CORRECTION_LEVELS,
+            "loss.correction_level",
+            pb.CorrectionLevel,
+        ),
+        tis_cap=message.tis_cap if message.HasField("tis_cap") else 2.0,
+        icepop_low=message.icepop_low if message.HasField("icepop_low") else 0.5,
+        icepop_high=message.icepop_high if message.HasField("icepop_high") else 5.0,
     )
 
 
@@ -75,6 +90,11 @@ def loss_config_to_proto(config: LossConfig) -> pb.LossConfig:
         dual_clip=config.dual_clip,
         entropy_coef=config.entropy_coef,
         normalization_length=config.normalization_length or None,
+        correction=CORRECTIONS_TO_PROTO[config.correction],
+        correction_level=CORRECTION_LEVELS_TO_PROTO[config.correction_level],
+        tis_cap=config.tis_cap,
+        icepop_low=config.icepop_low,
+        icepop_high=config.icepop_high,
     )
 
 
@@ -111,6 +131,7 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
         advantages=_optional(message.advantages, np.float32),
         behaviour_logprobs=_optional(message.behaviour_logprobs, np.float32),
         reference_logprobs=_optional(message.reference_logprobs, np.float32),
+        sampler_logprobs=_optional(message.sampler_logprobs, np.float32),
     )
 
 
@@ -132,6 +153,12 @@ def counts_to_proto(counts: StepCounts) -> pb.StepCounts:
     )
 
 
+def _mismatch_to_proto(mismatch: SamplerMismatch | None) -> pb.SamplerMismatch | None:
+    if mismatch is None:
+        return None
+    return pb.SamplerMismatch(**vars(mismatch))
+
+
 def metrics_to_proto(metrics: StepMetrics) -> pb.StepMetrics:
     terms = metrics.terms
     return pb.StepMetrics(
@@ -142,6 +169,7 @@ def metrics_to_proto(metrics: StepMetrics) -> pb.StepMetrics:
             clip_fraction=terms.clip_fraction,
             importance_ratio=terms.importance_ratio,
             entropy=terms.entropy,
+            sampler=_mismatch_to_proto(terms.sampler),
         ),
         grad_norm=metrics.grad_norm,
         learning_rate=metrics.learning_rate,
