@@ -39,10 +39,11 @@ from trainer_svc.domain import (
     Publication,
     SamplerMismatch,
     SequenceBatch,
+    StalenessBound,
     StepCounts,
     StepMetrics,
 )
-from trainer_svc.server.convert import loss_config_to_proto
+from trainer_svc.server.convert import loss_config_to_proto, staleness_to_proto
 from trainer_svc.wire_enums import (
     EXPORT_DTYPES_TO_PROTO,
     FORWARD_OUTPUTS_TO_PROTO,
@@ -94,13 +95,17 @@ def _fill(field: Any, values: np.ndarray | None) -> None:
 
 
 def begin_request(
-    step_id: str, loss: LossConfig, optimizer: OptimizerOverrides | None
+    step_id: str,
+    loss: LossConfig,
+    optimizer: OptimizerOverrides | None,
+    staleness: StalenessBound | None = None,
 ) -> pb.BeginTrainStepRequest:
     overrides = {k: v for k, v in vars(optimizer or OptimizerOverrides()).items() if v is not None}
     return pb.BeginTrainStepRequest(
         step_id=step_id,
         loss=loss_config_to_proto(loss),
         optimizer=pb.OptimizerParams(**overrides),
+        **staleness_to_proto(staleness),
     )
 
 
@@ -114,6 +119,8 @@ def microbatch_request(
     _fill(request.behaviour_logprobs, batch.behaviour_logprobs)
     _fill(request.reference_logprobs, batch.reference_logprobs)
     _fill(request.sampler_logprobs, batch.sampler_logprobs)
+    if batch.weights_versions is not None:
+        request.weights_versions.extend(int(v) for v in batch.weights_versions)
     return request
 
 
@@ -167,6 +174,7 @@ def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
             learning_rate=m.learning_rate,
             counts=_counts(m.counts),
             gradient=STEP_GRADIENTS[m.gradient],
+            staleness=tuple((c.versions_behind, c.sequences) for c in m.staleness),
         ),
         weights_version=reply.weights_version,
         publication=_publication(reply.publication) if reply.HasField("publication") else None,
@@ -246,9 +254,16 @@ class TrainerClient:
             raise RuntimeError(f"trainer is not serving: {reply.status}")
 
     def begin_step(
-        self, step_id: str, loss: LossConfig, optimizer: OptimizerOverrides | None = None
+        self,
+        step_id: str,
+        loss: LossConfig,
+        optimizer: OptimizerOverrides | None = None,
+        *,
+        staleness: StalenessBound | None = None,
     ) -> int:
-        return self._call("BeginTrainStep", begin_request(step_id, loss, optimizer)).weights_version
+        """Opens a step; `staleness` bounds how many versions old its sequences may be."""
+        request = begin_request(step_id, loss, optimizer, staleness)
+        return self._call("BeginTrainStep", request).weights_version
 
     def train_microbatch(
         self, step_id: str, request_id: str, batch: SequenceBatch
@@ -332,9 +347,15 @@ class AsyncTrainerClient:
             raise _translate(error) from None
 
     async def begin_step(
-        self, step_id: str, loss: LossConfig, optimizer: OptimizerOverrides | None = None
+        self,
+        step_id: str,
+        loss: LossConfig,
+        optimizer: OptimizerOverrides | None = None,
+        *,
+        staleness: StalenessBound | None = None,
     ) -> int:
-        reply = await self._call("BeginTrainStep", begin_request(step_id, loss, optimizer))
+        request = begin_request(step_id, loss, optimizer, staleness)
+        reply = await self._call("BeginTrainStep", request)
         return reply.weights_version
 
     async def train_microbatch(

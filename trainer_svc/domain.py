@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 from collections.abc import Sequence
@@ -85,6 +86,30 @@ class CorrectionLevel(enum.Enum):
     SEQUENCE = "sequence"
     """TIS: the sequence's product of ratios; IcePop: its geometric mean (a product of many
     tokens leaves any band)."""
+
+
+class StaleData(enum.Enum):
+    """What a step does with a sequence sampled more versions ago than its bound."""
+
+    REFUSE = "refuse"
+    """The whole microbatch is refused and changes nothing."""
+    MASK = "mask"
+    """The stale sequences train nothing (their loss mask cleared); the rest trains."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StalenessBound:
+    """A step's bound on how many versions behind its weights a sequence may have been
+    sampled (an asynchronous loop's off-policyness)."""
+
+    max_versions: int
+    stale: StaleData = StaleData.REFUSE
+
+    def __post_init__(self) -> None:
+        if self.max_versions < 0:
+            raise InvalidArgument(
+                f"max_staleness must be >= 0, got {self.max_versions}", field="max_staleness"
+            )
 
 
 class ForwardOutput(enum.Enum):
@@ -214,6 +239,7 @@ _BATCH_ARRAYS = (
     "behaviour_logprobs",
     "reference_logprobs",
     "sampler_logprobs",
+    "weights_versions",
 )
 
 
@@ -229,6 +255,9 @@ class SequenceBatch:
     reference_logprobs: np.ndarray | None = None
     sampler_logprobs: np.ndarray | None = None
     """The sampler's (vLLM's) logprobs, for a correction against it (LossConfig.correction)."""
+    weights_versions: np.ndarray | None = None
+    """Per sequence (not per token): the weights version it was sampled with, for a
+    staleness bound (StalenessBound)."""
 
     @classmethod
     def from_lists(
@@ -240,6 +269,7 @@ class SequenceBatch:
         behaviour_logprobs: Sequence[Sequence[float]] | None = None,
         reference_logprobs: Sequence[Sequence[float]] | None = None,
         sampler_logprobs: Sequence[Sequence[float]] | None = None,
+        weights_versions: Sequence[int] | None = None,
     ) -> SequenceBatch:
         """Builds a batch from per-sequence lists (each per-token list as long as its sequence)."""
         lengths = [len(s) for s in sequences]
@@ -262,6 +292,9 @@ class SequenceBatch:
             behaviour_logprobs=flat(behaviour_logprobs, np.float32),
             reference_logprobs=flat(reference_logprobs, np.float32),
             sampler_logprobs=flat(sampler_logprobs, np.float32),
+            weights_versions=None
+            if weights_versions is None
+            else np.asarray(weights_versions, dtype=np.int64),
         )
 
     def digest(self) -> bytes:
@@ -317,7 +350,18 @@ class SequenceBatch:
             behaviour_logprobs=take(self.behaviour_logprobs),
             reference_logprobs=take(self.reference_logprobs),
             sampler_logprobs=take(self.sampler_logprobs),
+            weights_versions=None
+            if self.weights_versions is None
+            else self.weights_versions[np.asarray(indices, dtype=np.int64)],
         )
+
+    def without_sequences(self, dropped: np.ndarray) -> SequenceBatch:
+        """The batch with the loss mask cleared on the sequences where `dropped` (per
+        sequence) is true: they go through the model but train nothing."""
+        if self.loss_mask is None or not dropped.any():
+            return self
+        per_token = np.repeat(dropped, self.lengths())
+        return dataclasses.replace(self, loss_mask=self.loss_mask & ~per_token)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -386,6 +430,9 @@ class StepMetrics:
     learning_rate: float
     counts: StepCounts
     gradient: StepGradient
+    staleness: tuple[tuple[int, int], ...] = ()
+    """(versions behind the step's weights, sequences) for the sequences that named the
+    version they were sampled with, by versions behind."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from trainer_svc.domain import (
     LossKind,
     Normalization,
     PublicationState,
+    StaleData,
     StepGradient,
 )
 
@@ -33,6 +34,10 @@ CORRECTIONS = {
 CORRECTION_LEVELS = {
     pb.CORRECTION_LEVEL_UNSPECIFIED: CorrectionLevel.TOKEN,
     pb.CORRECTION_LEVEL_SEQUENCE: CorrectionLevel.SEQUENCE,
+}
+STALE_DATA = {
+    pb.STALE_DATA_UNSPECIFIED: StaleData.REFUSE,
+    pb.STALE_DATA_MASK: StaleData.MASK,
 }
 FORWARD_OUTPUTS = {
     pb.FORWARD_OUTPUT_LOGPROBS: ForwardOutput.LOGPROBS,
@@ -59,6 +64,7 @@ STEP_GRADIENTS = {
 LOSS_KINDS_TO_PROTO = {v: k for k, v in LOSS_KINDS.items()}
 NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}
 CORRECTIONS_TO_PROTO = {v: k for k, v in CORRECTIONS.items()}
+STALE_DATA_TO_PROTO = {v: k for k, v in STALE_DATA.items()}
 CORRECTION_LEVELS_TO_PROTO = {v: k for k, v in CORRECTION_LEVELS.items()}
 FORWARD_OUTPUTS_TO_PROTO = {v: k for k, v in FORWARD_OUTPUTS.items()}
 PUBLICATION_STATES_TO_PROTO = {v: k for k, v in PUBLICATION_STATES.items()}

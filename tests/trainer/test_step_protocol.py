@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.support.batches import make_batch, split
-from tests.support.trainer import TrainerProcess, assert_bit_identical
+from tests.support.trainer import TrainerProcess, assert_bit_identical, max_relative_difference
 from trainer_refit.errors import MAX_MESSAGE_BYTES
 from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages
 from trainer_refit.status_details import violated_field
@@ -24,6 +24,9 @@ from trainer_svc.domain import (
     LossConfig,
     LossKind,
     OptimizerOverrides,
+    SequenceBatch,
+    StaleData,
+    StalenessBound,
 )
 
 LOSS = LossConfig(kind=LossKind.PPO, kl_coef=0.05)
@@ -319,3 +322,57 @@ def test_a_request_over_the_pass_budget_trains_like_its_passes_sent_as_microbatc
     for field in ("logprobs", "entropy", "top_k_token_ids", "top_k_logprobs"):
         joined = np.concatenate([getattr(p, field) for p in parts])
         assert np.array_equal(getattr(whole, field), joined), field
+
+
+def _versions(trainer: TrainerProcess, behind: list[int]) -> SequenceBatch:
+    """The protocol batch naming, per sequence, a version `behind` the trainer's current."""
+    current = trainer.client.status().weights_version
+    versions = np.array([current - b for b in behind], dtype=np.int64)
+    return dataclasses.replace(trainer.batch, weights_versions=versions)
+
+
+def test_a_microbatch_past_the_staleness_bound_is_refused_and_changes_nothing(trainer):
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    bound = StalenessBound(max_versions=0)
+    trainer.client.begin_step("stale", LOSS, OPTIMIZER, staleness=bound)
+    stale = microbatch_request("stale", "old", _versions(trainer, [0, 1, 0]))
+    error = _refusal(trainer.stub.TrainMicrobatch, stale)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "sequence 1 was sampled with weights version" in error.details()
+    assert "past its max_staleness of 0" in error.details()
+    assert _open_counts(trainer).microbatches == 0
+    # Versions are required under a bound, one per sequence, none after the step's own.
+    bad = {
+        "absent": trainer.batch,
+        "short": dataclasses.replace(trainer.batch, weights_versions=np.array([0, 0])),
+        "future": _versions(trainer, [0, -1, 0]),
+    }
+    for name, batch in bad.items():
+        request = microbatch_request("stale", f"bad-{name}", batch)
+        refused = _refusal(trainer.stub.TrainMicrobatch, request)
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert violated_field(refused) == "weights_versions", name
+    trainer.client.train_microbatch("stale", "fresh", _versions(trainer, [0, 0, 0]))
+    result = trainer.client.finish_step("stale")
+    assert result.metrics.staleness == ((0, 3),)
+    assert_bit_identical(trainer.export("stale"), trainer.reference)
+
+
+def test_stale_sequences_are_masked_when_the_step_says_so(trainer):
+    """MASK trains the microbatch with its stale sequences' loss mask cleared: the same
+    weights as sending them masked, and the histogram counts them."""
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    dropped = np.array([False, True, False])
+    masked = trainer.batch.without_sequences(dropped)
+    trainer.client.begin_step("masked-by-hand", LOSS, OPTIMIZER)
+    trainer.client.train_microbatch("masked-by-hand", "m", masked)
+    trainer.client.finish_step("masked-by-hand")
+    by_hand = trainer.export("masked-by-hand")
+    assert max_relative_difference(by_hand, trainer.reference) > 0  # the mask mattered
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    bound = StalenessBound(max_versions=1, stale=StaleData.MASK)
+    trainer.client.begin_step("masked", LOSS, OPTIMIZER, staleness=bound)
+    trainer.client.train_microbatch("masked", "m", _versions(trainer, [1, 2, 0]))
+    result = trainer.client.finish_step("masked")
+    assert result.metrics.staleness == ((0, 1), (1, 1), (2, 1))
+    assert_bit_identical(trainer.export("masked"), by_hand)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -27,6 +28,8 @@ from trainer_svc.domain import (
     OpenStepInfo,
     OptimizerOverrides,
     SequenceBatch,
+    StaleData,
+    StalenessBound,
     StepCounts,
     StepGradient,
     StepMetrics,
@@ -378,3 +381,30 @@ def test_async_client_raises_domain_errors(target: str) -> None:
 
     with pytest.raises(FailedPrecondition, match=r"^refused with FAILED_PRECONDITION$"):
         asyncio.run(call())
+
+
+@pytest.mark.parametrize(
+    "bound",
+    [None, StalenessBound(max_versions=0), StalenessBound(max_versions=3, stale=StaleData.MASK)],
+)
+def test_a_staleness_bound_round_trips(bound: StalenessBound | None) -> None:
+    wire = client.begin_request("s", LossConfig(), None, bound)
+    assert convert.staleness_bound(wire) == bound
+
+
+def test_weights_versions_travel_per_sequence_and_select_with_their_sequences() -> None:
+    batch = SequenceBatch.from_lists([[1, 2, 3], [4, 5], [6]], weights_versions=[7, 9, 8])
+    back = convert.training_batch(client.microbatch_request("s", "r", batch))
+    assert back.weights_versions is not None
+    assert back.weights_versions.tolist() == [7, 9, 8]
+    assert back.digest() == batch.digest()
+    assert batch.select(np.array([2, 0])).weights_versions.tolist() == [8, 7]
+    other = dataclasses.replace(batch, weights_versions=np.array([7, 9, 9]))
+    assert other.digest() != batch.digest()
+
+
+def test_a_weights_version_past_int64_is_refused() -> None:
+    request = client.microbatch_request("s", "r", SequenceBatch.from_lists([[1, 2]]))
+    request.weights_versions.append(2**63)
+    with pytest.raises(InvalidArgument, match="weights_versions holds"):
+        convert.training_batch(request)

@@ -34,6 +34,11 @@ class CorrectionLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORRECTION_LEVEL_UNSPECIFIED: _ClassVar[CorrectionLevel]
     CORRECTION_LEVEL_SEQUENCE: _ClassVar[CorrectionLevel]
 
+class StaleData(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STALE_DATA_UNSPECIFIED: _ClassVar[StaleData]
+    STALE_DATA_MASK: _ClassVar[StaleData]
+
 class StepGradient(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STEP_GRADIENT_UNSPECIFIED: _ClassVar[StepGradient]
@@ -76,6 +81,8 @@ CORRECTION_TIS: Correction
 CORRECTION_ICEPOP: Correction
 CORRECTION_LEVEL_UNSPECIFIED: CorrectionLevel
 CORRECTION_LEVEL_SEQUENCE: CorrectionLevel
+STALE_DATA_UNSPECIFIED: StaleData
+STALE_DATA_MASK: StaleData
 STEP_GRADIENT_UNSPECIFIED: StepGradient
 STEP_GRADIENT_NONZERO: StepGradient
 STEP_GRADIENT_ZERO: StepGradient
@@ -149,14 +156,18 @@ class OptimizerParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class BeginTrainStepRequest(_message.Message):
-    __slots__ = ("step_id", "loss", "optimizer")
+    __slots__ = ("step_id", "loss", "optimizer", "max_staleness", "stale_data")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALE_DATA_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     loss: LossConfig
     optimizer: OptimizerParams
-    def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerParams, _Mapping]] = ...) -> None: ...
+    max_staleness: int
+    stale_data: StaleData
+    def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerParams, _Mapping]] = ..., max_staleness: _Optional[int] = ..., stale_data: _Optional[_Union[StaleData, str]] = ...) -> None: ...
 
 class BeginTrainStepResponse(_message.Message):
     __slots__ = ("step_id", "weights_version")
@@ -167,7 +178,7 @@ class BeginTrainStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class TrainMicrobatchRequest(_message.Message):
-    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs", "sampler_logprobs")
+    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs", "sampler_logprobs", "weights_versions")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +187,7 @@ class TrainMicrobatchRequest(_message.Message):
     BEHAVIOUR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     request_id: str
     sequences: Sequences
@@ -184,7 +196,8 @@ class TrainMicrobatchRequest(_message.Message):
     behaviour_logprobs: _containers.RepeatedScalarFieldContainer[float]
     reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
     sampler_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., sampler_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    weights_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., sampler_logprobs: _Optional[_Iterable[float]] = ..., weights_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepCounts(_message.Message):
     __slots__ = ("microbatches", "sequences", "valid_tokens", "valid_sequences")
@@ -251,20 +264,30 @@ class SamplerMismatch(_message.Message):
     def __init__(self, ratio_mean: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., corrected_fraction: _Optional[float] = ..., kl: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts", "gradient")
+    __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts", "gradient", "staleness")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TERMS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     terms: LossTerms
     grad_norm: float
     learning_rate: float
     counts: StepCounts
     gradient: StepGradient
-    def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ..., gradient: _Optional[_Union[StepGradient, str]] = ...) -> None: ...
+    staleness: _containers.RepeatedCompositeFieldContainer[StalenessCount]
+    def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ..., gradient: _Optional[_Union[StepGradient, str]] = ..., staleness: _Optional[_Iterable[_Union[StalenessCount, _Mapping]]] = ...) -> None: ...
+
+class StalenessCount(_message.Message):
+    __slots__ = ("versions_behind", "sequences")
+    VERSIONS_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    versions_behind: int
+    sequences: int
+    def __init__(self, versions_behind: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
 
 class FinishTrainStepResponse(_message.Message):
     __slots__ = ("step_id", "metrics", "weights_version", "publication")

@@ -12,6 +12,7 @@ from trainer_svc.domain import (
     LossConfig,
     OptimizerOverrides,
     SequenceBatch,
+    StalenessBound,
 )
 
 
@@ -20,6 +21,7 @@ class BeginStep:
     step_id: str
     loss: LossConfig
     optimizer: OptimizerOverrides
+    staleness: StalenessBound | None = None
 
 
 @dataclass(frozen=True)

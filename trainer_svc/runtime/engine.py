@@ -36,6 +36,9 @@ from trainer_svc.domain import (
     OpenStepInfo,
     OptimizerOverrides,
     SamplerMismatch,
+    SequenceBatch,
+    StaleData,
+    StalenessBound,
     StepCounts,
     StepGradient,
     StepMetrics,
@@ -75,6 +78,9 @@ class _OpenStep:
     synchronization: read back once, at FinishTrainStep."""
     maxima: torch.Tensor | None = None
     """Likewise the MAX_FIELDS, kept by maximum."""
+    staleness: StalenessBound | None = None
+    behind: dict[int, int] = field(default_factory=dict)
+    """Sequences by how many versions behind the step's weights they were sampled."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,7 @@ class StepEngine:
                 if request_id in step.request_ids:
                     return self._duplicate(step, command)
                 check_training_batch(command.batch, step.loss, self.limits)
+                self._check_staleness(command.batch, step)
             case cmd.RunForward(batch=batch, outputs=outputs, top_k=k):
                 check_sequences(batch, self.limits)
                 if ForwardOutput.TOP_K in outputs and not 1 <= k <= self.spec.vocab_size:
@@ -372,7 +379,9 @@ class StepEngine:
 
     def _begin(self, command: cmd.BeginStep) -> int:
         self._zero_grads()
-        self.open_step = _OpenStep(command.step_id, command.loss, command.optimizer)
+        self.open_step = _OpenStep(
+            command.step_id, command.loss, command.optimizer, staleness=command.staleness
+        )
         return self.weights_version
 
     def _passes(self, local: Any) -> list[Any]:
@@ -390,7 +399,16 @@ class StepEngine:
     def _microbatch(self, command: cmd.TrainMicrobatch) -> MicrobatchAck:
         step = self.open_step
         assert step is not None and step.step_id == command.step_id
-        local = self._local_share(command.batch)
+        batch = command.batch
+        behind = None
+        if batch.weights_versions is not None:
+            behind = self.weights_version - batch.weights_versions
+            for versions in behind.tolist():
+                step.behind[versions] = step.behind.get(versions, 0) + 1
+            bound = step.staleness
+            if bound is not None and bound.stale is StaleData.MASK:
+                batch = batch.without_sequences(behind > bound.max_versions)
+        local = self._local_share(batch)
         loss = step.loss
 
         def loss_function(batch: PackedBatch, logits: torch.Tensor) -> Any:
@@ -421,8 +439,47 @@ class StepEngine:
         # Only rank 0 answers duplicates (`precheck`): the other ranks skip hashing the batch.
         digest = command.batch.digest() if self.topology.is_leader else b""
         step.request_ids[command.request_id] = digest
-        step.counts = step.counts.plus(command.batch)
+        step.counts = step.counts.plus(batch)
         return MicrobatchAck(command.step_id, command.request_id, False, step.counts)
+
+    def _check_staleness(self, batch: SequenceBatch, step: _OpenStep) -> None:
+        """Each sequence's sampled version is at most the step's; with a bound, versions are
+        required, and a refusing bound refuses a microbatch with a sequence past it."""
+        versions, bound, current = batch.weights_versions, step.staleness, self.weights_version
+        if versions is None:
+            if bound is not None:
+                raise InvalidArgument(
+                    f"weights_versions is required: step {quoted(step.step_id)} bounds "
+                    f"staleness at {bound.max_versions} versions; send one per sequence "
+                    f"({batch.num_sequences})",
+                    field="weights_versions",
+                )
+            return
+        if len(versions) != batch.num_sequences:
+            raise InvalidArgument(
+                f"weights_versions has {len(versions)} entries for {batch.num_sequences} "
+                "sequences: one per sequence",
+                field="weights_versions",
+            )
+        if len(versions) and (versions > current).any():
+            index = int(np.argmax(versions > current))
+            raise InvalidArgument(
+                f"sequence {index} names weights version {int(versions[index])}, after the "
+                f"step's weights (version {current})",
+                field="weights_versions",
+            )
+        if bound is None or bound.stale is not StaleData.REFUSE or not len(versions):
+            return
+        behind = current - versions
+        if (behind > bound.max_versions).any():
+            index = int(np.argmax(behind))
+            raise FailedPrecondition(
+                f"sequence {index} was sampled with weights version {int(versions[index])}, "
+                f"{int(behind[index])} versions behind step {quoted(step.step_id)}'s weights "
+                f"(version {current}), past its max_staleness of {bound.max_versions}: the "
+                "microbatch is refused and changes nothing (a step begun with stale_data MASK "
+                "trains the rest instead)"
+            )
 
     def _divisor(self, step: _OpenStep) -> int:
         normalization = step.loss.normalization
@@ -544,6 +601,7 @@ class StepEngine:
             learning_rate=chosen.learning_rate,
             counts=step.counts,
             gradient=StepGradient.NONZERO if totals.nonzero_ranks else StepGradient.ZERO,
+            staleness=tuple(sorted(step.behind.items())),
         )
         return FinishResult(step.step_id, metrics, self.weights_version)
 

@@ -19,6 +19,7 @@ from trainer_svc.domain import (
     Publication,
     SamplerMismatch,
     SequenceBatch,
+    StalenessBound,
     StepCounts,
     StepMetrics,
 )
@@ -34,6 +35,8 @@ from trainer_svc.wire_enums import (
     NORMALIZATIONS,
     NORMALIZATIONS_TO_PROTO,
     PUBLICATION_STATES_TO_PROTO,
+    STALE_DATA,
+    STALE_DATA_TO_PROTO,
     STEP_GRADIENTS_TO_PROTO,
 )
 
@@ -132,7 +135,36 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
         behaviour_logprobs=_optional(message.behaviour_logprobs, np.float32),
         reference_logprobs=_optional(message.reference_logprobs, np.float32),
         sampler_logprobs=_optional(message.sampler_logprobs, np.float32),
+        weights_versions=_versions(message.weights_versions),
     )
+
+
+def _versions(values: object) -> np.ndarray | None:
+    """Per-sequence weights versions as int64; a uint64 past int64's range is no version the
+    trainer can have made."""
+    raw = np.asarray(values, dtype=np.uint64)
+    if not len(raw):
+        return None
+    if int(raw.max()) >= 2**63:
+        raise InvalidArgument(
+            f"weights_versions holds {int(raw.max())}, no version a trainer has made",
+            field="weights_versions",
+        )
+    return raw.astype(np.int64)
+
+
+def staleness_bound(message: pb.BeginTrainStepRequest) -> StalenessBound | None:
+    if not message.HasField("max_staleness"):
+        return None
+    stale = _enum(message.stale_data, STALE_DATA, "stale_data", pb.StaleData)
+    return StalenessBound(max_versions=message.max_staleness, stale=stale)
+
+
+def staleness_to_proto(bound: StalenessBound | None) -> dict[str, Any]:
+    """BeginTrainStepRequest's fields for `bound` (none without one)."""
+    if bound is None:
+        return {}
+    return {"max_staleness": bound.max_versions, "stale_data": STALE_DATA_TO_PROTO[bound.stale]}
 
 
 def forward_outputs(message: pb.ForwardRequest) -> frozenset[ForwardOutput]:
@@ -172,6 +204,10 @@ def metrics_to_proto(metrics: StepMetrics) -> pb.StepMetrics:
             sampler=_mismatch_to_proto(terms.sampler),
         ),
         grad_norm=metrics.grad_norm,
+        staleness=[
+            pb.StalenessCount(versions_behind=behind, sequences=count)
+            for behind, count in metrics.staleness
+        ],
         learning_rate=metrics.learning_rate,
         counts=counts_to_proto(metrics.counts),
         gradient=STEP_GRADIENTS_TO_PROTO[metrics.gradient],

@@ -58,6 +58,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             step_id=request.step_id,
             loss=convert.loss_config(request.loss),
             optimizer=convert.optimizer_overrides(request.optimizer),
+            staleness=convert.staleness_bound(request),
         )
         version = await self.leader.submit(command)
         return pb.BeginTrainStepResponse(step_id=request.step_id, weights_version=version)
