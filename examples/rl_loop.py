@@ -54,7 +54,13 @@ from inference_ext.refit_options import FanOutOptions, ReceiverAuth, RefitOption
 from megatron_hf.tiny import write_tiny_checkpoint
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
-from trainer_svc.domain import LossConfig, LossKind, OptimizerOverrides, SequenceBatch
+from trainer_svc.domain import (
+    Correction,
+    LossConfig,
+    LossKind,
+    OptimizerOverrides,
+    SequenceBatch,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,8 +233,9 @@ def rollouts(
 
 
 def grpo_batch(group: Group) -> SequenceBatch | None:
-    """The group as PPO inputs: advantage = reward normalised within the group, on every
-    answer token; None when all rewards are equal (no signal)."""
+    """The group as policy-gradient inputs: advantage = reward normalised within the group,
+    on every answer token, and vLLM's sampling logprobs as the sampler's; None when all
+    rewards are equal (no signal)."""
     rewards = np.asarray(group.rewards)
     if rewards.std() < 1e-6:
         return None
@@ -236,14 +243,14 @@ def grpo_batch(group: Group) -> SequenceBatch | None:
     prompt = group.prompt.tokens
     tokens, masks = [], []
     adv: list[list[float]] = []
-    behaviour: list[list[float]] = []
+    sampler: list[list[float]] = []
     for completion, logprobs, a in zip(group.completions, group.logprobs, advantages, strict=True):
         tokens.append(prompt + completion)
         masks.append([False] * len(prompt) + [True] * len(completion))
         adv.append([float(a)] * (len(prompt) + len(completion)))
-        behaviour.append([0.0] * len(prompt) + logprobs)
+        sampler.append([0.0] * len(prompt) + logprobs)
     return SequenceBatch.from_lists(
-        tokens, loss_mask=masks, advantages=adv, behaviour_logprobs=behaviour
+        tokens, loss_mask=masks, advantages=adv, sampler_logprobs=sampler
     )
 
 
@@ -307,10 +314,17 @@ def grpo_iteration(
     iteration: int,
     args: argparse.Namespace,
     console: Console,
-) -> tuple[int | None, float]:
-    """One GRPO step; returns (new version or None if no group had signal, mean reward)."""
+) -> tuple[int | None, float, float]:
+    """One GRPO step; returns the new version (None if no group had signal), the mean
+    reward and the step's KL between vLLM's sampling and the trainer's policy.
+
+    The ratio is taken against the step's own weights (no behaviour logprobs are sent: each
+    microbatch runs with the weights the step began with), and truncated importance sampling
+    against vLLM's logprobs corrects for whatever vLLM sampled differently."""
     step_id = f"grpo-{iteration}"
-    loss = LossConfig(kind=LossKind.PPO, clip_low=0.2, clip_high=0.2)
+    loss = LossConfig(
+        kind=LossKind.PPO, clip_low=0.2, clip_high=0.2, correction=Correction.TIS, tis_cap=2.0
+    )
     trainer.begin_step(step_id, loss, OptimizerOverrides(learning_rate=args.lr))
     prompts = [task.prompt(rng) for _ in range(args.prompts)]
     rewards: list[float] = []
@@ -325,8 +339,10 @@ def grpo_iteration(
             sent += 1
     if sent == 0:
         trainer.abort_step(step_id)
-        return None, statistics.fmean(rewards)
-    return trainer.finish_step(step_id).weights_version, statistics.fmean(rewards)
+        return None, statistics.fmean(rewards), 0.0
+    result = trainer.finish_step(step_id)
+    mismatch = result.metrics.terms.sampler
+    return result.weights_version, statistics.fmean(rewards), mismatch.kl if mismatch else 0.0
 
 
 def run(args: argparse.Namespace, workdir: Path) -> int:
@@ -391,7 +407,7 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
         history: list[float] = []
         worst_gap = max(gaps)
         for iteration in console.progress(range(args.iterations), desc="GRPO", unit="iter"):
-            new_version, reward = grpo_iteration(
+            new_version, reward, mismatch_kl = grpo_iteration(
                 trainer, engines, task, rng=rng, iteration=iteration, args=args, console=console
             )
             history.append(reward)
@@ -402,7 +418,8 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
             gap = max(fidelity_gap(trainer, e, probe) for e in engines)
             worst_gap = max(worst_gap, gap)
             console.line(
-                f"v{new_version:<3d} reward {reward:.3f}  refit {describe(refits)}  gap {gap:.1e}"
+                f"v{new_version:<3d} reward {reward:.3f}  refit {describe(refits)}  "
+                f"sampler KL {mismatch_kl:.1e}  gap {gap:.1e}"
             )
 
     window = max(1, min(3, len(history) // 3))
