@@ -18,6 +18,7 @@ from trainer_svc.config import (
     ParallelLayout,
     ParamsDType,
     Recompute,
+    ReferenceWeights,
     RefitConfig,
     SequenceLayout,
     ServerConfig,
@@ -58,6 +59,15 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="packed: a pass's sequences back to back in one row, attention kept inside each, "
         "no padding computed (needs the sdpa attention); padded: a row per sequence; auto "
         "(default): packed where the attention allows",
+    )
+    model.add_argument(
+        "--reference-policy",
+        choices=[r.value for r in ReferenceWeights],
+        default=ReferenceWeights.NONE.value,
+        help="initial: keep a frozen copy of the start-up weights (one more copy of each "
+        "rank's weights in device memory) and compute the KL term's reference logprobs in "
+        "TrainMicrobatch for steps that ask (LossConfig.reference_source SERVICE); none "
+        "(default): clients send reference_logprobs",
     )
     model.add_argument(
         "--deterministic",
@@ -283,6 +293,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         ),
         liveness=LivenessConfig(peer_timeout_seconds=args.peer_timeout_seconds),
         device=Device(args.device),
+        reference=ReferenceWeights(args.reference_policy),
         seed=args.seed,
         work_dir=args.work_dir,
         path_roots=tuple(args.path_roots),

@@ -65,6 +65,15 @@ class SequenceLayout(enum.Enum):
     """One row per sequence, right-padded to the longest."""
 
 
+class ReferenceWeights(enum.Enum):
+    """Which weights the service keeps frozen for the KL term's reference logprobs
+    (`runtime/reference_policy.py`)."""
+
+    NONE = "none"
+    INITIAL = "initial"
+    """The weights the service started with (the checkpoint it loaded, or its seed's)."""
+
+
 class Device(enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
@@ -263,6 +272,7 @@ class TrainerConfig:
     refit: RefitConfig = field(default_factory=RefitConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
     device: Device = Device.AUTO
+    reference: ReferenceWeights = ReferenceWeights.NONE
     seed: int = 1234
     work_dir: Path | None = None
     """Where the embedded tiny model is written; None uses a temporary directory."""

@@ -88,6 +88,15 @@ class CorrectionLevel(enum.Enum):
     tokens leaves any band)."""
 
 
+class ReferenceSource(enum.Enum):
+    """Where the KL term's reference logprobs come from."""
+
+    CLIENT = "client"
+    """Sent with each microbatch (reference_logprobs)."""
+    SERVICE = "service"
+    """Computed by the service from its frozen reference weights (--reference-policy)."""
+
+
 class StaleData(enum.Enum):
     """What a step does with a sequence sampled more versions ago than its bound."""
 
@@ -132,6 +141,7 @@ class LossConfig:
     """Weight of an entropy bonus subtracted from the loss; 0 turns it off."""
     normalization_length: int = 0
     """CONSTANT normalization's length (e.g. the longest generation allowed)."""
+    reference_source: ReferenceSource = ReferenceSource.CLIENT
     correction: Correction = Correction.NONE
     correction_level: CorrectionLevel = CorrectionLevel.TOKEN
     tis_cap: float = 2.0
@@ -166,6 +176,11 @@ class LossConfig:
                 f"otherwise, got {self.normalization_length} with {self.normalization.value}",
                 field="loss.normalization_length",
             )
+        if self.reference_source is ReferenceSource.SERVICE and not self.kl_coef:
+            raise InvalidArgument(
+                "reference logprobs from the service serve the KL term: set kl_coef > 0",
+                field="loss.reference_source",
+            )
         if self.correction is not Correction.NONE and self.kind is LossKind.CROSS_ENTROPY:
             raise InvalidArgument(
                 "a sampler correction weights a policy-gradient loss, not cross_entropy",
@@ -193,6 +208,11 @@ class LossConfig:
     @property
     def needs_policy_inputs(self) -> bool:
         return self.kind in (LossKind.PPO, LossKind.GSPO, LossKind.CISPO)
+
+    @property
+    def needs_reference_logprobs(self) -> bool:
+        """Whether microbatches carry reference logprobs (the client computes them)."""
+        return self.needs_reference and self.reference_source is ReferenceSource.CLIENT
 
     @property
     def corrects_sampler(self) -> bool:

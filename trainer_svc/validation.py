@@ -118,7 +118,7 @@ def check_training_batch(batch: SequenceBatch, loss: LossConfig, limits: BatchLi
     inputs = {
         "advantages": (batch.advantages, loss.needs_policy_inputs),
         "behaviour_logprobs": (batch.behaviour_logprobs, loss.needs_policy_inputs),
-        "reference_logprobs": (batch.reference_logprobs, loss.needs_reference),
+        "reference_logprobs": (batch.reference_logprobs, loss.needs_reference_logprobs),
         "sampler_logprobs": (batch.sampler_logprobs, loss.corrects_sampler),
     }
     for name, (values, required) in inputs.items():

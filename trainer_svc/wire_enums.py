@@ -11,6 +11,7 @@ from trainer_svc.domain import (
     LossKind,
     Normalization,
     PublicationState,
+    ReferenceSource,
     StaleData,
     StepGradient,
 )
@@ -34,6 +35,10 @@ CORRECTIONS = {
 CORRECTION_LEVELS = {
     pb.CORRECTION_LEVEL_UNSPECIFIED: CorrectionLevel.TOKEN,
     pb.CORRECTION_LEVEL_SEQUENCE: CorrectionLevel.SEQUENCE,
+}
+REFERENCE_SOURCES = {
+    pb.REFERENCE_SOURCE_UNSPECIFIED: ReferenceSource.CLIENT,
+    pb.REFERENCE_SOURCE_SERVICE: ReferenceSource.SERVICE,
 }
 STALE_DATA = {
     pb.STALE_DATA_UNSPECIFIED: StaleData.REFUSE,
@@ -65,6 +70,7 @@ LOSS_KINDS_TO_PROTO = {v: k for k, v in LOSS_KINDS.items()}
 NORMALIZATIONS_TO_PROTO = {v: k for k, v in NORMALIZATIONS.items()}
 CORRECTIONS_TO_PROTO = {v: k for k, v in CORRECTIONS.items()}
 STALE_DATA_TO_PROTO = {v: k for k, v in STALE_DATA.items()}
+REFERENCE_SOURCES_TO_PROTO = {v: k for k, v in REFERENCE_SOURCES.items()}
 CORRECTION_LEVELS_TO_PROTO = {v: k for k, v in CORRECTION_LEVELS.items()}
 FORWARD_OUTPUTS_TO_PROTO = {v: k for k, v in FORWARD_OUTPUTS.items()}
 PUBLICATION_STATES_TO_PROTO = {v: k for k, v in PUBLICATION_STATES.items()}

@@ -23,10 +23,12 @@ from tests.support.trainer import TrainerProcess
 from trainer_svc.domain import (
     Correction,
     CorrectionLevel,
+    ForwardOutput,
     LossConfig,
     LossKind,
     Normalization,
     OptimizerOverrides,
+    ReferenceSource,
 )
 
 LENGTHS = [9, 17, 5, 12]
@@ -60,7 +62,10 @@ EPS32 = float(np.finfo(np.float32).eps)
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerProcess]:
     workdir = tmp_path_factory.mktemp("rl-losses")
     model_dir = write_tiny_checkpoint(workdir / "model", ModelFamily.LLAMA, seed=9)
-    process = TrainerProcess(workdir, ["--model", str(model_dir), "--optimizer", "sgd"])
+    process = TrainerProcess(
+        workdir,
+        ["--model", str(model_dir), "--optimizer", "sgd", "--reference-policy", "initial"],
+    )
     process.model_dir = model_dir
     process.client.save_checkpoint(workdir / "base")
     process.base = process.export("base")
@@ -192,3 +197,38 @@ def test_an_sgd_checkpoint_saved_before_any_step_loads_after_steps(trainer) -> N
     trainer.client.load_checkpoint(trainer.workdir / "base")
     back = trainer.export("back")
     assert all(np.array_equal(back[k], v) for k, v in trainer.base.items())
+
+
+def test_the_services_reference_equals_the_clients_forward_at_the_initial_weights(trainer):
+    """With --reference-policy initial the KL term's reference logprobs come from the weights
+    the service started with (the saved base here): a step from weights moved away from them
+    equals, to 1e-6, the same step with reference logprobs sent by the client from a Forward
+    at the base weights."""
+    client_side = LossConfig(kind=LossKind.PPO, kl_coef=0.5)
+    service_side = dataclasses.replace(client_side, reference_source=ReferenceSource.SERVICE)
+    batch = make_batch(seed=21, lengths=LENGTHS, loss=client_side, vocab_size=100)
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    at_base = trainer.client.forward(batch, (ForwardOutput.LOGPROBS,)).logprobs
+    away = CASES["cispo"]
+    trainer.client.begin_step("away", away, SGD)
+    trainer.client.train_microbatch(
+        "away", "away-0", make_batch(seed=5, lengths=LENGTHS, loss=away, vocab_size=100)
+    )
+    trainer.client.finish_step("away")
+    trainer.client.save_checkpoint(trainer.workdir / "away")
+    results = {}
+    for name, loss, sent in (
+        ("service", service_side, dataclasses.replace(batch, reference_logprobs=None)),
+        ("client", client_side, dataclasses.replace(batch, reference_logprobs=at_base)),
+    ):
+        trainer.client.load_checkpoint(trainer.workdir / "away")
+        trainer.client.begin_step(name, loss, SGD)
+        trainer.client.train_microbatch(name, f"{name}-0", sent)
+        terms = trainer.client.finish_step(name).metrics.terms
+        results[name] = (terms.kl, trainer.export(name))
+    (kl_service, service), (kl_client, client) = results["service"], results["client"]
+    assert kl_client > 1e-4  # the weights moved: the KL term is not trivially zero
+    assert kl_service == pytest.approx(kl_client, rel=1e-6)
+    for hf_name, value in client.items():
+        gap = np.abs(service[hf_name] - value).max()
+        assert gap <= 1e-6 * max(np.abs(value).max(), 1.0), hf_name

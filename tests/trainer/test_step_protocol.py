@@ -24,6 +24,7 @@ from trainer_svc.domain import (
     LossConfig,
     LossKind,
     OptimizerOverrides,
+    ReferenceSource,
     SequenceBatch,
     StaleData,
     StalenessBound,
@@ -376,3 +377,10 @@ def test_stale_sequences_are_masked_when_the_step_says_so(trainer):
     result = trainer.client.finish_step("masked")
     assert result.metrics.staleness == ((0, 1), (1, 1), (2, 1))
     assert_bit_identical(trainer.export("masked"), by_hand)
+
+
+def test_a_step_asking_for_the_services_reference_is_refused_without_one(trainer):
+    loss = LossConfig(kind=LossKind.PPO, kl_coef=0.1, reference_source=ReferenceSource.SERVICE)
+    with pytest.raises(FailedPrecondition, match="--reference-policy initial"):
+        trainer.client.begin_step("no-reference", loss, OPTIMIZER)
+    assert trainer.client.status().HasField("open_step") is False

@@ -29,6 +29,11 @@ class Correction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORRECTION_TIS: _ClassVar[Correction]
     CORRECTION_ICEPOP: _ClassVar[Correction]
 
+class ReferenceSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFERENCE_SOURCE_UNSPECIFIED: _ClassVar[ReferenceSource]
+    REFERENCE_SOURCE_SERVICE: _ClassVar[ReferenceSource]
+
 class CorrectionLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CORRECTION_LEVEL_UNSPECIFIED: _ClassVar[CorrectionLevel]
@@ -79,6 +84,8 @@ NORMALIZATION_CONSTANT: Normalization
 CORRECTION_UNSPECIFIED: Correction
 CORRECTION_TIS: Correction
 CORRECTION_ICEPOP: Correction
+REFERENCE_SOURCE_UNSPECIFIED: ReferenceSource
+REFERENCE_SOURCE_SERVICE: ReferenceSource
 CORRECTION_LEVEL_UNSPECIFIED: CorrectionLevel
 CORRECTION_LEVEL_SEQUENCE: CorrectionLevel
 STALE_DATA_UNSPECIFIED: StaleData
@@ -110,7 +117,7 @@ class Sequences(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LossConfig(_message.Message):
-    __slots__ = ("kind", "normalization", "clip_low", "clip_high", "kl_coef", "dual_clip", "entropy_coef", "normalization_length", "correction", "correction_level", "tis_cap", "icepop_low", "icepop_high")
+    __slots__ = ("kind", "normalization", "clip_low", "clip_high", "kl_coef", "dual_clip", "entropy_coef", "normalization_length", "correction", "correction_level", "tis_cap", "icepop_low", "icepop_high", "reference_source")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
     CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +131,7 @@ class LossConfig(_message.Message):
     TIS_CAP_FIELD_NUMBER: _ClassVar[int]
     ICEPOP_LOW_FIELD_NUMBER: _ClassVar[int]
     ICEPOP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     kind: LossKind
     normalization: Normalization
     clip_low: float
@@ -137,7 +145,8 @@ class LossConfig(_message.Message):
     tis_cap: float
     icepop_low: float
     icepop_high: float
-    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., normalization: _Optional[_Union[Normalization, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dual_clip: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., normalization_length: _Optional[int] = ..., correction: _Optional[_Union[Correction, str]] = ..., correction_level: _Optional[_Union[CorrectionLevel, str]] = ..., tis_cap: _Optional[float] = ..., icepop_low: _Optional[float] = ..., icepop_high: _Optional[float] = ...) -> None: ...
+    reference_source: ReferenceSource
+    def __init__(self, kind: _Optional[_Union[LossKind, str]] = ..., normalization: _Optional[_Union[Normalization, str]] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dual_clip: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., normalization_length: _Optional[int] = ..., correction: _Optional[_Union[Correction, str]] = ..., correction_level: _Optional[_Union[CorrectionLevel, str]] = ..., tis_cap: _Optional[float] = ..., icepop_low: _Optional[float] = ..., icepop_high: _Optional[float] = ..., reference_source: _Optional[_Union[ReferenceSource, str]] = ...) -> None: ...
 
 class OptimizerParams(_message.Message):
     __slots__ = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm")

@@ -55,6 +55,7 @@ from trainer_svc.runtime.model_runner import ModelRunner
 from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pack
 from trainer_svc.runtime.passes import split_passes
 from trainer_svc.runtime.publication import Publisher, describe
+from trainer_svc.runtime.reference_policy import ReferencePolicy
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
 from trainer_svc.validation import BatchLimits, check_id, check_sequences, check_training_batch
@@ -128,9 +129,11 @@ class StepEngine:
         publisher: Publisher | None = None,
         pass_tokens: int | None = None,
         packed: bool = False,
+        reference: ReferencePolicy | None = None,
     ) -> None:
         """`pass_tokens`: tokens per forward/backward pass (`passes.py`; None: the request
-        limit). `packed`: a pass's sequences go in as one packed row (`packing.py`)."""
+        limit). `packed`: a pass's sequences go in as one packed row (`packing.py`).
+        `reference`: frozen weights for reference logprobs computed here."""
         self.built = built
         self.spec = spec
         self.topology = topology
@@ -145,6 +148,7 @@ class StepEngine:
         self.publisher = publisher
         self.pass_tokens = pass_tokens or limits.max_tokens
         self.packed = packed
+        self.reference = reference
         self.runner = ModelRunner(built.ddp, device)
         local_vocab = padded_vocab // topology.layout.tensor_parallel
         self.vocab_shard = VocabShard(
@@ -186,8 +190,15 @@ class StepEngine:
     def precheck(self, command: cmd.Command) -> Any | None:
         """Raises for a command that must not run; returns a reply for one that needs no ranks."""
         match command:
-            case cmd.BeginStep(step_id=step_id):
+            case cmd.BeginStep(step_id=step_id, loss=loss):
                 check_id(step_id, "step_id")
+                service_reference = loss.needs_reference and not loss.needs_reference_logprobs
+                if service_reference and self.reference is None:
+                    raise FailedPrecondition(
+                        "this service keeps no reference weights for the KL term: start "
+                        "trainer-svc with --reference-policy initial, or send "
+                        "reference_logprobs (reference_source CLIENT)"
+                    )
                 if self.open_step is not None:
                     raise FailedPrecondition(
                         f"step {quoted(self.open_step.step_id)} is still open: finish or abort "
@@ -422,11 +433,18 @@ class StepEngine:
             count = sums["valid_tokens"].detach().to(torch.int)
             return sums["loss"], count, {k: v.detach() for k, v in sums.items()}
 
+        def score(batch: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
+            return target_logprobs(logits, batch.targets, self.vocab_shard)[0]
+
         # Gradients and loss sums accumulate over the passes as over microbatches.
         for part in self._passes(local):
             packed = pack(part, self.device, packed=self.packed)
             if packed is None:  # nothing to predict: one-token sequences only
                 continue
+            if loss.needs_reference and not loss.needs_reference_logprobs:
+                assert self.reference is not None  # BeginStep's precheck
+                reference = self.reference.logprobs(self.runner, packed, score)
+                packed.token_inputs.reference_logprobs = reference
             outputs = self.runner.run(packed, loss_function, forward_only=False)
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
                 for sums in outputs:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_hf.spec import ModelSpec, padded_vocab_size
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
-from trainer_svc.config import Device, TrainerConfig
+from trainer_svc.config import Device, ReferenceWeights, TrainerConfig
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime import cpu_compat, determinism, documents, host_memory
 from trainer_svc.runtime.checkpointing import Checkpointer
@@ -29,6 +29,7 @@ from trainer_svc.runtime.param_buffers import pack_parameters
 from trainer_svc.runtime.passes import derived_budget
 from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.publication import Publisher
+from trainer_svc.runtime.reference_policy import ReferencePolicy
 from trainer_svc.runtime.snapshot_slot import published_parameters
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import load_hf_weights
@@ -170,6 +171,7 @@ def build_engine(
         if config.refit.sidecar is not None:
             pack_parameters(published_parameters(model, spec, topology).values())
         built = wrap_for_training(model, transformer_config, topology, config.optimizer)
+        reference = ReferencePolicy(model) if config.reference is ReferenceWeights.INITIAL else None
     publisher = None
     if config.refit.sidecar is not None:
         publisher = Publisher.create(
@@ -228,6 +230,7 @@ def build_engine(
         publisher=publisher,
         pass_tokens=int(budget[0]),
         packed=packed,
+        reference=reference,
     )
     info = ServiceInfo(
         spec=spec,

@@ -35,6 +35,8 @@ from trainer_svc.wire_enums import (
     NORMALIZATIONS,
     NORMALIZATIONS_TO_PROTO,
     PUBLICATION_STATES_TO_PROTO,
+    REFERENCE_SOURCES,
+    REFERENCE_SOURCES_TO_PROTO,
     STALE_DATA,
     STALE_DATA_TO_PROTO,
     STEP_GRADIENTS_TO_PROTO,
@@ -80,6 +82,12 @@ def loss_config(message: pb.LossConfig) -> LossConfig:
         tis_cap=message.tis_cap if message.HasField("tis_cap") else 2.0,
         icepop_low=message.icepop_low if message.HasField("icepop_low") else 0.5,
         icepop_high=message.icepop_high if message.HasField("icepop_high") else 5.0,
+        reference_source=_enum(
+            message.reference_source,
+            REFERENCE_SOURCES,
+            "loss.reference_source",
+            pb.ReferenceSource,
+        ),
     )
 
 
@@ -98,6 +106,7 @@ def loss_config_to_proto(config: LossConfig) -> pb.LossConfig:
         tis_cap=config.tis_cap,
         icepop_low=config.icepop_low,
         icepop_high=config.icepop_high,
+        reference_source=REFERENCE_SOURCES_TO_PROTO[config.reference_source],
     )
 
 
