@@ -208,6 +208,7 @@ def forward_result(reply: pb.ForwardResponse, num_tokens: int) -> ForwardResult:
         top_k_logprobs=array(reply.top_k_logprobs, np.float32, reply.top_k),
         top_k=reply.top_k,
         weights_version=reply.weights_version,
+        reference_logprobs=array(reply.reference_logprobs, np.float32),
     )
 
 

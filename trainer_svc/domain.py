@@ -125,6 +125,8 @@ class ForwardOutput(enum.Enum):
     LOGPROBS = "logprobs"
     TOP_K = "top_k"
     ENTROPY = "entropy"
+    REFERENCE_LOGPROBS = "reference_logprobs"
+    """Under the service's reference weights (--reference-policy)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -463,6 +465,7 @@ class ForwardResult:
     top_k_logprobs: np.ndarray | None = None
     top_k: int = 0
     weights_version: int = 0
+    reference_logprobs: np.ndarray | None = None
 
 
 class PublicationState(enum.Enum):

@@ -216,6 +216,12 @@ def test_the_services_reference_equals_the_clients_forward_at_the_initial_weight
     )
     trainer.client.finish_step("away")
     trainer.client.save_checkpoint(trainer.workdir / "away")
+    # Forward gives the same reference logprobs from the moved weights.
+    both = (ForwardOutput.LOGPROBS, ForwardOutput.REFERENCE_LOGPROBS)
+    moved = trainer.client.forward(batch, both)
+    assert moved.reference_logprobs is not None and moved.logprobs is not None
+    assert np.array_equal(moved.reference_logprobs, at_base)
+    assert np.abs(moved.logprobs - at_base).max() > 1e-4
     results = {}
     for name, loss, sent in (
         ("service", service_side, dataclasses.replace(batch, reference_logprobs=None)),

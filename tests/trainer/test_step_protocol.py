@@ -384,3 +384,5 @@ def test_a_step_asking_for_the_services_reference_is_refused_without_one(trainer
     with pytest.raises(FailedPrecondition, match="--reference-policy initial"):
         trainer.client.begin_step("no-reference", loss, OPTIMIZER)
     assert trainer.client.status().HasField("open_step") is False
+    with pytest.raises(FailedPrecondition, match="--reference-policy initial"):
+        trainer.client.forward(trainer.batch, (ForwardOutput.REFERENCE_LOGPROBS,))

@@ -65,6 +65,7 @@ class ForwardOutput(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORWARD_OUTPUT_LOGPROBS: _ClassVar[ForwardOutput]
     FORWARD_OUTPUT_TOP_K: _ClassVar[ForwardOutput]
     FORWARD_OUTPUT_ENTROPY: _ClassVar[ForwardOutput]
+    FORWARD_OUTPUT_REFERENCE_LOGPROBS: _ClassVar[ForwardOutput]
 
 class ExportDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -103,6 +104,7 @@ FORWARD_OUTPUT_UNSPECIFIED: ForwardOutput
 FORWARD_OUTPUT_LOGPROBS: ForwardOutput
 FORWARD_OUTPUT_TOP_K: ForwardOutput
 FORWARD_OUTPUT_ENTROPY: ForwardOutput
+FORWARD_OUTPUT_REFERENCE_LOGPROBS: ForwardOutput
 EXPORT_DTYPE_UNSPECIFIED: ExportDType
 EXPORT_DTYPE_BFLOAT16: ExportDType
 EXPORT_DTYPE_FLOAT32: ExportDType
@@ -345,20 +347,22 @@ class ForwardRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Union[Sequences, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[ForwardOutput, str]]] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("logprobs", "entropy", "top_k_token_ids", "top_k_logprobs", "top_k", "weights_version")
+    __slots__ = ("logprobs", "entropy", "top_k_token_ids", "top_k_logprobs", "top_k", "weights_version", "reference_logprobs")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     TOP_K_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     entropy: _containers.RepeatedScalarFieldContainer[float]
     top_k_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_k_logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_k: int
     weights_version: int
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropy: _Optional[_Iterable[float]] = ..., top_k_token_ids: _Optional[_Iterable[int]] = ..., top_k_logprobs: _Optional[_Iterable[float]] = ..., top_k: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropy: _Optional[_Iterable[float]] = ..., top_k_token_ids: _Optional[_Iterable[int]] = ..., top_k_logprobs: _Optional[_Iterable[float]] = ..., top_k: _Optional[int] = ..., weights_version: _Optional[int] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("path",)

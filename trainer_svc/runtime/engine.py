@@ -213,6 +213,11 @@ class StepEngine:
                 self._check_staleness(command.batch, step)
             case cmd.RunForward(batch=batch, outputs=outputs, top_k=k):
                 check_sequences(batch, self.limits)
+                if ForwardOutput.REFERENCE_LOGPROBS in outputs and self.reference is None:
+                    raise FailedPrecondition(
+                        "this service keeps no reference weights: start trainer-svc with "
+                        "--reference-policy initial to ask Forward for REFERENCE_LOGPROBS"
+                    )
                 if ForwardOutput.TOP_K in outputs and not 1 <= k <= self.spec.vocab_size:
                     raise InvalidArgument(
                         f"top_k must lie in [1, {self.spec.vocab_size}] when TOP_K is asked for, "
@@ -651,6 +656,9 @@ class StepEngine:
             zero = logprobs.sum() * 0.0
             return zero, torch.tensor(0, dtype=torch.int), result
 
+        def score(batch: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
+            return target_logprobs(logits, batch.targets, self.vocab_shard)[0]
+
         # Per-token outputs of this rank's share, pass after pass (passes are consecutive); a
         # pass with nothing to predict (one-token sequences) gives zeros.
         passes: list[tuple[Any, dict[str, np.ndarray]]] = []
@@ -659,6 +667,11 @@ class StepEngine:
             found: dict[str, np.ndarray] = {}
             if packed is not None:
                 outputs = self.runner.run(packed, loss_function, forward_only=True)
+                if ForwardOutput.REFERENCE_LOGPROBS in wanted:
+                    assert self.reference is not None  # the precheck's
+                    reference = self.reference.logprobs(self.runner, packed, score)
+                    if outputs and reference is not None:
+                        outputs[0]["reference_logprobs"] = reference
                 if outputs:
                     found = {
                         k: packed.per_token(v.cpu().numpy(), part) for k, v in outputs[0].items()
@@ -720,4 +733,7 @@ class StepEngine:
             top_k_logprobs=output("top_k_logprobs", ForwardOutput.TOP_K, np.float32, command.top_k),
             top_k=command.top_k if ForwardOutput.TOP_K in wanted else 0,
             weights_version=self.weights_version,
+            reference_logprobs=output(
+                "reference_logprobs", ForwardOutput.REFERENCE_LOGPROBS, np.float32
+            ),
         )

@@ -180,7 +180,9 @@ def forward_outputs(message: pb.ForwardRequest) -> frozenset[ForwardOutput]:
     outputs = {_enum(o, FORWARD_OUTPUTS, "outputs", pb.ForwardOutput) for o in message.outputs}
     if not outputs:
         raise InvalidArgument(
-            "outputs is empty: ask for at least one of LOGPROBS, TOP_K, ENTROPY", field="outputs"
+            "outputs is empty: ask for at least one of LOGPROBS, TOP_K, ENTROPY, "
+            "REFERENCE_LOGPROBS",
+            field="outputs",
         )
     return frozenset(outputs)
 
@@ -234,6 +236,7 @@ def forward_to_proto(result: ForwardResult) -> pb.ForwardResponse:
         top_k_logprobs=flat(result.top_k_logprobs),
         top_k=result.top_k,
         weights_version=result.weights_version,
+        reference_logprobs=flat(result.reference_logprobs),
     )
 
 
