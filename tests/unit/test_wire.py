@@ -201,7 +201,7 @@ def test_unknown_forward_output_is_refused_by_name(value: int) -> None:
         InvalidArgument,
         match=(
             r"^outputs must be one of FORWARD_OUTPUT_LOGPROBS, FORWARD_OUTPUT_TOP_K, "
-            rf"FORWARD_OUTPUT_ENTROPY; got {value}$"
+            rf"FORWARD_OUTPUT_ENTROPY, FORWARD_OUTPUT_REFERENCE_LOGPROBS; got {value}$"
         ),
     ):
         convert.forward_outputs(message)
