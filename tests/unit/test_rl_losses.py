@@ -60,6 +60,17 @@ def _computed(config, logprobs, mask, advantages, behaviour):
     return {k: float(v) for k, v in sums.items()}, lp.grad.numpy()
 
 
+def _numeric_gradient(objective, logprobs, mask, step: float) -> np.ndarray:
+    """Central differences of `objective` at each trained position."""
+    numeric = np.zeros_like(logprobs)
+    for index in zip(*np.nonzero(mask), strict=True):
+        up, down = logprobs.copy(), logprobs.copy()
+        up[index] += step
+        down[index] -= step
+        numeric[index] = (objective(up) - objective(down)) / (2 * step)
+    return numeric
+
+
 def _clip(x: float, config: LossConfig) -> float:
     return min(max(x, 1.0 - config.clip_low), 1.0 + config.clip_high)
 
@@ -81,15 +92,9 @@ def test_gspo_with_one_advantage_per_sequence_is_gspo_with_its_gradient() -> Non
     sums, grad = _computed(GSPO, logprobs, mask, advantages, behaviour)
     expected = gspo_objective(GSPO, logprobs, mask, advantages, behaviour)
     assert sums["loss"] == pytest.approx(expected, rel=1e-12)
-    numeric = np.zeros_like(logprobs)
-    for index in zip(*np.nonzero(mask), strict=True):
-        up, down = logprobs.copy(), logprobs.copy()
-        up[index] += 1e-6
-        down[index] -= 1e-6
-        numeric[index] = (
-            gspo_objective(GSPO, up, mask, advantages, behaviour)
-            - gspo_objective(GSPO, down, mask, advantages, behaviour)
-        ) / 2e-6
+    numeric = _numeric_gradient(
+        lambda lp: gspo_objective(GSPO, lp, mask, advantages, behaviour), logprobs, mask, 1e-6
+    )
     np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-9)
     # The ranges are the paper's order of magnitude: some sequences clipped, some not.
     assert 0 < sums["clipped_tokens"] < sums["valid_tokens"]
@@ -150,15 +155,9 @@ def test_dual_clip_bounds_negative_advantages_losses() -> None:
     sums, grad = _computed(DUAL, logprobs, mask, advantages, behaviour)
     expected = dual_clip_objective(DUAL, logprobs, mask, advantages, behaviour)
     assert sums["loss"] == pytest.approx(expected, rel=1e-12)
-    numeric = np.zeros_like(logprobs)
-    for index in zip(*np.nonzero(mask), strict=True):
-        up, down = logprobs.copy(), logprobs.copy()
-        up[index] += 1e-7
-        down[index] -= 1e-7
-        numeric[index] = (
-            dual_clip_objective(DUAL, up, mask, advantages, behaviour)
-            - dual_clip_objective(DUAL, down, mask, advantages, behaviour)
-        ) / 2e-7
+    numeric = _numeric_gradient(
+        lambda lp: dual_clip_objective(DUAL, lp, mask, advantages, behaviour), logprobs, mask, 1e-7
+    )
     np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-9)
     # Tokens with A < 0 and r > 3 are held at 3|A|, with no gradient.
     capped = mask & (advantages < 0) & (np.arange(6) < 3)
