@@ -1,6 +1,8 @@
-"""TP=1 and TP=2 started from the same HF checkpoint agree: Forward logprobs and the weights
-after one identical step; the TP=2 world also equals HF transformers (test_hf_parity's Qwen2
-case). A layout the model cannot be split into is refused before any rank starts."""
+"""TP=1, TP=2 and PP=2 started from the same HF checkpoint agree: Forward logprobs and the
+weights after identical steps, one per RL loss and correction (PPO with KL, GSPO, CISPO with
+the constant normalization, dual clip with an entropy bonus, TIS against a sampler); the TP=2
+world also equals HF transformers (test_hf_parity's Qwen2 case). A layout the model cannot be
+split into is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from tests.support.trainer import (
     stop_trainers,
 )
 from trainer_svc.domain import (
+    Correction,
     ForwardResult,
     LossConfig,
     LossKind,
@@ -40,13 +43,26 @@ FAMILY = ModelFamily.QWEN2
 LOSS = LossConfig(kind=LossKind.PPO, normalization=Normalization.SEQUENCE, kl_coef=0.1)
 # See test_split_step: a larger Adam eps makes the first update a smooth function of the grads.
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, adam_eps=1e-4)
-LAYOUTS = {"tp1": [], "tp2": ["--tp", "2"]}
+LAYOUTS = {"tp1": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
+STEPS = {
+    "ppo-kl": LOSS,
+    "gspo": LossConfig(
+        kind=LossKind.GSPO, normalization=Normalization.SEQUENCE, clip_low=0.05, clip_high=0.08
+    ),
+    "cispo-constant": LossConfig(
+        kind=LossKind.CISPO, normalization=Normalization.CONSTANT, normalization_length=32
+    ),
+    "ppo-dual-clip-entropy": LossConfig(kind=LossKind.PPO, dual_clip=2.0, entropy_coef=0.01),
+    "ppo-tis": LossConfig(kind=LossKind.PPO, correction=Correction.TIS),
+}
+"""Run one after another in every world, each step from the weights the previous one left."""
 
 
 @dataclass(frozen=True)
 class Run:
     logprobs: np.ndarray
-    weights: dict[str, np.ndarray]
+    weights: dict[str, dict[str, np.ndarray]]
+    """After each of STEPS, by name."""
 
 
 @dataclass(frozen=True)
@@ -61,10 +77,15 @@ def _run(process: TrainerProcess) -> Run:
     batch = make_batch(seed=11, lengths=[14, 9, 23, 5], loss=LOSS)
     logprobs = process.client.forward(batch).logprobs
     assert logprobs is not None
-    process.client.begin_step("s", LOSS, OPTIMIZER)
-    process.client.train_microbatch("s", "r", batch)
-    process.client.finish_step("s")
-    return Run(logprobs, process.export("after-step"))
+    weights = {}
+    for name, loss in STEPS.items():
+        process.client.begin_step(name, loss, OPTIMIZER)
+        process.client.train_microbatch(
+            name, "r", make_batch(seed=11, lengths=[14, 9, 23, 5], loss=loss)
+        )
+        process.client.finish_step(name)
+        weights[name] = process.export(f"after-{name}")
+    return Run(logprobs, weights)
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +105,13 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layouts]:
         assert stop_trainers(processes.values()) == [0] * len(processes)
 
 
-def test_tensor_parallel_two_matches_one(layouts):
-    tp1, tp2 = layouts.runs["tp1"], layouts.runs["tp2"]
-    assert np.abs(tp1.logprobs - tp2.logprobs).max() <= 1e-5
-    assert max_relative_difference(tp2.weights, tp1.weights) <= 1e-5
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_split_layout_matches_one_rank_for_every_loss(layouts, layout):
+    one, split = layouts.runs["tp1"], layouts.runs[layout]
+    assert np.abs(one.logprobs - split.logprobs).max() <= 1e-5
+    for name in STEPS:
+        gap = max_relative_difference(split.weights[name], one.weights[name])
+        assert gap <= 1e-5, f"{layout} after {name}: {gap:.2e}"
 
 
 def test_tensor_parallel_two_equals_transformers(layouts):
