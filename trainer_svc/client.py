@@ -306,6 +306,10 @@ class TrainerClient:
         reply = self._call("LoadCheckpoint", pb.LoadCheckpointRequest(path=str(path)))
         return CheckpointInfo(Path(path), reply.weights_version, reply.optimizer_step)
 
+    def set_reference(self) -> int:
+        """Makes the current weights the reference policy's; returns their version."""
+        return int(self._call("SetReference", pb.SetReferenceRequest()).weights_version)
+
     def export_hf(
         self,
         path: Path | str,

@@ -105,6 +105,7 @@ TRAINER_REQUESTS: dict[str, Request] = {
     "LoadCheckpoint": lambda s: tpb.LoadCheckpointRequest(path=str(s.workdir / "intruder-ckpt")),
     "ExportHF": lambda s: tpb.ExportHFRequest(path=str(s.workdir / "intruder-export")),
     "GetStatus": lambda s: tpb.GetStatusRequest(),
+    "SetReference": lambda s: tpb.SetReferenceRequest(),
 }
 
 

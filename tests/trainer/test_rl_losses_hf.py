@@ -238,3 +238,23 @@ def test_the_services_reference_equals_the_clients_forward_at_the_initial_weight
     for hf_name, value in client.items():
         gap = np.abs(service[hf_name] - value).max()
         assert gap <= 1e-6 * max(np.abs(value).max(), 1.0), hf_name
+
+
+def test_set_reference_makes_the_current_weights_the_reference(trainer):
+    """A reference reset: after SetReference, Forward's reference logprobs are the current
+    weights' logprobs, bit for bit, and the call answers with their version."""
+    batch = make_batch(seed=23, lengths=LENGTHS, loss=LossConfig(), vocab_size=100)
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    away = CASES["cispo"]
+    trainer.client.begin_step("reset", away, SGD)
+    trainer.client.train_microbatch(
+        "reset", "reset-0", make_batch(seed=6, lengths=LENGTHS, loss=away, vocab_size=100)
+    )
+    version = trainer.client.finish_step("reset").weights_version
+    both = (ForwardOutput.LOGPROBS, ForwardOutput.REFERENCE_LOGPROBS)
+    before = trainer.client.forward(batch, both)
+    assert not np.array_equal(before.reference_logprobs, before.logprobs)
+    assert trainer.client.set_reference() == version
+    after = trainer.client.forward(batch, both)
+    assert np.array_equal(after.reference_logprobs, after.logprobs)
+    assert np.array_equal(after.logprobs, before.logprobs)  # the weights did not move

@@ -386,3 +386,5 @@ def test_a_step_asking_for_the_services_reference_is_refused_without_one(trainer
     assert trainer.client.status().HasField("open_step") is False
     with pytest.raises(FailedPrecondition, match="--reference-policy initial"):
         trainer.client.forward(trainer.batch, (ForwardOutput.REFERENCE_LOGPROBS,))
+    with pytest.raises(FailedPrecondition, match="--reference-policy initial"):
+        trainer.client.set_reference()

@@ -110,6 +110,16 @@ EXPORT_DTYPE_BFLOAT16: ExportDType
 EXPORT_DTYPE_FLOAT32: ExportDType
 EXPORT_DTYPE_PARAMS: ExportDType
 
+class SetReferenceRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetReferenceResponse(_message.Message):
+    __slots__ = ("weights_version",)
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weights_version: int
+    def __init__(self, weights_version: _Optional[int] = ...) -> None: ...
+
 class Sequences(_message.Message):
     __slots__ = ("tokens", "offsets")
     TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -105,6 +105,11 @@ class TrainerServiceStub:
                 request_serializer=trainer__refit_dot_v1_dot_trainer__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=trainer__refit_dot_v1_dot_trainer__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.SetReference = channel.unary_unary(
+                '/trainer_refit.v1.TrainerService/SetReference',
+                request_serializer=trainer__refit_dot_v1_dot_trainer__pb2.SetReferenceRequest.SerializeToString,
+                response_deserializer=trainer__refit_dot_v1_dot_trainer__pb2.SetReferenceResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -241,6 +246,15 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetReference(self, request, context):
+        """Makes the current weights the reference policy's (a reference reset, as recipes do every
+        N steps). FAILED_PRECONDITION without reference weights (trainer-svc --reference-policy
+        none) or while a step is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +302,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=trainer__refit_dot_v1_dot_trainer__pb2.GetStatusRequest.FromString,
                     response_serializer=trainer__refit_dot_v1_dot_trainer__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'SetReference': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetReference,
+                    request_deserializer=trainer__refit_dot_v1_dot_trainer__pb2.SetReferenceRequest.FromString,
+                    response_serializer=trainer__refit_dot_v1_dot_trainer__pb2.SetReferenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +578,33 @@ class TrainerService:
             '/trainer_refit.v1.TrainerService/GetStatus',
             trainer__refit_dot_v1_dot_trainer__pb2.GetStatusRequest.SerializeToString,
             trainer__refit_dot_v1_dot_trainer__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetReference(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainer_refit.v1.TrainerService/SetReference',
+            trainer__refit_dot_v1_dot_trainer__pb2.SetReferenceRequest.SerializeToString,
+            trainer__refit_dot_v1_dot_trainer__pb2.SetReferenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

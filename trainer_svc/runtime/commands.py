@@ -90,6 +90,11 @@ class PublishStart:
 
 
 @dataclass(frozen=True)
+class SetReference:
+    """Make the current weights the reference policy's."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -104,5 +109,6 @@ Command = (
     | LoadCheckpoint
     | ExportHF
     | PublishStart
+    | SetReference
     | Shutdown
 )

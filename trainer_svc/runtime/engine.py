@@ -240,6 +240,17 @@ class StepEngine:
                         f"cannot abort step {quoted(step_id)}: the open step is "
                         f"{quoted(self.open_step.step_id)}"
                     )
+            case cmd.SetReference():
+                if self.reference is None:
+                    raise FailedPrecondition(
+                        "this service keeps no reference weights: start trainer-svc with "
+                        "--reference-policy initial to set them"
+                    )
+                if self.open_step is not None:
+                    raise FailedPrecondition(
+                        f"step {quoted(self.open_step.step_id)} is open: finish or abort it "
+                        "before setting the reference weights (its microbatches used the old)"
+                    )
             case cmd.LoadCheckpoint(path=path):
                 if self.open_step is not None:
                     raise FailedPrecondition(
@@ -354,6 +365,10 @@ class StepEngine:
                 return self._abort(command)
             case cmd.RunForward():
                 return self._forward(command)
+            case cmd.SetReference():
+                assert self.reference is not None  # the precheck's
+                self.reference.capture()
+                return self.weights_version
             case cmd.SaveCheckpoint(path=path):
                 return self.checkpointer.save(
                     path,

@@ -1,5 +1,6 @@
-"""A frozen copy of the weights the service started with, for the KL term's reference
-logprobs, computed inside TrainMicrobatch instead of by the client on another engine.
+"""A frozen copy of the weights the service started with (or of those current when the client
+last called SetReference), for the KL term's reference logprobs, computed inside
+TrainMicrobatch instead of by the client on another engine.
 
 The copy is of this rank's own parameters (sharded like the model: its TP and PP slices), in
 their dtype: one more copy of the rank's weights in device memory. To score a pass the
@@ -27,6 +28,11 @@ class ReferencePolicy:
         with torch.no_grad():
             self._weights = [p.detach().clone() for p in self._params]
         self._scratch = [torch.empty_like(w) for w in self._weights]
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Makes the model's current weights the reference."""
+        torch._foreach_copy_(self._weights, [p.data for p in self._params])
 
     @property
     def nbytes(self) -> int:

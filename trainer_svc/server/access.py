@@ -20,5 +20,6 @@ METHOD_ROLES: MethodRoles = method_roles(
         "LoadCheckpoint": [Role.ORCHESTRATOR],
         "ExportHF": [Role.ORCHESTRATOR],
         "GetStatus": [Role.ORCHESTRATOR],
+        "SetReference": [Role.ORCHESTRATOR],
     },
 )

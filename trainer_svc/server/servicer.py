@@ -130,6 +130,11 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         )
 
     @_grpc_errors
+    async def SetReference(self, request: pb.SetReferenceRequest, context: Any) -> Any:
+        version = await self.leader.submit(cmd.SetReference())
+        return pb.SetReferenceResponse(weights_version=version)
+
+    @_grpc_errors
     async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context: Any) -> Any:
         version, step = await self.leader.submit(cmd.LoadCheckpoint(path=self._path(request.path)))
         return pb.LoadCheckpointResponse(weights_version=version, optimizer_step=step)
