@@ -58,7 +58,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=SequenceLayout.AUTO.value,
         help="packed: a pass's sequences back to back in one row, attention kept inside each, "
         "no padding computed (needs the sdpa attention); padded: a row per sequence; auto "
-        "(default): packed where the attention allows",
+        "(default): with the sdpa attention, each pass packed when padding would add more "
+        "than 15%%, padded otherwise",
     )
     model.add_argument(
         "--reference-policy",

@@ -58,7 +58,9 @@ class SequenceLayout(enum.Enum):
     """How a pass's sequences are laid out for the model (`runtime/packing.py`)."""
 
     AUTO = "auto"
-    """Packed where the core attention can keep sequences apart (SDPA), else padded."""
+    """Where the core attention can keep sequences apart (SDPA): each pass packed when its
+    padded rows would compute noticeably more than its tokens (`documents.packs`), padded
+    otherwise; padded everywhere else."""
     PACKED = "packed"
     """All of a pass's sequences in one row, attention inside each: no padding computed."""
     PADDED = "padded"

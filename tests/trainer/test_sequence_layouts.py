@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,7 +62,7 @@ def test_packed_rows_give_the_padded_logprobs_and_gradients(tmp_path: Path) -> N
         model_dir = write_tiny_checkpoint(tmp_path / name, family, seed=3, **options)
         with cpu_compat.active():
             model = built_model(model_dir, Attention.SDPA)
-            assert documents.resolve(SequenceLayout.AUTO, model)
+            assert documents.resolve(SequenceLayout.AUTO, model) is SequenceLayout.AUTO
             want, want_grads = run_layout(model, padded, LOSS)
             got, got_grads = run_layout(model, packed, LOSS)
             # Control: the same row as one causal sequence, attending across sequences.
@@ -90,11 +91,20 @@ def test_each_layout_choice_packs_only_where_the_attention_keeps_sequences_apart
     # The built model's norms run fused under bf16 (`runtime/norms.py`): every one swapped.
     found = [m for m in sdpa.modules() if isinstance(m, torch.nn.RMSNorm)]
     assert found and all(isinstance(m, norms.ActivationDtypeRMSNorm) for m in found)
-    assert documents.resolve(SequenceLayout.PACKED, sdpa)
-    assert not documents.resolve(SequenceLayout.PADDED, sdpa)
-    assert not documents.resolve(SequenceLayout.AUTO, local)
+    assert documents.resolve(SequenceLayout.PACKED, sdpa) is SequenceLayout.PACKED
+    assert documents.resolve(SequenceLayout.PADDED, sdpa) is SequenceLayout.PADDED
+    assert documents.resolve(SequenceLayout.AUTO, local) is SequenceLayout.PADDED
     with pytest.raises(ValueError, match="DotProductAttention"):
         documents.resolve(SequenceLayout.PACKED, local)
+
+
+def test_auto_packs_a_pass_only_where_its_padding_is_worth_it() -> None:
+    auto, packed, padded = SequenceLayout.AUTO, SequenceLayout.PACKED, SequenceLayout.PADDED
+    equal, mixed = np.array([9, 9, 9]), np.array([64, 4096, 900, 2000])
+    slight = np.array([101, 111])  # padded rows compute 2 x 110 = 220 for 210 tokens: 1.05 x
+    assert not documents.packs(auto, equal) and not documents.packs(auto, slight)
+    assert documents.packs(auto, mixed)
+    assert documents.packs(packed, equal) and not documents.packs(padded, mixed)
 
 
 def test_packed_with_the_local_attention_is_refused_in_the_config() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -51,14 +52,25 @@ def bounds(lengths: list[int], positions: torch.Tensor, cu_seqlens: torch.Tensor
     )
 
 
-def resolve(layout: SequenceLayout, model: torch.nn.Module) -> bool:
-    """Whether this model runs packed rows: AUTO packs where every core attention can keep
-    documents apart (`SdpaAttention`); PACKED where it cannot is refused with the reason.
-    Installs the position hooks when it packs."""
+PADDING_WORTH_PACKING = 1.15
+"""AUTO packs a pass whose padded rows would compute more than this many times its tokens.
+
+Below it the padded rows win on a GPU: their attention runs cuDNN's dense kernel, which does a
+token's attention work about 1.8 times as fast as the variable-length flash kernel a packed row
+needs (BENCHMARKS.md, "Known gaps"), and attention is about a fifth of a step's time, so
+packing gains only where it saves more than the ~15 % that costs. Equal lengths (no padding)
+stay padded."""
+
+
+def resolve(layout: SequenceLayout, model: torch.nn.Module) -> SequenceLayout:
+    """The layout this model runs: PACKED where asked (refused, with the reason, where a core
+    attention cannot keep documents apart), AUTO (each pass packed where that pays, `packs`)
+    where every core attention is `SdpaAttention`, else PADDED. Installs the position hooks
+    where it may pack."""
     cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
     capable = bool(cores) and all(isinstance(core, SdpaAttention) for core in cores)
     if layout is SequenceLayout.PADDED:
-        return False
+        return SequenceLayout.PADDED
     if not capable:
         if layout is SequenceLayout.PACKED:
             kinds = sorted({type(core).__name__ for core in cores}) or ["none"]
@@ -66,9 +78,19 @@ def resolve(layout: SequenceLayout, model: torch.nn.Module) -> bool:
                 f"--sequence-layout packed needs the SDPA core attention (--attention sdpa); "
                 f"this model's is {', '.join(kinds)}"
             )
-        return False
+        return SequenceLayout.PADDED
     install_position_hooks(model)
-    return True
+    return layout
+
+
+def packs(layout: SequenceLayout, lengths: np.ndarray) -> bool:
+    """Whether a pass of sequences of these lengths goes in as one packed row."""
+    if layout is not SequenceLayout.AUTO:
+        return layout is SequenceLayout.PACKED
+    predicted = np.asarray(lengths, dtype=np.int64) - 1
+    tokens = int(predicted.sum())
+    padded = len(predicted) * int(predicted.max()) if len(predicted) else 0
+    return padded > PADDING_WORTH_PACKING * tokens
 
 
 def install_position_hooks(model: torch.nn.Module) -> None:

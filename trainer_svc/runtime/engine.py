@@ -22,7 +22,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.errors import PublicationPending, SlotsExhausted
 from trainer_refit.errors import quoted
-from trainer_svc.config import OptimizerConfig
+from trainer_svc.config import OptimizerConfig, SequenceLayout
 from trainer_svc.domain import (
     AlreadyExists,
     ExportDType,
@@ -44,7 +44,7 @@ from trainer_svc.domain import (
     StepMetrics,
 )
 from trainer_svc.runtime import commands as cmd
-from trainer_svc.runtime import cpu_compat
+from trainer_svc.runtime import cpu_compat, documents
 from trainer_svc.runtime.agreement import CommandFailed, phase
 from trainer_svc.runtime.checkpointing import Checkpointer, TrainingState
 from trainer_svc.runtime.finite import Contents, contents
@@ -128,11 +128,12 @@ class StepEngine:
         checkpointer: Checkpointer,
         publisher: Publisher | None = None,
         pass_tokens: int | None = None,
-        packed: bool = False,
+        layout: SequenceLayout = SequenceLayout.PADDED,
         reference: ReferencePolicy | None = None,
     ) -> None:
         """`pass_tokens`: tokens per forward/backward pass (`passes.py`; None: the request
-        limit). `packed`: a pass's sequences go in as one packed row (`packing.py`).
+        limit). `layout`: whether a pass's sequences go in as one packed row (`packing.py`),
+        as `documents.resolve` settled it.
         `reference`: frozen weights for reference logprobs computed here."""
         self.built = built
         self.spec = spec
@@ -147,7 +148,7 @@ class StepEngine:
         )
         self.publisher = publisher
         self.pass_tokens = pass_tokens or limits.max_tokens
-        self.packed = packed
+        self.layout = layout
         self.reference = reference
         self.runner = ModelRunner(built.ddp, device)
         local_vocab = padded_vocab // topology.layout.tensor_parallel
@@ -420,7 +421,8 @@ class StepEngine:
         share is empty)."""
         if not local.num_sequences:
             return []
-        groups = split_passes(local.lengths(), self.pass_tokens, padded=not self.packed)
+        padded = self.layout is SequenceLayout.PADDED
+        groups = split_passes(local.lengths(), self.pass_tokens, padded=padded)
         return [local] if len(groups) == 1 else [local.select(g) for g in groups]
 
     def _local_share(self, command_batch: Any) -> Any:
@@ -458,7 +460,7 @@ class StepEngine:
 
         # Gradients and loss sums accumulate over the passes as over microbatches.
         for part in self._passes(local):
-            packed = pack(part, self.device, packed=self.packed)
+            packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
             if packed is None:  # nothing to predict: one-token sequences only
                 continue
             if loss.needs_reference and not loss.needs_reference_logprobs:
@@ -678,7 +680,7 @@ class StepEngine:
         # pass with nothing to predict (one-token sequences) gives zeros.
         passes: list[tuple[Any, dict[str, np.ndarray]]] = []
         for part in self._passes(local):
-            packed = pack(part, self.device, packed=self.packed)
+            packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
             found: dict[str, np.ndarray] = {}
             if packed is not None:
                 outputs = self.runner.run(packed, loss_function, forward_only=True)

@@ -165,7 +165,8 @@ def build_engine(
             recompute=config.model.recompute,
             deterministic=config.model.deterministic,
         )
-        packed = documents.resolve(config.model.sequence_layout, model)
+        layout = documents.resolve(config.model.sequence_layout, model)
+        log.info("sequence layout: %s", layout.value)
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
@@ -229,7 +230,7 @@ def build_engine(
         checkpointer=Checkpointer(model_dir, PathRoots.resolved(config.checkpoint_roots())),
         publisher=publisher,
         pass_tokens=int(budget[0]),
-        packed=packed,
+        layout=layout,
         reference=reference,
     )
     info = ServiceInfo(
