@@ -116,7 +116,9 @@ def _sampler_correction(
         "weight": weight,
         "corrected": corrected.to(old.dtype),
         "ratio": ratio,
-        "kl": ratio - 1.0 - rho,
+        # k3 = r - 1 - log r, written so that it keeps its precision for r near 1 (where it is
+        # rho^2 / 2): r - 1 - rho in float32 cancels to rounding noise of either sign there.
+        "kl": (torch.expm1(rho) - rho).clamp(min=0.0),
     }
 
 
