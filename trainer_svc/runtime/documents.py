@@ -56,10 +56,9 @@ PADDING_WORTH_PACKING = 1.15
 """AUTO packs a pass whose padded rows would compute more than this many times its tokens.
 
 Below it the padded rows win on a GPU: their attention runs cuDNN's dense kernel, which does a
-token's attention work about 1.8 times as fast as the variable-length flash kernel a packed row
-needs (BENCHMARKS.md, "Known gaps"), and attention is about a fifth of a step's time, so
-packing gains only where it saves more than the ~15 % that costs. Equal lengths (no padding)
-stay padded."""
+token's attention work faster than the variable-length flash kernel a packed row needs, so
+packing pays only where the padding it saves outweighs that (the measurement behind the
+threshold: BENCHMARKS.md, "Known gaps"). Equal lengths (no padding) stay padded."""
 
 
 def resolve(layout: SequenceLayout, model: torch.nn.Module) -> SequenceLayout:

@@ -455,9 +455,6 @@ class StepEngine:
             count = sums["valid_tokens"].detach().to(torch.int)
             return sums["loss"], count, {k: v.detach() for k, v in sums.items()}
 
-        def score(batch: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
-            return target_logprobs(logits, batch.targets, self.vocab_shard)[0]
-
         # Gradients and loss sums accumulate over the passes as over microbatches.
         for part in self._passes(local):
             packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
@@ -465,7 +462,7 @@ class StepEngine:
                 continue
             if loss.needs_reference and not loss.needs_reference_logprobs:
                 assert self.reference is not None  # BeginStep's precheck
-                reference = self.reference.logprobs(self.runner, packed, score)
+                reference = self.reference.logprobs(self.runner, packed, self._score)
                 packed.token_inputs.reference_logprobs = reference
             outputs = self.runner.run(packed, loss_function, forward_only=False)
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
@@ -481,6 +478,10 @@ class StepEngine:
         step.request_ids[command.request_id] = digest
         step.counts = step.counts.plus(batch)
         return MicrobatchAck(command.step_id, command.request_id, False, step.counts)
+
+    def _score(self, batch: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
+        """The targets' logprobs of a pass's logits (the reference policy's forward)."""
+        return target_logprobs(logits, batch.targets, self.vocab_shard)[0]
 
     def _check_staleness(self, batch: SequenceBatch, step: _OpenStep) -> None:
         """Each sequence's sampled version is at most the step's; with a bound, versions are
@@ -673,9 +674,6 @@ class StepEngine:
             zero = logprobs.sum() * 0.0
             return zero, torch.tensor(0, dtype=torch.int), result
 
-        def score(batch: PackedBatch, logits: torch.Tensor) -> torch.Tensor:
-            return target_logprobs(logits, batch.targets, self.vocab_shard)[0]
-
         # Per-token outputs of this rank's share, pass after pass (passes are consecutive); a
         # pass with nothing to predict (one-token sequences) gives zeros.
         passes: list[tuple[Any, dict[str, np.ndarray]]] = []
@@ -686,7 +684,7 @@ class StepEngine:
                 outputs = self.runner.run(packed, loss_function, forward_only=True)
                 if ForwardOutput.REFERENCE_LOGPROBS in wanted:
                     assert self.reference is not None  # the precheck's
-                    reference = self.reference.logprobs(self.runner, packed, score)
+                    reference = self.reference.logprobs(self.runner, packed, self._score)
                     if outputs and reference is not None:
                         outputs[0]["reference_logprobs"] = reference
                 if outputs:

@@ -3,10 +3,11 @@
 Without Transformer Engine or Apex, megatron builds its norms as `torch.nn.RMSNorm` without a
 dtype (`WrappedTorchNorm`), so their weights are float32 while a bf16 model's activations are
 bf16. PyTorch fuses `rms_norm` only when input and weight share a dtype; otherwise it runs the
-composite, about ten kernels forward and more backward, each a host launch that a small step
+composite, many kernels forward and backward, each a host launch that a small step
 waits on. `ActivationDtypeRMSNorm` keeps the weight a float32 parameter (the optimizer,
 checkpoints and publication see nothing new) and hands the kernel the weight cast to the
-activations' dtype: one cast of `hidden` elements, then the fused kernel. That is also how the
+activations' dtype: one cast of `hidden` elements, then the fused kernel (the counts:
+`tests/gpu/test_norms_gpu.py`). That is also how the
 inference side applies the norm of a bf16 model (vLLM and transformers hold the weight in bf16),
 so the trainer's forward after a step uses exactly the norm weight a refit installs. In float32
 nothing changes.
