@@ -63,9 +63,17 @@ class RestartingSidecar:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.process, self.sidecar = start_sidecar(workdir / "life-0")
-        self.port = int(self.sidecar.address.rpartition(":")[2])
         self.life = 0
+        self.process, self.sidecar = start_sidecar(workdir / "life-0", log_path=self._log(0))
+        self.port = int(self.sidecar.address.rpartition(":")[2])
+
+    def _log(self, life: int) -> Path:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self.workdir / f"life-{life}.log"
+
+    def served(self, version: int, life: int) -> bool:
+        """Whether `version` became readable during sidecar life `life` (by its own log)."""
+        return f"version {version} is readable" in self._log(life).read_text()
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -74,7 +82,10 @@ class RestartingSidecar:
     def start(self) -> None:
         self.life += 1
         self.process, _ = start_sidecar(
-            self.workdir / f"life-{self.life}", port=self.port, tokens=self.sidecar.tokens
+            self.workdir / f"life-{self.life}",
+            port=self.port,
+            tokens=self.sidecar.tokens,
+            log_path=self._log(self.life),
         )
 
     def stop(self) -> None:
@@ -160,6 +171,7 @@ def _restarts(trainer: TrainerProcess, sidecar: RestartingSidecar, receiver: Rec
         result = _finish(trainer, step_id, wait=waited)
         if back is not None:
             back.join()
+        finished_in = sidecar.life
         if point == "after_finish":
             sidecar.kill()
             time.sleep(rng.uniform(0.0, 0.5))
@@ -177,6 +189,11 @@ def _restarts(trainer: TrainerProcess, sidecar: RestartingSidecar, receiver: Rec
             assert settled.reason, settled
             with sidecar.sidecar.client() as client, pytest.raises(UnknownVersion):
                 client.manifest(version)  # never readable
+            continue
+        if finished_in != sidecar.life and sidecar.served(version, finished_in):
+            # Readable before the kill that followed the answer: gone with that life, as
+            # every version a sidecar served; the trainer's answer stays true of it.
+            readable_in_life[version] = finished_in
             continue
         readable_in_life[version] = sidecar.life
         if point == "after_readable":

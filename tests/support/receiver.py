@@ -51,8 +51,11 @@ def assert_exported(trainer: TrainerProcess, installed: dict[str, torch.Tensor],
 
 def corrupt_one_byte(sidecar: Sidecar, version: int, rank: psutil.Process) -> str:
     """Flips one byte of a TP-split shard that `rank` published for `version`, in the rank's
-    own memory (its DRAM snapshot slot), after the version's CRC-32s were reported."""
-    manifest = sidecar.client().manifest(version)
+    own memory (its DRAM snapshot slot), after the version's CRC-32s were reported (a version
+    becomes readable a moment after FinishTrainStep returns it)."""
+    with sidecar.client() as client:
+        client.wait_visible(version)
+        manifest = client.manifest(version)
     prefix = f"{rank.name()}-"  # a rank's NIXL agent is named trainer-rank<N>-…, as the rank
     agent = next(a for a in manifest.agents if a.startswith(prefix))
     record = next(p for p in manifest.parameters if len(p.shards) == 2 and "linear_qkv" in p.name)
