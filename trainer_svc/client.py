@@ -121,6 +121,10 @@ def microbatch_request(
     _fill(request.sampler_logprobs, batch.sampler_logprobs)
     if batch.weights_versions is not None:
         request.weights_versions.extend(int(v) for v in batch.weights_versions)
+    request.weights_version_spans.extend(
+        pb.WeightsVersionSpan(sequence=i, start=s.start, end=s.end, version=s.version)
+        for i, s in batch.version_spans()
+    )
     return request
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -253,6 +253,20 @@ class OptimizerOverrides:
             raise InvalidArgument("optimizer.adam_eps must be > 0", field="optimizer.adam_eps")
 
 
+NO_VERSION = -1
+"""In `SequenceBatch.token_versions`: a token no span attributes to a weights version."""
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Token positions [start, end) of one sequence were sampled with weights `version`
+    (auto-refit's attribution of a completion that crossed a refit, shifted by its prompt)."""
+
+    start: int
+    end: int
+    version: int
+
+
 _BATCH_ARRAYS = (
     "tokens",
     "offsets",
@@ -262,6 +276,7 @@ _BATCH_ARRAYS = (
     "reference_logprobs",
     "sampler_logprobs",
     "weights_versions",
+    "token_versions",
 )
 
 
@@ -280,6 +295,9 @@ class SequenceBatch:
     weights_versions: np.ndarray | None = None
     """Per sequence (not per token): the weights version it was sampled with, for a
     staleness bound (StalenessBound)."""
+    token_versions: np.ndarray | None = None
+    """Per token: the weights version that sampled it, NO_VERSION where no span says (the
+    prompt); built from per-sequence `VersionSpan`s (`from_lists`, the wire's spans)."""
 
     @classmethod
     def from_lists(
@@ -292,8 +310,10 @@ class SequenceBatch:
         reference_logprobs: Sequence[Sequence[float]] | None = None,
         sampler_logprobs: Sequence[Sequence[float]] | None = None,
         weights_versions: Sequence[int] | None = None,
+        version_spans: Sequence[Sequence[VersionSpan]] | None = None,
     ) -> SequenceBatch:
-        """Builds a batch from per-sequence lists (each per-token list as long as its sequence)."""
+        """Builds a batch from per-sequence lists (each per-token list as long as its sequence;
+        `version_spans`: one list of spans per sequence)."""
         lengths = [len(s) for s in sequences]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
@@ -317,7 +337,39 @@ class SequenceBatch:
             weights_versions=None
             if weights_versions is None
             else np.asarray(weights_versions, dtype=np.int64),
+            token_versions=None
+            if version_spans is None
+            else spans_to_tokens(offsets, enumerate(version_spans)),
         )
+
+    def version_spans(self) -> list[tuple[int, VersionSpan]]:
+        """`token_versions` as (sequence, span) pairs: one span per run of equal versions."""
+        if self.token_versions is None:
+            return []
+        spans = []
+        for index, versions in enumerate(self.per_sequence(self.token_versions)):
+            edges = np.flatnonzero(np.diff(versions)) + 1
+            for start, end in zip(
+                [0, *edges.tolist()], [*edges.tolist(), len(versions)], strict=True
+            ):
+                if versions[start] != NO_VERSION:
+                    spans.append((index, VersionSpan(start, end, int(versions[start]))))
+        return spans
+
+    def sampled_versions(self) -> np.ndarray | None:
+        """Per token, the weights version that sampled it as far as the batch says (its span's,
+        else its sequence's; the older where both do), NO_VERSION where neither does; None
+        when the batch names no versions."""
+        if self.weights_versions is None and self.token_versions is None:
+            return None
+        per_token = np.full(self.num_tokens, NO_VERSION, dtype=np.int64)
+        if self.weights_versions is not None:
+            per_token = np.repeat(self.weights_versions, self.lengths())
+        if self.token_versions is not None:
+            spanned = self.token_versions != NO_VERSION
+            older = spanned & ((per_token == NO_VERSION) | (self.token_versions < per_token))
+            per_token = np.where(older, self.token_versions, per_token)
+        return per_token
 
     def digest(self) -> bytes:
         """A 16-byte BLAKE2b digest of every array, its dtype and shape, and which optional
@@ -375,6 +427,7 @@ class SequenceBatch:
             weights_versions=None
             if self.weights_versions is None
             else self.weights_versions[np.asarray(indices, dtype=np.int64)],
+            token_versions=take(self.token_versions),
         )
 
     def without_sequences(self, dropped: np.ndarray) -> SequenceBatch:
@@ -382,8 +435,43 @@ class SequenceBatch:
         sequence) is true: they go through the model but train nothing."""
         if self.loss_mask is None or not dropped.any():
             return self
-        per_token = np.repeat(dropped, self.lengths())
-        return dataclasses.replace(self, loss_mask=self.loss_mask & ~per_token)
+        return self.without_tokens(np.repeat(dropped, self.lengths()))
+
+    def without_tokens(self, dropped: np.ndarray) -> SequenceBatch:
+        """The batch with the loss mask cleared where `dropped` (per token) is true."""
+        if self.loss_mask is None or not dropped.any():
+            return self
+        return dataclasses.replace(self, loss_mask=self.loss_mask & ~dropped)
+
+
+def spans_to_tokens(
+    offsets: np.ndarray, spans: Iterable[tuple[int, Sequence[VersionSpan]]]
+) -> np.ndarray:
+    """Per-token versions (NO_VERSION where no span is) from each sequence's spans; a span
+    outside its sequence, or overlapping another, is refused (InvalidArgument)."""
+    lengths = np.diff(offsets)
+    per_token = np.full(int(offsets[-1]), NO_VERSION, dtype=np.int64)
+    for index, sequence_spans in spans:
+        if not 0 <= index < len(lengths):
+            raise InvalidArgument(
+                f"a weights version span names sequence {index}; the microbatch has {len(lengths)}",
+                field="weights_version_spans",
+            )
+        for span in sequence_spans:
+            if not 0 <= span.start < span.end <= lengths[index] or span.version < 0:
+                raise InvalidArgument(
+                    f"weights version span {span} of sequence {index} is not a non-empty "
+                    f"range of its {lengths[index]} tokens with a version >= 0",
+                    field="weights_version_spans",
+                )
+            covered = per_token[offsets[index] + span.start : offsets[index] + span.end]
+            if (covered != NO_VERSION).any():
+                raise InvalidArgument(
+                    f"weights version spans of sequence {index} overlap at {span}",
+                    field="weights_version_spans",
+                )
+            covered[:] = span.version
+    return per_token
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -142,6 +142,7 @@ def check_training_batch(batch: SequenceBatch, loss: LossConfig, limits: BatchLi
                 field=name,
             )
         _check_per_token(name, values, n)
+    _check_per_token("token_versions", batch.token_versions, n)
     for name in ("behaviour_logprobs", "reference_logprobs", "sampler_logprobs"):
         values = getattr(batch, name)
         if values is not None and (values[batch.loss_mask] > 0).any():

@@ -18,6 +18,7 @@ from trainer_refit.status_details import violated_field
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.client import begin_request, microbatch_request
 from trainer_svc.domain import (
+    NO_VERSION,
     AlreadyExists,
     FailedPrecondition,
     ForwardOutput,
@@ -28,6 +29,7 @@ from trainer_svc.domain import (
     SequenceBatch,
     StaleData,
     StalenessBound,
+    VersionSpan,
 )
 
 LOSS = LossConfig(kind=LossKind.PPO, kl_coef=0.05)
@@ -377,6 +379,66 @@ def test_stale_sequences_are_masked_when_the_step_says_so(trainer):
     result = trainer.client.finish_step("masked")
     assert result.metrics.staleness == ((0, 1), (1, 1), (2, 1))
     assert_bit_identical(trainer.export("masked"), by_hand)
+
+
+def test_stale_token_spans_are_masked_alone_or_refused(trainer):
+    """Sequence 0 is a completion that crossed two refits: its first span was sampled two
+    versions back, the rest with the current weights. MASK clears the loss mask on that span
+    only (the same weights as sending that mask by hand) and counts the sequence at its
+    oldest token; REFUSE refuses the microbatch; a trained token no span names is refused."""
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    current = trainer.client.status().weights_version
+    assert current >= 2
+    n0, n1, n2 = trainer.batch.lengths().tolist()
+    half = n0 // 2
+    spans = [
+        [VersionSpan(1, half, current - 2), VersionSpan(half, n0, current)],
+        [VersionSpan(1, n1, current - 1)],
+        [VersionSpan(1, n2, current)],
+    ]
+    tokens = SequenceBatch.from_lists(
+        [list(s) for s in trainer.batch.per_sequence(trainer.batch.tokens)], version_spans=spans
+    ).token_versions
+    spanned = dataclasses.replace(trainer.batch, token_versions=tokens)
+    stale = np.zeros(trainer.batch.num_tokens, dtype=bool)
+    stale[1:half] = True
+    trainer.client.begin_step("span-by-hand", LOSS, OPTIMIZER)
+    trainer.client.train_microbatch("span-by-hand", "m", trainer.batch.without_tokens(stale))
+    trainer.client.finish_step("span-by-hand")
+    by_hand = trainer.export("span-by-hand")
+    assert max_relative_difference(by_hand, trainer.reference) > 0
+
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    current = trainer.client.status().weights_version
+    assert tokens is not None
+    tokens = np.where(tokens == NO_VERSION, NO_VERSION, tokens + 2)  # two versions on
+    spanned = dataclasses.replace(spanned, token_versions=tokens)
+    refusing = StalenessBound(max_versions=1)
+    trainer.client.begin_step("span-refused", LOSS, OPTIMIZER, staleness=refusing)
+    error = _refusal(trainer.stub.TrainMicrobatch, microbatch_request("span-refused", "m", spanned))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    trained = trainer.batch.loss_mask
+    first = int(np.argmax(stale & trained))
+    assert f"sequence 0 was sampled with weights version {current - 2} (at token {first})" in (
+        error.details()
+    )
+    unnamed = dataclasses.replace(spanned, token_versions=np.where(stale, tokens, NO_VERSION))
+    error = _refusal(trainer.stub.TrainMicrobatch, microbatch_request("span-refused", "u", unnamed))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violated_field(error) == "weights_version_spans"
+    first = int(np.argmax(~stale & trained))
+    assert f"token {first} of sequence 0 trains but no weights version names it" in (
+        error.details()
+    )
+    assert _open_counts(trainer).microbatches == 0
+    trainer.client.abort_step("span-refused")
+
+    masking = StalenessBound(max_versions=1, stale=StaleData.MASK)
+    trainer.client.begin_step("span-masked", LOSS, OPTIMIZER, staleness=masking)
+    trainer.client.train_microbatch("span-masked", "m", spanned)
+    result = trainer.client.finish_step("span-masked")
+    assert result.metrics.staleness == ((0, 1), (1, 1), (2, 1))
+    assert_bit_identical(trainer.export("span-masked"), by_hand)
 
 
 def test_a_step_asking_for_the_services_reference_is_refused_without_one(trainer):

@@ -17,6 +17,7 @@ from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
 from trainer_svc import client
 from trainer_svc.domain import (
+    NO_VERSION,
     FailedPrecondition,
     ForwardOutput,
     ForwardResult,
@@ -33,6 +34,7 @@ from trainer_svc.domain import (
     StepCounts,
     StepGradient,
     StepMetrics,
+    VersionSpan,
 )
 from trainer_svc.server import convert
 
@@ -401,6 +403,43 @@ def test_weights_versions_travel_per_sequence_and_select_with_their_sequences() 
     assert batch.select(np.array([2, 0])).weights_versions.tolist() == [8, 7]
     other = dataclasses.replace(batch, weights_versions=np.array([7, 9, 9]))
     assert other.digest() != batch.digest()
+
+
+def test_version_spans_travel_per_token_and_select_with_their_sequences() -> None:
+    spans = [[VersionSpan(1, 2, 4), VersionSpan(2, 3, 5)], [], [VersionSpan(0, 1, 3)]]
+    batch = SequenceBatch.from_lists([[1, 2, 3], [4, 5], [6]], version_spans=spans)
+    assert batch.token_versions is not None
+    assert batch.token_versions.tolist() == [NO_VERSION, 4, 5, NO_VERSION, NO_VERSION, 3]
+    request = client.microbatch_request("s", "r", batch)
+    assert len(request.weights_version_spans) == 3  # runs of one version, none for the prompt
+    back = convert.training_batch(request)
+    assert back.version_spans() == batch.version_spans()
+    assert back.digest() == batch.digest()
+    picked = batch.select(np.array([2, 0]))
+    assert picked.version_spans() == [(0, VersionSpan(0, 1, 3)), *[(1, s) for s in spans[0]]]
+    # A sequence's version and its spans: each token at the older of the two.
+    both = dataclasses.replace(batch, weights_versions=np.array([5, 2, 1]))
+    sampled = both.sampled_versions()
+    assert sampled is not None and sampled.tolist() == [5, 4, 5, 2, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("span", "message"),
+    [
+        ({"sequence": 2, "start": 0, "end": 1, "version": 1}, "names sequence 2"),
+        ({"sequence": 0, "start": 1, "end": 4, "version": 1}, "not a non-empty range"),
+        ({"sequence": 0, "start": 1, "end": 1, "version": 1}, "not a non-empty range"),
+        ({"sequence": 0, "start": 0, "end": 2, "version": 1}, "overlap"),
+        ({"sequence": 1, "start": 0, "end": 1, "version": 2**63}, "no version a trainer"),
+    ],
+)
+def test_a_bad_version_span_is_refused(span: dict[str, int], message: str) -> None:
+    request = client.microbatch_request("s", "r", SequenceBatch.from_lists([[1, 2, 3], [4, 5]]))
+    request.weights_version_spans.add(sequence=0, start=1, end=3, version=1)
+    request.weights_version_spans.add(**span)
+    with pytest.raises(InvalidArgument, match=message) as refused:
+        convert.training_batch(request)
+    assert refused.value.field == "weights_version_spans"
 
 
 def test_a_weights_version_past_int64_is_refused() -> None:

@@ -199,7 +199,7 @@ class BeginTrainStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class TrainMicrobatchRequest(_message.Message):
-    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs", "sampler_logprobs", "weights_versions")
+    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs", "sampler_logprobs", "weights_versions", "weights_version_spans")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class TrainMicrobatchRequest(_message.Message):
     REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     request_id: str
     sequences: Sequences
@@ -218,7 +219,20 @@ class TrainMicrobatchRequest(_message.Message):
     reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
     sampler_logprobs: _containers.RepeatedScalarFieldContainer[float]
     weights_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., sampler_logprobs: _Optional[_Iterable[float]] = ..., weights_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    weights_version_spans: _containers.RepeatedCompositeFieldContainer[WeightsVersionSpan]
+    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., sampler_logprobs: _Optional[_Iterable[float]] = ..., weights_versions: _Optional[_Iterable[int]] = ..., weights_version_spans: _Optional[_Iterable[_Union[WeightsVersionSpan, _Mapping]]] = ...) -> None: ...
+
+class WeightsVersionSpan(_message.Message):
+    __slots__ = ("sequence", "start", "end", "version")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    start: int
+    end: int
+    version: int
+    def __init__(self, sequence: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class StepCounts(_message.Message):
     __slots__ = ("microbatches", "sequences", "valid_tokens", "valid_sequences")

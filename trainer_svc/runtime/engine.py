@@ -24,6 +24,7 @@ from refit_sidecar.core.errors import PublicationPending, SlotsExhausted
 from trainer_refit.errors import quoted
 from trainer_svc.config import OptimizerConfig, SequenceLayout
 from trainer_svc.domain import (
+    NO_VERSION,
     AlreadyExists,
     ExportDType,
     FailedPrecondition,
@@ -433,14 +434,16 @@ class StepEngine:
         step = self.open_step
         assert step is not None and step.step_id == command.step_id
         batch = command.batch
-        behind = None
-        if batch.weights_versions is not None:
-            behind = self.weights_version - batch.weights_versions
-            for versions in behind.tolist():
+        sampled = batch.sampled_versions()
+        if sampled is not None:
+            behind = np.where(sampled == NO_VERSION, -1, self.weights_version - sampled)
+            # A sequence counts at its oldest token's version.
+            oldest = np.maximum.reduceat(behind, batch.offsets[:-1])
+            for versions in oldest[oldest >= 0].tolist():
                 step.behind[versions] = step.behind.get(versions, 0) + 1
             bound = step.staleness
             if bound is not None and bound.stale is StaleData.MASK:
-                batch = batch.without_sequences(behind > bound.max_versions)
+                batch = batch.without_tokens(behind > bound.max_versions)
         local = self._local_share(batch)
         loss = step.loss
 
@@ -484,43 +487,66 @@ class StepEngine:
         return target_logprobs(logits, batch.targets, self.vocab_shard)[0]
 
     def _check_staleness(self, batch: SequenceBatch, step: _OpenStep) -> None:
-        """Each sequence's sampled version is at most the step's; with a bound, versions are
-        required, and a refusing bound refuses a microbatch with a sequence past it."""
+        """Each token's sampled version is at most the step's; with a bound, every trained
+        token needs one (its sequence's or its span's), and a refusing bound refuses a
+        microbatch with a token past it."""
         versions, bound, current = batch.weights_versions, step.staleness, self.weights_version
-        if versions is None:
-            if bound is not None:
-                raise InvalidArgument(
-                    f"weights_versions is required: step {quoted(step.step_id)} bounds "
-                    f"staleness at {bound.max_versions} versions; send one per sequence "
-                    f"({batch.num_sequences})",
-                    field="weights_versions",
-                )
-            return
-        if len(versions) != batch.num_sequences:
+        if versions is not None and len(versions) != batch.num_sequences:
             raise InvalidArgument(
                 f"weights_versions has {len(versions)} entries for {batch.num_sequences} "
                 "sequences: one per sequence",
                 field="weights_versions",
             )
-        if len(versions) and (versions > current).any():
-            index = int(np.argmax(versions > current))
-            raise InvalidArgument(
-                f"sequence {index} names weights version {int(versions[index])}, after the "
-                f"step's weights (version {current})",
-                field="weights_versions",
-            )
-        if bound is None or bound.stale is not StaleData.REFUSE or not len(versions):
+        sampled = batch.sampled_versions()
+        if sampled is None:
+            if bound is not None:
+                raise InvalidArgument(
+                    f"weights_versions is required: step {quoted(step.step_id)} bounds "
+                    f"staleness at {bound.max_versions} versions; send one per sequence "
+                    f"({batch.num_sequences}) or weights_version_spans",
+                    field="weights_versions",
+                )
             return
-        behind = current - versions
-        if (behind > bound.max_versions).any():
-            index = int(np.argmax(behind))
-            raise FailedPrecondition(
-                f"sequence {index} was sampled with weights version {int(versions[index])}, "
-                f"{int(behind[index])} versions behind step {quoted(step.step_id)}'s weights "
-                f"(version {current}), past its max_staleness of {bound.max_versions}: the "
-                "microbatch is refused and changes nothing (a step begun with stale_data MASK "
-                "trains the rest instead)"
+        if (sampled > current).any():
+            sequence, token = self._locate(batch, int(np.argmax(sampled > current)))
+            raise InvalidArgument(
+                f"token {token} of sequence {sequence} names weights version "
+                f"{int(sampled[batch.offsets[sequence] + token])}, after the step's weights "
+                f"(version {current})",
+                field="weights_version_spans" if versions is None else "weights_versions",
             )
+        if bound is None:
+            return
+        trained = batch.loss_mask if batch.loss_mask is not None else np.ones_like(sampled, bool)
+        unnamed = trained & (sampled == NO_VERSION)
+        if unnamed.any():
+            sequence, token = self._locate(batch, int(np.argmax(unnamed)))
+            raise InvalidArgument(
+                f"token {token} of sequence {sequence} trains but no weights version names "
+                f"it: step {quoted(step.step_id)} bounds staleness at {bound.max_versions} "
+                "versions",
+                field="weights_version_spans",
+            )
+        if bound.stale is not StaleData.REFUSE:
+            return
+        stale = trained & (current - sampled > bound.max_versions)
+        if stale.any():
+            flat = int(np.argmax(stale))
+            sequence, token = self._locate(batch, flat)
+            version = int(sampled[flat])
+            raise FailedPrecondition(
+                f"sequence {sequence} was sampled with weights version {version} (at token "
+                f"{token}), {current - version} versions behind step {quoted(step.step_id)}'s "
+                f"weights (version {current}), past its max_staleness of {bound.max_versions}: "
+                "the microbatch is refused and changes nothing (a step begun with stale_data "
+                "MASK trains the rest instead)"
+            )
+
+    @staticmethod
+    def _locate(batch: SequenceBatch, flat: int) -> tuple[int, int]:
+        """(sequence, position in it) of flat token `flat`."""
+        sequence = int(np.searchsorted(batch.offsets, flat, side="right")) - 1
+        return sequence, flat - int(batch.offsets[sequence])
 
     def _divisor(self, step: _OpenStep) -> int:
         normalization = step.loss.normalization

@@ -22,6 +22,8 @@ from trainer_svc.domain import (
     StalenessBound,
     StepCounts,
     StepMetrics,
+    VersionSpan,
+    spans_to_tokens,
 )
 from trainer_svc.wire_enums import (
     CORRECTION_LEVELS,
@@ -145,7 +147,25 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
         reference_logprobs=_optional(message.reference_logprobs, np.float32),
         sampler_logprobs=_optional(message.sampler_logprobs, np.float32),
         weights_versions=_versions(message.weights_versions),
+        token_versions=_token_versions(message, base.offsets),
     )
+
+
+def _token_versions(message: pb.TrainMicrobatchRequest, offsets: np.ndarray) -> np.ndarray | None:
+    if not message.weights_version_spans:
+        return None
+    by_sequence: dict[int, list[VersionSpan]] = {}
+    for span in message.weights_version_spans:
+        if span.version >= 2**63:
+            raise InvalidArgument(
+                f"a weights version span names version {span.version}, no version a trainer "
+                "has made",
+                field="weights_version_spans",
+            )
+        by_sequence.setdefault(span.sequence, []).append(
+            VersionSpan(span.start, span.end, span.version)
+        )
+    return spans_to_tokens(offsets, by_sequence.items())
 
 
 def _versions(values: object) -> np.ndarray | None:
