@@ -18,6 +18,8 @@ from trainer_svc.config import (
     ParallelLayout,
     ParamsDType,
     Recompute,
+    ReferenceConfig,
+    ReferencePlacement,
     ReferenceWeights,
     RefitConfig,
     SequenceLayout,
@@ -65,10 +67,17 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--reference-policy",
         choices=[r.value for r in ReferenceWeights],
         default=ReferenceWeights.NONE.value,
-        help="initial: keep a frozen copy of the start-up weights (one more copy of each "
-        "rank's weights in device memory) and compute the KL term's reference logprobs in "
-        "TrainMicrobatch for steps that ask (LossConfig.reference_source SERVICE); none "
-        "(default): clients send reference_logprobs",
+        help="initial: keep a frozen copy of the start-up weights and compute the KL term's "
+        "reference logprobs in TrainMicrobatch for steps that ask (LossConfig."
+        "reference_source SERVICE); none (default): clients send reference_logprobs",
+    )
+    model.add_argument(
+        "--reference-placement",
+        choices=[p.value for p in ReferencePlacement],
+        default=ReferencePlacement.DEVICE.value,
+        help="where the reference copy lives: device (default; twice each rank's weights in "
+        "device memory) or host (pinned host memory, none on the device; three host-device "
+        "copies of the rank's weights per pass that uses it)",
     )
     model.add_argument(
         "--deterministic",
@@ -294,7 +303,10 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         ),
         liveness=LivenessConfig(peer_timeout_seconds=args.peer_timeout_seconds),
         device=Device(args.device),
-        reference=ReferenceWeights(args.reference_policy),
+        reference=ReferenceConfig(
+            weights=ReferenceWeights(args.reference_policy),
+            placement=ReferencePlacement(args.reference_placement),
+        ),
         seed=args.seed,
         work_dir=args.work_dir,
         path_roots=tuple(args.path_roots),

@@ -76,6 +76,23 @@ class ReferenceWeights(enum.Enum):
     """The weights the service started with (the checkpoint it loaded, or its seed's)."""
 
 
+class ReferencePlacement(enum.Enum):
+    """Where the reference copy lives between the passes that use it."""
+
+    DEVICE = "device"
+    """Beside the model: twice the rank's weights in device memory (the copy and a scratch
+    for the trained weights while it is swapped in), two device-local copies per pass."""
+    HOST = "host"
+    """In pinned host memory: no device memory, three host-device copies of the rank's
+    weights per pass (the trained weights out and back, the reference in)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceConfig:
+    weights: ReferenceWeights = ReferenceWeights.NONE
+    placement: ReferencePlacement = ReferencePlacement.DEVICE
+
+
 class Device(enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
@@ -274,7 +291,7 @@ class TrainerConfig:
     refit: RefitConfig = field(default_factory=RefitConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
     device: Device = Device.AUTO
-    reference: ReferenceWeights = ReferenceWeights.NONE
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     seed: int = 1234
     work_dir: Path | None = None
     """Where the embedded tiny model is written; None uses a temporary directory."""

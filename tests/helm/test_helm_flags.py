@@ -364,6 +364,9 @@ def test_trainer_module_exists() -> None:
         (("trainer", "optimizer", "kind"), "--optimizer"),
         (("trainer", "logLevel"), "--log-level"),
         (("trainer", "attention"), "--attention"),
+        (("trainer", "sequenceLayout"), "--sequence-layout"),
+        (("trainer", "referencePolicy"), "--reference-policy"),
+        (("trainer", "referencePlacement"), "--reference-placement"),
     ],
 )
 def test_schema_choices_are_the_trainer_parser_choices(

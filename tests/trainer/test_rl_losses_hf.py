@@ -64,7 +64,16 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerProcess
     model_dir = write_tiny_checkpoint(workdir / "model", ModelFamily.LLAMA, seed=9)
     process = TrainerProcess(
         workdir,
-        ["--model", str(model_dir), "--optimizer", "sgd", "--reference-policy", "initial"],
+        [
+            "--model",
+            str(model_dir),
+            "--optimizer",
+            "sgd",
+            "--reference-policy",
+            "initial",
+            "--reference-placement",
+            "host",
+        ],
     )
     process.model_dir = model_dir
     process.client.save_checkpoint(workdir / "base")

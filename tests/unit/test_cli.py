@@ -13,6 +13,9 @@ from trainer_svc.config import (
     OptimizerKind,
     ParallelLayout,
     ParamsDType,
+    ReferenceConfig,
+    ReferencePlacement,
+    ReferenceWeights,
     TrainerConfig,
 )
 
@@ -51,6 +54,7 @@ def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
             *("--seed", "7", "--work-dir", str(tmp_path / "work")),
             *("--log-level", "DEBUG"),
             *("--refit-publish-every", "3"),
+            *("--reference-policy", "initial", "--reference-placement", "host"),
         ]
     )
     assert log_level == "DEBUG"
@@ -73,6 +77,9 @@ def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
     assert config.seed == 7
     assert config.work_dir == tmp_path / "work"
     assert config.refit.publish_every == 3
+    assert config.reference == ReferenceConfig(
+        weights=ReferenceWeights.INITIAL, placement=ReferencePlacement.HOST
+    )
 
 
 @pytest.mark.parametrize(

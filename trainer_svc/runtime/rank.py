@@ -172,7 +172,14 @@ def build_engine(
         if config.refit.sidecar is not None:
             pack_parameters(published_parameters(model, spec, topology).values())
         built = wrap_for_training(model, transformer_config, topology, config.optimizer)
-        reference = ReferencePolicy(model) if config.reference is ReferenceWeights.INITIAL else None
+        reference = None
+        if config.reference.weights is ReferenceWeights.INITIAL:
+            reference = ReferencePolicy(model, config.reference.placement)
+            log.info(
+                "reference policy: the start-up weights, %.1f MiB in %s memory",
+                reference.nbytes / 2**20,
+                config.reference.placement.value,
+            )
     publisher = None
     if config.refit.sidecar is not None:
         publisher = Publisher.create(

@@ -108,6 +108,9 @@ spec:
         {{- if $t.deterministic }}
         - --deterministic
         {{- end }}
+        - --sequence-layout={{ $t.sequenceLayout }}
+        - --reference-policy={{ $t.referencePolicy }}
+        - --reference-placement={{ $t.referencePlacement }}
         - --seed={{ $t.seed | int }}
         - --log-level={{ $t.logLevel }}
         {{- if $v.sidecar.enabled }}
