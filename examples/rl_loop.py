@@ -60,6 +60,7 @@ from trainer_svc.domain import (
     LossKind,
     OptimizerOverrides,
     SequenceBatch,
+    VersionSpan,
 )
 
 
@@ -232,10 +233,13 @@ def rollouts(
         yield item
 
 
-def grpo_batch(group: Group) -> SequenceBatch | None:
+def grpo_batch(
+    group: Group, version_spans: Sequence[Sequence[VersionSpan]] | None = None
+) -> SequenceBatch | None:
     """The group as policy-gradient inputs: advantage = reward normalised within the group,
     on every answer token, and vLLM's sampling logprobs as the sampler's; None when all
-    rewards are equal (no signal)."""
+    rewards are equal (no signal). `version_spans`: per answer, which weights version
+    sampled which of its tokens (positions in the prompt and answer)."""
     rewards = np.asarray(group.rewards)
     if rewards.std() < 1e-6:
         return None
@@ -250,7 +254,11 @@ def grpo_batch(group: Group) -> SequenceBatch | None:
         adv.append([float(a)] * (len(prompt) + len(completion)))
         sampler.append([0.0] * len(prompt) + logprobs)
     return SequenceBatch.from_lists(
-        tokens, loss_mask=masks, advantages=adv, sampler_logprobs=sampler
+        tokens,
+        loss_mask=masks,
+        advantages=adv,
+        sampler_logprobs=sampler,
+        version_spans=version_spans,
     )
 
 
