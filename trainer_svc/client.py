@@ -128,6 +128,12 @@ def microbatch_request(
     return request
 
 
+def export_request(path: Path | str, dtype: ExportDType, max_file_bytes: int) -> pb.ExportHFRequest:
+    return pb.ExportHFRequest(
+        path=str(path), dtype=EXPORT_DTYPES_TO_PROTO[dtype], max_file_bytes=max_file_bytes
+    )
+
+
 def forward_request(
     batch: SequenceBatch, outputs: Iterable[ForwardOutput], top_k: int
 ) -> pb.ForwardRequest:
@@ -323,10 +329,7 @@ class TrainerClient:
     ) -> pb.ExportHFResponse:
         """Writes a sharded HF checkpoint (the weights in `dtype`, files of at most
         `max_file_bytes`, 0 for the trainer's default) into `path` on the trainer's host."""
-        request = pb.ExportHFRequest(
-            path=str(path), dtype=EXPORT_DTYPES_TO_PROTO[dtype], max_file_bytes=max_file_bytes
-        )
-        return self._call("ExportHF", request)
+        return self._call("ExportHF", export_request(path, dtype, max_file_bytes))
 
     def status(self) -> pb.GetStatusResponse:
         return self._call("GetStatus", pb.GetStatusRequest())
@@ -396,6 +399,28 @@ class AsyncTrainerClient:
     ) -> ForwardResult:
         reply = await self._call("Forward", forward_request(batch, outputs, top_k))
         return forward_result(reply, batch.num_tokens)
+
+    async def save_checkpoint(self, path: Path | str) -> CheckpointInfo:
+        reply = await self._call("SaveCheckpoint", pb.SaveCheckpointRequest(path=str(path)))
+        return CheckpointInfo(Path(reply.path), reply.weights_version, reply.optimizer_step)
+
+    async def load_checkpoint(self, path: Path | str) -> CheckpointInfo:
+        reply = await self._call("LoadCheckpoint", pb.LoadCheckpointRequest(path=str(path)))
+        return CheckpointInfo(Path(path), reply.weights_version, reply.optimizer_step)
+
+    async def set_reference(self) -> int:
+        """As `TrainerClient.set_reference`."""
+        return int((await self._call("SetReference", pb.SetReferenceRequest())).weights_version)
+
+    async def export_hf(
+        self,
+        path: Path | str,
+        *,
+        dtype: ExportDType = ExportDType.BFLOAT16,
+        max_file_bytes: int = 0,
+    ) -> pb.ExportHFResponse:
+        """As `TrainerClient.export_hf`."""
+        return await self._call("ExportHF", export_request(path, dtype, max_file_bytes))
 
     async def status(self) -> pb.GetStatusResponse:
         return await self._call("GetStatus", pb.GetStatusRequest())

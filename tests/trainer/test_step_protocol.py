@@ -3,23 +3,27 @@ gets its status code and leaves weights, optimizer state and the open step untou
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from megatron_hf.checkpoint import load_hf_state_dict
 from tests.support.batches import make_batch, split
 from tests.support.trainer import TrainerProcess, assert_bit_identical, max_relative_difference
 from trainer_refit.errors import MAX_MESSAGE_BYTES
 from trainer_refit.reflection import V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME, v1_messages
 from trainer_refit.status_details import violated_field
 from trainer_refit.v1 import trainer_pb2 as pb
-from trainer_svc.client import begin_request, microbatch_request
+from trainer_svc.client import AsyncTrainerClient, CheckpointInfo, begin_request, microbatch_request
 from trainer_svc.domain import (
     NO_VERSION,
     AlreadyExists,
+    ExportDType,
     FailedPrecondition,
     ForwardOutput,
     LossConfig,
@@ -450,3 +454,26 @@ def test_a_step_asking_for_the_services_reference_is_refused_without_one(trainer
         trainer.client.forward(trainer.batch, (ForwardOutput.REFERENCE_LOGPROBS,))
     with pytest.raises(FailedPrecondition, match="--reference-policy initial"):
         trainer.client.set_reference()
+
+
+def test_the_async_client_saves_loads_exports_and_is_refused_alike(trainer):
+    """AsyncTrainerClient's checkpoint, export and reference calls reach the service as the
+    blocking client's do: a saved checkpoint loads back to the same weights, the export
+    holds them, and SetReference is refused the same way without a reference policy."""
+    trainer.client.load_checkpoint(trainer.workdir / "base")
+    expected = trainer.export("before-async")
+
+    async def calls() -> tuple[CheckpointInfo, CheckpointInfo, Path]:
+        async with AsyncTrainerClient(trainer.target, auth=trainer.auth, timeout=120) as aio:
+            saved = await aio.save_checkpoint("async-checkpoint")
+            loaded = await aio.load_checkpoint("async-checkpoint")
+            exported = await aio.export_hf("async-export", dtype=ExportDType.PARAMS)
+            with pytest.raises(FailedPrecondition, match="--reference-policy initial"):
+                await aio.set_reference()
+            return saved, loaded, Path(exported.path)
+
+    saved, loaded, exported = asyncio.run(calls())
+    assert loaded.weights_version > saved.weights_version
+    assert loaded.optimizer_step == saved.optimizer_step
+    weights = {k: v.numpy() for k, v in load_hf_state_dict(exported).items()}
+    assert_bit_identical(weights, expected)
