@@ -24,6 +24,13 @@ receiver's answer, with no bytes moved.
   unlike latencies, it does not depend on how fast an idle machine wakes up.
 
     python -m benchmarks.sidecar_control --layers 16 --receivers 3 --max-children 1
+
+With ``--experts E`` each layer's MLP is a mixture of E experts and a router instead, published
+either as Megatron's sequential experts name them, two tensors per expert
+(``--expert-layout per-expert``: 18,432 expert tensors at 72 layers of 128), or one tensor per
+layer and projection with the experts as its leading dimension (``grouped``: what a rank's
+contiguous expert slab is, and what vLLM's fused expert weights are). The in-process figures
+then include the receiver's pull plan over the whole manifest.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 import multiprocessing
@@ -57,7 +65,7 @@ from refit_sidecar.core.manifest import (
     ShardPiece,
     ShardRecord,
 )
-from refit_sidecar.core.plan import Want
+from refit_sidecar.core.plan import Want, plan_pull
 from refit_sidecar.core.tree_records import TreeConfig
 from refit_sidecar.service.client import SidecarClient, TrainerLayout, lease_from_proto
 from refit_sidecar.service.registry import Registry, RegistryConfig
@@ -82,10 +90,17 @@ _WAIT_S = 30.0
 _LEASE_S = 30.0
 
 
+class ExpertLayout(enum.Enum):
+    PER_EXPERT = "per-expert"
+    GROUPED = "grouped"
+
+
 @dataclass(frozen=True)
 class Config:
     layers: int
     hidden: int
+    experts: int
+    expert_layout: ExpertLayout
     receivers: int
     max_children: int
     direct: bool
@@ -112,10 +127,32 @@ def tensors(config: Config) -> list[tuple[str, tuple[int, ...]]]:
     shapes = _shapes(config.hidden)
     out = [("embedding.word_embeddings.weight", shapes["vocab"])]
     for layer in range(config.layers):
+        prefix = f"decoder.layers.{layer}"
         for name, kind in _LAYER_TENSORS:
-            out.append((f"decoder.layers.{layer}.{name}", shapes[kind]))
+            if config.experts and name.startswith("mlp."):
+                continue
+            out.append((f"{prefix}.{name}", shapes[kind]))
+        if config.experts:
+            out += _experts(config, prefix, shapes)
     out += [("decoder.final_layernorm.weight", shapes["hidden"])]
     out += [("output_layer.weight", shapes["vocab"])]
+    return out
+
+
+def _experts(
+    config: Config, prefix: str, shapes: dict[str, tuple[int, ...]]
+) -> list[tuple[str, tuple[int, ...]]]:
+    """A layer's router and experts (each expert as wide as the dense MLP)."""
+    out = [(f"{prefix}.mlp.router.weight", (config.experts, config.hidden))]
+    if config.expert_layout is ExpertLayout.GROUPED:
+        for projection in ("fc1", "fc2"):
+            shape = (config.experts, *shapes[projection])
+            out.append((f"{prefix}.mlp.experts.linear_{projection}.weight", shape))
+        return out
+    for expert in range(config.experts):
+        for projection in ("fc1", "fc2"):
+            name = f"{prefix}.mlp.experts.local_experts.{expert}.linear_{projection}.weight"
+            out.append((name, shapes[projection]))
     return out
 
 
@@ -294,7 +331,7 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
         ask.lease_ttl_seconds = _LEASE_S
         ask.lease_with_checksums = True
         asks.append(ask)
-    publications, answers = [], []
+    publications, answers, plans = [], [], []
     for version in range(1, warmup + versions + 1):
         reserve = pb.ReserveSlotRequest(version=version, generation=generation)
         await servicer.ReserveSlot(reserve, context)
@@ -316,6 +353,10 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
                 answers.append(time.perf_counter() - begin)
         if version > warmup:
             publications.append(published - start)
+            manifest = trainer_part(config, version, "trainer-rank0")
+            begin = time.perf_counter()
+            plan_pull(manifest, wants)
+            plans.append(time.perf_counter() - begin)
         for ask, lease in zip(asks, leases, strict=True):
             if not config.direct:
                 release = pb.ReleaseSourcesRequest(
@@ -327,6 +368,7 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
     return dict(
         in_process_publication_s=statistics.median(publications),
         in_process_answer_s=statistics.median(answers),
+        in_process_plan_s=statistics.median(plans),
     )
 
 
@@ -414,6 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64, help="tensor sizes (no bytes move)")
+    p.add_argument("--experts", type=int, default=0, help="experts per layer (0: dense MLPs)")
+    p.add_argument(
+        "--expert-layout",
+        type=ExpertLayout,
+        choices=list(ExpertLayout),
+        default=ExpertLayout.PER_EXPERT,
+        help="per-expert: two tensors per expert; grouped: one per layer and projection",
+    )
     p.add_argument("--receivers", type=int, default=3)
     p.add_argument("--max-children", type=int, default=1, help="the sidecar's tree fan-out")
     p.add_argument("--direct", action="store_true", help="AcquireLease, no tree")
@@ -441,7 +491,8 @@ def main(argv: list[str] | None = None) -> None:
         + f"{1e3 * summary['sidecar_cpu_s_per_version']:.2f}"
         " ms per version\n"
         f"in-process (no gRPC): publication {1e3 * summary['in_process_publication_s']:.2f} ms, "
-        f"an answer {1e3 * summary['in_process_answer_s']:.2f} ms\n"
+        f"an answer {1e3 * summary['in_process_answer_s']:.2f} ms, "
+        f"a receiver's plan {1e3 * summary['in_process_plan_s']:.2f} ms\n"
         f"an empty call: {1e3 * summary['empty_call_s']:.3f} ms back to back, "
         f"{1e3 * summary['empty_call_after_idle_s']:.3f} ms after 50 ms idle; "
         f"the sidecar's CPU {1e3 * summary['empty_call_cpu_s']:.3f} ms"

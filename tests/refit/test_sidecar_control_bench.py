@@ -1,5 +1,6 @@
 """`benchmarks.sidecar_control` on a real sidecar: receivers that asked ahead are answered once
-each version is published, through a chain (one child per source) and directly."""
+each version is published, through a chain (one child per source) and directly, for dense and
+mixture-of-experts manifests (experts one tensor each, or grouped per layer)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,26 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sidecar_control import Config, run
+from benchmarks.sidecar_control import Config, ExpertLayout, run
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_parked_receivers_are_answered_for_every_version(tmp_path: Path, direct: bool) -> None:
+@pytest.mark.parametrize(
+    ("direct", "experts", "layout", "tensors"),
+    [
+        (False, 0, ExpertLayout.PER_EXPERT, 2 * 6 + 3),
+        (True, 0, ExpertLayout.PER_EXPERT, 2 * 6 + 3),
+        (True, 4, ExpertLayout.PER_EXPERT, 2 * (4 + 1 + 2 * 4) + 3),
+        (False, 4, ExpertLayout.GROUPED, 2 * (4 + 1 + 2) + 3),
+    ],
+)
+def test_parked_receivers_are_answered_for_every_version(
+    tmp_path: Path, direct: bool, experts: int, layout: ExpertLayout, tensors: int
+) -> None:
     config = Config(
         layers=2,
         hidden=16,
+        experts=experts,
+        expert_layout=layout,
         receivers=2,
         max_children=1,
         direct=direct,
@@ -29,8 +42,9 @@ def test_parked_receivers_are_answered_for_every_version(tmp_path: Path, direct:
     assert [r["version"] for r in records] == [1, 2, 3]
     assert all(len(r["latencies_s"]) == 2 and min(r["latencies_s"]) > 0 for r in records)
     summary = result["summary"]
-    assert summary["tensors"] == 2 * 6 + 3
-    for key in ("in_process_publication_s", "in_process_answer_s", "empty_call_s"):
+    assert summary["tensors"] == tensors
+    keys = ("in_process_publication_s", "in_process_answer_s", "in_process_plan_s", "empty_call_s")
+    for key in keys:
         assert 0 < summary[key] < 1, key
     assert summary["empty_call_cpu_s"] > 0 and summary["empty_call_after_idle_s"] > 0
     if direct:
