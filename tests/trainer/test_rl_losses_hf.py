@@ -213,6 +213,8 @@ def test_the_services_reference_equals_the_clients_forward_at_the_initial_weight
     the service started with (the saved base here): a step from weights moved away from them
     equals, to 1e-6, the same step with reference logprobs sent by the client from a Forward
     at the base weights."""
+    status = trainer.client.status()
+    assert (status.reference_policy, status.reference_placement) == ("initial", "host")
     client_side = LossConfig(kind=LossKind.PPO, kl_coef=0.5)
     service_side = dataclasses.replace(client_side, reference_source=ReferenceSource.SERVICE)
     batch = make_batch(seed=21, lengths=LENGTHS, loss=client_side, vocab_size=100)

@@ -316,7 +316,11 @@ def test_a_request_over_the_pass_budget_trains_like_its_passes_sent_as_microbatc
     """The reference step sent the batch in one request; the service ran it in two passes
     (GetStatus reports the budget). The same passes sent as two microbatches give the same
     weights bit for bit, and a Forward of the whole batch equals Forwards of its parts."""
-    assert trainer.client.status().pass_token_budget == PASS_TOKENS
+    status = trainer.client.status()
+    assert status.pass_token_budget == PASS_TOKENS
+    # SDPA attention keeps auto: each pass packed where its padding would cost more.
+    assert status.sequence_layout == "auto"
+    assert (status.reference_policy, status.reference_placement) == ("none", "")
     trainer.client.load_checkpoint(trainer.workdir / "base")
     trainer.client.begin_step("passes", LOSS, OPTIMIZER)
     for i, part in enumerate(split(trainer.batch, [2, 1])):

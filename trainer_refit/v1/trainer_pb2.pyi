@@ -481,7 +481,7 @@ class OpenStep(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., accumulated: _Optional[_Union[StepCounts, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device", "sidecar", "refit_snapshot_bytes", "pass_token_budget", "publications")
+    __slots__ = ("layout", "model", "weights_version", "optimizer_step", "open_step", "device", "sidecar", "refit_snapshot_bytes", "pass_token_budget", "publications", "sequence_layout", "reference_policy", "reference_placement")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -492,6 +492,9 @@ class GetStatusResponse(_message.Message):
     REFIT_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PUBLICATIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.ParallelLayout
     model: ModelInfo
     weights_version: int
@@ -502,4 +505,7 @@ class GetStatusResponse(_message.Message):
     refit_snapshot_bytes: int
     pass_token_budget: int
     publications: _containers.RepeatedCompositeFieldContainer[Publication]
-    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ..., sidecar: _Optional[str] = ..., refit_snapshot_bytes: _Optional[int] = ..., pass_token_budget: _Optional[int] = ..., publications: _Optional[_Iterable[_Union[Publication, _Mapping]]] = ...) -> None: ...
+    sequence_layout: str
+    reference_policy: str
+    reference_placement: str
+    def __init__(self, layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., weights_version: _Optional[int] = ..., optimizer_step: _Optional[int] = ..., open_step: _Optional[_Union[OpenStep, _Mapping]] = ..., device: _Optional[str] = ..., sidecar: _Optional[str] = ..., refit_snapshot_bytes: _Optional[int] = ..., pass_token_budget: _Optional[int] = ..., publications: _Optional[_Iterable[_Union[Publication, _Mapping]]] = ..., sequence_layout: _Optional[str] = ..., reference_policy: _Optional[str] = ..., reference_placement: _Optional[str] = ...) -> None: ...

@@ -249,6 +249,9 @@ def build_engine(
         sidecar=config.refit.sidecar or "",
         refit_snapshot_bytes=int(local[1]),
         pass_token_budget=int(budget[0]),
+        sequence_layout=layout.value,
+        reference_policy=config.reference.weights.value,
+        reference_placement=config.reference.placement.value if reference is not None else "",
     )
     return engine, info
 

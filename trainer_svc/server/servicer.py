@@ -173,6 +173,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             sidecar=self.info.sidecar,
             refit_snapshot_bytes=self.info.refit_snapshot_bytes,
             pass_token_budget=self.info.pass_token_budget,
+            sequence_layout=self.info.sequence_layout,
+            reference_policy=self.info.reference_policy,
+            reference_placement=self.info.reference_placement,
         )
         open_step = self.leader.open_step_info()
         if open_step is not None:

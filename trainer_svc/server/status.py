@@ -25,6 +25,9 @@ class ServiceInfo:
     sidecar: str = ""
     refit_snapshot_bytes: int = 0
     pass_token_budget: int = 0
+    sequence_layout: str = ""
+    reference_policy: str = ""
+    reference_placement: str = ""
 
     def model_info(self) -> pb.ModelInfo:
         spec = self.spec
