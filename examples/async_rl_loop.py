@@ -53,8 +53,8 @@ from examples.console import Console
 from examples.local_stack import LocalStack, StackConfig
 from examples.reverse_task import Prompt, ReverseTask
 from examples.rl_loop import Group, grpo_batch, warm_up
-from megatron_hf.tiny import write_tiny_checkpoint
 from trainer_refit.auth import Role
+from trainer_svc.builtin_model import write_builtin_model
 from trainer_svc.client import TrainerClient
 from trainer_svc.domain import (
     Correction,
@@ -348,17 +348,7 @@ def run_schedule(
 
 
 def train(args: argparse.Namespace, workdir: Path) -> int:
-    model_dir = workdir / "model"
-    write_tiny_checkpoint(
-        model_dir,
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # the smallest head size vLLM's CPU attention supports
-        intermediate_size=128,
-        seed=args.seed,
-    )
+    model_dir = write_builtin_model(workdir / "model", seed=args.seed)  # the demo's tiny Llama
     from transformers import AutoTokenizer
 
     task = ReverseTask(AutoTokenizer.from_pretrained(model_dir))
