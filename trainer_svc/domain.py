@@ -254,7 +254,7 @@ class OptimizerOverrides:
 
 
 NO_VERSION = -1
-"""In `SequenceBatch.token_versions`: a token no span attributes to a weights version."""
+"""In `SequenceBatch.sampled_versions`: a token no version names."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ _BATCH_ARRAYS = (
     "reference_logprobs",
     "sampler_logprobs",
     "weights_versions",
-    "token_versions",
+    "spans",
 )
 
 
@@ -295,9 +295,10 @@ class SequenceBatch:
     weights_versions: np.ndarray | None = None
     """Per sequence (not per token): the weights version it was sampled with, for a
     staleness bound (StalenessBound)."""
-    token_versions: np.ndarray | None = None
-    """Per token: the weights version that sampled it, NO_VERSION where no span says (the
-    prompt); built from per-sequence `VersionSpan`s (`from_lists`, the wire's spans)."""
+    spans: np.ndarray | None = None
+    """Weights version spans, ``[n, 4]`` int64 rows of (sequence, start, end, version): the
+    tokens [start, end) of that sequence were sampled with that version (`VersionSpan`).
+    Checked by `validation.check_training_batch` before `sampled_versions` expands them."""
 
     @classmethod
     def from_lists(
@@ -337,38 +338,30 @@ class SequenceBatch:
             weights_versions=None
             if weights_versions is None
             else np.asarray(weights_versions, dtype=np.int64),
-            token_versions=None
+            spans=None
             if version_spans is None
-            else spans_to_tokens(offsets, enumerate(version_spans)),
+            else span_rows((i, span) for i, spans in enumerate(version_spans) for span in spans),
         )
 
     def version_spans(self) -> list[tuple[int, VersionSpan]]:
-        """`token_versions` as (sequence, span) pairs: one span per run of equal versions."""
-        if self.token_versions is None:
+        """The spans as (sequence, span) pairs, in the batch's order."""
+        if self.spans is None:
             return []
-        spans = []
-        for index, versions in enumerate(self.per_sequence(self.token_versions)):
-            edges = np.flatnonzero(np.diff(versions)) + 1
-            for start, end in zip(
-                [0, *edges.tolist()], [*edges.tolist(), len(versions)], strict=True
-            ):
-                if versions[start] != NO_VERSION:
-                    spans.append((index, VersionSpan(start, end, int(versions[start]))))
-        return spans
+        return [(int(i), VersionSpan(int(a), int(b), int(v))) for i, a, b, v in self.spans]
 
     def sampled_versions(self) -> np.ndarray | None:
         """Per token, the weights version that sampled it as far as the batch says (its span's,
         else its sequence's; the older where both do), NO_VERSION where neither does; None
-        when the batch names no versions."""
-        if self.weights_versions is None and self.token_versions is None:
+        when the batch names no versions. Spans must have been checked."""
+        if self.weights_versions is None and self.spans is None:
             return None
         per_token = np.full(self.num_tokens, NO_VERSION, dtype=np.int64)
         if self.weights_versions is not None:
             per_token = np.repeat(self.weights_versions, self.lengths())
-        if self.token_versions is not None:
-            spanned = self.token_versions != NO_VERSION
-            older = spanned & ((per_token == NO_VERSION) | (self.token_versions < per_token))
-            per_token = np.where(older, self.token_versions, per_token)
+        for sequence, start, end, version in self.spans if self.spans is not None else ():
+            base = self.offsets[sequence]
+            tokens = per_token[base + start : base + end]
+            tokens[(tokens == NO_VERSION) | (tokens > version)] = version
         return per_token
 
     def digest(self) -> bytes:
@@ -427,8 +420,21 @@ class SequenceBatch:
             weights_versions=None
             if self.weights_versions is None
             else self.weights_versions[np.asarray(indices, dtype=np.int64)],
-            token_versions=take(self.token_versions),
+            spans=None if self.spans is None else self._spans_of(indices),
         )
+
+    def _spans_of(self, indices: np.ndarray) -> np.ndarray:
+        """The spans of the sequences `indices`, renumbered to their places in that list."""
+        assert self.spans is not None
+        places: dict[int, list[int]] = {}
+        for place, index in enumerate(np.asarray(indices).tolist()):
+            places.setdefault(index, []).append(place)
+        rows = sorted(
+            (place, start, end, version)
+            for sequence, start, end, version in self.spans.tolist()
+            for place in places.get(sequence, ())
+        )
+        return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
 
     def without_sequences(self, dropped: np.ndarray) -> SequenceBatch:
         """The batch with the loss mask cleared on the sequences where `dropped` (per
@@ -444,34 +450,10 @@ class SequenceBatch:
         return dataclasses.replace(self, loss_mask=self.loss_mask & ~dropped)
 
 
-def spans_to_tokens(
-    offsets: np.ndarray, spans: Iterable[tuple[int, Sequence[VersionSpan]]]
-) -> np.ndarray:
-    """Per-token versions (NO_VERSION where no span is) from each sequence's spans; a span
-    outside its sequence, or overlapping another, is refused (InvalidArgument)."""
-    lengths = np.diff(offsets)
-    per_token = np.full(int(offsets[-1]), NO_VERSION, dtype=np.int64)
-    for index, sequence_spans in spans:
-        if not 0 <= index < len(lengths):
-            raise InvalidArgument(
-                f"a weights version span names sequence {index}; the microbatch has {len(lengths)}",
-                field="weights_version_spans",
-            )
-        for span in sequence_spans:
-            if not 0 <= span.start < span.end <= lengths[index] or span.version < 0:
-                raise InvalidArgument(
-                    f"weights version span {span} of sequence {index} is not a non-empty "
-                    f"range of its {lengths[index]} tokens with a version >= 0",
-                    field="weights_version_spans",
-                )
-            covered = per_token[offsets[index] + span.start : offsets[index] + span.end]
-            if (covered != NO_VERSION).any():
-                raise InvalidArgument(
-                    f"weights version spans of sequence {index} overlap at {span}",
-                    field="weights_version_spans",
-                )
-            covered[:] = span.version
-    return per_token
+def span_rows(spans: Iterable[tuple[int, VersionSpan]]) -> np.ndarray:
+    """`SequenceBatch.spans` from (sequence, span) pairs."""
+    rows = [(index, span.start, span.end, span.version) for index, span in spans]
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,10 +143,41 @@ def check_training_batch(batch: SequenceBatch, loss: LossConfig, limits: BatchLi
                 field=name,
             )
         _check_per_token(name, values, n)
-    _check_per_token("token_versions", batch.token_versions, n)
+    check_version_spans(batch)
     for name in ("behaviour_logprobs", "reference_logprobs", "sampler_logprobs"):
         values = getattr(batch, name)
         if values is not None and (values[batch.loss_mask] > 0).any():
             raise InvalidArgument(
                 f"{name} must be <= 0 (log-probabilities) at masked-in tokens", field=name
             )
+
+
+def check_version_spans(batch: SequenceBatch) -> None:
+    """Each weights version span is a non-empty range of its sequence's tokens, and the spans
+    of one sequence do not overlap."""
+    if batch.spans is None:
+        return
+    lengths = batch.lengths()
+    ends: dict[int, list[tuple[int, int]]] = {}
+    for sequence, start, end, version in batch.spans.tolist():
+        if not 0 <= sequence < len(lengths):
+            raise InvalidArgument(
+                f"a weights version span names sequence {sequence}; the microbatch has "
+                f"{len(lengths)}",
+                field="weights_version_spans",
+            )
+        if not 0 <= start < end <= lengths[sequence] or version < 0:
+            raise InvalidArgument(
+                f"weights version span [{start}, {end}) of sequence {sequence} is not a "
+                f"non-empty range of its {lengths[sequence]} tokens with a version >= 0",
+                field="weights_version_spans",
+            )
+        ends.setdefault(sequence, []).append((start, end))
+    for sequence, ranges in ends.items():
+        ranges.sort()
+        for (_, before), (start, end) in itertools.pairwise(ranges):
+            if start < before:
+                raise InvalidArgument(
+                    f"weights version spans of sequence {sequence} overlap at [{start}, {end})",
+                    field="weights_version_spans",
+                )

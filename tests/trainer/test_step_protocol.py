@@ -21,7 +21,6 @@ from trainer_refit.status_details import violated_field
 from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_svc.client import AsyncTrainerClient, CheckpointInfo, begin_request, microbatch_request
 from trainer_svc.domain import (
-    NO_VERSION,
     AlreadyExists,
     ExportDType,
     FailedPrecondition,
@@ -34,6 +33,7 @@ from trainer_svc.domain import (
     StaleData,
     StalenessBound,
     VersionSpan,
+    span_rows,
 )
 
 LOSS = LossConfig(kind=LossKind.PPO, kl_coef=0.05)
@@ -404,10 +404,9 @@ def test_stale_token_spans_are_masked_alone_or_refused(trainer):
         [VersionSpan(1, n1, current - 1)],
         [VersionSpan(1, n2, current)],
     ]
-    tokens = SequenceBatch.from_lists(
-        [list(s) for s in trainer.batch.per_sequence(trainer.batch.tokens)], version_spans=spans
-    ).token_versions
-    spanned = dataclasses.replace(trainer.batch, token_versions=tokens)
+    spanned = dataclasses.replace(
+        trainer.batch, spans=span_rows((i, s) for i, row in enumerate(spans) for s in row)
+    )
     stale = np.zeros(trainer.batch.num_tokens, dtype=bool)
     stale[1:half] = True
     trainer.client.begin_step("span-by-hand", LOSS, OPTIMIZER)
@@ -418,9 +417,9 @@ def test_stale_token_spans_are_masked_alone_or_refused(trainer):
 
     trainer.client.load_checkpoint(trainer.workdir / "base")
     current = trainer.client.status().weights_version
-    assert tokens is not None
-    tokens = np.where(tokens == NO_VERSION, NO_VERSION, tokens + 2)  # two versions on
-    spanned = dataclasses.replace(spanned, token_versions=tokens)
+    assert spanned.spans is not None
+    two_on = spanned.spans + np.array([0, 0, 0, 2])  # two versions on
+    spanned = dataclasses.replace(spanned, spans=two_on)
     refusing = StalenessBound(max_versions=1)
     trainer.client.begin_step("span-refused", LOSS, OPTIMIZER, staleness=refusing)
     error = _refusal(trainer.stub.TrainMicrobatch, microbatch_request("span-refused", "m", spanned))
@@ -430,7 +429,7 @@ def test_stale_token_spans_are_masked_alone_or_refused(trainer):
     assert f"sequence 0 was sampled with weights version {current - 2} (at token {first})" in (
         error.details()
     )
-    unnamed = dataclasses.replace(spanned, token_versions=np.where(stale, tokens, NO_VERSION))
+    unnamed = dataclasses.replace(spanned, spans=two_on[:1])  # the stale span alone
     error = _refusal(trainer.stub.TrainMicrobatch, microbatch_request("span-refused", "u", unnamed))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert violated_field(error) == "weights_version_spans"

@@ -37,6 +37,7 @@ from trainer_svc.domain import (
     VersionSpan,
 )
 from trainer_svc.server import convert
+from trainer_svc.validation import check_version_spans
 
 PER_TOKEN = ("loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs")
 
@@ -405,13 +406,14 @@ def test_weights_versions_travel_per_sequence_and_select_with_their_sequences() 
     assert other.digest() != batch.digest()
 
 
-def test_version_spans_travel_per_token_and_select_with_their_sequences() -> None:
+def test_version_spans_travel_and_select_with_their_sequences() -> None:
     spans = [[VersionSpan(1, 2, 4), VersionSpan(2, 3, 5)], [], [VersionSpan(0, 1, 3)]]
     batch = SequenceBatch.from_lists([[1, 2, 3], [4, 5], [6]], version_spans=spans)
-    assert batch.token_versions is not None
-    assert batch.token_versions.tolist() == [NO_VERSION, 4, 5, NO_VERSION, NO_VERSION, 3]
+    sampled = batch.sampled_versions()
+    assert sampled is not None
+    assert sampled.tolist() == [NO_VERSION, 4, 5, NO_VERSION, NO_VERSION, 3]
     request = client.microbatch_request("s", "r", batch)
-    assert len(request.weights_version_spans) == 3  # runs of one version, none for the prompt
+    assert len(request.weights_version_spans) == 3
     back = convert.training_batch(request)
     assert back.version_spans() == batch.version_spans()
     assert back.digest() == batch.digest()
@@ -433,12 +435,14 @@ def test_version_spans_travel_per_token_and_select_with_their_sequences() -> Non
         ({"sequence": 1, "start": 0, "end": 1, "version": 2**63}, "no version a trainer"),
     ],
 )
-def test_a_bad_version_span_is_refused(span: dict[str, int], message: str) -> None:
+def test_a_bad_version_span_is_refused_before_anything_is_sized_by_it(
+    span: dict[str, int], message: str
+) -> None:
     request = client.microbatch_request("s", "r", SequenceBatch.from_lists([[1, 2, 3], [4, 5]]))
     request.weights_version_spans.add(sequence=0, start=1, end=3, version=1)
     request.weights_version_spans.add(**span)
     with pytest.raises(InvalidArgument, match=message) as refused:
-        convert.training_batch(request)
+        check_version_spans(convert.training_batch(request))
     assert refused.value.field == "weights_version_spans"
 
 

@@ -23,7 +23,7 @@ from trainer_svc.domain import (
     StepCounts,
     StepMetrics,
     VersionSpan,
-    spans_to_tokens,
+    span_rows,
 )
 from trainer_svc.wire_enums import (
     CORRECTION_LEVELS,
@@ -147,14 +147,15 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
         reference_logprobs=_optional(message.reference_logprobs, np.float32),
         sampler_logprobs=_optional(message.sampler_logprobs, np.float32),
         weights_versions=_versions(message.weights_versions),
-        token_versions=_token_versions(message, base.offsets),
+        spans=_spans(message),
     )
 
 
-def _token_versions(message: pb.TrainMicrobatchRequest, offsets: np.ndarray) -> np.ndarray | None:
+def _spans(message: pb.TrainMicrobatchRequest) -> np.ndarray | None:
+    """The weights version spans as rows (checked against the sequences later, by
+    `validation.check_training_batch`); a version past int64's range is none a trainer made."""
     if not message.weights_version_spans:
         return None
-    by_sequence: dict[int, list[VersionSpan]] = {}
     for span in message.weights_version_spans:
         if span.version >= 2**63:
             raise InvalidArgument(
@@ -162,10 +163,10 @@ def _token_versions(message: pb.TrainMicrobatchRequest, offsets: np.ndarray) -> 
                 "has made",
                 field="weights_version_spans",
             )
-        by_sequence.setdefault(span.sequence, []).append(
-            VersionSpan(span.start, span.end, span.version)
-        )
-    return spans_to_tokens(offsets, by_sequence.items())
+    return span_rows(
+        (span.sequence, VersionSpan(span.start, span.end, span.version))
+        for span in message.weights_version_spans
+    )
 
 
 def _versions(values: object) -> np.ndarray | None:
