@@ -120,6 +120,8 @@ def _init_model_parallel(config: TrainerConfig, device: torch.device) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_parallel,
         pipeline_model_parallel_size=layout.pipeline_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel,
     )
     torch.manual_seed(config.seed)
     model_parallel_cuda_manual_seed(config.seed)
@@ -164,6 +166,7 @@ def build_engine(
             attention=config.model.attention,
             recompute=config.model.recompute,
             deterministic=config.model.deterministic,
+            experts=config.model.experts,
         )
         layout = documents.resolve(config.model.sequence_layout, model)
         log.info("sequence layout: %s", layout.value)
