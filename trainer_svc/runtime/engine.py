@@ -150,7 +150,9 @@ class StepEngine:
         self.pass_tokens = pass_tokens or limits.max_tokens
         self.layout = layout
         self.reference = reference
-        self.runner = ModelRunner(built.ddp, device)
+        self.runner = ModelRunner(
+            built.ddp, device, before_pass=built.balancing.set_pass if built.balancing else None
+        )
         local_vocab = padded_vocab // topology.layout.tensor_parallel
         self.vocab_shard = VocabShard(
             start=topology.tp_rank * local_vocab,
@@ -469,7 +471,7 @@ class StepEngine:
                 reference = self.reference.logprobs(self.runner, packed, self._score)
                 packed.token_inputs.reference_logprobs = reference
             run_loss = loss_function if real else filler_loss
-            outputs = self.runner.run(packed, run_loss, forward_only=False)
+            outputs = self.runner.run(packed, run_loss, forward_only=False, trains=real)
             if not real:
                 continue
             if self.topology.is_last_stage and self.topology.tp_rank == 0:

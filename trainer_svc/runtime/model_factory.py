@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_hf.spec import ModelSpec
 from trainer_svc.config import Attention, ExpertsConfig, OptimizerConfig, ParamsDType, Recompute
 from trainer_svc.runtime import moe_compat, norms, rotary, update_kernels
+from trainer_svc.runtime.load_balancing import SequenceBalancing
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 from trainer_svc.runtime.topology import Topology
 
@@ -33,6 +34,8 @@ class BuiltModel:
     ddp: DistributedDataParallel
     optimizer: Any
     config: TransformerConfig
+    balancing: SequenceBalancing | None = None
+    """The experts' load-balancing loss, where one is asked for."""
 
 
 def transformer_engine_available() -> bool:
@@ -63,13 +66,12 @@ def transformer_config(
     *,
     recompute: Recompute = Recompute.NONE,
     deterministic: bool = False,
-    experts: ExpertsConfig | None = None,
     grouped_experts: bool = False,
 ) -> TransformerConfig:
     dtype = _DTYPES[params_dtype]
     return TransformerConfig(
         **_RECOMPUTE[recompute],
-        **_moe_settings(spec, topology, experts or ExpertsConfig(), grouped=grouped_experts),
+        **_moe_settings(spec, topology, grouped=grouped_experts),
         deterministic_mode=deterministic,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -105,14 +107,12 @@ def transformer_config(
     )
 
 
-def _moe_settings(
-    spec: ModelSpec, topology: Topology, experts: ExpertsConfig, *, grouped: bool
-) -> dict[str, Any]:
+def _moe_settings(spec: ModelSpec, topology: Topology, *, grouped: bool) -> dict[str, Any]:
     """megatron's MoE settings for HF's top-k softmax router: with `norm_topk_prob` a softmax
     over the chosen experts' logits (megatron's default order: top-k first), without it each
     chosen expert keeps its share of the softmax over all (`moe_router_pre_softmax`). The
-    router computes in fp32 whatever the parameters' dtype; the load-balancing loss is off
-    unless a coefficient is given."""
+    router computes in fp32 whatever the parameters' dtype; megatron's per-pass load-balancing
+    loss stays off (`load_balancing.SequenceBalancing` replaces it)."""
     moe = spec.moe
     if moe is None:
         return {}
@@ -124,8 +124,8 @@ def _moe_settings(
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": not moe.norm_topk_prob,
         "moe_router_dtype": "fp32",
-        "moe_router_load_balancing_type": "aux_loss" if experts.aux_loss_coeff else "none",
-        "moe_aux_loss_coeff": experts.aux_loss_coeff,
+        # The load-balancing loss, when asked for, is the trainer's own (`load_balancing`).
+        "moe_router_load_balancing_type": "none",
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": grouped,
         "expert_model_parallel_size": layout.expert_parallel,
@@ -170,7 +170,6 @@ def build_model(
     attention: Attention = Attention.AUTO,
     recompute: Recompute = Recompute.NONE,
     deterministic: bool = False,
-    experts: ExpertsConfig | None = None,
 ) -> tuple[GPTModel, TransformerConfig]:
     config = transformer_config(
         spec,
@@ -179,7 +178,6 @@ def build_model(
         on_gpu,
         recompute=recompute,
         deterministic=deterministic,
-        experts=experts,
         grouped_experts=spec.is_moe and uses_transformer_engine(attention, on_gpu=on_gpu),
     )
     layer_spec = layer_spec_for(spec, attention, on_gpu=on_gpu)
@@ -235,7 +233,11 @@ def freeze_padding_row(model: GPTModel, pad_token_id: int) -> None:
 
 
 def wrap_for_training(
-    model: GPTModel, config: TransformerConfig, topology: Topology, optimizer: OptimizerConfig
+    model: GPTModel,
+    config: TransformerConfig,
+    topology: Topology,
+    optimizer: OptimizerConfig,
+    experts: ExpertsConfig | None = None,
 ) -> BuiltModel:
     distributed = topology.layout.data_parallel > 1
     ddp = DistributedDataParallel(
@@ -267,7 +269,11 @@ def wrap_for_training(
     _initialize_optimizer_state(megatron_optimizer)
     # The step engine reduces gradients itself, once per step (see engine.finish).
     config.finalize_model_grads_func = None
-    return BuiltModel(model=model, ddp=ddp, optimizer=megatron_optimizer, config=config)
+    coeff = experts.aux_loss_coeff if experts is not None else 0.0
+    balancing = SequenceBalancing(model, coeff) if config.num_moe_experts and coeff else None
+    return BuiltModel(
+        model=model, ddp=ddp, optimizer=megatron_optimizer, config=config, balancing=balancing
+    )
 
 
 def _initialize_optimizer_state(optimizer: Any) -> None:

@@ -166,7 +166,6 @@ def build_engine(
             attention=config.model.attention,
             recompute=config.model.recompute,
             deterministic=config.model.deterministic,
-            experts=config.model.experts,
         )
         layout = documents.resolve(config.model.sequence_layout, model)
         log.info("sequence layout: %s", layout.value)
@@ -174,7 +173,9 @@ def build_engine(
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
             pack_parameters(published_parameters(model, spec, topology).values())
-        built = wrap_for_training(model, transformer_config, topology, config.optimizer)
+        built = wrap_for_training(
+            model, transformer_config, topology, config.optimizer, config.model.experts
+        )
         reference = ReferencePolicy(model) if config.reference is ReferenceWeights.INITIAL else None
     publisher = None
     if config.refit.sidecar is not None:
