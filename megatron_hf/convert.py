@@ -118,8 +118,9 @@ def megatron_names(spec: ModelSpec) -> list[str]:
     return names
 
 
-def hf_names_of(megatron_name: str) -> tuple[str, ...]:
-    """HF names produced from one Megatron name (local or TE spec), in fused order."""
+def hf_names_of(megatron_name: str, spec: ModelSpec | None = None) -> tuple[str, ...]:
+    """HF names produced from one Megatron name (local or TE spec), in fused order. Expert
+    tensors take the spec's family's names (Qwen3-MoE's without a spec)."""
     if megatron_name in GLOBAL_RENAMES:
         return (GLOBAL_RENAMES[megatron_name],)
     parsed = _split_layer_name(megatron_name)
@@ -130,7 +131,7 @@ def hf_names_of(megatron_name: str) -> tuple[str, ...]:
             return (f"model.layers.{index}.{LAYER_RENAMES[suffix]}",)
         if suffix in LAYER_FUSED:
             return tuple(f"model.layers.{index}.{s}" for s in LAYER_FUSED[suffix])
-        moe = experts.hf_suffixes_of(suffix)
+        moe = experts.hf_suffixes_of(suffix, spec.family if spec is not None else None)
         if moe is not None:
             return tuple(f"model.layers.{index}.{s}" for s in moe)
     raise ValueError(f"no HF counterpart for Megatron name {megatron_name!r}")
@@ -138,7 +139,7 @@ def hf_names_of(megatron_name: str) -> tuple[str, ...]:
 
 def hf_names(spec: ModelSpec) -> list[str]:
     """Every HF parameter name of the model as saved (lm_head omitted when tied)."""
-    return [h for name in megatron_names(spec) for h in hf_names_of(name)]
+    return [h for name in megatron_names(spec) for h in hf_names_of(name, spec)]
 
 
 def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
@@ -199,7 +200,7 @@ def hf_to_megatron(
     check_hf_shapes({name: tuple(tensor.shape) for name, tensor in hf.items()}, spec)
     out: dict[str, torch.Tensor] = {}
     for name in megatron_names(spec):
-        sources = [hf[h] for h in hf_names_of(name)]
+        sources = [hf[h] for h in hf_names_of(name, spec)]
         out[name] = _to_megatron_tensor(name, sources, spec, padded_vocab)
     return out
 
@@ -244,7 +245,7 @@ def megatron_param_to_hf(
 def _param_to_hf(
     megatron_name: str, tensor: torch.Tensor, spec: ModelSpec
 ) -> dict[str, torch.Tensor]:
-    hf = hf_names_of(megatron_name)
+    hf = hf_names_of(megatron_name, spec)
     parsed = _split_layer_name(megatron_name)
     suffix = TE_ALIASES.get(parsed[1], parsed[1]) if parsed else megatron_name
     if spec.moe is None and experts.hf_suffixes_of(suffix) is not None:

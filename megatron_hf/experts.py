@@ -8,8 +8,10 @@ state dicts here (as in `convert`) use the global expert index under the local-s
 
 Each expert is a SwiGLU MLP: fc1 = [gate; up] along dim 0 (the dense `fuse_gate_up` layout;
 expert tensor parallelism splits each half on its own, as TP splits dense fc1), fc2 = down.
-HF checkpoints store one tensor per expert and projection,
-`mlp.experts.{e}.{gate,up,down}_proj.weight`; the router is `mlp.gate.weight` [E, hidden].
+HF checkpoints store one tensor per expert and projection: Qwen3-MoE as
+`mlp.experts.{e}.{gate,up,down}_proj.weight` with the router `mlp.gate.weight` [E, hidden],
+Mixtral as `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (gate, up, down) with the router
+`block_sparse_moe.gate.weight` (`HF_EXPERT_NAMES`).
 transformers 5 fuses the experts into 3-D tensors in memory only: its own loading converts,
 so checkpoints on disk keep per-expert names.
 """
@@ -19,10 +21,47 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megatron_hf.spec import ModelSpec
+from megatron_hf.spec import ModelFamily, ModelSpec
 
 ROUTER = "mlp.router.weight"
-HF_ROUTER = "mlp.gate.weight"
+
+
+@dataclass(frozen=True)
+class HFExpertNames:
+    """How a family's HF checkpoint names a layer's router and experts."""
+
+    router: str
+    experts: str
+    """Prefix of the per-expert tensors, followed by `.{e}.{projection}.weight`."""
+    gate: str
+    up: str
+    down: str
+
+
+QWEN3_MOE_NAMES = HFExpertNames(
+    router="mlp.gate.weight",
+    experts="mlp.experts",
+    gate="gate_proj",
+    up="up_proj",
+    down="down_proj",
+)
+MIXTRAL_NAMES = HFExpertNames(
+    router="block_sparse_moe.gate.weight",
+    experts="block_sparse_moe.experts",
+    gate="w1",
+    up="w3",
+    down="w2",
+)
+HF_EXPERT_NAMES: dict[ModelFamily, HFExpertNames] = {
+    ModelFamily.QWEN3_MOE: QWEN3_MOE_NAMES,
+    ModelFamily.MIXTRAL: MIXTRAL_NAMES,
+}
+
+
+def hf_expert_names(family: ModelFamily | None) -> HFExpertNames:
+    """A family's names; Qwen3-MoE's where the family is not known (or dense)."""
+    return HF_EXPERT_NAMES.get(family, QWEN3_MOE_NAMES) if family else QWEN3_MOE_NAMES
+
 
 _LOCAL_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 _GROUPED_RE = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
@@ -70,18 +109,19 @@ def moe_layer_suffixes(spec: ModelSpec) -> list[str]:
     return names
 
 
-def hf_suffixes_of(suffix: str) -> tuple[str, ...] | None:
+def hf_suffixes_of(suffix: str, family: ModelFamily | None = None) -> tuple[str, ...] | None:
     """HF layer suffixes of a Megatron MLP suffix of an expert layer (local-spec or grouped
-    name, global expert ids); None when it is not one."""
+    name, global expert ids) in `family`'s naming; None when it is not one."""
+    names = hf_expert_names(family)
     if suffix == ROUTER:
-        return (HF_ROUTER,)
+        return (names.router,)
     param = parse_expert_suffix(suffix)
     if param is None:
         return None
-    prefix = f"mlp.experts.{param.expert}."
+    prefix = f"{names.experts}.{param.expert}."
     if param.fc == 1:
-        return (prefix + "gate_proj.weight", prefix + "up_proj.weight")
-    return (prefix + "down_proj.weight",)
+        return (f"{prefix}{names.gate}.weight", f"{prefix}{names.up}.weight")
+    return (f"{prefix}{names.down}.weight",)
 
 
 def canonical_suffix(suffix: str) -> str:
@@ -90,20 +130,20 @@ def canonical_suffix(suffix: str) -> str:
     return param.suffix if param is not None else suffix
 
 
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
 def hf_expert_shape(hf_suffix: str, spec: ModelSpec) -> tuple[int, ...] | None:
     """Shape of an HF layer tensor of an expert layer (router or expert); None otherwise."""
     if spec.moe is None:
         return None
+    names = hf_expert_names(spec.family)
     hidden, width = spec.hidden_size, spec.moe.ffn_hidden_size
-    if hf_suffix == HF_ROUTER:
+    if hf_suffix == names.router:
         return (spec.moe.num_experts, hidden)
-    match = _HF_EXPERT_RE.match(hf_suffix)
+    projections = "|".join(re.escape(p) for p in (names.gate, names.up, names.down))
+    match = re.fullmatch(rf"{re.escape(names.experts)}\.(\d+)\.({projections})\.weight", hf_suffix)
     if match is None or int(match[1]) >= spec.moe.num_experts:
         return None
-    return (hidden, width) if match[2] == "down_proj" else (width, hidden)
+    tail = match[2]
+    return (hidden, width) if tail == names.down else (width, hidden)
 
 
 def experts_per_rank(num_experts: int, expert_parallel: int) -> int:

@@ -20,6 +20,8 @@ class ModelFamily(enum.Enum):
     """Llama's layout under its own class name; accepted without a sliding window only."""
     QWEN3_MOE = "qwen3_moe"
     """Qwen3's attention with a routed mixture of experts in every layer (no shared expert)."""
+    MIXTRAL = "mixtral"
+    """Mistral's attention (full, no sliding window) with top-k experts in every layer."""
 
 
 # HF causal-LM class per family (the only architecture accepted for that family).
@@ -29,9 +31,10 @@ ARCHITECTURES: Mapping[ModelFamily, str] = {
     ModelFamily.QWEN3: "Qwen3ForCausalLM",
     ModelFamily.MISTRAL: "MistralForCausalLM",
     ModelFamily.QWEN3_MOE: "Qwen3MoeForCausalLM",
+    ModelFamily.MIXTRAL: "MixtralForCausalLM",
 }
 
-MOE_FAMILIES = frozenset({ModelFamily.QWEN3_MOE})
+MOE_FAMILIES = frozenset({ModelFamily.QWEN3_MOE, ModelFamily.MIXTRAL})
 """Families whose MLP is a routed mixture of experts (`ModelSpec.moe` set)."""
 
 
@@ -188,7 +191,7 @@ class ModelSpec:
             qkv_bias=family is ModelFamily.QWEN2,  # Qwen2 q/k/v always carry a bias.
             qk_layernorm=family in (ModelFamily.QWEN3, ModelFamily.QWEN3_MOE),
             pad_token_id=padding_row(cfg.get("pad_token_id"), int(cfg["vocab_size"])),
-            moe=_hf_moe(cfg) if family in MOE_FAMILIES else None,
+            moe=_hf_moe(cfg, family) if family in MOE_FAMILIES else None,
         )
 
     @classmethod
@@ -220,7 +223,16 @@ class ModelSpec:
         }
         if self.pad_token_id is not None:
             cfg["pad_token_id"] = self.pad_token_id
-        if self.moe is not None:
+        if self.family is ModelFamily.MIXTRAL:
+            assert self.moe is not None and self.moe.norm_topk_prob
+            cfg.update(
+                num_local_experts=self.moe.num_experts,
+                num_experts_per_tok=self.moe.top_k,
+                intermediate_size=self.moe.ffn_hidden_size,
+                sliding_window=None,
+                router_jitter_noise=0.0,
+            )
+        elif self.moe is not None:
             cfg.update(
                 num_experts=self.moe.num_experts,
                 num_experts_per_tok=self.moe.top_k,
@@ -264,26 +276,31 @@ def padding_row(pad_token_id: Any, vocab_size: int) -> int | None:
     return row % vocab_size
 
 
-def _hf_moe(cfg: Mapping[str, Any]) -> MoESpec:
-    """The experts of a Qwen3-MoE config. transformers 5 calls the expert count
-    `num_local_experts` where the published configs say `num_experts`; both are read."""
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+def _hf_moe(cfg: Mapping[str, Any], family: ModelFamily) -> MoESpec:
+    """The experts of a Qwen3-MoE or Mixtral config. transformers 5 calls Qwen3-MoE's expert
+    count `num_local_experts` where the published configs say `num_experts`; both are read.
+    Mixtral's experts are `intermediate_size` wide and always renormalise their top-k."""
+    mixtral = family is ModelFamily.MIXTRAL
+    experts = cfg.get("num_local_experts") if mixtral else cfg.get("num_experts")
+    if experts is None and not mixtral:
+        experts = cfg.get("num_local_experts")
+    width_key = "intermediate_size" if mixtral else "moe_intermediate_size"
     absent = [
         key
         for key, value in (
-            ("num_experts", experts),
+            ("num_local_experts" if mixtral else "num_experts", experts),
             ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
-            ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+            (width_key, cfg.get(width_key)),
         )
         if value is None
     ]
-    if absent:
+    if absent or experts is None:
         raise ValueError(f"mixture-of-experts config lacks required keys {absent}")
     return MoESpec(
         num_experts=int(experts),
         top_k=int(cfg["num_experts_per_tok"]),
-        ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        ffn_hidden_size=int(cfg[width_key]),
+        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
     )
 
 
@@ -327,6 +344,17 @@ def _reject_unsupported_features(cfg: Mapping[str, Any], family: ModelFamily) ->
         for key in ("llama_4_scaling", "ada_rms_norm_t_cond"):
             if cfg.get(key):
                 raise ValueError(f"unsupported {key}={cfg[key]!r} for mistral")
+    if family is ModelFamily.MIXTRAL:
+        if cfg.get("sliding_window") is not None:
+            raise ValueError(
+                f"unsupported sliding_window={cfg['sliding_window']!r} for mixtral: only full "
+                "attention (sliding_window null) is supported"
+            )
+        if cfg.get("router_jitter_noise"):
+            raise ValueError(
+                f"unsupported router_jitter_noise={cfg['router_jitter_noise']!r}: routing "
+                "must not be noised in training"
+            )
     if family in MOE_FAMILIES:
         _reject_dense_layers(cfg)
     layer_types = cfg.get("layer_types")

@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -42,6 +44,7 @@ _MODEL_CLASSES: dict[ModelFamily, tuple[type[PretrainedConfig], type[PreTrainedM
     ModelFamily.QWEN3: (Qwen3Config, Qwen3ForCausalLM),
     ModelFamily.MISTRAL: (MistralConfig, MistralForCausalLM),
     ModelFamily.QWEN3_MOE: (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    ModelFamily.MIXTRAL: (MixtralConfig, MixtralForCausalLM),
 }
 
 TINY_EXPERTS = MoESpec(num_experts=8, top_k=2, ffn_hidden_size=32, norm_topk_prob=True)
@@ -138,7 +141,7 @@ def write_tiny_checkpoint(
     }
     if rope_scaling is not None:
         fields["rope_scaling"] = dict(rope_scaling)
-    if family is ModelFamily.MISTRAL:
+    if family in (ModelFamily.MISTRAL, ModelFamily.MIXTRAL):
         fields["sliding_window"] = None
     if family is not ModelFamily.QWEN2:
         fields["head_dim"] = head_dim or default_head_dim
@@ -149,6 +152,15 @@ def write_tiny_checkpoint(
             num_experts_per_tok=moe.top_k,
             moe_intermediate_size=moe.ffn_hidden_size,
             norm_topk_prob=moe.norm_topk_prob,
+        )
+    elif family is ModelFamily.MIXTRAL:
+        moe = experts or TINY_EXPERTS
+        if not moe.norm_topk_prob:
+            raise ValueError("Mixtral always renormalises its top-k: norm_topk_prob must be True")
+        fields.update(
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            intermediate_size=moe.ffn_hidden_size,
         )
     elif experts is not None:
         raise ValueError(f"{family.value} has no experts")

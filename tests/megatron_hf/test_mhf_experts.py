@@ -140,3 +140,22 @@ def test_layouts_the_experts_cannot_be_split_into_name_the_numbers(checkpoint):
         "8 experts do not split over expert parallel 3",
         "expert width (moe_intermediate_size) 32 does not split over expert tensor parallel 3",
     ]
+
+
+def test_mixtral_names_its_experts_w1_w3_w2_and_round_trips(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "mixtral", ModelFamily.MIXTRAL, num_layers=2, seed=4)
+    hf = load_hf_state_dict(path)
+    spec = ModelSpec.from_pretrained_dir(path)
+    assert spec.moe == MoESpec(num_experts=8, top_k=2, ffn_hidden_size=32, norm_topk_prob=True)
+    assert not spec.qk_layernorm
+    meg = hf_to_megatron(hf, spec, 128)
+    prefix = "model.layers.1.block_sparse_moe."
+    assert torch.equal(meg[LAYER + "mlp.router.weight"], hf[prefix + "gate.weight"])
+    fc1 = meg[LAYER + "mlp.experts.local_experts.3.linear_fc1.weight"]
+    w1, w3 = (hf[f"{prefix}experts.3.{w}.weight"] for w in ("w1", "w3"))
+    assert torch.equal(fc1, torch.cat([w1, w3]))  # w1 is the gate, w3 the up projection
+    back = megatron_to_hf(meg, spec)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in hf.items())
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        ModelSpec.from_hf_config({**spec.to_hf_config(), "sliding_window": 4096})

@@ -1,10 +1,10 @@
-"""Qwen3-MoE through the service, on megatron-core's MoE layers: Forward equals transformers'
-(which loads the per-expert checkpoint into its fused expert tensors itself) at EP=1 and at
-EP=2 over two data-parallel ranks, one model routing every token to every expert so that no
-routing flip can hide a misplaced expert; ExportHF gives back the source checkpoint bit for
-bit; a step streamed in pieces equals the step sent whole, with the load-balancing loss off
-and on, while the two data-parallel ranks run different numbers of passes; a layout the
-experts cannot be split into is refused at start."""
+"""Qwen3-MoE and Mixtral through the service, on megatron-core's MoE layers: Forward equals
+transformers' (which loads the per-expert checkpoint into its fused expert tensors itself) at
+EP=1 and at EP=2 over two data-parallel ranks, one Qwen3-MoE model routing every token to
+every expert so that no routing flip can hide a misplaced expert; ExportHF gives back the
+source checkpoint bit for bit; a step streamed in pieces equals the step sent whole, with the
+load-balancing loss off and on, while the two data-parallel ranks run different numbers of
+passes; a layout the experts cannot be split into is refused at start."""
 
 from __future__ import annotations
 
@@ -52,10 +52,12 @@ TWO_RANKS = ["--dp", "2", "--ep", "2", "--pass-token-budget", "40"]
 """Experts 0-3 on rank 0, 4-7 on rank 1; the budget cuts each rank's share into passes, a
 different number on each rank for the step's batch."""
 AUX_LOSS = ["--moe-aux-loss-coeff", "0.1"]
-WORLDS: dict[str, tuple[MoESpec, list[str]]] = {
-    "ep1-aux-loss": (TINY_EXPERTS, ["--pass-token-budget", "40", *AUX_LOSS]),
-    "ep2-every-expert": (EVERY_EXPERT, TWO_RANKS),
-    "ep2-aux-loss": (TINY_EXPERTS, [*TWO_RANKS, *AUX_LOSS]),
+QWEN3_MOE = ModelFamily.QWEN3_MOE
+MIXTRAL = ModelFamily.MIXTRAL
+WORLDS: dict[str, tuple[ModelFamily, MoESpec, list[str]]] = {
+    "mixtral-ep1-aux-loss": (MIXTRAL, TINY_EXPERTS, ["--pass-token-budget", "40", *AUX_LOSS]),
+    "qwen3-moe-ep2-every-expert": (QWEN3_MOE, EVERY_EXPERT, TWO_RANKS),
+    "mixtral-ep2-aux-loss": (MIXTRAL, TINY_EXPERTS, [*TWO_RANKS, *AUX_LOSS]),
 }
 LOSS = LossConfig(kind=LossKind.PPO, normalization=Normalization.TOKEN, kl_coef=0.1)
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, adam_eps=1e-4)  # see test_split_step
@@ -97,23 +99,26 @@ def _run(process: TrainerProcess, model_dir: Path) -> World:
 def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, World]]:
     root = tmp_path_factory.mktemp("moe")
     models = {
-        experts: write_tiny_checkpoint(
-            root / f"model-top{experts.top_k}",
-            ModelFamily.QWEN3_MOE,
+        (family, experts): write_tiny_checkpoint(
+            root / f"{family.value}-top{experts.top_k}",
+            family,
             num_layers=2,
             seed=5,
             experts=experts,
         )
-        for experts in {spec for spec, _ in WORLDS.values()}
+        for family, experts, _ in WORLDS.values()
     }
     processes = start_trainers(
         {
-            name: (root / name, ["--model", str(models[experts]), *args])
-            for name, (experts, args) in WORLDS.items()
+            name: (root / name, ["--model", str(models[(family, experts)]), *args])
+            for name, (family, experts, args) in WORLDS.items()
         }
     )
     try:
-        yield {name: _run(process, models[WORLDS[name][0]]) for name, process in processes.items()}
+        yield {
+            name: _run(process, models[(WORLDS[name][0], WORLDS[name][1])])
+            for name, process in processes.items()
+        }
     finally:
         assert stop_trainers(processes.values()) == [0] * len(processes)
 
@@ -126,7 +131,7 @@ def test_forward_equals_transformers(worlds, world):
     assert_equals_transformers(result, model_dir)
 
 
-@pytest.mark.parametrize("world", ["ep1-aux-loss", "ep2-every-expert"])
+@pytest.mark.parametrize("world", list(WORLDS))
 def test_export_gives_back_the_source_checkpoint_bit_for_bit(worlds, world):
     """The same per-expert tensors in the files, and the same fused expert tensors once
     transformers loads both directories."""
@@ -159,7 +164,8 @@ def test_a_streamed_step_equals_the_step_sent_whole(worlds, world):
 def test_two_ranks_train_as_one(worlds):
     """The same checkpoint and step (load-balancing loss on) at EP=1 on one rank and at EP=2
     over two data-parallel ranks, whose passes differ, give the same update."""
-    gap = max_relative_difference(worlds["ep2-aux-loss"].whole, worlds["ep1-aux-loss"].whole)
+    one, two = worlds["mixtral-ep1-aux-loss"], worlds["mixtral-ep2-aux-loss"]
+    gap = max_relative_difference(two.whole, one.whole)
     print(f"EP=2 vs EP=1 after one step: {gap:.2e}")
     assert gap <= 1e-5
 

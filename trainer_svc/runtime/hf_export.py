@@ -84,7 +84,7 @@ def write_stage_files(
             if stage_of(name, layers, stages) != topology.pp_rank:
                 continue
             # Every HF tensor of a parameter has the parameter's planned dtype.
-            cast = dtypes[hf_names_of(name)[0]]
+            cast = dtypes[hf_names_of(name, spec)[0]]
             if expert_grid and is_expert_name(name):
                 pieces = _expert_gathered(name, params, cast, spec, topology)
             elif topology.dp_rank != 0:
