@@ -185,3 +185,20 @@ def test_experts_that_do_not_split_over_ep_are_refused_at_start(tmp_path):
     assert result.returncode == 2
     assert "8 experts do not split over expert parallel 3" in result.stderr
     assert "[rank" not in result.stderr
+
+
+def test_pipeline_stages_hold_their_layers_experts(tmp_path):
+    """PP=2 x DP=2 with EP=2: each stage's experts over its two data-parallel ranks."""
+    model_dir = write_tiny_checkpoint(tmp_path / "model", QWEN3_MOE, num_layers=2, seed=5)
+    process = TrainerProcess(
+        tmp_path / "trainer", ["--model", str(model_dir), "--pp", "2", *TWO_RANKS]
+    )
+    try:
+        result = parity_forward(process)
+        exported = process.export("as-loaded")
+    finally:
+        assert process.stop() == 0
+    assert_equals_transformers(result, model_dir)
+    source = load_hf_state_dict(model_dir)
+    assert exported.keys() == source.keys()
+    assert all(np.array_equal(exported[k], v.numpy()) for k, v in source.items())
