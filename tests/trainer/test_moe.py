@@ -38,11 +38,13 @@ from tests.support.trainer import (
     stop_trainers,
 )
 from trainer_svc.domain import (
+    ForwardOutput,
     ForwardResult,
     LossConfig,
     LossKind,
     Normalization,
     OptimizerOverrides,
+    ReferenceSource,
 )
 
 EVERY_EXPERT = MoESpec(num_experts=8, top_k=8, ffn_hidden_size=32, norm_topk_prob=True)
@@ -202,3 +204,36 @@ def test_pipeline_stages_hold_their_layers_experts(tmp_path):
     source = load_hf_state_dict(model_dir)
     assert exported.keys() == source.keys()
     assert all(np.array_equal(exported[k], v.numpy()) for k, v in source.items())
+
+
+@pytest.mark.slow
+def test_replicated_experts_and_the_reference_policy_train_as_one_rank(tmp_path):
+    """DP=4 x EP=2 (each expert on two ranks, its gradient summed over both), the service's
+    reference policy for the KL term and the load-balancing loss: two steps, then Forward with
+    reference logprobs, as on one rank."""
+    model_dir = write_tiny_checkpoint(tmp_path / "model", QWEN3_MOE, num_layers=2, seed=5)
+    common = ["--model", str(model_dir), "--reference-policy", "initial", *AUX_LOSS]
+    four = ["--dp", "4", "--ep", "2", "--pass-token-budget", "30"]
+    processes = start_trainers(
+        {"one": (tmp_path / "one", common), "dp4-ep2": (tmp_path / "four", [*common, *four])}
+    )
+    loss = LossConfig(kind=LossKind.PPO, kl_coef=0.1, reference_source=ReferenceSource.SERVICE)
+    wanted = [ForwardOutput.LOGPROBS, ForwardOutput.REFERENCE_LOGPROBS]
+    runs = {}
+    try:
+        for name, process in processes.items():
+            for step in range(2):
+                batch = make_batch(
+                    seed=7 + step, lengths=LENGTHS, loss=LossConfig(kind=LossKind.PPO)
+                )
+                process.client.begin_step(f"s{step}", loss, OPTIMIZER)
+                process.client.train_microbatch(f"s{step}", "r", batch)
+                process.client.finish_step(f"s{step}")
+            runs[name] = (process.export("after"), process.client.forward(batch, wanted))
+    finally:
+        assert stop_trainers(processes.values()) == [0] * len(processes)
+    (one, one_forward), (four_ranks, four_forward) = runs["one"], runs["dp4-ep2"]
+    assert max_relative_difference(four_ranks, one) <= 1e-5
+    assert np.abs(four_forward.logprobs - one_forward.logprobs).max() <= 1e-5
+    gap = np.abs(four_forward.reference_logprobs - one_forward.reference_logprobs).max()
+    assert gap <= 1e-5
