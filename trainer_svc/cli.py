@@ -117,6 +117,11 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
         default=ExpertsConfig.aux_loss_coeff,
         help="weight of the mixture-of-experts load-balancing loss (default 0: off)",
     )
+    layout.add_argument(
+        "--moe-freeze-router",
+        action="store_true",
+        help="keep the mixture-of-experts routers' weights as loaded (the experts still train)",
+    )
     layout.add_argument("--device", choices=[d.value for d in Device], default="auto")
     optim = parser.add_argument_group("optimizer defaults (BeginTrainStep may override)")
     optim.add_argument("--optimizer", choices=[k.value for k in OptimizerKind], default="adam")
@@ -282,7 +287,9 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             deterministic=args.deterministic,
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,
-            experts=ExpertsConfig(aux_loss_coeff=args.moe_aux_loss_coeff),
+            experts=ExpertsConfig(
+                aux_loss_coeff=args.moe_aux_loss_coeff, freeze_router=args.moe_freeze_router
+            ),
         ),
         layout=ParallelLayout(
             tensor_parallel=args.tp,

@@ -179,6 +179,10 @@ class ExpertsConfig:
     """Weight of megatron's load-balancing loss (Switch-style, per pass); 0 turns it off, as
     RL post-training usually runs: the router then learns from the policy loss alone."""
 
+    freeze_router: bool = False
+    """Keep every router's weights as loaded: the experts and the rest train, which expert a
+    token goes to changes only through its hidden state (RL setups often freeze it)."""
+
     def __post_init__(self) -> None:
         if not (math.isfinite(self.aux_loss_coeff) and self.aux_loss_coeff >= 0):
             raise ValueError(

@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hf.spec import ModelSpec
@@ -232,6 +233,14 @@ def freeze_padding_row(model: GPTModel, pad_token_id: int) -> None:
     embedding.register_forward_hook(detach_pad_positions)
 
 
+def freeze_routers(model: GPTModel) -> None:
+    """Routers take no gradient and so no update: DDP and the optimizer leave out parameters
+    that do not require one."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.weight.requires_grad_(False)
+
+
 def wrap_for_training(
     model: GPTModel,
     config: TransformerConfig,
@@ -239,6 +248,8 @@ def wrap_for_training(
     optimizer: OptimizerConfig,
     experts: ExpertsConfig | None = None,
 ) -> BuiltModel:
+    if experts is not None and experts.freeze_router:
+        freeze_routers(model)
     distributed = topology.layout.data_parallel > 1
     ddp = DistributedDataParallel(
         config,
