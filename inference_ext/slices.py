@@ -81,6 +81,12 @@ def receiver_layout_problems(spec: ModelSpec, tp_size: int) -> list[str]:
         lambda: vocab_rows(spec, layout),
     )
     problems = []
+    if spec.moe is not None:
+        # Fail closed: the slices of expert tensors and their install into vLLM's fused
+        # expert parameters are not built yet.
+        problems.append(
+            f"refit of a mixture-of-experts model ({spec.architecture}) is not supported yet"
+        )
     for check in checks:
         try:
             check()

@@ -1,4 +1,5 @@
-"""HF <-> Megatron-core (local spec) state-dict translation for Llama / Qwen2 / Qwen3.
+"""HF <-> Megatron-core (local spec) state-dict translation for Llama / Qwen2 / Qwen3 (and
+Qwen3-MoE, whose router and experts `experts` names).
 
 State dicts here are global: unsharded (TP=1 layout) with global layer indices. The mapping is
 the tables below plus the fused-tensor helpers; everything else is bookkeeping and validation.
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_hf import experts
 from megatron_hf.fused import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from megatron_hf.spec import ModelSpec
 
@@ -91,8 +93,18 @@ def _layer_suffixes(spec: ModelSpec) -> list[str]:
         names.append("self_attention.linear_qkv.bias")
     if spec.qk_layernorm:
         names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    names += ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-    return names
+    names.append("pre_mlp_layernorm.weight")
+    if spec.moe is not None:
+        return names + experts.moe_layer_suffixes(spec)
+    return [*names, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+
+
+def _is_fc1(suffix: str) -> bool:
+    """A [gate; up] tensor: the dense MLP's fc1 or an expert's."""
+    if suffix == "mlp.linear_fc1.weight":
+        return True
+    param = experts.parse_expert_suffix(suffix)
+    return param is not None and param.fc == 1
 
 
 def megatron_names(spec: ModelSpec) -> list[str]:
@@ -106,8 +118,9 @@ def megatron_names(spec: ModelSpec) -> list[str]:
     return names
 
 
-def hf_names_of(megatron_name: str) -> tuple[str, ...]:
-    """HF names produced from one Megatron name (local or TE spec), in fused order."""
+def hf_names_of(megatron_name: str, spec: ModelSpec | None = None) -> tuple[str, ...]:
+    """HF names produced from one Megatron name (local or TE spec), in fused order. Expert
+    tensors take the spec's family's names (Qwen3-MoE's without a spec)."""
     if megatron_name in GLOBAL_RENAMES:
         return (GLOBAL_RENAMES[megatron_name],)
     parsed = _split_layer_name(megatron_name)
@@ -118,12 +131,15 @@ def hf_names_of(megatron_name: str) -> tuple[str, ...]:
             return (f"model.layers.{index}.{LAYER_RENAMES[suffix]}",)
         if suffix in LAYER_FUSED:
             return tuple(f"model.layers.{index}.{s}" for s in LAYER_FUSED[suffix])
+        moe = experts.hf_suffixes_of(suffix, spec.family if spec is not None else None)
+        if moe is not None:
+            return tuple(f"model.layers.{index}.{s}" for s in moe)
     raise ValueError(f"no HF counterpart for Megatron name {megatron_name!r}")
 
 
 def hf_names(spec: ModelSpec) -> list[str]:
     """Every HF parameter name of the model as saved (lm_head omitted when tied)."""
-    return [h for name in megatron_names(spec) for h in hf_names_of(name)]
+    return [h for name in megatron_names(spec) for h in hf_names_of(name, spec)]
 
 
 def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
@@ -150,6 +166,9 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> tuple[int, ...]:
         "mlp.down_proj.weight": (h, f),
     }
     key = hf_name.split(".", 3)[3] if hf_name.startswith("model.layers.") else hf_name
+    moe = experts.hf_expert_shape(key, spec)
+    if moe is not None:
+        return moe
     if key not in shapes:
         raise ValueError(f"unknown HF parameter {hf_name!r}")
     return shapes[key]
@@ -181,7 +200,7 @@ def hf_to_megatron(
     check_hf_shapes({name: tuple(tensor.shape) for name, tensor in hf.items()}, spec)
     out: dict[str, torch.Tensor] = {}
     for name in megatron_names(spec):
-        sources = [hf[h] for h in hf_names_of(name)]
+        sources = [hf[h] for h in hf_names_of(name, spec)]
         out[name] = _to_megatron_tensor(name, sources, spec, padded_vocab)
     return out
 
@@ -200,7 +219,7 @@ def _to_megatron_tensor(
             num_query_groups=spec.num_query_groups,
             head_dim=spec.head_dim,
         )
-    if suffix == "mlp.linear_fc1.weight":
+    if _is_fc1(suffix):
         return fuse_gate_up(*sources)
     (tensor,) = sources
     if name in VOCAB_PADDED and padded_vocab > spec.vocab_size:
@@ -226,9 +245,11 @@ def megatron_param_to_hf(
 def _param_to_hf(
     megatron_name: str, tensor: torch.Tensor, spec: ModelSpec
 ) -> dict[str, torch.Tensor]:
-    hf = hf_names_of(megatron_name)
+    hf = hf_names_of(megatron_name, spec)
     parsed = _split_layer_name(megatron_name)
     suffix = TE_ALIASES.get(parsed[1], parsed[1]) if parsed else megatron_name
+    if spec.moe is None and experts.hf_suffixes_of(suffix) is not None:
+        raise ValueError(f"no HF counterpart for Megatron name {megatron_name!r} in a dense model")
     if suffix.startswith("self_attention.linear_qkv."):
         parts = split_qkv(
             tensor,
@@ -237,7 +258,7 @@ def _param_to_hf(
             head_dim=spec.head_dim,
         )
         return dict(zip(hf, parts, strict=True))
-    if suffix == "mlp.linear_fc1.weight":
+    if _is_fc1(suffix):
         return dict(zip(hf, split_gate_up(tensor), strict=True))
     if megatron_name in VOCAB_PADDED:
         if tensor.dim() != 2 or tensor.shape[0] < spec.vocab_size:
@@ -280,9 +301,11 @@ def megatron_to_hf(meg: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str
 def local_spec_name(name: str) -> str:
     """The local-spec name of a parameter given under its TE-spec name (others unchanged)."""
     parsed = _split_layer_name(name)
-    if parsed is None or parsed[1] not in TE_ALIASES:
+    if parsed is None:
         return name
-    return f"decoder.layers.{parsed[0]}.{TE_ALIASES[parsed[1]]}"
+    if parsed[1] in TE_ALIASES:
+        return f"decoder.layers.{parsed[0]}.{TE_ALIASES[parsed[1]]}"
+    return f"decoder.layers.{parsed[0]}.{experts.canonical_suffix(parsed[1])}"
 
 
 def _check_names(side: str, *, missing: list[str], unexpected: list[str]) -> None:

@@ -85,7 +85,7 @@ def plan_export(
     for megatron_name in megatron_names(spec):
         stage = stage_of(megatron_name, spec.num_layers, pipeline_parallel)
         kind = dtype if isinstance(dtype, torch.dtype) else dtype[megatron_name]
-        by_stage[stage] += [(h, hf_shape(h, spec), kind) for h in hf_names_of(megatron_name)]
+        by_stage[stage] += [(h, hf_shape(h, spec), kind) for h in hf_names_of(megatron_name, spec)]
     groups: list[tuple[int, list[tuple[str, tuple[int, ...], torch.dtype]]]] = []
     for stage, tensors in enumerate(by_stage):
         size = max_file_bytes  # forces a new file for the stage's first tensor

@@ -35,7 +35,7 @@ def read_shard(
     in the checkpoint's dtype."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
-    sources = hf_names_of(megatron_name)
+    sources = hf_names_of(megatron_name, spec)
     suffix = megatron_name if megatron_name in GLOBAL_RENAMES else megatron_name.split(".", 3)[3]
     placement = tp_placement(megatron_name)
     if placement.dim is None:

@@ -1,7 +1,9 @@
 """Where Megatron parameters live: tensor-parallel partitioning and pipeline stages.
 
 Names are Megatron-core GPTModel parameter names (local or TE spec); a wrapper prefix such as
-`module.` is tolerated because matching is by suffix.
+`module.` is tolerated because matching is by suffix. An expert tensor's placement is over the
+expert-tensor-parallel (ETP) ranks of its expert-parallel rank, which holds whole experts
+(`megatron_hf.experts`); the router is replicated.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from megatron_hf.experts import is_expert_name, parse_expert_suffix
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +51,7 @@ TP_PLACEMENTS: dict[str, TPPlacement] = {
     "mlp.linear_fc1.layer_norm_weight": REPLICATED,
     "mlp.linear_fc1.weight": TPPlacement(dim=0, parts=2),
     "mlp.linear_fc2.weight": _COLS,
+    "mlp.router.weight": REPLICATED,
     "decoder.final_layernorm.weight": REPLICATED,
     "output_layer.weight": _ROWS,
 }
@@ -54,7 +59,16 @@ TP_PLACEMENTS: dict[str, TPPlacement] = {
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)(?P<rest>\..+)$")
 
 
+_EXPERT_FC1 = TPPlacement(dim=0, parts=2)
+
+
 def tp_placement(megatron_name: str) -> TPPlacement:
+    """How a parameter splits over its tensor-parallel ranks (ETP ranks for an expert)."""
+    if is_expert_name(megatron_name):
+        tail = megatron_name[megatron_name.index("mlp.experts.") :]
+        param = parse_expert_suffix(tail)
+        assert param is not None
+        return _EXPERT_FC1 if param.fc == 1 else _COLS
     for suffix, placement in TP_PLACEMENTS.items():
         if megatron_name == suffix or megatron_name.endswith("." + suffix):
             return placement

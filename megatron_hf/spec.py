@@ -18,6 +18,10 @@ class ModelFamily(enum.Enum):
     QWEN3 = "qwen3"
     MISTRAL = "mistral"
     """Llama's layout under its own class name; accepted without a sliding window only."""
+    QWEN3_MOE = "qwen3_moe"
+    """Qwen3's attention with a routed mixture of experts in every layer (no shared expert)."""
+    MIXTRAL = "mixtral"
+    """Mistral's attention (full, no sliding window) with top-k experts in every layer."""
 
 
 # HF causal-LM class per family (the only architecture accepted for that family).
@@ -26,7 +30,39 @@ ARCHITECTURES: Mapping[ModelFamily, str] = {
     ModelFamily.QWEN2: "Qwen2ForCausalLM",
     ModelFamily.QWEN3: "Qwen3ForCausalLM",
     ModelFamily.MISTRAL: "MistralForCausalLM",
+    ModelFamily.QWEN3_MOE: "Qwen3MoeForCausalLM",
+    ModelFamily.MIXTRAL: "MixtralForCausalLM",
 }
+
+MOE_FAMILIES = frozenset({ModelFamily.QWEN3_MOE, ModelFamily.MIXTRAL})
+"""Families whose MLP is a routed mixture of experts (`ModelSpec.moe` set)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """The routed experts of every layer: a top-k softmax router over `num_experts` SwiGLU
+    experts of width `ffn_hidden_size`, no shared expert."""
+
+    num_experts: int
+    top_k: int
+    """Experts each token is routed to (HF `num_experts_per_tok`)."""
+    ffn_hidden_size: int
+    """Each expert's intermediate size (HF `moe_intermediate_size`)."""
+    norm_topk_prob: bool
+    """True: the chosen experts' probabilities are renormalised to sum to 1 (a softmax over
+    the top-k logits); False: they keep their share of the softmax over every expert."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts <= 0 or self.ffn_hidden_size <= 0:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) and the expert width "
+                f"({self.ffn_hidden_size}) must be positive"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k must lie in [1, num_experts={self.num_experts}], got {self.top_k}"
+            )
+
 
 _REQUIRED_KEYS = (
     "hidden_size",
@@ -62,6 +98,8 @@ class ModelSpec:
     qk_layernorm: bool
     pad_token_id: int | None = None
     """The embedding row HF never trains (`padding_row`), in [0, vocab_size); None: none."""
+    moe: MoESpec | None = None
+    """The routed experts that replace every layer's MLP; None: a dense model."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -94,6 +132,16 @@ class ModelSpec:
             raise ValueError(
                 f"pad_token_id must lie in [0, {self.vocab_size}), got {self.pad_token_id}"
             )
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ValueError(
+                f"family {self.family.value!r} "
+                + ("needs" if self.family in MOE_FAMILIES else "has no")
+                + " mixture-of-experts settings"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
 
     @property
     def heads_per_group(self) -> int:
@@ -141,8 +189,9 @@ class ModelSpec:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family is ModelFamily.QWEN2,  # Qwen2 q/k/v always carry a bias.
-            qk_layernorm=family is ModelFamily.QWEN3,
+            qk_layernorm=family in (ModelFamily.QWEN3, ModelFamily.QWEN3_MOE),
             pad_token_id=padding_row(cfg.get("pad_token_id"), int(cfg["vocab_size"])),
+            moe=_hf_moe(cfg, family) if family in MOE_FAMILIES else None,
         )
 
     @classmethod
@@ -174,6 +223,24 @@ class ModelSpec:
         }
         if self.pad_token_id is not None:
             cfg["pad_token_id"] = self.pad_token_id
+        if self.family is ModelFamily.MIXTRAL:
+            assert self.moe is not None and self.moe.norm_topk_prob
+            cfg.update(
+                num_local_experts=self.moe.num_experts,
+                num_experts_per_tok=self.moe.top_k,
+                intermediate_size=self.moe.ffn_hidden_size,
+                sliding_window=None,
+                router_jitter_noise=0.0,
+            )
+        elif self.moe is not None:
+            cfg.update(
+                num_experts=self.moe.num_experts,
+                num_experts_per_tok=self.moe.top_k,
+                moe_intermediate_size=self.moe.ffn_hidden_size,
+                norm_topk_prob=self.moe.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
         if self.family is ModelFamily.MISTRAL:
             # MistralConfig's default is a 4096-token window: say "none" explicitly.
             cfg["sliding_window"] = None
@@ -209,6 +276,49 @@ def padding_row(pad_token_id: Any, vocab_size: int) -> int | None:
     return row % vocab_size
 
 
+def _hf_moe(cfg: Mapping[str, Any], family: ModelFamily) -> MoESpec:
+    """The experts of a Qwen3-MoE or Mixtral config. transformers 5 calls Qwen3-MoE's expert
+    count `num_local_experts` where the published configs say `num_experts`; both are read.
+    Mixtral's experts are `intermediate_size` wide and always renormalise their top-k."""
+    mixtral = family is ModelFamily.MIXTRAL
+    experts = cfg.get("num_local_experts") if mixtral else cfg.get("num_experts")
+    if experts is None and not mixtral:
+        experts = cfg.get("num_local_experts")
+    width_key = "intermediate_size" if mixtral else "moe_intermediate_size"
+    absent = [
+        key
+        for key, value in (
+            ("num_local_experts" if mixtral else "num_experts", experts),
+            ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+            (width_key, cfg.get(width_key)),
+        )
+        if value is None
+    ]
+    if absent or experts is None:
+        raise ValueError(f"mixture-of-experts config lacks required keys {absent}")
+    return MoESpec(
+        num_experts=int(experts),
+        top_k=int(cfg["num_experts_per_tok"]),
+        ffn_hidden_size=int(cfg[width_key]),
+        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+    )
+
+
+def _reject_dense_layers(cfg: Mapping[str, Any]) -> None:
+    """Every layer must be an expert layer: dense MLP layers mixed in (`mlp_only_layers`, a
+    `decoder_sparse_step` above 1) would need a second layer spec."""
+    dense = list(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    if dense or step != 1:
+        raise ValueError(
+            f"unsupported dense layers among the expert layers (mlp_only_layers={dense}, "
+            f"decoder_sparse_step={step}): every layer must route to experts "
+            "(mlp_only_layers [] and decoder_sparse_step 1)"
+        )
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("unsupported shared expert (shared_expert_intermediate_size)")
+
+
 def _reject_unsupported_features(cfg: Mapping[str, Any], family: ModelFamily) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
@@ -234,6 +344,19 @@ def _reject_unsupported_features(cfg: Mapping[str, Any], family: ModelFamily) ->
         for key in ("llama_4_scaling", "ada_rms_norm_t_cond"):
             if cfg.get(key):
                 raise ValueError(f"unsupported {key}={cfg[key]!r} for mistral")
+    if family is ModelFamily.MIXTRAL:
+        if cfg.get("sliding_window") is not None:
+            raise ValueError(
+                f"unsupported sliding_window={cfg['sliding_window']!r} for mixtral: only full "
+                "attention (sliding_window null) is supported"
+            )
+        if cfg.get("router_jitter_noise"):
+            raise ValueError(
+                f"unsupported router_jitter_noise={cfg['router_jitter_noise']!r}: routing "
+                "must not be noised in training"
+            )
+    if family in MOE_FAMILIES:
+        _reject_dense_layers(cfg)
     layer_types = cfg.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"unsupported layer_types {sorted(set(layer_types))}: full attention only")

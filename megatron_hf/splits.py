@@ -2,8 +2,10 @@
 
 Megatron-core splits attention heads, key/value groups and the MLP's hidden size over the
 tensor-parallel ranks and whole layers over the pipeline stages; it accepts some impossible
-splits at build time and fails only on the first step (one KV group over two TP ranks). The
-vocabulary is padded to a multiple of ``vocab_multiple * TP`` rows, so it always splits.
+splits at build time and fails only on the first step (one KV group over two TP ranks). A
+mixture of experts deals whole experts out over expert-parallel ranks and splits each one's
+width over expert-tensor-parallel ranks. The vocabulary is padded to a multiple of
+``vocab_multiple * TP`` rows, so it always splits.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ class UnsplittableModel(ValueError):
 
 
 def trainer_layout_problems(
-    spec: ModelSpec, *, tensor_parallel: int, pipeline_parallel: int
+    spec: ModelSpec,
+    *,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int = 1,
 ) -> list[str]:
-    """Every reason `spec` cannot be trained at TP=`tensor_parallel` x PP=`pipeline_parallel`,
-    each naming its numbers; empty when it can."""
+    """Every reason `spec` cannot be trained at TP=`tensor_parallel` x PP=`pipeline_parallel`
+    (with EP x ETP for its experts), each naming its numbers; empty when it can."""
     tp, pp = tensor_parallel, pipeline_parallel
     problems = []
     if spec.num_attention_heads % tp:
@@ -41,16 +48,57 @@ def trainer_layout_problems(
         stage_layers(spec.num_layers, pp, 0)
     except ValueError as e:
         problems.append(str(e))
+    return problems + _expert_problems(spec, tp, expert_parallel, expert_tensor_parallel)
+
+
+def _expert_problems(spec: ModelSpec, tp: int, ep: int, etp: int) -> list[str]:
+    """Experts are dealt out whole over EP ranks and each one's width split over ETP ranks.
+    megatron trains expert layers under TP > 1 only with sequence parallelism, which the
+    trainer does not run: experts spread over data-parallel ranks instead."""
+    if spec.moe is None:
+        if ep > 1 or etp > 1:
+            return [f"a dense model has no experts to split over EP {ep} x ETP {etp}"]
+        return []
+    problems = []
+    if tp > 1:
+        problems.append(
+            f"mixture-of-experts layers train at tensor parallel 1 only, got {tp} (megatron "
+            "needs sequence parallelism there, which the trainer does not run): spread the "
+            "experts over data-parallel ranks with --dp and --ep instead"
+        )
+    if spec.moe.num_experts % ep:
+        problems.append(f"{spec.moe.num_experts} experts do not split over expert parallel {ep}")
+    if spec.moe.ffn_hidden_size % etp:
+        problems.append(
+            f"expert width (moe_intermediate_size) {spec.moe.ffn_hidden_size} does not split "
+            f"over expert tensor parallel {etp}"
+        )
     return problems
 
 
-def check_trainer_layout(spec: ModelSpec, *, tensor_parallel: int, pipeline_parallel: int) -> None:
+def check_trainer_layout(
+    spec: ModelSpec,
+    *,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int = 1,
+) -> None:
     """Raise `UnsplittableModel` listing every problem of `trainer_layout_problems`."""
     problems = trainer_layout_problems(
-        spec, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel
+        spec,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel,
     )
     if problems:
+        experts = (
+            f" EP={expert_parallel} ETP={expert_tensor_parallel}"
+            if expert_parallel * expert_tensor_parallel > 1
+            else ""
+        )
         raise UnsplittableModel(
-            f"the model cannot be trained at TP={tensor_parallel} PP={pipeline_parallel}: "
-            + "; ".join(problems)
+            f"the model cannot be trained at TP={tensor_parallel} PP={pipeline_parallel}"
+            f"{experts}: " + "; ".join(problems)
         )

@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -25,9 +27,11 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
-from megatron_hf.spec import ModelFamily
+from megatron_hf.spec import ModelFamily, MoESpec
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3
@@ -39,7 +43,13 @@ _MODEL_CLASSES: dict[ModelFamily, tuple[type[PretrainedConfig], type[PreTrainedM
     ModelFamily.QWEN2: (Qwen2Config, Qwen2ForCausalLM),
     ModelFamily.QWEN3: (Qwen3Config, Qwen3ForCausalLM),
     ModelFamily.MISTRAL: (MistralConfig, MistralForCausalLM),
+    ModelFamily.QWEN3_MOE: (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    ModelFamily.MIXTRAL: (MixtralConfig, MixtralForCausalLM),
 }
+
+TINY_EXPERTS = MoESpec(num_experts=8, top_k=2, ffn_hidden_size=32, norm_topk_prob=True)
+"""The experts of a tiny MoE checkpoint unless others are asked for: 8 split over EP 1, 2, 4
+or 8, and their width 32 over ETP 2 or 4."""
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -96,13 +106,15 @@ def write_tiny_checkpoint(
     rope_scaling: Mapping[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int | None = None,
+    experts: MoESpec | None = None,
 ) -> Path:
     """Write a seeded random model + tokenizer to `path`; returns `path`.
 
     `rope_scaling` is an HF RoPE dict (`megatron_hf.rope`); a scaled model's
     max_position_embeddings is its extended length, as in HF's long-context configs. The weights
     are drawn in float32 and saved in `dtype`; `max_shard_bytes` splits them into several files
-    with an index, as large checkpoints ship."""
+    with an index, as large checkpoints ship. `experts` sets a mixture-of-experts family's
+    experts (default `TINY_EXPERTS`); a dense family refuses them."""
     default_head_dim = hidden_size // num_attention_heads
     if hidden_size % num_attention_heads and head_dim is None:
         raise ValueError(
@@ -129,10 +141,29 @@ def write_tiny_checkpoint(
     }
     if rope_scaling is not None:
         fields["rope_scaling"] = dict(rope_scaling)
-    if family is ModelFamily.MISTRAL:
+    if family in (ModelFamily.MISTRAL, ModelFamily.MIXTRAL):
         fields["sliding_window"] = None
     if family is not ModelFamily.QWEN2:
         fields["head_dim"] = head_dim or default_head_dim
+    if family is ModelFamily.QWEN3_MOE:
+        moe = experts or TINY_EXPERTS
+        fields.update(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.ffn_hidden_size,
+            norm_topk_prob=moe.norm_topk_prob,
+        )
+    elif family is ModelFamily.MIXTRAL:
+        moe = experts or TINY_EXPERTS
+        if not moe.norm_topk_prob:
+            raise ValueError("Mixtral always renormalises its top-k: norm_topk_prob must be True")
+        fields.update(
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            intermediate_size=moe.ffn_hidden_size,
+        )
+    elif experts is not None:
+        raise ValueError(f"{family.value} has no experts")
     config = config_cls(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -153,5 +184,9 @@ def _perturb_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):
+                # A decisive router: clear gaps between the experts' scores, so that float
+                # noise in two implementations does not change which experts a token takes.
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))

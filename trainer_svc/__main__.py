@@ -44,16 +44,29 @@ def _model_dir(config: TrainerConfig, work: Path) -> Path:
 
 def _check_layout(config: TrainerConfig, model_dir: Path) -> None:
     """Exit with a usage error, before any rank starts, when the model cannot be split into
-    the requested layout."""
+    the requested layout (or its weights cannot be published)."""
     from megatron_hf.spec import ModelSpec
     from megatron_hf.splits import check_trainer_layout
 
     try:
+        spec = ModelSpec.from_pretrained_dir(model_dir)
         check_trainer_layout(
-            ModelSpec.from_pretrained_dir(model_dir),
+            spec,
             tensor_parallel=config.layout.tensor_parallel,
             pipeline_parallel=config.layout.pipeline_parallel,
+            expert_parallel=config.layout.expert_parallel,
+            expert_tensor_parallel=config.layout.expert_tensor_parallel,
         )
+        if spec.is_moe and config.layout.expert_tensor_parallel > 1 and _on_cpu(config):
+            raise ValueError(
+                f"expert tensor parallel {config.layout.expert_tensor_parallel} needs GPU "
+                "ranks: its uneven all-gathers of routed tokens are not available over gloo"
+            )
+        if spec.is_moe and config.refit.sidecar is not None:
+            raise ValueError(
+                "publishing a mixture-of-experts model's weights (--sidecar) is not supported "
+                "yet: the refit of experts into vLLM is not built; run without --sidecar"
+            )
     except ValueError as e:
         print(f"trainer-svc: error: {e}", file=sys.stderr)
         sys.exit(2)

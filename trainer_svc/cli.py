@@ -11,6 +11,7 @@ from trainer_refit.auth import Role, roles_in
 from trainer_svc.config import (
     Attention,
     Device,
+    ExpertsConfig,
     LivenessConfig,
     ModelConfig,
     OptimizerConfig,
@@ -105,6 +106,31 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     layout.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    layout.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (mixture-of-experts models): whole experts dealt out over "
+        "the TP x DP ranks of each stage",
+    )
+    layout.add_argument(
+        "--etp",
+        type=int,
+        default=1,
+        help="expert-tensor-parallel size: each expert's width split this many ways (default "
+        "1, as megatron recommends); EP x ETP must divide TP x DP",
+    )
+    layout.add_argument(
+        "--moe-aux-loss-coeff",
+        type=float,
+        default=ExpertsConfig.aux_loss_coeff,
+        help="weight of the mixture-of-experts load-balancing loss (default 0: off)",
+    )
+    layout.add_argument(
+        "--moe-freeze-router",
+        action="store_true",
+        help="keep the mixture-of-experts routers' weights as loaded (the experts still train)",
+    )
     layout.add_argument("--device", choices=[d.value for d in Device], default="auto")
     optim = parser.add_argument_group("optimizer defaults (BeginTrainStep may override)")
     optim.add_argument("--optimizer", choices=[k.value for k in OptimizerKind], default="adam")
@@ -270,9 +296,16 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             deterministic=args.deterministic,
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,
+            experts=ExpertsConfig(
+                aux_loss_coeff=args.moe_aux_loss_coeff, freeze_router=args.moe_freeze_router
+            ),
         ),
         layout=ParallelLayout(
-            tensor_parallel=args.tp, pipeline_parallel=args.pp, data_parallel=args.dp
+            tensor_parallel=args.tp,
+            pipeline_parallel=args.pp,
+            data_parallel=args.dp,
+            expert_parallel=args.ep,
+            expert_tensor_parallel=args.etp,
         ),
         optimizer=OptimizerConfig(
             kind=OptimizerKind(args.optimizer),

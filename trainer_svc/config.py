@@ -101,25 +101,65 @@ class Device(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Sizes of the rank grid; ranks are ordered tp-fastest, then dp, then pp (as in Megatron)."""
+    """Sizes of the rank grid; ranks are ordered tp-fastest, then dp, then pp (as in Megatron).
+
+    A mixture-of-experts model's experts are laid out on the same ranks folded another way
+    (megatron's "parallel folding"): each stage's TP x DP ranks form an ETP x EP x EDP grid,
+    ETP splitting each expert's width, EP dealing out whole experts, EDP replicating them."""
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
+    """1 by default, as megatron's MoE guide recommends: each expert whole on its rank."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        for name in (
+            "tensor_parallel",
+            "pipeline_parallel",
+            "data_parallel",
+            "expert_parallel",
+            "expert_tensor_parallel",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        stage_ranks = self.tensor_parallel * self.data_parallel
+        expert_ranks = self.expert_parallel * self.expert_tensor_parallel
+        if stage_ranks % expert_ranks:
+            raise ValueError(
+                f"expert parallel {self.expert_parallel} x expert tensor parallel "
+                f"{self.expert_tensor_parallel} = {expert_ranks} does not divide the "
+                f"{stage_ranks} ranks of a pipeline stage (TP {self.tensor_parallel} x DP "
+                f"{self.data_parallel})"
+            )
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Replicas of each expert within a pipeline stage."""
+        return (
+            self.tensor_parallel
+            * self.data_parallel
+            // (self.expert_parallel * self.expert_tensor_parallel)
+        )
+
+    @property
+    def has_expert_grid(self) -> bool:
+        return self.expert_parallel * self.expert_tensor_parallel > 1
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
     def describe(self) -> str:
+        experts = (
+            f"EP={self.expert_parallel} ETP={self.expert_tensor_parallel} "
+            if self.has_expert_grid
+            else ""
+        )
         return (
             f"TP={self.tensor_parallel} PP={self.pipeline_parallel} DP={self.data_parallel} "
-            f"(world size {self.world_size})"
+            f"{experts}(world size {self.world_size})"
         )
 
 
@@ -149,6 +189,26 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertsConfig:
+    """How a mixture-of-experts model's routing trains (ignored for a dense model)."""
+
+    aux_loss_coeff: float = 0.0
+    """Weight of megatron's load-balancing loss (Switch-style, per pass); 0 turns it off, as
+    RL post-training usually runs: the router then learns from the policy loss alone."""
+
+    freeze_router: bool = False
+    """Keep every router's weights as loaded: the experts and the rest train, which expert a
+    token goes to changes only through its hidden state (RL setups often freeze it)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.aux_loss_coeff) and self.aux_loss_coeff >= 0):
+            raise ValueError(
+                f"the load-balancing loss coefficient must be finite and >= 0, got "
+                f"{self.aux_loss_coeff}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf_path: Path | None = None
     """A local HF checkpoint (config.json, optionally *.safetensors) or config-only directory.
@@ -163,6 +223,7 @@ class ModelConfig:
     """Vocab rows are padded to a multiple of vocab_multiple * tensor_parallel."""
     max_sequence_length: int | None = None
     """Longest accepted sequence; None uses the model's max_position_embeddings."""
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
 
     def __post_init__(self) -> None:
         if self.vocab_multiple < 1:

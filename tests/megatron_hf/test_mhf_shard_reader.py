@@ -23,6 +23,8 @@ VARIANTS = {
     "llama_tied": {"family": ModelFamily.LLAMA, "tie_word_embeddings": True},
     "qwen2_bias": {"family": ModelFamily.QWEN2},
     "qwen3_qk_norm": {"family": ModelFamily.QWEN3, "head_dim": 24},
+    # Expert tensors split over ETP ranks as dense ones over TP ranks (`tp` stands for both).
+    "qwen3_moe_experts": {"family": ModelFamily.QWEN3_MOE},
 }
 
 

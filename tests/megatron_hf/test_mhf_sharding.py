@@ -96,7 +96,7 @@ def test_tp_placement_table(name: str, expected: TPPlacement) -> None:
 
 def test_tp_placement_rejects_unknown_and_extra_state() -> None:
     with pytest.raises(ValueError, match="unknown Megatron parameter"):
-        tp_placement("decoder.layers.0.mlp.router.weight")
+        tp_placement("decoder.layers.0.mlp.shared_experts.gate_weight")
     with pytest.raises(ValueError, match="extra state"):
         tp_placement("decoder.layers.0.mlp.linear_fc1._extra_state")
 

@@ -110,6 +110,8 @@ INVALID = [
     (["--tp", "two"], "argument --tp: invalid int value: 'two'"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--dp", "2", "--ep", "4"], r"expert parallel 4 x expert tensor parallel 1 = 4 does not"),
+    (["--moe-aux-loss-coeff", "-1"], "load-balancing loss coefficient must be finite and >= 0"),
 ]
 
 
@@ -154,3 +156,12 @@ def test_a_given_work_dir_is_used_and_no_scratch_dir_is_made(
     with work_dir(default) as work:
         assert work.parent == scratch and work.name.startswith("trainer-svc-") and work.is_dir()
     assert not work.exists()
+
+
+def test_expert_flags_are_parsed_into_the_layout_and_model_config() -> None:
+    config, _ = parse_config(
+        ["--insecure", "--dp", "4", "--ep", "2", "--etp", "2", "--moe-aux-loss-coeff", "0.01"]
+    )
+    assert (config.layout.expert_parallel, config.layout.expert_tensor_parallel) == (2, 2)
+    assert config.layout.expert_data_parallel == 1
+    assert config.model.experts.aux_loss_coeff == 0.01

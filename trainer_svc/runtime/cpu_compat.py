@@ -66,6 +66,26 @@ class CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``: recorded CPU work has already happened (the MoE
+    all-to-all dispatcher waits on one before it reads its split sizes)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _CpuStream:
     """Stands in for ``torch.cuda.Stream``: CPU work is already ordered."""
 
@@ -82,7 +102,7 @@ class _CpuStream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event
+        return _CpuEvent() if event is None else event
 
 
 def _install_rng_tracker() -> None:
@@ -141,6 +161,7 @@ def install() -> None:
         "synchronize": lambda device=None: None,
         "empty_cache": lambda: None,
         "Stream": _CpuStream,
+        "Event": _CpuEvent,
         "current_stream": lambda device=None: _CpuStream(),
         "default_stream": lambda device=None: _CpuStream(),
         "stream": lambda stream=None: contextlib.nullcontext(),

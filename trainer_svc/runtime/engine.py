@@ -45,7 +45,7 @@ from trainer_svc.domain import (
     StepMetrics,
 )
 from trainer_svc.runtime import commands as cmd
-from trainer_svc.runtime import cpu_compat, documents
+from trainer_svc.runtime import cpu_compat, documents, expert_lockstep
 from trainer_svc.runtime.agreement import CommandFailed, phase
 from trainer_svc.runtime.checkpointing import Checkpointer, TrainingState
 from trainer_svc.runtime.finite import Contents, contents
@@ -151,7 +151,9 @@ class StepEngine:
         self.pass_tokens = pass_tokens or limits.max_tokens
         self.layout = layout
         self.reference = reference
-        self.runner = ModelRunner(built.ddp, device)
+        self.runner = ModelRunner(
+            built.ddp, device, before_pass=built.balancing.set_pass if built.balancing else None
+        )
         local_vocab = padded_vocab // topology.layout.tensor_parallel
         self.vocab_shard = VocabShard(
             start=topology.tp_rank * local_vocab,
@@ -458,8 +460,12 @@ class StepEngine:
             count = sums["valid_tokens"].detach().to(torch.int)
             return sums["loss"], count, {k: v.detach() for k, v in sums.items()}
 
+        def filler_loss(batch: PackedBatch, logits: torch.Tensor) -> Any:
+            value, count, _ = loss_function(batch, logits)
+            return value * 0.0, count * 0, {}
+
         # Gradients and loss sums accumulate over the passes as over microbatches.
-        for part in self._passes(local):
+        for part, real in expert_lockstep.aligned(self._passes(local), batch, self.topology):
             packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
             if packed is None:  # nothing to predict: one-token sequences only
                 continue
@@ -467,7 +473,10 @@ class StepEngine:
                 assert self.reference is not None  # BeginStep's precheck
                 reference = self.reference.logprobs(self.runner, packed, self._score)
                 packed.token_inputs.reference_logprobs = reference
-            outputs = self.runner.run(packed, loss_function, forward_only=False)
+            run_loss = loss_function if real else filler_loss
+            outputs = self.runner.run(packed, run_loss, forward_only=False, trains=real)
+            if not real:
+                continue
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
                 for sums in outputs:
                     values = torch.stack([sums[k].to(torch.float64) for k in SUM_FIELDS])
@@ -703,7 +712,8 @@ class StepEngine:
         # Per-token outputs of this rank's share, pass after pass (passes are consecutive); a
         # pass with nothing to predict (one-token sequences) gives zeros.
         passes: list[tuple[Any, dict[str, np.ndarray]]] = []
-        for part in self._passes(local):
+        aligned = expert_lockstep.aligned(self._passes(local), command.batch, self.topology)
+        for part, real in aligned:
             packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
             found: dict[str, np.ndarray] = {}
             if packed is not None:
@@ -713,11 +723,12 @@ class StepEngine:
                     reference = self.reference.logprobs(self.runner, packed, self._score)
                     if outputs and reference is not None:
                         outputs[0]["reference_logprobs"] = reference
-                if outputs:
+                if outputs and real:
                     found = {
                         k: packed.per_token(v.cpu().numpy(), part) for k, v in outputs[0].items()
                     }
-            passes.append((part, found))
+            if real:
+                passes.append((part, found))
         shapes = {k: v for _, found in passes for k, v in found.items()}
         rows = {
             key: np.concatenate(

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_hf.checkpoint import SIDECAR_FILES
 from megatron_hf.convert import hf_names_of, megatron_names, megatron_param_to_hf
+from megatron_hf.experts import expert_owner, is_expert_name, parse_expert_suffix
 from megatron_hf.export_plan import ExportPlan, PlannedFile, plan_export
 from megatron_hf.safetensors_file import INDEX_NAME, FileWriter
 from megatron_hf.sharding import stage_of, unshard
@@ -63,11 +64,13 @@ def export_plan(
 def write_stage_files(
     model: torch.nn.Module, spec: ModelSpec, topology: Topology, plan: ExportPlan, path: Path
 ) -> None:
-    """Collective over each stage's TP group of replica 0: writes this stage's files of `plan`
-    into `path` (on the writer; the others send their shards)."""
-    if topology.dp_rank != 0:
+    """Collective over each stage's TP group of replica 0 (and, with an expert grid, the
+    ranks holding the stage's experts): writes this stage's files of `plan` into `path` (on the
+    writer; the others send their shards)."""
+    expert_grid = topology.layout.has_expert_grid
+    if topology.dp_rank != 0 and not expert_grid:
         return
-    writer = topology.tp_rank == 0
+    writer = topology.dp_rank == 0 and topology.tp_rank == 0
     files = plan.files_of(topology.pp_rank)
     where = {t.name: (k, t) for k, f in enumerate(files) for t in f.tensors}
     dtypes = {t.name: t.dtype for f in plan.files for t in f.tensors}
@@ -81,8 +84,13 @@ def write_stage_files(
             if stage_of(name, layers, stages) != topology.pp_rank:
                 continue
             # Every HF tensor of a parameter has the parameter's planned dtype.
-            cast = dtypes[hf_names_of(name)[0]]
-            pieces = _gathered(params[name].detach().to(cast), topology, writer)
+            cast = dtypes[hf_names_of(name, spec)[0]]
+            if expert_grid and is_expert_name(name):
+                pieces = _expert_gathered(name, params, cast, spec, topology)
+            elif topology.dp_rank != 0:
+                continue
+            else:
+                pieces = _gathered(params[name].detach().to(cast), topology, writer)
             if pieces is None or failure is not None:
                 continue  # a failed writer still takes its part in every gather
             try:
@@ -143,6 +151,51 @@ def _gathered(shard: torch.Tensor, topology: Topology, writer: bool) -> list[tor
     dst = dist.get_global_rank(topology.tp_group, 0)
     dist.gather(shard, pieces, dst=dst, group=topology.tp_group)
     return pieces
+
+
+def _expert_gathered(
+    name: str,
+    params: dict[str, torch.nn.Parameter],
+    cast: torch.dtype,
+    spec: ModelSpec,
+    topology: Topology,
+) -> list[torch.Tensor] | None:
+    """An expert tensor, whole, on the stage's writer (None elsewhere): its ETP parts meet on
+    their ETP rank 0 of expert replica 0, which sends it to the writer. Only the holders and
+    the writer take part, every one in the same order of names."""
+    assert spec.moe is not None
+    param = parse_expert_suffix(name.split(".", 3)[3])
+    assert param is not None
+    owner, _ = expert_owner(
+        param.expert,
+        num_experts=spec.moe.num_experts,
+        expert_parallel=topology.layout.expert_parallel,
+    )
+    holder = topology.expert_holder(owner, 0)
+    writer = topology.stage_writer
+    if topology.ep_rank == owner and topology.edp_rank == 0:
+        shard = params[name].detach().to(cast).contiguous()
+        etp = topology.layout.expert_tensor_parallel
+        if etp > 1:
+            first = topology.etp_rank == 0
+            pieces = [torch.empty_like(shard) for _ in range(etp)] if first else None
+            dst = dist.get_global_rank(topology.etp_group, 0)
+            dist.gather(shard, pieces, dst=dst, group=topology.etp_group)
+            if pieces is None:
+                return None
+            shard = unshard(name, pieces).contiguous()
+        if topology.rank == writer:
+            return [shard]
+        dist.send(shard, dst=writer)
+        return None
+    if topology.rank != writer:
+        return None
+    width = spec.moe.ffn_hidden_size
+    shape = (2 * width, spec.hidden_size) if param.fc == 1 else (spec.hidden_size, width)
+    device = next(iter(params.values())).device
+    received = torch.empty(shape, dtype=cast, device=device)
+    dist.recv(received, src=holder)
+    return [received]
 
 
 def _open(path: Path, planned: PlannedFile) -> FileWriter:

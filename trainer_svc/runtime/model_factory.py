@@ -16,11 +16,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hf.spec import ModelSpec
-from trainer_svc.config import Attention, OptimizerConfig, ParamsDType, Recompute
-from trainer_svc.runtime import norms, rotary, update_kernels
+from trainer_svc.config import Attention, ExpertsConfig, OptimizerConfig, ParamsDType, Recompute
+from trainer_svc.runtime import moe_compat, norms, rotary, update_kernels
+from trainer_svc.runtime.load_balancing import SequenceBalancing
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 from trainer_svc.runtime.topology import Topology
 
@@ -33,6 +35,8 @@ class BuiltModel:
     ddp: DistributedDataParallel
     optimizer: Any
     config: TransformerConfig
+    balancing: SequenceBalancing | None = None
+    """The experts' load-balancing loss, where one is asked for."""
 
 
 def transformer_engine_available() -> bool:
@@ -63,10 +67,12 @@ def transformer_config(
     *,
     recompute: Recompute = Recompute.NONE,
     deterministic: bool = False,
+    grouped_experts: bool = False,
 ) -> TransformerConfig:
     dtype = _DTYPES[params_dtype]
     return TransformerConfig(
         **_RECOMPUTE[recompute],
+        **_moe_settings(spec, topology, grouped=grouped_experts),
         deterministic_mode=deterministic,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -102,13 +108,52 @@ def transformer_config(
     )
 
 
+def _moe_settings(spec: ModelSpec, topology: Topology, *, grouped: bool) -> dict[str, Any]:
+    """megatron's MoE settings for HF's top-k softmax router: with `norm_topk_prob` a softmax
+    over the chosen experts' logits (megatron's default order: top-k first), without it each
+    chosen expert keeps its share of the softmax over all (`moe_router_pre_softmax`). The
+    router computes in fp32 whatever the parameters' dtype; megatron's per-pass load-balancing
+    loss stays off (`load_balancing.SequenceBalancing` replaces it)."""
+    moe = spec.moe
+    if moe is None:
+        return {}
+    layout = topology.layout
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_router_topk": moe.top_k,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        # The load-balancing loss, when asked for, is the trainer's own (`load_balancing`).
+        "moe_router_load_balancing_type": "none",
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": grouped,
+        "expert_model_parallel_size": layout.expert_parallel,
+        "expert_tensor_parallel_size": layout.expert_tensor_parallel,
+    }
+
+
+def uses_transformer_engine(attention: Attention, *, on_gpu: bool) -> bool:
+    """Whether the layers are Transformer Engine's (then experts run as one grouped GEMM)."""
+    return attention is Attention.AUTO and on_gpu and transformer_engine_available()
+
+
 def layer_spec_for(spec: ModelSpec, attention: Attention, *, on_gpu: bool) -> ModuleSpec:
     """Transformer Engine's layer spec where it is asked for (auto: on a GPU where it imports);
     otherwise megatron's local spec, with its core attention replaced by `SdpaAttention` unless
     `Attention.LOCAL` is asked for."""
-    if attention is Attention.AUTO and on_gpu and transformer_engine_available():
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    experts = spec.moe.num_experts if spec.moe is not None else None
+    if uses_transformer_engine(attention, on_gpu=on_gpu):
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts,
+            moe_grouped_gemm=experts is not None,
+            qk_layernorm=spec.qk_layernorm,
+        )
+    # Without Transformer Engine: SequentialMLP, each local expert its own pair of linears.
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=experts, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+    )
     if attention is not Attention.LOCAL:
         self_attention = layer_spec.submodules.self_attention
         self_attention.submodules.core_attention = SdpaAttention
@@ -128,9 +173,17 @@ def build_model(
     deterministic: bool = False,
 ) -> tuple[GPTModel, TransformerConfig]:
     config = transformer_config(
-        spec, topology, params_dtype, on_gpu, recompute=recompute, deterministic=deterministic
+        spec,
+        topology,
+        params_dtype,
+        on_gpu,
+        recompute=recompute,
+        deterministic=deterministic,
+        grouped_experts=spec.is_moe and uses_transformer_engine(attention, on_gpu=on_gpu),
     )
     layer_spec = layer_spec_for(spec, attention, on_gpu=on_gpu)
+    if spec.is_moe:
+        moe_compat.install()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -180,9 +233,23 @@ def freeze_padding_row(model: GPTModel, pad_token_id: int) -> None:
     embedding.register_forward_hook(detach_pad_positions)
 
 
+def freeze_routers(model: GPTModel) -> None:
+    """Routers take no gradient and so no update: DDP and the optimizer leave out parameters
+    that do not require one."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.weight.requires_grad_(False)
+
+
 def wrap_for_training(
-    model: GPTModel, config: TransformerConfig, topology: Topology, optimizer: OptimizerConfig
+    model: GPTModel,
+    config: TransformerConfig,
+    topology: Topology,
+    optimizer: OptimizerConfig,
+    experts: ExpertsConfig | None = None,
 ) -> BuiltModel:
+    if experts is not None and experts.freeze_router:
+        freeze_routers(model)
     distributed = topology.layout.data_parallel > 1
     ddp = DistributedDataParallel(
         config,
@@ -213,7 +280,11 @@ def wrap_for_training(
     _initialize_optimizer_state(megatron_optimizer)
     # The step engine reduces gradients itself, once per step (see engine.finish).
     config.finalize_model_grads_func = None
-    return BuiltModel(model=model, ddp=ddp, optimizer=megatron_optimizer, config=config)
+    coeff = experts.aux_loss_coeff if experts is not None else 0.0
+    balancing = SequenceBalancing(model, coeff) if config.num_moe_experts and coeff else None
+    return BuiltModel(
+        model=model, ddp=ddp, optimizer=megatron_optimizer, config=config, balancing=balancing
+    )
 
 
 def _initialize_optimizer_state(optimizer: Any) -> None:

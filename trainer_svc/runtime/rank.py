@@ -120,6 +120,8 @@ def _init_model_parallel(config: TrainerConfig, device: torch.device) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_parallel,
         pipeline_model_parallel_size=layout.pipeline_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel,
     )
     torch.manual_seed(config.seed)
     model_parallel_cuda_manual_seed(config.seed)
@@ -171,7 +173,9 @@ def build_engine(
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
             pack_parameters(published_parameters(model, spec, topology).values())
-        built = wrap_for_training(model, transformer_config, topology, config.optimizer)
+        built = wrap_for_training(
+            model, transformer_config, topology, config.optimizer, config.model.experts
+        )
         reference = None
         if config.reference.weights is ReferenceWeights.INITIAL:
             reference = ReferencePolicy(model, config.reference.placement)

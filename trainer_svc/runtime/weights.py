@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from megatron_hf.convert import local_spec_name
+from megatron_hf.experts import globalize_expert_name, is_expert_name
 from megatron_hf.safetensors_file import CheckpointFiles
 from megatron_hf.shard_reader import check_checkpoint, padding_rows, read_shard
 from megatron_hf.sharding import global_layer_name, stage_layers
@@ -26,12 +27,31 @@ def local_parameters(
     model: torch.nn.Module, spec: ModelSpec, topology: Topology
 ) -> dict[str, torch.nn.Parameter]:
     """This rank's parameters by global local-spec Megatron name (TE-spec names mapped, layer
-    indices made global)."""
+    and expert indices made global)."""
     offset = layer_offset(spec, topology)
     return {
-        local_spec_name(global_layer_name(name, offset)): param
+        _global_name(local_spec_name(global_layer_name(name, offset)), spec, topology): param
         for name, param in model.named_parameters()
     }
+
+
+def _global_name(name: str, spec: ModelSpec, topology: Topology) -> str:
+    if spec.moe is None:
+        return name
+    return globalize_expert_name(
+        name,
+        ep_rank=topology.ep_rank,
+        num_experts=spec.moe.num_experts,
+        expert_parallel=topology.layout.expert_parallel,
+    )
+
+
+def split_of(name: str, topology: Topology) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel split a parameter's shard is part of: ETP for an
+    expert tensor, TP for the rest."""
+    if is_expert_name(name):
+        return topology.etp_rank, topology.layout.expert_tensor_parallel
+    return topology.tp_rank, topology.layout.tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -56,16 +76,16 @@ def load_hf_weights(
     """Copies this rank's TP shard of every parameter from the HF checkpoint in `model_dir`,
     reading only those bytes, one parameter at a time: no rank holds the whole checkpoint, and
     at most one converted parameter is in flight."""
-    tp = topology.layout.tensor_parallel
     share = 0
     with CheckpointFiles(model_dir) as files:
         check_checkpoint(files, spec)
         for name, param in local_parameters(model, spec, topology).items():
             source = _EMBEDDING if name == _TIED_OUTPUT and spec.tie_word_embeddings else name
+            rank, size = split_of(name, topology)
             piece = read_shard(
-                files, source, spec, padded_vocab=padded_vocab, tp_rank=topology.tp_rank, tp_size=tp
+                files, source, spec, padded_vocab=padded_vocab, tp_rank=rank, tp_size=size
             )
-            zeros = padding_rows(source, spec, padded_vocab, topology.tp_rank, tp)
+            zeros = padding_rows(source, spec, padded_vocab, rank, size)
             share += (piece.numel() - zeros * piece[0].numel()) * piece.element_size()
             if piece.shape != param.shape:
                 raise ValueError(

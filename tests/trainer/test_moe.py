@@ -1,0 +1,236 @@
+"""Qwen3-MoE and Mixtral through the service, on megatron-core's MoE layers: Forward equals
+transformers' (which loads the per-expert checkpoint into its fused expert tensors itself) at
+EP=1 and at EP=2 over two data-parallel ranks, one Qwen3-MoE model (over two pipeline stages,
+its routers frozen) routing every token to every expert so that no routing flip can hide a
+misplaced expert; ExportHF gives back the
+source checkpoint bit for bit; a step streamed in pieces equals the step sent whole, with the
+load-balancing loss off and on, while the two data-parallel ranks run different numbers of
+passes; a layout the experts cannot be split into is refused at start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_hf.checkpoint import load_hf_state_dict
+from megatron_hf.spec import ModelFamily, MoESpec
+from megatron_hf.tiny import TINY_EXPERTS, write_tiny_checkpoint
+from tests.support.batches import make_batch, split
+from tests.support.parity import (
+    PARITY_BATCH,
+    assert_equals_transformers,
+    hf_logprobs,
+    parity_forward,
+)
+from tests.support.trainer import (
+    TEST_ENV,
+    TrainerProcess,
+    max_relative_difference,
+    start_trainers,
+    stop_trainers,
+)
+from trainer_svc.domain import (
+    ForwardOutput,
+    ForwardResult,
+    LossConfig,
+    LossKind,
+    Normalization,
+    OptimizerOverrides,
+    ReferenceSource,
+)
+
+EVERY_EXPERT = MoESpec(num_experts=8, top_k=8, ffn_hidden_size=32, norm_topk_prob=True)
+"""Top-k = all experts: every token's output depends on every expert's weights, so a layout
+error cannot hide behind a routing decision that happens to avoid the misplaced expert."""
+TWO_RANKS = ["--dp", "2", "--ep", "2", "--pass-token-budget", "40"]
+"""Experts 0-3 on rank 0, 4-7 on rank 1; the budget cuts each rank's share into passes, a
+different number on each rank for the step's batch."""
+AUX_LOSS = ["--moe-aux-loss-coeff", "0.1"]
+QWEN3_MOE = ModelFamily.QWEN3_MOE
+MIXTRAL = ModelFamily.MIXTRAL
+WORLDS: dict[str, tuple[ModelFamily, MoESpec, list[str]]] = {
+    "mixtral-ep1-aux-loss": (MIXTRAL, TINY_EXPERTS, ["--pass-token-budget", "40", *AUX_LOSS]),
+    "qwen3-moe-pp2-ep2-every-expert": (
+        QWEN3_MOE,
+        EVERY_EXPERT,
+        ["--pp", "2", *TWO_RANKS, "--moe-freeze-router"],
+    ),
+    "mixtral-ep2-aux-loss": (MIXTRAL, TINY_EXPERTS, [*TWO_RANKS, *AUX_LOSS]),
+}
+LOSS = LossConfig(kind=LossKind.PPO, normalization=Normalization.TOKEN, kl_coef=0.1)
+OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, adam_eps=1e-4)  # see test_split_step
+LENGTHS = [9, 17, 5, 12, 30, 7, 21]
+
+
+@dataclass(frozen=True)
+class World:
+    model_dir: Path
+    parity: ForwardResult
+    exported: dict[str, np.ndarray]
+    """ExportHF of the weights as loaded, in the trainer's own dtype."""
+    base: dict[str, np.ndarray]
+    whole: dict[str, np.ndarray]
+    """After one step of the batch sent whole, and streamed in three pieces."""
+    pieces: dict[str, np.ndarray]
+
+
+def _step(process: TrainerProcess, name: str, sizes: list[int]) -> dict[str, np.ndarray]:
+    process.client.load_checkpoint(process.workdir / "base")
+    batch = make_batch(seed=7, lengths=LENGTHS, loss=LOSS)
+    process.client.begin_step(name, LOSS, OPTIMIZER)
+    for i, part in enumerate(split(batch, sizes)):
+        process.client.train_microbatch(name, f"{name}-{i}", part)
+    process.client.finish_step(name)
+    return process.export(name)
+
+
+def _run(process: TrainerProcess, model_dir: Path) -> World:
+    parity = parity_forward(process)
+    exported = process.export("as-loaded")
+    process.client.save_checkpoint(process.workdir / "base")
+    whole = _step(process, "whole", [len(LENGTHS)])
+    pieces = _step(process, "pieces", [1, 4, 2])
+    return World(model_dir, parity, exported, exported, whole, pieces)
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, World]]:
+    root = tmp_path_factory.mktemp("moe")
+    models = {
+        (family, experts): write_tiny_checkpoint(
+            root / f"{family.value}-top{experts.top_k}",
+            family,
+            num_layers=2,
+            seed=5,
+            experts=experts,
+        )
+        for family, experts, _ in WORLDS.values()
+    }
+    processes = start_trainers(
+        {
+            name: (root / name, ["--model", str(models[(family, experts)]), *args])
+            for name, (family, experts, args) in WORLDS.items()
+        }
+    )
+    try:
+        yield {
+            name: _run(process, models[(WORLDS[name][0], WORLDS[name][1])])
+            for name, process in processes.items()
+        }
+    finally:
+        assert stop_trainers(processes.values()) == [0] * len(processes)
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_forward_equals_transformers(worlds, world):
+    result, model_dir = worlds[world].parity, worlds[world].model_dir
+    gap = np.abs(result.logprobs - hf_logprobs(model_dir, PARITY_BATCH)).max()
+    print(f"{world}: max |trainer - transformers| logprob {gap:.2e}")
+    assert_equals_transformers(result, model_dir)
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_export_gives_back_the_source_checkpoint_bit_for_bit(worlds, world):
+    """The same per-expert tensors in the files, and the same fused expert tensors once
+    transformers loads both directories."""
+    exported, model_dir = worlds[world].exported, worlds[world].model_dir
+    source = load_hf_state_dict(model_dir)
+    assert exported.keys() == source.keys()
+    for name, tensor in source.items():
+        assert np.array_equal(exported[name], tensor.numpy()), name
+    export_dir = next((model_dir.parent / world / "exports").glob("as-loaded"))
+    loaded = [
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).state_dict()
+        for d in (model_dir, export_dir)
+    ]
+    assert loaded[0].keys() == loaded[1].keys()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in loaded[0])  # fused in memory
+    for name, tensor in loaded[0].items():
+        assert torch.equal(tensor, loaded[1][name]), name
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_a_streamed_step_equals_the_step_sent_whole(worlds, world):
+    run = worlds[world]
+    moved = max_relative_difference(run.whole, run.base)
+    gap = max_relative_difference(run.pieces, run.whole)
+    print(f"{world}: step moved weights by {moved:.2e}, pieces vs whole gap {gap:.2e}")
+    assert moved > 1e-3
+    assert gap <= 1e-5
+
+
+def test_a_frozen_router_keeps_its_weights_while_the_experts_train(worlds):
+    run = worlds["qwen3-moe-pp2-ep2-every-expert"]
+    for layer in range(2):
+        router = f"model.layers.{layer}.mlp.gate.weight"
+        expert = f"model.layers.{layer}.mlp.experts.6.down_proj.weight"
+        assert np.array_equal(run.whole[router], run.base[router])
+        assert not np.array_equal(run.whole[expert], run.base[expert])
+
+
+def test_two_ranks_train_as_one(worlds):
+    """The same checkpoint and step (load-balancing loss on) at EP=1 on one rank and at EP=2
+    over two data-parallel ranks, whose passes differ, give the same update."""
+    one, two = worlds["mixtral-ep1-aux-loss"], worlds["mixtral-ep2-aux-loss"]
+    gap = max_relative_difference(two.whole, one.whole)
+    print(f"EP=2 vs EP=1 after one step: {gap:.2e}")
+    assert gap <= 1e-5
+
+
+def test_experts_that_do_not_split_over_ep_are_refused_at_start(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "model", ModelFamily.QWEN3_MOE, num_layers=2)
+    command = [sys.executable, "-m", "trainer_svc", "--port", "0", "--insecure"]
+    command += ["--model", str(model_dir), "--dp", "3", "--ep", "3"]
+    result = subprocess.run(
+        command,
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **TEST_ENV},
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "8 experts do not split over expert parallel 3" in result.stderr
+    assert "[rank" not in result.stderr
+
+
+@pytest.mark.slow
+def test_replicated_experts_and_the_reference_policy_train_as_one_rank(tmp_path):
+    """DP=4 x EP=2 (each expert on two ranks, its gradient summed over both), the service's
+    reference policy for the KL term and the load-balancing loss: two steps, then Forward with
+    reference logprobs, as on one rank."""
+    model_dir = write_tiny_checkpoint(tmp_path / "model", QWEN3_MOE, num_layers=2, seed=5)
+    common = ["--model", str(model_dir), "--reference-policy", "initial", *AUX_LOSS]
+    four = ["--dp", "4", "--ep", "2", "--pass-token-budget", "30"]
+    processes = start_trainers(
+        {"one": (tmp_path / "one", common), "dp4-ep2": (tmp_path / "four", [*common, *four])}
+    )
+    loss = LossConfig(kind=LossKind.PPO, kl_coef=0.1, reference_source=ReferenceSource.SERVICE)
+    wanted = [ForwardOutput.LOGPROBS, ForwardOutput.REFERENCE_LOGPROBS]
+    runs = {}
+    try:
+        for name, process in processes.items():
+            for step in range(2):
+                batch = make_batch(
+                    seed=7 + step, lengths=LENGTHS, loss=LossConfig(kind=LossKind.PPO)
+                )
+                process.client.begin_step(f"s{step}", loss, OPTIMIZER)
+                process.client.train_microbatch(f"s{step}", "r", batch)
+                process.client.finish_step(f"s{step}")
+            runs[name] = (process.export("after"), process.client.forward(batch, wanted))
+    finally:
+        assert stop_trainers(processes.values()) == [0] * len(processes)
+    (one, one_forward), (four_ranks, four_forward) = runs["one"], runs["dp4-ep2"]
+    assert max_relative_difference(four_ranks, one) <= 1e-5
+    assert np.abs(four_forward.logprobs - one_forward.logprobs).max() <= 1e-5
+    gap = np.abs(four_forward.reference_logprobs - one_forward.reference_logprobs).max()
+    assert gap <= 1e-5

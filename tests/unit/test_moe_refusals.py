@@ -1,0 +1,58 @@
+"""What the service refuses for a mixture-of-experts model before any rank starts, and what a
+vLLM receiver refuses at initialisation: nothing half-works."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference_ext.slices import receiver_layout_problems
+from megatron_hf.spec import ModelFamily, ModelSpec
+from megatron_hf.tiny import write_tiny_checkpoint
+from trainer_svc.__main__ import _check_layout
+from trainer_svc.config import Device, ParallelLayout, RefitConfig, TrainerConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("moe"), ModelFamily.QWEN3_MOE)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            TrainerConfig(layout=ParallelLayout(tensor_parallel=2, expert_parallel=2)),
+            "mixture-of-experts layers train at tensor parallel 1 only, got 2",
+        ),
+        (
+            TrainerConfig(
+                layout=ParallelLayout(data_parallel=2, expert_tensor_parallel=2),
+                device=Device.CPU,
+            ),
+            "expert tensor parallel 2 needs GPU ranks",
+        ),
+        (
+            TrainerConfig(refit=RefitConfig(sidecar="127.0.0.1:7000")),
+            "publishing a mixture-of-experts model's weights (--sidecar) is not supported yet",
+        ),
+    ],
+)
+def test_the_service_refuses_before_any_rank_starts(model_dir, config, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _check_layout(config, model_dir)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_expert_grids_must_fit_a_stage():
+    with pytest.raises(ValueError, match=r"expert parallel 4 x expert tensor parallel 1 = 4"):
+        ParallelLayout(data_parallel=2, expert_parallel=4)
+
+
+def test_a_vllm_receiver_refuses_to_refit_experts(model_dir):
+    spec = ModelSpec.from_pretrained_dir(model_dir)
+    assert receiver_layout_problems(spec, 1) == [
+        "refit of a mixture-of-experts model (Qwen3MoeForCausalLM) is not supported yet"
+    ]
