@@ -49,6 +49,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.harness import run_meta
 from examples.console import Console
 from examples.local_stack import LocalStack, StackConfig
 from examples.reverse_task import Prompt, ReverseTask
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--min-reward-gain", type=float, default=0.05, help="last vs first steps, per schedule"
     )
+    parser.add_argument("--out", type=Path, help="also write the figures to this JSON file")
     return parser
 
 
@@ -398,6 +400,16 @@ def train(args: argparse.Namespace, workdir: Path) -> int:
         if last < first + args.min_reward_gain:
             console.error(f"FAIL: lag {outcome.lag}: reward did not rise by {args.min_reward_gain}")
             failed = True
+    if args.out is not None:
+        result = {
+            "meta": run_meta("examples.async_rl_loop", args.argv),
+            "schedules": [
+                {**dataclasses.asdict(o), "tokens_per_second": o.tokens_per_second}
+                for o in outcomes
+            ],
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
     if len(outcomes) > 1 and outcomes[0].tokens_per_second:
         ratio = outcomes[-1].tokens_per_second / outcomes[0].tokens_per_second
         console.line(
@@ -408,6 +420,7 @@ def train(args: argparse.Namespace, workdir: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainer-refit-async-"))
     workdir.mkdir(parents=True, exist_ok=True)
     return train(args, workdir)

@@ -6,6 +6,7 @@ the synchronous one on tokens of the step's own version only."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -24,6 +25,7 @@ SUMMARY = re.compile(
 def test_both_schedules_learn_and_the_async_one_trains_one_version_behind(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "examples.async_rl_loop", "--workdir", str(tmp_path)]
     command += ["--peer-timeout-seconds", str(TEST_PEER_TIMEOUT_S)]
+    command += ["--out", str(tmp_path / "figures.json")]
     run = subprocess.run(
         command,
         capture_output=True,
@@ -46,3 +48,9 @@ def test_both_schedules_learn_and_the_async_one_trains_one_version_behind(tmp_pa
         assert last >= first + 0.05, (lag, first, last)
         assert int(summary[2]) > 0 and int(summary[3]) > 0
     assert re.search(r"^lag 1 over lag 0: [0-9.]+x trained tokens/s$", run.stdout, re.MULTILINE)
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert "examples.async_rl_loop" in figures["meta"]["command"]
+    by_lag = {s["lag"]: s for s in figures["schedules"]}
+    for lag, summary in summaries.items():
+        assert by_lag[lag]["tokens"] == int(summary[3])
+        assert len(by_lag[lag]["rewards"]) == 24
