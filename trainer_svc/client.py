@@ -28,6 +28,7 @@ from trainer_refit.v1 import trainer_pb2 as pb
 from trainer_refit.v1 import trainer_pb2_grpc as pb_grpc
 from trainer_svc.domain import (
     AlreadyExists,
+    ExpertLoad,
     ExportDType,
     FailedPrecondition,
     ForwardOutput,
@@ -179,12 +180,17 @@ def step_result(reply: pb.FinishTrainStepResponse) -> StepResult:
                 importance_ratio=m.terms.importance_ratio,
                 entropy=m.terms.entropy,
                 sampler=_mismatch(m.terms.sampler) if m.terms.HasField("sampler") else None,
+                load_balancing=m.terms.load_balancing,
             ),
             grad_norm=m.grad_norm,
             learning_rate=m.learning_rate,
             counts=_counts(m.counts),
             gradient=STEP_GRADIENTS[m.gradient],
             staleness=tuple((c.versions_behind, c.sequences) for c in m.staleness),
+            expert_load=tuple(
+                ExpertLoad(layer=e.layer, max_tokens=e.max_tokens, mean_tokens=e.mean_tokens)
+                for e in m.expert_load
+            ),
         ),
         weights_version=reply.weights_version,
         publication=_publication(reply.publication) if reply.HasField("publication") else None,

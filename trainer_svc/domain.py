@@ -485,6 +485,17 @@ class LossTerms:
     (0 otherwise)."""
     sampler: SamplerMismatch | None = None
     """How far the sampler was from the policy the ratio is taken against (a correction)."""
+    load_balancing: float = 0.0
+    """A mixture-of-experts model's Switch loss per routed token and layer (1: even)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLoad:
+    """Tokens one layer routed over a step: to its busiest expert and to one on average."""
+
+    layer: int
+    max_tokens: float
+    mean_tokens: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -525,6 +536,8 @@ class StepMetrics:
     staleness: tuple[tuple[int, int], ...] = ()
     """(versions behind the step's weights, sequences) for the sequences that named the
     version they were sampled with, by versions behind."""
+    expert_load: tuple[ExpertLoad, ...] = ()
+    """Per layer of a mixture-of-experts model (empty for a dense one)."""
 
 
 @dataclass(frozen=True, kw_only=True)

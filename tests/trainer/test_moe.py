@@ -46,6 +46,7 @@ from trainer_svc.domain import (
     Normalization,
     OptimizerOverrides,
     ReferenceSource,
+    StepMetrics,
 )
 
 EVERY_EXPERT = MoESpec(num_experts=8, top_k=8, ffn_hidden_size=32, norm_topk_prob=True)
@@ -81,25 +82,33 @@ class World:
     whole: dict[str, np.ndarray]
     """After one step of the batch sent whole, and streamed in three pieces."""
     pieces: dict[str, np.ndarray]
+    metrics: tuple[StepMetrics, StepMetrics]
+    """Of the step sent whole, and streamed in pieces."""
 
 
-def _step(process: TrainerProcess, name: str, sizes: list[int]) -> dict[str, np.ndarray]:
+def _step(
+    process: TrainerProcess, name: str, sizes: list[int]
+) -> tuple[dict[str, np.ndarray], StepMetrics]:
     process.client.load_checkpoint(process.workdir / "base")
     batch = make_batch(seed=7, lengths=LENGTHS, loss=LOSS)
     process.client.begin_step(name, LOSS, OPTIMIZER)
     for i, part in enumerate(split(batch, sizes)):
         process.client.train_microbatch(name, f"{name}-{i}", part)
-    process.client.finish_step(name)
-    return process.export(name)
+    metrics = process.client.finish_step(name).metrics
+    return process.export(name), metrics
 
 
 def _run(process: TrainerProcess, model_dir: Path) -> World:
     parity = parity_forward(process)
     exported = process.export("as-loaded")
     process.client.save_checkpoint(process.workdir / "base")
-    whole = _step(process, "whole", [len(LENGTHS)])
-    pieces = _step(process, "pieces", [1, 4, 2])
-    return World(model_dir, parity, exported, exported, whole, pieces)
+    # A Forward between the steps: its routing counts for no step.
+    process.client.forward(make_batch(seed=8, lengths=[6, 9], loss=LOSS))
+    whole, whole_metrics = _step(process, "whole", [len(LENGTHS)])
+    pieces, pieces_metrics = _step(process, "pieces", [1, 4, 2])
+    return World(
+        model_dir, parity, exported, exported, whole, pieces, (whole_metrics, pieces_metrics)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +193,36 @@ def test_two_ranks_train_as_one(worlds):
     gap = max_relative_difference(two.whole, one.whole)
     print(f"EP=2 vs EP=1 after one step: {gap:.2e}")
     assert gap <= 1e-5
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_the_step_reports_each_layers_expert_load_and_the_switch_loss(worlds, world):
+    """Every input token of the step is routed to top-k experts in each layer, so an expert
+    gets top_k * tokens / experts on average; with top-k = every expert each gets every token
+    and the Switch loss is exactly 1. A step streamed in pieces routes what the whole one
+    does; a Forward before them counts for neither."""
+    experts = WORLDS[world][1]
+    whole, pieces = worlds[world].metrics
+    inputs = sum(length - 1 for length in LENGTHS)
+    mean = experts.top_k * inputs / experts.num_experts
+    assert [e.layer for e in whole.expert_load] == [0, 1]
+    for load in whole.expert_load:
+        assert load.mean_tokens == pytest.approx(mean, rel=1e-12)
+        assert load.max_tokens >= load.mean_tokens
+    assert pieces.expert_load == whole.expert_load
+    assert pieces.terms.load_balancing == pytest.approx(whole.terms.load_balancing, rel=1e-6)
+    if experts.top_k == experts.num_experts:
+        assert all(e.max_tokens == e.mean_tokens == inputs for e in whole.expert_load)
+        assert whole.terms.load_balancing == pytest.approx(1.0, rel=1e-6)
+    else:
+        assert 0.5 < whole.terms.load_balancing < experts.num_experts
+    print(f"{world}: switch loss {whole.terms.load_balancing:.4f}, load {whole.expert_load}")
+
+
+def test_two_ranks_route_as_one(worlds):
+    one, two = worlds["mixtral-ep1-aux-loss"].metrics[0], worlds["mixtral-ep2-aux-loss"].metrics[0]
+    assert two.expert_load == one.expert_load
+    assert two.terms.load_balancing == pytest.approx(one.terms.load_balancing, rel=1e-6)
 
 
 def test_experts_that_do_not_split_over_ep_are_refused_at_start(tmp_path):

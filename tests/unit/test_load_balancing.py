@@ -25,7 +25,8 @@ def _routed(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_one_sequence_is_megatrons_switch_loss_times_its_tokens():
     logits, routing_map = _routed(13, seed=1)
-    ours = per_sequence_loss(logits, routing_map, torch.zeros(13, dtype=torch.int64), TOP_K, COEFF)
+    ids = torch.zeros(13, dtype=torch.int64)
+    ours = per_sequence_loss(logits, routing_map, ids, TOP_K, COEFF, sequences=1)
     theirs = switch_load_balancing_loss_func(
         probs=torch.softmax(logits, dim=-1),
         tokens_per_expert=routing_map.sum(0).float(),
@@ -40,9 +41,11 @@ def test_one_sequence_is_megatrons_switch_loss_times_its_tokens():
 def test_sequences_add_up_and_padding_is_ignored():
     logits, routing_map = _routed(20, seed=2)
     ids = torch.tensor([0] * 7 + [-1] * 3 + [1] * 10)
-    together = per_sequence_loss(logits, routing_map, ids, TOP_K, COEFF)
+    together = per_sequence_loss(logits, routing_map, ids, TOP_K, COEFF, sequences=2)
     alone = [
-        per_sequence_loss(logits[ids == s], routing_map[ids == s], ids[ids == s] * 0, TOP_K, COEFF)
+        per_sequence_loss(
+            logits[ids == s], routing_map[ids == s], ids[ids == s] * 0, TOP_K, COEFF, sequences=1
+        )
         for s in (0, 1)
     ]
     torch.testing.assert_close(together, alone[0] + alone[1])

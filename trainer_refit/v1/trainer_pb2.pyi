@@ -269,20 +269,22 @@ class FinishTrainStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., wait_for_update: _Optional[bool] = ..., wait_for_publication: _Optional[bool] = ...) -> None: ...
 
 class LossTerms(_message.Message):
-    __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio", "entropy", "sampler")
+    __slots__ = ("policy", "kl", "clip_fraction", "importance_ratio", "entropy", "sampler", "load_balancing")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
     CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
     IMPORTANCE_RATIO_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BALANCING_FIELD_NUMBER: _ClassVar[int]
     policy: float
     kl: float
     clip_fraction: float
     importance_ratio: float
     entropy: float
     sampler: SamplerMismatch
-    def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ..., entropy: _Optional[float] = ..., sampler: _Optional[_Union[SamplerMismatch, _Mapping]] = ...) -> None: ...
+    load_balancing: float
+    def __init__(self, policy: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., importance_ratio: _Optional[float] = ..., entropy: _Optional[float] = ..., sampler: _Optional[_Union[SamplerMismatch, _Mapping]] = ..., load_balancing: _Optional[float] = ...) -> None: ...
 
 class SamplerMismatch(_message.Message):
     __slots__ = ("ratio_mean", "ratio_min", "ratio_max", "corrected_fraction", "kl")
@@ -299,7 +301,7 @@ class SamplerMismatch(_message.Message):
     def __init__(self, ratio_mean: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., corrected_fraction: _Optional[float] = ..., kl: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts", "gradient", "staleness")
+    __slots__ = ("loss", "terms", "grad_norm", "learning_rate", "counts", "gradient", "staleness", "expert_load")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TERMS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +309,7 @@ class StepMetrics(_message.Message):
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     loss: float
     terms: LossTerms
     grad_norm: float
@@ -314,7 +317,8 @@ class StepMetrics(_message.Message):
     counts: StepCounts
     gradient: StepGradient
     staleness: _containers.RepeatedCompositeFieldContainer[StalenessCount]
-    def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ..., gradient: _Optional[_Union[StepGradient, str]] = ..., staleness: _Optional[_Iterable[_Union[StalenessCount, _Mapping]]] = ...) -> None: ...
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    def __init__(self, loss: _Optional[float] = ..., terms: _Optional[_Union[LossTerms, _Mapping]] = ..., grad_norm: _Optional[float] = ..., learning_rate: _Optional[float] = ..., counts: _Optional[_Union[StepCounts, _Mapping]] = ..., gradient: _Optional[_Union[StepGradient, str]] = ..., staleness: _Optional[_Iterable[_Union[StalenessCount, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
 
 class StalenessCount(_message.Message):
     __slots__ = ("versions_behind", "sequences")
@@ -323,6 +327,16 @@ class StalenessCount(_message.Message):
     versions_behind: int
     sequences: int
     def __init__(self, versions_behind: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layer", "max_tokens", "mean_tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    max_tokens: float
+    mean_tokens: float
+    def __init__(self, layer: _Optional[int] = ..., max_tokens: _Optional[float] = ..., mean_tokens: _Optional[float] = ...) -> None: ...
 
 class FinishTrainStepResponse(_message.Message):
     __slots__ = ("step_id", "metrics", "weights_version", "publication")

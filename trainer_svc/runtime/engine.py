@@ -8,6 +8,7 @@ by every rank (`runtime/agreement.py`): a command that fails on any rank fails o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ from trainer_svc.config import OptimizerConfig, SequenceLayout
 from trainer_svc.domain import (
     NO_VERSION,
     AlreadyExists,
+    ExpertLoad,
     ExportDType,
     FailedPrecondition,
     ForwardOutput,
@@ -414,6 +416,8 @@ class StepEngine:
 
     def _begin(self, command: cmd.BeginStep) -> int:
         self._zero_grads()
+        if self.built.balancing is not None:
+            self.built.balancing.take()  # an account is the step's own
         self.open_step = _OpenStep(
             command.step_id, command.loss, command.optimizer, staleness=command.staleness
         )
@@ -670,6 +674,8 @@ class StepEngine:
             if step.loss.corrects_sampler
             else None,
         )
+        balance, load = self._routing()
+        terms = dataclasses.replace(terms, load_balancing=balance)
         metrics = StepMetrics(
             loss=sums["loss"] / divisor,
             terms=terms,
@@ -678,12 +684,37 @@ class StepEngine:
             counts=step.counts,
             gradient=StepGradient.NONZERO if totals.nonzero_ranks else StepGradient.ZERO,
             staleness=tuple(sorted(step.behind.items())),
+            expert_load=load,
         )
         return FinishResult(step.step_id, metrics, self.weights_version)
+
+    def _routing(self) -> tuple[float, tuple[ExpertLoad, ...]]:
+        """A mixture-of-experts model's Switch loss per routed token and layer, and each
+        layer's expert load, over every rank's training passes (one all-reduce); nothing for a
+        dense model. A tensor-parallel peer routes the same tokens, so rank 0 of each counts."""
+        balancing = self.built.balancing
+        if balancing is None:
+            return 0.0, ()
+        account = balancing.take()
+        layers, experts = balancing.num_layers, self.built.config.num_moe_experts or 0
+        flat = torch.zeros(2 + layers * experts, dtype=torch.float64)
+        if account is not None and self.topology.tp_rank == 0:
+            flat[0], flat[1] = account.switch.cpu(), account.routed.cpu()
+            flat[2:] = account.load.cpu().reshape(-1)
+        dist.all_reduce(flat, group=self.topology.control_group)
+        switch, routed = flat[0].item(), flat[1].item()
+        load = flat[2:].reshape(layers, experts)
+        per_layer = tuple(
+            ExpertLoad(layer=i, max_tokens=float(row.max()), mean_tokens=float(row.mean()))
+            for i, row in enumerate(load)
+        )
+        return (switch / routed if routed else 0.0), per_layer
 
     def _abort(self, command: cmd.AbortStep) -> bool:
         assert self.open_step is not None and self.open_step.step_id == command.step_id
         self._zero_grads()
+        if self.built.balancing is not None:
+            self.built.balancing.take()
         self.open_step = None
         return True
 

@@ -13,10 +13,17 @@ sum over sequences that the step's 1/N normalization divides like the policy los
 takes no part. megatron's own loss stays off (`moe_router_load_balancing_type="none"`); a
 forward hook on each router attaches this one through megatron's `MoEAuxLossAutoScaler`, the
 way megatron attaches its own.
+
+The same hook keeps the step's account, on the device with no host synchronization, of what
+FinishTrainStep reports for a mixture-of-experts model whether or not the loss is on: the
+Switch loss per routed token (E * sum_i f_i * P_i, 1 for a router that spreads evenly; summed
+here as the coefficient-free loss above, then divided by the routed tokens) and how many tokens
+each layer routed to each expert. Training passes count; Forward and filler passes do not.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,14 +48,19 @@ def sequence_ids(batch: PackedBatch) -> torch.Tensor:
 
 
 def per_sequence_loss(
-    logits: torch.Tensor, routing_map: torch.Tensor, ids: torch.Tensor, top_k: int, coeff: float
+    logits: torch.Tensor,
+    routing_map: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int,
+    coeff: float,
+    *,
+    sequences: int,
 ) -> torch.Tensor:
     """coeff * E / k * sum_s sum_i c_i(s) * P_i(s) over the routed tokens `logits` [T, E]
-    (fp32), `routing_map` [T, E] and their sequence ids [T] (-1 ignored)."""
+    (fp32), `routing_map` [T, E] and their sequence ids [T] (-1 ignored) of `sequences`."""
     experts = logits.shape[-1]
     real = ids >= 0
     seq = ids[real]
-    sequences = int(seq.max()) + 1 if len(seq) else 0
     probs = torch.softmax(logits[real].float(), dim=-1)
     chosen = routing_map[real].to(probs.dtype)
     mass = probs.new_zeros(sequences, experts).index_add_(0, seq, probs)
@@ -58,13 +70,29 @@ def per_sequence_loss(
     return coeff * experts / top_k * per_sequence.sum()
 
 
-class SequenceBalancing:
-    """Attaches the per-sequence loss to every router of a model (training passes only)."""
+@dataclass(frozen=True)
+class RoutingTotals:
+    """A step's routing account on this rank (device tensors; zeros for layers elsewhere)."""
 
-    def __init__(self, model: torch.nn.Module, coeff: float) -> None:
+    switch: torch.Tensor
+    """The coefficient-free loss summed over layers and passes (float64)."""
+    routed: torch.Tensor
+    """Tokens routed, summed over layers and passes (float64)."""
+    load: torch.Tensor
+    """``[layers, experts]``: tokens each layer routed to each expert (float64)."""
+
+
+class SequenceBalancing:
+    """Attaches the per-sequence loss to every router of a model (training passes only, and
+    only with a coefficient), and keeps the step's routing account (`RoutingTotals`)."""
+
+    def __init__(self, model: torch.nn.Module, coeff: float, num_layers: int) -> None:
         self.coeff = coeff
+        self.num_layers = num_layers
         self._ids: torch.Tensor | None = None
+        self._sequences = 0
         self._logits: dict[int, torch.Tensor] = {}
+        self._totals: RoutingTotals | None = None
         routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
         assert routers, "a mixture-of-experts model has a router per layer"
         for router in routers:
@@ -73,8 +101,31 @@ class SequenceBalancing:
 
     def set_pass(self, batch: PackedBatch, trains: bool) -> None:
         """The pass whose tokens the routers see next; one that does not train (a forward,
-        a filler pass) gets no load-balancing loss."""
+        a filler pass) gets no load-balancing loss and is not counted."""
         self._ids = sequence_ids(batch) if trains else None
+        self._sequences = len(batch.target_counts)
+
+    def take(self) -> RoutingTotals | None:
+        """The account since the last `take` (None: nothing routed in a training pass)."""
+        totals, self._totals = self._totals, None
+        return totals
+
+    def _count(self, module: TopKRouter, unit: torch.Tensor, routed: torch.Tensor) -> None:
+        """Adds a training pass's routing at one router to the step's account."""
+        if self._totals is None:
+            zeros = torch.zeros((), dtype=torch.float64, device=unit.device)
+            experts = routed.shape[-1]
+            self._totals = RoutingTotals(
+                switch=zeros.clone(),
+                routed=zeros.clone(),
+                load=torch.zeros(
+                    (self.num_layers, experts), dtype=torch.float64, device=unit.device
+                ),
+            )
+        layer = int(module.layer_number) - 1  # set by megatron
+        self._totals.switch.add_(unit.detach().to(torch.float64))
+        self._totals.routed.add_(routed.shape[0])
+        self._totals.load[layer].add_(routed.sum(0).to(torch.float64))
 
     def _gating(self, router: TopKRouter, gating: Any) -> Any:
         """The router's gating linear, keeping its fp32 logits for the hook."""
@@ -92,11 +143,16 @@ class SequenceBalancing:
             return output
         probs, routing_map = output
         ids = self._ids.to(logits.device)
-        loss = per_sequence_loss(
+        unit = per_sequence_loss(
             logits.reshape(-1, logits.shape[-1]),
             routing_map,
             ids,
             int(module.topk),  # type: ignore[arg-type]  # TopKRouter's int
-            self.coeff,
+            1.0,
+            sequences=self._sequences,
         )
-        return MoEAuxLossAutoScaler.apply(probs, loss), routing_map
+        assert isinstance(module, TopKRouter)
+        self._count(module, unit, routing_map[ids >= 0])
+        if not self.coeff:
+            return output
+        return MoEAuxLossAutoScaler.apply(probs, self.coeff * unit), routing_map

@@ -36,7 +36,7 @@ class BuiltModel:
     optimizer: Any
     config: TransformerConfig
     balancing: SequenceBalancing | None = None
-    """The experts' load-balancing loss, where one is asked for."""
+    """A mixture-of-experts model's routing account and load-balancing loss (None: dense)."""
 
 
 def transformer_engine_available() -> bool:
@@ -281,7 +281,9 @@ def wrap_for_training(
     # The step engine reduces gradients itself, once per step (see engine.finish).
     config.finalize_model_grads_func = None
     coeff = experts.aux_loss_coeff if experts is not None else 0.0
-    balancing = SequenceBalancing(model, coeff) if config.num_moe_experts and coeff else None
+    balancing = (
+        SequenceBalancing(model, coeff, config.num_layers) if config.num_moe_experts else None
+    )
     return BuiltModel(
         model=model, ddp=ddp, optimizer=megatron_optimizer, config=config, balancing=balancing
     )

@@ -234,11 +234,16 @@ def metrics_to_proto(metrics: StepMetrics) -> pb.StepMetrics:
             importance_ratio=terms.importance_ratio,
             entropy=terms.entropy,
             sampler=_mismatch_to_proto(terms.sampler),
+            load_balancing=terms.load_balancing,
         ),
         grad_norm=metrics.grad_norm,
         staleness=[
             pb.StalenessCount(versions_behind=behind, sequences=count)
             for behind, count in metrics.staleness
+        ],
+        expert_load=[
+            pb.ExpertLoad(layer=e.layer, max_tokens=e.max_tokens, mean_tokens=e.mean_tokens)
+            for e in metrics.expert_load
         ],
         learning_rate=metrics.learning_rate,
         counts=counts_to_proto(metrics.counts),
