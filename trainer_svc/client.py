@@ -126,7 +126,13 @@ def microbatch_request(
         pb.WeightsVersionSpan(sequence=i, start=s.start, end=s.end, version=s.version)
         for i, s in batch.version_spans()
     )
+    _fill_routing(request.routed_experts, batch)
     return request
+
+
+def _fill_routing(field: Any, batch: SequenceBatch) -> None:
+    if batch.routed_experts is not None:
+        field.extend(np.asarray(batch.routed_experts, dtype=np.int64).reshape(-1).tolist())
 
 
 def export_request(path: Path | str, dtype: ExportDType, max_file_bytes: int) -> pb.ExportHFRequest:
@@ -143,6 +149,7 @@ def forward_request(
         top_k=top_k,
     )
     _fill_sequences(request.sequences, batch)
+    _fill_routing(request.routed_experts, batch)
     return request
 
 
@@ -225,6 +232,11 @@ def forward_result(reply: pb.ForwardResponse, num_tokens: int) -> ForwardResult:
         top_k=reply.top_k,
         weights_version=reply.weights_version,
         reference_logprobs=array(reply.reference_logprobs, np.float32),
+        routed_experts=np.asarray(reply.routed_experts, dtype=np.int64).reshape(
+            num_tokens, -1, reply.routed_top_k
+        )
+        if reply.routed_top_k
+        else None,
     )
 
 

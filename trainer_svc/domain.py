@@ -127,6 +127,8 @@ class ForwardOutput(enum.Enum):
     ENTROPY = "entropy"
     REFERENCE_LOGPROBS = "reference_logprobs"
     """Under the service's reference weights (--reference-policy)."""
+    ROUTED_EXPERTS = "routed_experts"
+    """A mixture-of-experts model's routing of each token, by layer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +279,7 @@ _BATCH_ARRAYS = (
     "sampler_logprobs",
     "weights_versions",
     "spans",
+    "routed_experts",
 )
 
 
@@ -299,6 +302,10 @@ class SequenceBatch:
     """Weights version spans, ``[n, 4]`` int64 rows of (sequence, start, end, version): the
     tokens [start, end) of that sequence were sampled with that version (`VersionSpan`).
     Checked by `validation.check_training_batch` before `sampled_versions` expands them."""
+    routed_experts: np.ndarray | None = None
+    """``[num_tokens, num_layers * top_k]`` int64: the experts each token went to as an input,
+    by layer (a mixture-of-experts model's routing to replay; the last token of each sequence
+    is no input and its row is ignored)."""
 
     @classmethod
     def from_lists(
@@ -421,6 +428,7 @@ class SequenceBatch:
             if self.weights_versions is None
             else self.weights_versions[np.asarray(indices, dtype=np.int64)],
             spans=None if self.spans is None else self._spans_of(indices),
+            routed_experts=take(self.routed_experts),
         )
 
     def _spans_of(self, indices: np.ndarray) -> np.ndarray:
@@ -549,6 +557,8 @@ class ForwardResult:
     top_k: int = 0
     weights_version: int = 0
     reference_logprobs: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
+    """``[num_tokens, num_layers, top_k]`` (ForwardOutput.ROUTED_EXPERTS)."""
 
 
 class PublicationState(enum.Enum):

@@ -480,3 +480,12 @@ def test_the_async_client_saves_loads_exports_and_is_refused_alike(trainer):
     assert loaded.optimizer_step == saved.optimizer_step
     weights = {k: v.numpy() for k, v in load_hf_state_dict(exported).items()}
     assert_bit_identical(weights, expected)
+
+
+def test_a_dense_model_refuses_routing(trainer):
+    """routed_experts and the ROUTED_EXPERTS output are for a mixture-of-experts model."""
+    with pytest.raises(FailedPrecondition, match="this model has no experts"):
+        trainer.client.forward(trainer.batch, (ForwardOutput.ROUTED_EXPERTS,))
+    routed = np.zeros((trainer.batch.num_tokens, 2), dtype=np.int64)
+    with pytest.raises(FailedPrecondition, match="this model has no experts"):
+        trainer.client.forward(dataclasses.replace(trainer.batch, routed_experts=routed))

@@ -204,7 +204,8 @@ def test_unknown_forward_output_is_refused_by_name(value: int) -> None:
         InvalidArgument,
         match=(
             r"^outputs must be one of FORWARD_OUTPUT_LOGPROBS, FORWARD_OUTPUT_TOP_K, "
-            rf"FORWARD_OUTPUT_ENTROPY, FORWARD_OUTPUT_REFERENCE_LOGPROBS; got {value}$"
+            r"FORWARD_OUTPUT_ENTROPY, FORWARD_OUTPUT_REFERENCE_LOGPROBS, "
+            rf"FORWARD_OUTPUT_ROUTED_EXPERTS; got {value}$"
         ),
     ):
         convert.forward_outputs(message)

@@ -66,6 +66,7 @@ class ForwardOutput(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORWARD_OUTPUT_TOP_K: _ClassVar[ForwardOutput]
     FORWARD_OUTPUT_ENTROPY: _ClassVar[ForwardOutput]
     FORWARD_OUTPUT_REFERENCE_LOGPROBS: _ClassVar[ForwardOutput]
+    FORWARD_OUTPUT_ROUTED_EXPERTS: _ClassVar[ForwardOutput]
 
 class ExportDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -105,6 +106,7 @@ FORWARD_OUTPUT_LOGPROBS: ForwardOutput
 FORWARD_OUTPUT_TOP_K: ForwardOutput
 FORWARD_OUTPUT_ENTROPY: ForwardOutput
 FORWARD_OUTPUT_REFERENCE_LOGPROBS: ForwardOutput
+FORWARD_OUTPUT_ROUTED_EXPERTS: ForwardOutput
 EXPORT_DTYPE_UNSPECIFIED: ExportDType
 EXPORT_DTYPE_BFLOAT16: ExportDType
 EXPORT_DTYPE_FLOAT32: ExportDType
@@ -199,7 +201,7 @@ class BeginTrainStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class TrainMicrobatchRequest(_message.Message):
-    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs", "sampler_logprobs", "weights_versions", "weights_version_spans")
+    __slots__ = ("step_id", "request_id", "sequences", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs", "sampler_logprobs", "weights_versions", "weights_version_spans", "routed_experts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +212,7 @@ class TrainMicrobatchRequest(_message.Message):
     SAMPLER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     request_id: str
     sequences: Sequences
@@ -220,7 +223,8 @@ class TrainMicrobatchRequest(_message.Message):
     sampler_logprobs: _containers.RepeatedScalarFieldContainer[float]
     weights_versions: _containers.RepeatedScalarFieldContainer[int]
     weights_version_spans: _containers.RepeatedCompositeFieldContainer[WeightsVersionSpan]
-    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., sampler_logprobs: _Optional[_Iterable[float]] = ..., weights_versions: _Optional[_Iterable[int]] = ..., weights_version_spans: _Optional[_Iterable[_Union[WeightsVersionSpan, _Mapping]]] = ...) -> None: ...
+    routed_experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequences: _Optional[_Union[Sequences, _Mapping]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., advantages: _Optional[_Iterable[float]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., sampler_logprobs: _Optional[_Iterable[float]] = ..., weights_versions: _Optional[_Iterable[int]] = ..., weights_version_spans: _Optional[_Iterable[_Union[WeightsVersionSpan, _Mapping]]] = ..., routed_experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightsVersionSpan(_message.Message):
     __slots__ = ("sequence", "start", "end", "version")
@@ -375,17 +379,19 @@ class AbortTrainStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., aborted: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("sequences", "outputs", "top_k")
+    __slots__ = ("sequences", "outputs", "top_k", "routed_experts")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     sequences: Sequences
     outputs: _containers.RepeatedScalarFieldContainer[ForwardOutput]
     top_k: int
-    def __init__(self, sequences: _Optional[_Union[Sequences, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[ForwardOutput, str]]] = ..., top_k: _Optional[int] = ...) -> None: ...
+    routed_experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequences: _Optional[_Union[Sequences, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[ForwardOutput, str]]] = ..., top_k: _Optional[int] = ..., routed_experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("logprobs", "entropy", "top_k_token_ids", "top_k_logprobs", "top_k", "weights_version", "reference_logprobs")
+    __slots__ = ("logprobs", "entropy", "top_k_token_ids", "top_k_logprobs", "top_k", "weights_version", "reference_logprobs", "routed_experts", "routed_top_k")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     TOP_K_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +399,8 @@ class ForwardResponse(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_TOP_K_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     entropy: _containers.RepeatedScalarFieldContainer[float]
     top_k_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -400,7 +408,9 @@ class ForwardResponse(_message.Message):
     top_k: int
     weights_version: int
     reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropy: _Optional[_Iterable[float]] = ..., top_k_token_ids: _Optional[_Iterable[int]] = ..., top_k_logprobs: _Optional[_Iterable[float]] = ..., top_k: _Optional[int] = ..., weights_version: _Optional[int] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    routed_experts: _containers.RepeatedScalarFieldContainer[int]
+    routed_top_k: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropy: _Optional[_Iterable[float]] = ..., top_k_token_ids: _Optional[_Iterable[int]] = ..., top_k_logprobs: _Optional[_Iterable[float]] = ..., top_k: _Optional[int] = ..., weights_version: _Optional[int] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., routed_experts: _Optional[_Iterable[int]] = ..., routed_top_k: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("path",)

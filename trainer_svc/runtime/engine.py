@@ -8,6 +8,7 @@ by every rank (`runtime/agreement.py`): a command that fails on any rank fails o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -59,6 +60,7 @@ from trainer_svc.runtime.packing import PackedBatch, assign_to_data_parallel, pa
 from trainer_svc.runtime.passes import split_passes
 from trainer_svc.runtime.publication import Publisher, describe
 from trainer_svc.runtime.reference_policy import ReferencePolicy
+from trainer_svc.runtime.routing_replay import RoutingReplay
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.vocab_parallel import VocabShard, target_logprobs, top_k
 from trainer_svc.validation import BatchLimits, check_id, check_sequences, check_training_batch
@@ -153,6 +155,11 @@ class StepEngine:
         self.pass_tokens = pass_tokens or limits.max_tokens
         self.layout = layout
         self.reference = reference
+        self.routing = (
+            RoutingReplay(built.model, built.config.moe_router_topk)
+            if built.config.num_moe_experts
+            else None
+        )
         self.runner = ModelRunner(
             built.ddp, device, before_pass=built.balancing.set_pass if built.balancing else None
         )
@@ -217,8 +224,10 @@ class StepEngine:
                     return self._duplicate(step, command)
                 check_training_batch(command.batch, step.loss, self.limits)
                 self._check_staleness(command.batch, step)
+                self._check_routing(command.batch, want=False)
             case cmd.RunForward(batch=batch, outputs=outputs, top_k=k):
                 check_sequences(batch, self.limits)
+                self._check_routing(batch, want=ForwardOutput.ROUTED_EXPERTS in outputs)
                 if ForwardOutput.REFERENCE_LOGPROBS in outputs and self.reference is None:
                     raise FailedPrecondition(
                         "this service keeps no reference weights: start trainer-svc with "
@@ -475,10 +484,12 @@ class StepEngine:
                 continue
             if loss.needs_reference and not loss.needs_reference_logprobs:
                 assert self.reference is not None  # BeginStep's precheck
-                reference = self.reference.logprobs(self.runner, packed, self._score)
+                with self._replaying(packed, part):
+                    reference = self.reference.logprobs(self.runner, packed, self._score)
                 packed.token_inputs.reference_logprobs = reference
             run_loss = loss_function if real else filler_loss
-            outputs = self.runner.run(packed, run_loss, forward_only=False, trains=real)
+            with self._replaying(packed, part):
+                outputs = self.runner.run(packed, run_loss, forward_only=False, trains=real)
             if not real:
                 continue
             if self.topology.is_last_stage and self.topology.tp_rank == 0:
@@ -743,21 +754,34 @@ class StepEngine:
         # Per-token outputs of this rank's share, pass after pass (passes are consecutive); a
         # pass with nothing to predict (one-token sequences) gives zeros.
         passes: list[tuple[Any, dict[str, np.ndarray]]] = []
+        routing: list[np.ndarray] = []
+        """Per pass, its tokens' routing in this rank's layers (ROUTED_EXPERTS)."""
         aligned = expert_lockstep.aligned(self._passes(local), command.batch, self.topology)
         for part, real in aligned:
             packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
             found: dict[str, np.ndarray] = {}
             if packed is not None:
-                outputs = self.runner.run(packed, loss_function, forward_only=True)
+                with (
+                    self._replaying(packed, part),
+                    self._recording(
+                        packed, part, ForwardOutput.ROUTED_EXPERTS in wanted
+                    ) as recorded,
+                ):
+                    outputs = self.runner.run(packed, loss_function, forward_only=True)
                 if ForwardOutput.REFERENCE_LOGPROBS in wanted:
                     assert self.reference is not None  # the precheck's
-                    reference = self.reference.logprobs(self.runner, packed, self._score)
+                    with self._replaying(packed, part):
+                        reference = self.reference.logprobs(self.runner, packed, self._score)
                     if outputs and reference is not None:
                         outputs[0]["reference_logprobs"] = reference
                 if outputs and real:
                     found = {
                         k: packed.per_token(v.cpu().numpy(), part) for k, v in outputs[0].items()
                     }
+                if recorded and real:
+                    routing.append(recorded[0])
+            elif real and ForwardOutput.ROUTED_EXPERTS in wanted and self.routing is not None:
+                routing.append(np.zeros((part.num_tokens, self.routing.num_layers, 1), np.int64))
             if real:
                 passes.append((part, found))
         shapes = {k: v for _, found in passes for k, v in found.items()}
@@ -774,8 +798,18 @@ class StepEngine:
         gathered: list[Any] | None = (
             [None] * self.topology.layout.world_size if self.topology.is_leader else None
         )
+        # Each pipeline stage routes its own layers: its tensor-parallel rank 0 sends them.
+        routed = None
+        if routing and self.routing is not None and self.topology.tp_rank == 0:
+            k = self.routing.top_k
+            routed = (
+                self.routing.first_layer,
+                np.concatenate([np.broadcast_to(r, (*r.shape[:2], k)) for r in routing]),
+            )
         dist.gather_object(
-            (self.topology.dp_rank, rows) if contributes else None,
+            (self.topology.dp_rank, rows if contributes else {}, routed)
+            if contributes or routed is not None
+            else None,
             gathered,
             dst=0,
             group=self.topology.control_group,
@@ -789,10 +823,11 @@ class StepEngine:
     ) -> ForwardResult:
         batch = command.batch
         per_token: dict[str, np.ndarray] = {}
+        routing = self._assemble_routing(command, parts, gathered)
         for item in gathered:
             if item is None or not item[1]:
                 continue
-            dp_rank, rows = item
+            dp_rank, rows, _ = item
             for key, values in rows.items():
                 target = per_token.setdefault(
                     key, np.zeros((batch.num_tokens, *values.shape[1:]), dtype=values.dtype)
@@ -819,4 +854,74 @@ class StepEngine:
             reference_logprobs=output(
                 "reference_logprobs", ForwardOutput.REFERENCE_LOGPROBS, np.float32
             ),
+            routed_experts=routing,
         )
+
+    def _assemble_routing(
+        self, command: cmd.RunForward, parts: list[np.ndarray], gathered: list[Any]
+    ) -> np.ndarray | None:
+        """Every stage's layers of every data-parallel share's routing, per token."""
+        if ForwardOutput.ROUTED_EXPERTS not in command.outputs or self.routing is None:
+            return None
+        batch = command.batch
+        layers = self.built.config.num_layers
+        out = np.zeros((batch.num_tokens, layers, self.routing.top_k), dtype=np.int64)
+        for item in gathered:
+            if item is None or item[2] is None:
+                continue
+            dp_rank, _, (first, values) = item
+            flat = np.concatenate(
+                [np.arange(batch.offsets[i], batch.offsets[i + 1]) for i in parts[dp_rank]]
+            )
+            out[flat, first : first + values.shape[1]] = values
+        return out
+
+    def _replaying(self, packed: PackedBatch, part: SequenceBatch) -> Any:
+        """The pass routed as `part.routed_experts` says, if it says (a context)."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.replaying(packed, part)
+
+    def _recording(self, packed: PackedBatch, part: SequenceBatch, wanted: bool) -> Any:
+        """A context giving the pass's routing (a list, filled at its end) when `wanted`."""
+        if self.routing is None or not wanted:
+            return contextlib.nullcontext([])
+        return self.routing.recording(packed, part)
+
+    def _check_routing(self, batch: SequenceBatch, *, want: bool) -> None:
+        """Routing to replay (or asked for) needs a mixture-of-experts model, and replayed
+        routing one valid expert id per layer and top-k slot of every token."""
+        if self.routing is None:
+            if batch.routed_experts is not None or want:
+                raise FailedPrecondition(
+                    "this model has no experts: routed_experts (and the ROUTED_EXPERTS "
+                    "output) are for a mixture-of-experts model"
+                )
+            return
+        routed = batch.routed_experts
+        if routed is None:
+            return
+        layers, k = self.built.config.num_layers, self.routing.top_k
+        experts = int(self.built.config.num_moe_experts or 0)
+        if routed.shape != (batch.num_tokens, layers * k):
+            raise InvalidArgument(
+                f"routed_experts holds {routed.size} entries for {batch.num_tokens} tokens; "
+                f"the model needs num_tokens x num_layers x top_k = {batch.num_tokens} x "
+                f"{layers} x {k}",
+                field="routed_experts",
+            )
+        inputs = np.ones(batch.num_tokens, dtype=bool)
+        inputs[batch.offsets[1:] - 1] = False  # a sequence's last token is no input
+        used = routed[inputs]
+        if used.size and (used.min() < 0 or used.max() >= experts):
+            raise InvalidArgument(
+                f"routed_experts names expert {int(used.max())}; the model has {experts}",
+                field="routed_experts",
+            )
+        per_token = used.reshape(len(used), layers, k)
+        if k > 1 and (np.diff(np.sort(per_token, axis=-1), axis=-1) == 0).any():
+            raise InvalidArgument(
+                "routed_experts names one expert twice for a token in a layer: each of its "
+                f"top {k} must differ",
+                field="routed_experts",
+            )

@@ -127,6 +127,8 @@ def _moe_settings(spec: ModelSpec, topology: Topology, *, grouped: bool) -> dict
         "moe_router_dtype": "fp32",
         # The load-balancing loss, when asked for, is the trainer's own (`load_balancing`).
         "moe_router_load_balancing_type": "none",
+        # Each router can replay given routing (`routing_replay`); idle unless asked to.
+        "moe_enable_routing_replay": True,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": grouped,
         "expert_model_parallel_size": layout.expert_parallel,

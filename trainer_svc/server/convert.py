@@ -148,7 +148,23 @@ def training_batch(message: pb.TrainMicrobatchRequest) -> SequenceBatch:
         sampler_logprobs=_optional(message.sampler_logprobs, np.float32),
         weights_versions=_versions(message.weights_versions),
         spans=_spans(message),
+        routed_experts=routed_experts(message.routed_experts, len(base.tokens)),
     )
+
+
+def routed_experts(values: Any, num_tokens: int) -> np.ndarray | None:
+    """The flat wire routing as ``[num_tokens, layers * top_k]`` (checked against the model
+    later, by `validation.check_routed_experts`)."""
+    if not len(values):
+        return None
+    flat = np.asarray(values, dtype=np.int64)
+    if not num_tokens or len(flat) % num_tokens:
+        raise InvalidArgument(
+            f"routed_experts holds {len(flat)} entries, not a multiple of the {num_tokens} "
+            "tokens: send num_tokens x num_layers x top_k",
+            field="routed_experts",
+        )
+    return flat.reshape(num_tokens, -1)
 
 
 def _spans(message: pb.TrainMicrobatchRequest) -> np.ndarray | None:
@@ -263,6 +279,8 @@ def forward_to_proto(result: ForwardResult) -> pb.ForwardResponse:
         top_k=result.top_k,
         weights_version=result.weights_version,
         reference_logprobs=flat(result.reference_logprobs),
+        routed_experts=flat(result.routed_experts),
+        routed_top_k=0 if result.routed_experts is None else result.routed_experts.shape[-1],
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,10 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
 
     @_grpc_errors
     async def Forward(self, request: pb.ForwardRequest, context: Any) -> Any:
+        batch = convert.sequences(request.sequences)
+        routed = convert.routed_experts(request.routed_experts, batch.num_tokens)
         command = cmd.RunForward(
-            batch=convert.sequences(request.sequences),
+            batch=dataclasses.replace(batch, routed_experts=routed),
             outputs=convert.forward_outputs(request),
             top_k=request.top_k,
         )
