@@ -49,9 +49,9 @@ def leftovers(process: subprocess.Popen[str], workdir: Path) -> list[str]:
 
 
 def wait_gone(process: subprocess.Popen[str], workdir: Path) -> list[str]:
-    """The demo's processes still running after up to 60 s (on two cores that the other test
-    worker's stack keeps busy, the last ones, multiprocessing's resource tracker among them,
-    took longer than 30 s to exit once)."""
+    """The demo's processes still running after up to 60 s: on two cores that the other test
+    worker's stack keeps busy, the last ones (multiprocessing's resource tracker among them)
+    may take that long to exit."""
     deadline = time.monotonic() + 60
     while (left := leftovers(process, workdir)) and time.monotonic() < deadline:
         time.sleep(0.5)

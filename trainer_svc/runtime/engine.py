@@ -710,8 +710,8 @@ class StepEngine:
         layers, experts = balancing.num_layers, self.built.config.num_moe_experts or 0
         flat = torch.zeros(2 + layers * experts, dtype=torch.float64)
         if account is not None and self.topology.tp_rank == 0:
-            flat[0], flat[1] = account.switch.cpu(), account.routed.cpu()
-            flat[2:] = account.load.cpu().reshape(-1)
+            parts = (account.switch[None], account.routed[None], account.load.reshape(-1))
+            flat = torch.cat(parts).cpu()  # one copy to the host
         dist.all_reduce(flat, group=self.topology.control_group)
         switch, routed = flat[0].item(), flat[1].item()
         load = flat[2:].reshape(layers, experts)

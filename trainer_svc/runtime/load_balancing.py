@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
@@ -35,16 +34,9 @@ from trainer_svc.runtime.packing import PackedBatch
 
 
 def sequence_ids(batch: PackedBatch) -> torch.Tensor:
-    """The sequence each input position belongs to (-1: padding), in the routers' token order:
-    megatron's hidden states are [width, rows], flattened width-major."""
-    ids = np.full((batch.rows, batch.width), -1, dtype=np.int64)
-    flat = ids.reshape(-1)
-    cursor = 0
-    for index, count in enumerate(batch.target_counts.tolist()):
-        begin = cursor if batch.documents is not None else index * batch.width
-        flat[begin : begin + count] = index
-        cursor += count
-    return torch.from_numpy(np.ascontiguousarray(ids.T).reshape(-1))
+    """The sequence each input position belongs to (-1: padding), in the routers' token
+    order, on the pass's device."""
+    return torch.from_numpy(batch.router_order()[0]).to(batch.inputs.device)
 
 
 def per_sequence_loss(
@@ -59,13 +51,14 @@ def per_sequence_loss(
     """coeff * E / k * sum_s sum_i c_i(s) * P_i(s) over the routed tokens `logits` [T, E]
     (fp32), `routing_map` [T, E] and their sequence ids [T] (-1 ignored) of `sequences`."""
     experts = logits.shape[-1]
-    real = ids >= 0
-    seq = ids[real]
-    probs = torch.softmax(logits[real].float(), dim=-1)
-    chosen = routing_map[real].to(probs.dtype)
+    # Padding is weighted out rather than indexed out: no host synchronization.
+    real = (ids >= 0).to(torch.float32)
+    seq = ids.clamp(min=0)
+    probs = torch.softmax(logits.float(), dim=-1) * real[:, None]
+    chosen = routing_map.to(probs.dtype) * real[:, None]
     mass = probs.new_zeros(sequences, experts).index_add_(0, seq, probs)
     counts = probs.new_zeros(sequences, experts).index_add_(0, seq, chosen)
-    tokens = probs.new_zeros(sequences).index_add_(0, seq, torch.ones_like(seq, dtype=probs.dtype))
+    tokens = probs.new_zeros(sequences).index_add_(0, seq, real)
     per_sequence = (counts * mass).sum(-1) / tokens.clamp(min=1)
     return coeff * experts / top_k * per_sequence.sum()
 
@@ -110,11 +103,14 @@ class SequenceBalancing:
         totals, self._totals = self._totals, None
         return totals
 
-    def _count(self, module: TopKRouter, unit: torch.Tensor, routed: torch.Tensor) -> None:
-        """Adds a training pass's routing at one router to the step's account."""
+    def _count(
+        self, module: TopKRouter, unit: torch.Tensor, routing_map: torch.Tensor, real: torch.Tensor
+    ) -> None:
+        """Adds a training pass's routing at one router to the step's account (`real`: which
+        of its tokens are no padding)."""
         if self._totals is None:
             zeros = torch.zeros((), dtype=torch.float64, device=unit.device)
-            experts = routed.shape[-1]
+            experts = routing_map.shape[-1]
             self._totals = RoutingTotals(
                 switch=zeros.clone(),
                 routed=zeros.clone(),
@@ -124,8 +120,8 @@ class SequenceBalancing:
             )
         layer = int(module.layer_number) - 1  # set by megatron
         self._totals.switch.add_(unit.detach().to(torch.float64))
-        self._totals.routed.add_(routed.shape[0])
-        self._totals.load[layer].add_(routed.sum(0).to(torch.float64))
+        self._totals.routed.add_(real.sum())
+        self._totals.load[layer].add_((routing_map & real[:, None]).sum(0).to(torch.float64))
 
     def _gating(self, router: TopKRouter, gating: Any) -> Any:
         """The router's gating linear, keeping its fp32 logits for the hook."""
@@ -142,7 +138,7 @@ class SequenceBalancing:
         if not torch.is_grad_enabled() or logits is None or self._ids is None:
             return output
         probs, routing_map = output
-        ids = self._ids.to(logits.device)
+        ids = self._ids
         unit = per_sequence_loss(
             logits.reshape(-1, logits.shape[-1]),
             routing_map,
@@ -152,7 +148,7 @@ class SequenceBalancing:
             sequences=self._sequences,
         )
         assert isinstance(module, TopKRouter)
-        self._count(module, unit, routing_map[ids >= 0])
+        self._count(module, unit, routing_map, ids >= 0)
         if not self.coeff:
             return output
         return MoEAuxLossAutoScaler.apply(probs, self.coeff * unit), routing_map

@@ -57,6 +57,21 @@ class PackedBatch:
     def width(self) -> int:
         return int(self.inputs.shape[1])
 
+    def router_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """For each input position in the order megatron's routers see them (hidden states
+        ``[width, rows]`` flattened, columns outermost): its sequence and its position in that
+        sequence, both -1 for padding."""
+        sequence = np.full((self.rows, self.width), -1, dtype=np.int64)
+        position = np.full((self.rows, self.width), -1, dtype=np.int64)
+        flat_sequence, flat_position = sequence.reshape(-1), position.reshape(-1)
+        cursor = 0
+        for index, count in enumerate(self.target_counts.tolist()):
+            begin = cursor if self.documents is not None else index * self.width
+            flat_sequence[begin : begin + count] = index
+            flat_position[begin : begin + count] = np.arange(count)
+            cursor += count
+        return sequence.T.reshape(-1), position.T.reshape(-1)
+
     def per_token(self, values: np.ndarray, batch: SequenceBatch) -> np.ndarray:
         """Inverse of the layout: ``[rows, width, ...]`` -> a per-token array of `batch`, 0 at
         each sequence's first token (nothing predicts it)."""

@@ -48,13 +48,11 @@ class RoutingReplay:
             return
         source = _router_order(packed, part)
         routing = part.routed_experts.reshape(part.num_tokens, -1, self.top_k)
-        here = routing[:, self.first_layer : self.first_layer + self.num_layers]
-        padding = np.broadcast_to(np.arange(self.top_k), (self.num_layers, self.top_k))
-        device = packed.inputs.device
+        here = routing[np.maximum(source, 0), self.first_layer : self.first_layer + self.num_layers]
+        here[source < 0] = np.arange(self.top_k)
+        indices = torch.from_numpy(here).to(packed.inputs.device)  # one copy for every layer
         for layer, router in enumerate(self._routers):
-            indices = here[np.maximum(source, 0), layer]
-            indices[source < 0] = padding[layer]
-            router.set_target_indices(torch.from_numpy(indices).to(device))
+            router.set_target_indices(indices[:, layer])
             router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         try:
             yield
@@ -91,15 +89,6 @@ class RoutingReplay:
 
 def _router_order(packed: PackedBatch, part: SequenceBatch) -> np.ndarray:
     """For each token the routers see, in their order, its flat index in `part` (-1:
-    padding). Sequence s's input i sits at row s, column i of a padded pass and at column
-    start_s + i of the packed row; the routers see columns outermost."""
-    slots = np.full((packed.rows, packed.width), -1, dtype=np.int64)
-    flat = slots.reshape(-1)
-    counts = part.lengths() - 1
-    cursor = 0
-    for index, count in enumerate(counts.tolist()):
-        begin = cursor if packed.documents is not None else index * packed.width
-        first = int(part.offsets[index])
-        flat[begin : begin + count] = np.arange(first, first + count)
-        cursor += count
-    return np.ascontiguousarray(slots.T).reshape(-1)
+    padding)."""
+    sequence, position = packed.router_order()
+    return np.where(sequence >= 0, part.offsets[np.maximum(sequence, 0)] + position, -1)
