@@ -25,9 +25,10 @@ class RoutingCapture:
         """Every MoE runner of `model` (a vLLM worker's), by its layer index."""
         self._runners: dict[int, Any] = {}
         for module in model.modules():
-            router = getattr(module, "router", None)
+            runner: Any = module
+            router = getattr(runner, "router", None)
             if router is not None and hasattr(router, "set_capture_fn"):
-                self._runners[int(module.layer_id)] = module
+                self._runners[int(runner.layer_id)] = runner
         if not self._runners:
             raise ValueError("the engine's model has no mixture-of-experts layers to capture")
         self._layers = sorted(self._runners)
