@@ -52,20 +52,14 @@ def trainer_layout_problems(
 
 
 def _expert_problems(spec: ModelSpec, tp: int, ep: int, etp: int) -> list[str]:
-    """Experts are dealt out whole over EP ranks and each one's width split over ETP ranks.
-    megatron trains expert layers under TP > 1 only with sequence parallelism, which the
-    trainer does not run: experts spread over data-parallel ranks instead."""
+    """Experts are dealt out whole over EP ranks and each one's width split over ETP ranks
+    (under TP > 1 the trainer runs the model sequence-parallel, as megatron's expert layers
+    need)."""
     if spec.moe is None:
         if ep > 1 or etp > 1:
             return [f"a dense model has no experts to split over EP {ep} x ETP {etp}"]
         return []
     problems = []
-    if tp > 1:
-        problems.append(
-            f"mixture-of-experts layers train at tensor parallel 1 only, got {tp} (megatron "
-            "needs sequence parallelism there, which the trainer does not run): spread the "
-            "experts over data-parallel ranks with --dp and --ep instead"
-        )
     if spec.moe.num_experts % ep:
         problems.append(f"{spec.moe.num_experts} experts do not split over expert parallel {ep}")
     if spec.moe.ffn_hidden_size % etp:

@@ -1,17 +1,19 @@
 """Qwen3-MoE and Mixtral through the service, on megatron-core's MoE layers: Forward equals
 transformers' (which loads the per-expert checkpoint into its fused expert tensors itself) at
-EP=1 and at EP=2 over two data-parallel ranks, one Qwen3-MoE model (over two pipeline stages,
-its routers frozen) routing every token to every expert so that no routing flip can hide a
-misplaced expert; ExportHF gives back the
-source checkpoint bit for bit; a step streamed in pieces equals the step sent whole, with the
+EP=1, at EP=2 over two data-parallel ranks and at EP=2 over two sequence-parallel TP ranks; one
+Qwen3-MoE model (TP=2 x two pipeline stages, its routers frozen) routes every token to every
+expert so that no routing flip can hide a misplaced expert. ExportHF gives back the source
+checkpoint bit for bit; a step streamed in pieces equals the step sent whole, with the
 load-balancing loss off and on, while the two data-parallel ranks run different numbers of
-passes; a layout the experts cannot be split into is refused at start. The EP=2 worlds publish
-every version to a sidecar, each layer's experts grouped into one fc1 and one fc2 tensor whose
+passes; two ranks (data- or sequence-parallel) train, route, record and replay routing as one;
+a layout the experts cannot be split into is refused at start. Two of the worlds publish every
+version to a sidecar, each layer's experts grouped into one fc1 and one fc2 tensor whose
 pulled bytes equal ExportHF's experts, every shard naming its expert rank."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -67,16 +69,24 @@ different number on each rank for the step's batch."""
 AUX_LOSS = ["--moe-aux-loss-coeff", "0.1"]
 QWEN3_MOE = ModelFamily.QWEN3_MOE
 MIXTRAL = ModelFamily.MIXTRAL
-PUBLISHING = ("qwen3-moe-pp2-ep2-every-expert", "mixtral-ep2-aux-loss")
+PUBLISHING = ("qwen3-moe-pp2-tp2-ep2-every-expert", "mixtral-ep2-aux-loss")
 """Worlds that publish every version to the module's sidecar."""
 WORLDS: dict[str, tuple[ModelFamily, MoESpec, list[str]]] = {
     "mixtral-ep1-aux-loss": (MIXTRAL, TINY_EXPERTS, ["--pass-token-budget", "40", *AUX_LOSS]),
-    "qwen3-moe-pp2-ep2-every-expert": (
+    "qwen3-moe-pp2-tp2-ep2-every-expert": (
         QWEN3_MOE,
         EVERY_EXPERT,
-        ["--pp", "2", *TWO_RANKS, "--moe-freeze-router"],
+        # Sequence-parallel over two pipeline stages, q/k norms included.
+        ["--pp", "2", "--tp", "2", "--ep", "2", "--pass-token-budget", "40", "--moe-freeze-router"],
     ),
     "mixtral-ep2-aux-loss": (MIXTRAL, TINY_EXPERTS, [*TWO_RANKS, *AUX_LOSS]),
+    # Sequence-parallel: each TP rank routes half of every pass's positions, the experts
+    # dealt over the two TP ranks.
+    "mixtral-tp2-ep2-aux-loss": (
+        MIXTRAL,
+        TINY_EXPERTS,
+        ["--tp", "2", "--ep", "2", "--pass-token-budget", "40", *AUX_LOSS],
+    ),
 }
 LOSS = LossConfig(kind=LossKind.PPO, normalization=Normalization.TOKEN, kl_coef=0.1)
 OPTIMIZER = OptimizerOverrides(learning_rate=1e-3, adam_eps=1e-4)  # see test_split_step
@@ -95,6 +105,11 @@ class World:
     pieces: dict[str, np.ndarray]
     metrics: tuple[StepMetrics, StepMetrics]
     """Of the step sent whole, and streamed in pieces."""
+    routed: np.ndarray
+    """Forward's ROUTED_EXPERTS of the parity batch on the checkpoint's weights."""
+    replayed: np.ndarray | None
+    """Forward's logprobs of the parity batch replaying `other_routing(routed)` (None where
+    every token takes every expert)."""
     published: tuple[Manifest, dict[str, np.ndarray]] | None
     """The manifest of the version after the streamed step, and every tensor of it pulled
     whole; None where the world publishes nowhere."""
@@ -131,8 +146,27 @@ def _pull_whole(sidecar: Sidecar, version: int) -> tuple[Manifest, dict[str, np.
     return manifest, tensors
 
 
-def _run(process: TrainerProcess, model_dir: Path, sidecar: Sidecar | None) -> World:
+def other_routing(routed: np.ndarray, experts: int) -> np.ndarray:
+    """Every token's last expert in every layer swapped for the first one it did not choose."""
+    other = routed.copy()
+    for choice in other.reshape(-1, other.shape[-1]):
+        choice[-1] = next(e for e in range(experts) if e not in choice)
+    return other
+
+
+def _run(
+    process: TrainerProcess, model_dir: Path, experts: MoESpec, sidecar: Sidecar | None
+) -> World:
     parity = parity_forward(process)
+    routed = process.client.forward(PARITY_BATCH, (ForwardOutput.ROUTED_EXPERTS,)).routed_experts
+    assert routed is not None
+    replayed = None
+    if experts.top_k < experts.num_experts:
+        other = other_routing(routed, experts.num_experts)
+        replay = dataclasses.replace(
+            PARITY_BATCH, routed_experts=other.reshape(PARITY_BATCH.num_tokens, -1)
+        )
+        replayed = process.client.forward(replay).logprobs
     exported = process.export("as-loaded")
     process.client.save_checkpoint(process.workdir / "base")
     # A Forward between the steps: its routing counts for no step.
@@ -141,7 +175,9 @@ def _run(process: TrainerProcess, model_dir: Path, sidecar: Sidecar | None) -> W
     pieces, pieces_metrics, version = _step(process, "pieces", [1, 4, 2])
     published = None if sidecar is None else _pull_whole(sidecar, version)
     metrics = (whole_metrics, pieces_metrics)
-    return World(model_dir, parity, exported, exported, whole, pieces, metrics, published)
+    return World(
+        model_dir, parity, exported, exported, whole, pieces, metrics, routed, replayed, published
+    )
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +215,12 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, World
         )
         try:
             yield {
-                name: _run(process, models[(WORLDS[name][0], WORLDS[name][1])], sidecars.get(name))
+                name: _run(
+                    process,
+                    models[(WORLDS[name][0], WORLDS[name][1])],
+                    WORLDS[name][1],
+                    sidecars.get(name),
+                )
                 for name, process in processes.items()
             }
         finally:
@@ -225,7 +266,7 @@ def test_a_streamed_step_equals_the_step_sent_whole(worlds, world):
 
 
 def test_a_frozen_router_keeps_its_weights_while_the_experts_train(worlds):
-    run = worlds["qwen3-moe-pp2-ep2-every-expert"]
+    run = worlds["qwen3-moe-pp2-tp2-ep2-every-expert"]
     for layer in range(2):
         router = f"model.layers.{layer}.mlp.gate.weight"
         expert = f"model.layers.{layer}.mlp.experts.6.down_proj.weight"
@@ -233,12 +274,14 @@ def test_a_frozen_router_keeps_its_weights_while_the_experts_train(worlds):
         assert not np.array_equal(run.whole[expert], run.base[expert])
 
 
-def test_two_ranks_train_as_one(worlds):
+@pytest.mark.parametrize("world", ["mixtral-ep2-aux-loss", "mixtral-tp2-ep2-aux-loss"])
+def test_two_ranks_train_as_one(worlds, world):
     """The same checkpoint and step (load-balancing loss on) at EP=1 on one rank and at EP=2
-    over two data-parallel ranks, whose passes differ, give the same update."""
-    one, two = worlds["mixtral-ep1-aux-loss"], worlds["mixtral-ep2-aux-loss"]
+    over two data-parallel ranks, whose passes differ, or over two sequence-parallel TP ranks,
+    each routing half of every pass's positions, give the same update."""
+    one, two = worlds["mixtral-ep1-aux-loss"], worlds[world]
     gap = max_relative_difference(two.whole, one.whole)
-    print(f"EP=2 vs EP=1 after one step: {gap:.2e}")
+    print(f"{world} vs EP=1 after one step: {gap:.2e}")
     assert gap <= 1e-5
 
 
@@ -266,8 +309,9 @@ def test_the_step_reports_each_layers_expert_load_and_the_switch_loss(worlds, wo
     print(f"{world}: switch loss {whole.terms.load_balancing:.4f}, load {whole.expert_load}")
 
 
-def test_two_ranks_route_as_one(worlds):
-    one, two = worlds["mixtral-ep1-aux-loss"].metrics[0], worlds["mixtral-ep2-aux-loss"].metrics[0]
+@pytest.mark.parametrize("world", ["mixtral-ep2-aux-loss", "mixtral-tp2-ep2-aux-loss"])
+def test_two_ranks_route_as_one(worlds, world):
+    one, two = worlds["mixtral-ep1-aux-loss"].metrics[0], worlds[world].metrics[0]
     assert two.expert_load == one.expert_load
     assert two.terms.load_balancing == pytest.approx(one.terms.load_balancing, rel=1e-6)
 
@@ -352,3 +396,16 @@ def test_a_version_publishes_each_layers_experts_grouped_and_equal_to_export(wor
             shards = sorted((s.expert_rank, s.pieces[0].box.ranges[0]) for s in record.shards)
             # EP rank r holds experts [4r, 4r + 4): the two ranks of a stage are EP ranks 0, 1.
             assert shards == [(0, (0, 4)), (1, (4, 8))]
+
+
+def test_sequence_parallel_ranks_record_and_replay_routing_as_one_rank(worlds):
+    """Each sequence-parallel TP rank records and replays the routing of its part of the
+    positions: the whole is one rank's, and other routing replayed gives one rank's logprobs."""
+    one, two = worlds["mixtral-ep1-aux-loss"], worlds["mixtral-tp2-ep2-aux-loss"]
+    inputs = np.ones(PARITY_BATCH.num_tokens, dtype=bool)
+    inputs[PARITY_BATCH.offsets[1:] - 1] = False
+    assert np.array_equal(two.routed[inputs], one.routed[inputs])
+    assert one.replayed is not None and two.replayed is not None
+    assert one.parity.logprobs is not None
+    assert np.abs(two.replayed - one.replayed).max() <= 1e-5
+    assert np.abs(one.replayed - one.parity.logprobs).max() > 1e-3  # the replay changed them

@@ -23,8 +23,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("config", "message"),
     [
         (
-            TrainerConfig(layout=ParallelLayout(tensor_parallel=2, expert_parallel=2)),
-            "mixture-of-experts layers train at tensor parallel 1 only, got 2",
+            TrainerConfig(
+                layout=ParallelLayout(tensor_parallel=2, data_parallel=3, expert_parallel=3)
+            ),
+            "8 experts do not split over expert parallel 3",
         ),
         (
             TrainerConfig(

@@ -66,6 +66,35 @@ class CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _in_mode(backward: Any) -> Any:
+    """An autograd function's backward run inside `CudaAsCpu`: the autograd engine runs it
+    inside the mode's handling of ``torch.autograd.backward``, where the mode is off."""
+
+    def run(ctx: Any, *grads: Any) -> Any:
+        with CudaAsCpu():
+            return backward(ctx, *grads)
+
+    return staticmethod(run)
+
+
+def _install_tensor_parallel_backwards() -> None:
+    """megatron's tensor-parallel autograd functions (the sequence-parallel gathers and
+    scatters, the linears) allocate in their backward on "the current CUDA device"."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for module in (layers, mappings):
+        for value in list(vars(module).values()):
+            if (
+                isinstance(value, type)
+                and issubclass(value, torch.autograd.Function)
+                and value.__module__ == module.__name__
+                and "backward" in vars(value)
+            ):
+                value.backward = _in_mode(  # type: ignore[method-assign]
+                    vars(value)["backward"].__func__
+                )
+
+
 class _CpuEvent:
     """Stands in for ``torch.cuda.Event``: recorded CPU work has already happened (the MoE
     all-to-all dispatcher waits on one before it reads its split sizes)."""
@@ -171,6 +200,7 @@ def install() -> None:
     for name, replacement in replacements.items():
         setattr(torch.cuda, name, replacement)
     _install_rng_tracker()
+    _install_tensor_parallel_backwards()
     _state["installed"] = True
 
 

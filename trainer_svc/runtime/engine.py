@@ -154,6 +154,12 @@ class StepEngine:
         self.publisher = publisher
         self.pass_tokens = pass_tokens or limits.max_tokens
         self.layout = layout
+        self._shard = (
+            (topology.tp_rank, topology.layout.tensor_parallel)
+            if built.config.sequence_parallel
+            else (0, 1)
+        )
+        """This rank's part of every pass's positions (`packing.pack`)."""
         self.reference = reference
         self.routing = (
             RoutingReplay(built.model, built.config.moe_router_topk)
@@ -479,7 +485,12 @@ class StepEngine:
 
         # Gradients and loss sums accumulate over the passes as over microbatches.
         for part, real in expert_lockstep.aligned(self._passes(local), batch, self.topology):
-            packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
+            packed = pack(
+                part,
+                self.device,
+                packed=documents.packs(self.layout, part.lengths()),
+                shard=self._shard,
+            )
             if packed is None:  # nothing to predict: one-token sequences only
                 continue
             if loss.needs_reference and not loss.needs_reference_logprobs:
@@ -702,14 +713,15 @@ class StepEngine:
     def _routing(self) -> tuple[float, tuple[ExpertLoad, ...]]:
         """A mixture-of-experts model's Switch loss per routed token and layer, and each
         layer's expert load, over every rank's training passes (one all-reduce); nothing for a
-        dense model. A tensor-parallel peer routes the same tokens, so rank 0 of each counts."""
+        dense model. Sequence-parallel, each tensor-parallel rank routes its part of the
+        tokens (`SequenceBalancing` keeps the whole loss on rank 0 of each group)."""
         balancing = self.built.balancing
         if balancing is None:
             return 0.0, ()
         account = balancing.take()
         layers, experts = balancing.num_layers, self.built.config.num_moe_experts or 0
         flat = torch.zeros(2 + layers * experts, dtype=torch.float64)
-        if account is not None and self.topology.tp_rank == 0:
+        if account is not None:
             parts = (account.switch[None], account.routed[None], account.load.reshape(-1))
             flat = torch.cat(parts).cpu()  # one copy to the host
         dist.all_reduce(flat, group=self.topology.control_group)
@@ -758,7 +770,12 @@ class StepEngine:
         """Per pass, its tokens' routing in this rank's layers (ROUTED_EXPERTS)."""
         aligned = expert_lockstep.aligned(self._passes(local), command.batch, self.topology)
         for part, real in aligned:
-            packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
+            packed = pack(
+                part,
+                self.device,
+                packed=documents.packs(self.layout, part.lengths()),
+                shard=self._shard,
+            )
             found: dict[str, np.ndarray] = {}
             if packed is not None:
                 with (
@@ -798,9 +815,11 @@ class StepEngine:
         gathered: list[Any] | None = (
             [None] * self.topology.layout.world_size if self.topology.is_leader else None
         )
-        # Each pipeline stage routes its own layers: its tensor-parallel rank 0 sends them.
+        # Each pipeline stage routes its own layers: its tensor-parallel rank 0 sends them, or,
+        # sequence-parallel, every rank its part of the tokens (0 elsewhere; added up).
         routed = None
-        if routing and self.routing is not None and self.topology.tp_rank == 0:
+        sends = self.topology.tp_rank == 0 or self._shard[1] > 1
+        if routing and self.routing is not None and sends:
             k = self.routing.top_k
             routed = (
                 self.routing.first_layer,
@@ -873,7 +892,7 @@ class StepEngine:
             flat = np.concatenate(
                 [np.arange(batch.offsets[i], batch.offsets[i + 1]) for i in parts[dp_rank]]
             )
-            out[flat, first : first + values.shape[1]] = values
+            out[flat, first : first + values.shape[1]] += values
         return out
 
     def _replaying(self, packed: PackedBatch, part: SequenceBatch) -> Any:

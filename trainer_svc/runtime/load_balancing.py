@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 
@@ -47,9 +48,13 @@ def per_sequence_loss(
     coeff: float,
     *,
     sequences: int,
+    split: bool = False,
 ) -> torch.Tensor:
     """coeff * E / k * sum_s sum_i c_i(s) * P_i(s) over the routed tokens `logits` [T, E]
-    (fp32), `routing_map` [T, E] and their sequence ids [T] (-1 ignored) of `sequences`."""
+    (fp32), `routing_map` [T, E] and their sequence ids [T] (-1 ignored) of `sequences`.
+    `split`: the tokens are this rank's part of a sequence-parallel TP group's, so the
+    per-sequence sums are added over the group first (the probabilities' gradient each rank
+    takes back for its own tokens), and every rank gets the whole loss."""
     experts = logits.shape[-1]
     # Padding is weighted out rather than indexed out: no host synchronization.
     real = (ids >= 0).to(torch.float32)
@@ -59,6 +64,10 @@ def per_sequence_loss(
     mass = probs.new_zeros(sequences, experts).index_add_(0, seq, probs)
     counts = probs.new_zeros(sequences, experts).index_add_(0, seq, chosen)
     tokens = probs.new_zeros(sequences).index_add_(0, seq, real)
+    if split:
+        mass = reduce_from_tensor_model_parallel_region(mass)
+        counts = reduce_from_tensor_model_parallel_region(counts)
+        tokens = reduce_from_tensor_model_parallel_region(tokens)
     per_sequence = (counts * mass).sum(-1) / tokens.clamp(min=1)
     return coeff * experts / top_k * per_sequence.sum()
 
@@ -84,6 +93,7 @@ class SequenceBalancing:
         self.num_layers = num_layers
         self._ids: torch.Tensor | None = None
         self._sequences = 0
+        self._shard = (0, 1)
         self._logits: dict[int, torch.Tensor] = {}
         self._totals: RoutingTotals | None = None
         routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
@@ -97,6 +107,7 @@ class SequenceBalancing:
         a filler pass) gets no load-balancing loss and is not counted."""
         self._ids = sequence_ids(batch) if trains else None
         self._sequences = len(batch.target_counts)
+        self._shard = batch.shard
 
     def take(self) -> RoutingTotals | None:
         """The account since the last `take` (None: nothing routed in a training pass)."""
@@ -119,7 +130,8 @@ class SequenceBalancing:
                 ),
             )
         layer = int(module.layer_number) - 1  # set by megatron
-        self._totals.switch.add_(unit.detach().to(torch.float64))
+        if self._shard[0] == 0:  # a sequence-parallel group's ranks each hold the whole loss
+            self._totals.switch.add_(unit.detach().to(torch.float64))
         self._totals.routed.add_(real.sum())
         self._totals.load[layer].add_((routing_map & real[:, None]).sum(0).to(torch.float64))
 
@@ -146,6 +158,7 @@ class SequenceBalancing:
             int(module.topk),  # type: ignore[arg-type]  # TopKRouter's int
             1.0,
             sequences=self._sequences,
+            split=self._shard[1] > 1,
         )
         assert isinstance(module, TopKRouter)
         self._count(module, unit, routing_map, ids >= 0)

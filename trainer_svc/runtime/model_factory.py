@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -18,6 +19,10 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megatron_hf.spec import ModelSpec
 from trainer_svc.config import Attention, ExpertsConfig, OptimizerConfig, ParamsDType, Recompute
@@ -97,6 +102,7 @@ def transformer_config(
         attention_softmax_in_fp32=True,
         softmax_scale=rotary.softmax_scale(spec),
         tensor_model_parallel_size=topology.layout.tensor_parallel,
+        sequence_parallel=sequence_parallel(spec, topology),
         pipeline_model_parallel_size=topology.layout.pipeline_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -106,6 +112,14 @@ def transformer_config(
         batch_p2p_comm=on_gpu,
         init_method_std=0.02,
     )
+
+
+def sequence_parallel(spec: ModelSpec, topology: Topology) -> bool:
+    """Whether the model runs sequence-parallel: a mixture-of-experts model under TP > 1,
+    where megatron's expert layers need each TP rank to route its own part of the sequence
+    (with every rank routing the whole sequence, each expert would see, and be trained on,
+    every token TP times). Dense models keep whole sequences on every TP rank."""
+    return spec.moe is not None and topology.layout.tensor_parallel > 1
 
 
 def _moe_settings(spec: ModelSpec, topology: Topology, *, grouped: bool) -> dict[str, Any]:
@@ -183,7 +197,14 @@ def build_model(
         deterministic=deterministic,
         grouped_experts=spec.is_moe and uses_transformer_engine(attention, on_gpu=on_gpu),
     )
-    layer_spec = layer_spec_for(spec, attention, on_gpu=on_gpu)
+    layer_spec: Any = layer_spec_for(spec, attention, on_gpu=on_gpu)
+    if config.sequence_parallel and not uses_transformer_engine(attention, on_gpu=on_gpu):
+        # The block's final norm too: a block spec names it.
+        layer_spec = TransformerBlockSubmodules(
+            layer_specs=[norms.with_sequence_parallel_norms(layer_spec)]
+            * get_num_layers_to_build(config, pp_rank=topology.pp_rank),
+            layer_norm=norms.SequenceParallelRMSNorm,
+        )
     if spec.is_moe:
         moe_compat.install()
     model = GPTModel(
@@ -220,17 +241,22 @@ def freeze_padding_row(model: GPTModel, pad_token_id: int) -> None:
     lookup then adds nothing to the row's gradient (the other ranks' lookups of it are masked
     to zero anyway). An output layer tied to the embedding still trains the row through the
     logits, as HF's tied lm_head does; under PP the last stage's copy of the tied weight
-    brings that part in at the embedding-group reduction."""
+    brings that part in at the embedding-group reduction. Sequence-parallel, the lookup's
+    output is already this TP rank's part of the sequence, ``[seq / TP, batch, hidden]``."""
     embedding = model.embedding.word_embeddings
-    assert not embedding.reduce_scatter_embeddings, "the output must be [batch, seq, hidden]"
+    scattered = bool(embedding.reduce_scatter_embeddings)
 
     def detach_pad_positions(
         module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor
     ) -> torch.Tensor:
         if not output.requires_grad:
             return output  # a forward-only pass trains nothing
-        is_pad = (args[0] == pad_token_id).unsqueeze(-1)
-        return torch.where(is_pad, output.detach(), output)
+        is_pad = args[0] == pad_token_id
+        if scattered:
+            part = output.shape[0]
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            is_pad = is_pad.t()[rank * part : (rank + 1) * part]
+        return torch.where(is_pad.unsqueeze(-1), output.detach(), output)
 
     embedding.register_forward_hook(detach_pad_positions)
 

@@ -48,6 +48,9 @@ class PackedBatch:
     """Predicted positions per sequence (sequence length - 1)."""
     documents: DocumentBounds | None = None
     """Set for the packed layout: where each sequence lies in the one row."""
+    shard: tuple[int, int] = (0, 1)
+    """(rank, ranks) of a sequence-parallel model's TP group: the routers of this rank see
+    its part of the positions only."""
 
     @property
     def rows(self) -> int:
@@ -59,8 +62,8 @@ class PackedBatch:
 
     def router_order(self) -> tuple[np.ndarray, np.ndarray]:
         """For each input position in the order megatron's routers see them (hidden states
-        ``[width, rows]`` flattened, columns outermost): its sequence and its position in that
-        sequence, both -1 for padding."""
+        ``[width, rows]`` flattened, columns outermost; sequence-parallel, this rank's part of
+        the columns): its sequence and its position in that sequence, both -1 for padding."""
         sequence = np.full((self.rows, self.width), -1, dtype=np.int64)
         position = np.full((self.rows, self.width), -1, dtype=np.int64)
         flat_sequence, flat_position = sequence.reshape(-1), position.reshape(-1)
@@ -70,7 +73,10 @@ class PackedBatch:
             flat_sequence[begin : begin + count] = index
             flat_position[begin : begin + count] = np.arange(count)
             cursor += count
-        return sequence.T.reshape(-1), position.T.reshape(-1)
+        rank, ranks = self.shard
+        part = self.width // ranks * self.rows
+        mine = slice(rank * part, (rank + 1) * part)
+        return sequence.T.reshape(-1)[mine], position.T.reshape(-1)[mine]
 
     def per_token(self, values: np.ndarray, batch: SequenceBatch) -> np.ndarray:
         """Inverse of the layout: ``[rows, width, ...]`` -> a per-token array of `batch`, 0 at
@@ -138,15 +144,26 @@ def to_device(values: np.ndarray, device: torch.device, dtype: torch.dtype | Non
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) -> PackedBatch | None:
+def pack(
+    batch: SequenceBatch,
+    device: torch.device,
+    *,
+    packed: bool = False,
+    shard: tuple[int, int] = (0, 1),
+) -> PackedBatch | None:
     """The pass's model inputs in the padded layout, or the packed one when `packed`. None
     when the batch has no position to predict (every sequence has one token). Its tensors
-    reach a GPU without a host synchronization (`to_device`)."""
+    reach a GPU without a host synchronization (`to_device`). `shard`: this rank's place in a
+    sequence-parallel TP group, whose ranks split the positions evenly (the width is padded
+    to a multiple of them)."""
     counts = batch.lengths() - 1
     total = int(counts.sum()) if len(counts) else 0
     if total == 0:
         return None
-    shape = (1, total) if packed else (batch.num_sequences, int(counts.max()))
+    ranks = shard[1]
+    width = total if packed else int(counts.max())
+    width = -(-width // ranks) * ranks
+    shape = (1, width) if packed else (batch.num_sequences, width)
     targets = _target_ranges(batch)
 
     def laid_out(values: np.ndarray | None, dtype: torch.dtype | None = None) -> Any:
@@ -176,6 +193,8 @@ def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) ->
     documents = None
     if packed:
         lengths = [int(c) for c in counts if c > 0]
+        if width > total:  # a document of padding, attending to itself alone
+            lengths.append(width - total)
         positions = to_device(np.concatenate([np.arange(c) for c in lengths])[None], device)
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         documents = bounds(lengths, positions[0], to_device(cu_seqlens, device))
@@ -190,4 +209,5 @@ def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) ->
         token_inputs=token_inputs,
         target_counts=counts,
         documents=documents,
+        shard=shard,
     )
