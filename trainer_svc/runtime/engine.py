@@ -24,7 +24,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.errors import PublicationPending, SlotsExhausted
 from trainer_refit.errors import quoted
-from trainer_svc.config import OptimizerConfig, SequenceLayout
+from trainer_svc.config import OptimizerConfig, PackedAttention, SequenceLayout
 from trainer_svc.domain import (
     NO_VERSION,
     AlreadyExists,
@@ -134,11 +134,12 @@ class StepEngine:
         publisher: Publisher | None = None,
         pass_tokens: int | None = None,
         layout: SequenceLayout = SequenceLayout.PADDED,
+        packed_attention: PackedAttention = PackedAttention.VARLEN,
         reference: ReferencePolicy | None = None,
     ) -> None:
         """`pass_tokens`: tokens per forward/backward pass (`passes.py`; None: the request
         limit). `layout`: whether a pass's sequences go in as one packed row (`packing.py`),
-        as `documents.resolve` settled it.
+        as `documents.resolve` settled it; `packed_attention`: how a packed row's attention runs.
         `reference`: frozen weights for reference logprobs computed here."""
         self.built = built
         self.spec = spec
@@ -154,6 +155,7 @@ class StepEngine:
         self.publisher = publisher
         self.pass_tokens = pass_tokens or limits.max_tokens
         self.layout = layout
+        self.packed_attention = packed_attention
         self.reference = reference
         self.routing = (
             RoutingReplay(built.model, built.config.moe_router_topk)
@@ -479,7 +481,12 @@ class StepEngine:
 
         # Gradients and loss sums accumulate over the passes as over microbatches.
         for part, real in expert_lockstep.aligned(self._passes(local), batch, self.topology):
-            packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
+            packed = pack(
+                part,
+                self.device,
+                packed=documents.packs(self.layout, part.lengths()),
+                attention=self.packed_attention,
+            )
             if packed is None:  # nothing to predict: one-token sequences only
                 continue
             if loss.needs_reference and not loss.needs_reference_logprobs:
@@ -758,7 +765,12 @@ class StepEngine:
         """Per pass, its tokens' routing in this rank's layers (ROUTED_EXPERTS)."""
         aligned = expert_lockstep.aligned(self._passes(local), command.batch, self.topology)
         for part, real in aligned:
-            packed = pack(part, self.device, packed=documents.packs(self.layout, part.lengths()))
+            packed = pack(
+                part,
+                self.device,
+                packed=documents.packs(self.layout, part.lengths()),
+                attention=self.packed_attention,
+            )
             found: dict[str, np.ndarray] = {}
             if packed is not None:
                 with (

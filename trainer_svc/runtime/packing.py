@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer_svc.config import PackedAttention
 from trainer_svc.domain import SequenceBatch
+from trainer_svc.runtime import bucketed_attention
 from trainer_svc.runtime.documents import DocumentBounds, bounds
 from trainer_svc.runtime.losses import TokenInputs
 
@@ -138,10 +140,17 @@ def to_device(values: np.ndarray, device: torch.device, dtype: torch.dtype | Non
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) -> PackedBatch | None:
-    """The pass's model inputs in the padded layout, or the packed one when `packed`. None
-    when the batch has no position to predict (every sequence has one token). Its tensors
-    reach a GPU without a host synchronization (`to_device`)."""
+def pack(
+    batch: SequenceBatch,
+    device: torch.device,
+    *,
+    packed: bool = False,
+    attention: PackedAttention = PackedAttention.VARLEN,
+) -> PackedBatch | None:
+    """The pass's model inputs in the padded layout, or the packed one when `packed`, with
+    the bucket plan `attention` BUCKETED needs. None when the batch has no position to
+    predict (every sequence has one token). Its tensors reach a GPU without a host
+    synchronization (`to_device`)."""
     counts = batch.lengths() - 1
     total = int(counts.sum()) if len(counts) else 0
     if total == 0:
@@ -178,7 +187,10 @@ def pack(batch: SequenceBatch, device: torch.device, *, packed: bool = False) ->
         lengths = [int(c) for c in counts if c > 0]
         positions = to_device(np.concatenate([np.arange(c) for c in lengths])[None], device)
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        documents = bounds(lengths, positions[0], to_device(cu_seqlens, device))
+        buckets = None
+        if attention is PackedAttention.BUCKETED:
+            buckets = bucketed_attention.plan(lengths, lambda a: to_device(a, device))
+        documents = bounds(lengths, positions[0], to_device(cu_seqlens, device), buckets)
     else:
         positions = torch.arange(shape[1], device=device).unsqueeze(0).expand(shape[0], -1)
     inputs = _layout(batch.tokens, _input_ranges(batch), shape, packed)
