@@ -2,19 +2,23 @@
 no further from the float32 per-sequence reference than the variable-length flash kernel is,
 with no host round trip; then the timings of one layer's attention, forward and backward,
 for the RL mix (8 and 16 sequences of 64-4,096 tokens, 16 heads of 128, 8 key/value heads):
-varlen, bucketed (at a few per-call costs, and with the dense kernel pinned to cuDNN or
-flash), and the same sequences in right-padded rows. Run on a lent GPU machine:
-``python -m pytest -m gpu tests/gpu/test_bucketed_attention_gpu.py -s`` (with $OUT set, the
-timings also go to $OUT/bucketed_attention_timings.json)."""
+varlen, bucketed (at a few per-call costs, with the dense kernel pinned to cuDNN or flash,
+with keys and values repeated instead of grouped), the same sequences in right-padded rows,
+and single calls on fresh lengths (what new shapes cost, a kernel's set-up included). Run on
+a lent GPU machine: ``python -m pytest -m gpu tests/gpu/test_bucketed_attention_gpu.py -s``
+(with $OUT set, the timings also go to $OUT/bucketed_attention_timings.json)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,18 +38,14 @@ pytestmark = [
 ]
 
 
-def _documents(lengths: list[int], *, buckets: bool, call_tokens: int | None = None):
+def _documents(lengths: list[int], *, buckets: bool):
     from trainer_svc.runtime.documents import bounds
 
     positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
     cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32).cuda()
     plan = None
     if buckets:
-        plan = bucketed_attention.plan(
-            lengths,
-            lambda a: torch.from_numpy(a).cuda(),
-            call_tokens=bucketed_attention.CALL_TOKENS if call_tokens is None else call_tokens,
-        )
+        plan = bucketed_attention.plan(lengths, _upload)
     return bounds(lengths, positions, cu, plan)
 
 
@@ -114,83 +114,131 @@ def _backend(name: str) -> Iterator[None]:
         yield
 
 
+def _upload(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(values).cuda()
+
+
+def _layer(lengths: list[int], heads: int, groups: int, dim: int) -> dict[str, Callable[..., None]]:
+    """One layer's attention forward and backward over `lengths` in bfloat16, as callables:
+    varlen on the packed row, bucketed (given a plan, made once for every layer in the trainer,
+    and whether to repeat keys and values instead of grouping them), and padded on the same
+    sequences right-padded (made once, outside the timing, as the padded layout's rows hold
+    them)."""
+    total, longest = sum(lengths), max(lengths)
+    leaves = [
+        torch.randn(total, n, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for n in (heads, groups, groups)
+    ]
+    grad = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
+    flash = _varlen_call(leaves[0], None, True, 0.0)
+    assert flash is not None
+
+    def varlen() -> None:
+        out = flash(*leaves, cu, cu, longest, longest)
+        torch.autograd.grad(out, leaves, grad)
+
+    def bucketed(plan: bucketed_attention.BucketPlan, repeat_kv: bool = False) -> None:
+        q, k, v = leaves
+        if repeat_kv:
+            k, v = (x.repeat_interleave(heads // groups, dim=1) for x in (k, v))
+        out = bucketed_attention.attend(q, k, v, plan, scale=None, grouped=not repeat_kv)
+        torch.autograd.grad(out, leaves, grad)
+
+    rows = [
+        torch.zeros(len(lengths), longest, x.shape[1], dim, device="cuda", dtype=torch.bfloat16)
+        for x in leaves
+    ]
+    start = 0
+    for row, n in enumerate(lengths):
+        for pad, x in zip(rows, leaves, strict=True):
+            pad[row, :n] = x.detach()[start : start + n]
+        start += n
+    for x in rows:
+        x.requires_grad_()
+    rows_grad = torch.randn(len(lengths), heads, longest, dim, device="cuda", dtype=torch.bfloat16)
+
+    def padded() -> None:
+        q, k, v = (x.transpose(1, 2) for x in rows)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(out, rows, rows_grad)
+
+    return {"varlen": varlen, "bucketed": bucketed, "padded": padded}
+
+
+def _timed(run: Callable[[], None], backend: str = "default") -> float | str:
+    try:
+        with _backend(backend):
+            return _median_ms(run)
+    except RuntimeError as error:
+        return f"refused: {str(error).splitlines()[0][:160]}"
+
+
+def _cold_ms(run: Callable[[], None]) -> float:
+    """Wall time of one call, shapes possibly never seen before (kernel set-up included)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start)
+
+
 @in_child_process
 def test_print_one_layers_attention_timings_for_the_rl_mix() -> None:
-    """Timings only (medians of 10 after 3 warm-up calls); the assertions are elsewhere."""
+    """Timings only (medians of 10 after 3 warm-up calls, then single calls on fresh lengths);
+    the assertions are elsewhere."""
     heads, groups, dim = 16, 8, 128
     rng = np.random.default_rng(0)
     report: dict[str, dict[str, float | str]] = {}
+    default = bucketed_attention.CALL_TOKENS
     for count in (8, 16):
         lengths = rng.integers(64, 4097, size=count).tolist()
-        total, longest = sum(lengths), max(lengths)
-        leaves = [
-            torch.randn(total, n, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for n in (heads, groups, groups)
-        ]
-        grad = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
-        varlen = _varlen_call(leaves[0], None, True, 0.0)
-        assert varlen is not None
-        timings: dict[str, float | str] = {}
-
-        def run_varlen(varlen=varlen, leaves=leaves, grad=grad, cu=cu, longest=longest) -> None:
-            out = varlen(*leaves, cu, cu, longest, longest)
-            torch.autograd.grad(out, leaves, grad)
-
-        timings["varlen"] = _median_ms(run_varlen)
-        for call_tokens in (0, 512, bucketed_attention.CALL_TOKENS, 2048, 4096):
-            plan = bucketed_attention.plan(
-                lengths, lambda a: torch.from_numpy(a).cuda(), call_tokens=call_tokens
-            )
-
-            def run_bucketed(plan=plan, leaves=leaves, grad=grad) -> None:
-                out = bucketed_attention.attend(*leaves, plan, scale=None, grouped=True)
-                torch.autograd.grad(out, leaves, grad)
-
-            backends = ("default", "cudnn", "flash")
-            for backend in (
-                backends if call_tokens == bucketed_attention.CALL_TOKENS else ("default",)
-            ):
-                name = f"bucketed call_tokens={call_tokens} {backend}"
-                try:
-                    with _backend(backend):
-                        timings[name] = _median_ms(run_bucketed)
-                except RuntimeError as error:
-                    timings[name] = f"refused: {str(error).splitlines()[0][:120]}"
-            timings[f"buckets call_tokens={call_tokens}"] = str(plan.shapes)
-        # The same sequences right-padded, as the padded layout's rows hold them.
-        padded = [
-            torch.zeros(count, longest, x.shape[1], dim, device="cuda", dtype=torch.bfloat16)
-            for x in leaves
-        ]
-        start = 0
-        for row, n in enumerate(lengths):
-            for pad, x in zip(padded, leaves, strict=True):
-                pad[row, :n] = x.detach()[start : start + n]
-            start += n
-        padded = [x.requires_grad_() for x in padded]
-        padded_grad = torch.randn(count, heads, longest, dim, device="cuda", dtype=torch.bfloat16)
-
-        def run_padded(padded=padded, padded_grad=padded_grad) -> None:
-            q, k, v = (x.transpose(1, 2) for x in padded)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            torch.autograd.grad(out, padded, padded_grad)
-
+        runs = _layer(lengths, heads, groups, dim)
+        timings: dict[str, float | str] = {"lengths": str(sorted(lengths))}
+        timings["varlen"] = _timed(runs["varlen"])
         for backend in ("default", "cudnn", "flash"):
-            try:
-                with _backend(backend):
-                    timings[f"padded {backend}"] = _median_ms(run_padded)
-            except RuntimeError as error:
-                timings[f"padded {backend}"] = f"refused: {str(error).splitlines()[0][:120]}"
-        work = sum(n * n for n in lengths) / (count * longest * longest)
+            timings[f"padded {backend}"] = _timed(runs["padded"], backend)
+        variants: list[tuple[str, dict[str, Any], str]] = [
+            (f"call_tokens={default}", {}, "default"),
+            (f"call_tokens={default}", {}, "cudnn"),
+            (f"call_tokens={default}", {}, "flash"),
+            (f"call_tokens={default} kv repeated", {"repeat_kv": True}, "default"),
+            (f"call_tokens={default} multiple=1", {"multiple": 1}, "default"),
+        ]
+        variants += [
+            (f"call_tokens={c}", {"call_tokens": c}, "default") for c in (0, 512, 2048, 4096)
+        ]
+        for name, options, backend in variants:
+            repeat_kv = options.pop("repeat_kv", False)
+            plan = bucketed_attention.plan(lengths, _upload, **options)
+            run = functools.partial(runs["bucketed"], plan, repeat_kv)
+            timings[f"bucketed {name} {backend}"] = _timed(run, backend)
+        for c in (0, 512, default, 2048, 4096):
+            shapes = bucketed_attention.plan(lengths, call_tokens=c).shapes
+            timings[f"buckets call_tokens={c}"] = str(shapes)
+        real = sum(n * n for n in lengths) / (count * max(lengths) ** 2)
         print(
-            f"\n{count} sequences, {total} tokens (lengths {sorted(lengths)}), one layer's "
-            f"attention forward+backward, {heads} heads of {dim}, {groups} KV heads; real "
-            f"causal work {work:.2f} of the padded rows'"
+            f"\n{count} sequences, {sum(lengths)} tokens, one layer's attention forward and "
+            f"backward in ms ({heads} heads of {dim}, {groups} KV heads; real causal work "
+            f"{real:.2f} of the padded rows')"
         )
         for name, value in timings.items():
-            print(f"  {name}: {value:.3f} ms" if isinstance(value, float) else f"  {name}: {value}")
-        report[f"{count} sequences"] = dict(timings, lengths=str(lengths))
+            print(f"  {name}: {value:.3f}" if isinstance(value, float) else f"  {name}: {value}")
+        report[f"{count} sequences"] = timings
+    # Fresh lengths each call: what a step with new rollouts pays, kernel set-up included.
+    cold: dict[str, float | str] = {}
+    for draw in range(3):
+        lengths = rng.integers(64, 4097, size=16).tolist()
+        runs = _layer(lengths, heads, groups, dim)
+        plan = bucketed_attention.plan(lengths, _upload)
+        torch.cuda.synchronize()
+        for name in ("varlen", "bucketed", "padded"):
+            run = functools.partial(runs[name], plan) if name == "bucketed" else runs[name]
+            cold[f"draw {draw} {name}"] = _cold_ms(run)
+    print("\n16 fresh sequences, one call each (ms, wall, set-up included):")
+    for name, value in cold.items():
+        print(f"  {name}: {value:.3f}")
+    report["fresh lengths"] = cold
     out = os.environ.get("OUT")
     if out:
         Path(out, "bucketed_attention_timings.json").write_text(json.dumps(report, indent=2))

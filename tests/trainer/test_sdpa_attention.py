@@ -59,7 +59,8 @@ def test_sdpa_equals_the_local_attention_with_its_gradients() -> None:
 def test_a_packed_row_in_buckets_equals_it_sequence_by_sequence() -> None:
     """`SdpaAttention` on a packed row whose bounds carry a bucket plan (`--packed-attention
     bucketed`) against the same row without one (one fused call per sequence on the CPU):
-    outputs and input gradients within 1e-6 in float32, for MHA, GQA and MQA."""
+    outputs and input gradients within 1e-6 in float32 (of the largest value, where that is
+    above 1), for MHA, GQA and MQA."""
     from trainer_svc.runtime import cpu_compat
     from trainer_svc.runtime.bucketed_attention import plan
     from trainer_svc.runtime.documents import bounds
@@ -71,7 +72,7 @@ def test_a_packed_row_in_buckets_equals_it_sequence_by_sequence() -> None:
     positions = torch.cat([torch.arange(n) for n in lengths])
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     alone = bounds(lengths, positions, cu)
-    bucketed = bounds(lengths, positions, cu, plan(lengths, call_tokens=10))
+    bucketed = bounds(lengths, positions, cu, plan(lengths, call_tokens=10, multiple=4))
     assert bucketed.buckets is not None and 1 < len(bucketed.buckets.shapes) < len(lengths)
     for groups in (8, 2, 1):
         module = SdpaAttention(
@@ -88,7 +89,8 @@ def test_a_packed_row_in_buckets_equals_it_sequence_by_sequence() -> None:
             results.append([out.detach(), *(x.grad for x in leaves)])
         for want, got in zip(*results, strict=True):
             assert got.shape == want.shape
-            assert (got - want).abs().max().item() <= 1e-6, groups
+            size = max(1.0, want.abs().max().item())
+            assert (got - want).abs().max().item() <= 1e-6 * size, groups
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,12 @@ Where to cut: a dense causal call over ``rows`` sequences padded to ``longest`` 
 ``rows * longest**2`` of attention work, and each call costs a fixed amount more (its
 launches, and a last wave of work blocks that leaves most of the device idle), counted as a
 sequence of `CALL_TOKENS` tokens. The cuts minimise the sum exactly over sorted lengths
-(`cut`). A plan is made on the host once per pass from the lengths the packing already has
-and reaches the device with the row (`plan`), so the layers run it with no host round trip.
+(`cut`). A bucket's length is rounded up to `LENGTH_MULTIPLE`: the kernels work in tiles of
+about that many queries, so the rounding adds next to no work, and it keeps the dense shapes
+few from pass to pass (a kernel set up per shape, as cuDNN's is, is then set up less often).
+
+A plan is made on the host once per pass from the lengths the packing already has and
+reaches the device with the row (`plan`), so the layers run it with no host round trip.
 """
 
 from __future__ import annotations
@@ -41,19 +45,30 @@ larger value makes fewer, more padded buckets. An estimate from the kernels' sha
 and a part-empty last wave against the work of a 16-head layer), to be tuned with the timings
 `tests/gpu/test_bucketed_attention_gpu.py` prints."""
 
+LENGTH_MULTIPLE = 128
+"""Bucket lengths are rounded up to a multiple of this (a tile of the dense kernels' queries)."""
 
-def cut(lengths: Sequence[int], call_tokens: int = CALL_TOKENS) -> tuple[tuple[int, ...], ...]:
+
+def _rounded(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def cut(
+    lengths: Sequence[int], call_tokens: int = CALL_TOKENS, multiple: int = LENGTH_MULTIPLE
+) -> tuple[tuple[int, ...], ...]:
     """The buckets of sequences (indices into `lengths`), each sorted by length and the buckets
-    by their longest, that minimise ``sum(rows * longest**2) + buckets * call_tokens**2``.
+    by their longest, that minimise ``sum(rows * longest**2) + buckets * call_tokens**2``, a
+    bucket's longest rounded up to `multiple`.
 
-    A dynamic programme over the distinct lengths in increasing order: a bucket is a run of
-    consecutive distinct lengths (an optimal bucketing never interleaves lengths, and never
-    splits equal ones, which would only add a call). Quadratic in the distinct lengths, each
-    step one vectorised minimum."""
+    A dynamic programme over the distinct rounded lengths in increasing order: a bucket is a
+    run of consecutive ones (an optimal bucketing never interleaves lengths, and never splits
+    equal ones, which would only add a call). Quadratic in the distinct lengths, each step one
+    vectorised minimum."""
     if not lengths:
         return ()
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    values, counts = np.unique(np.asarray(lengths, dtype=np.int64), return_counts=True)
+    rounded = [_rounded(n, multiple) for n in lengths]
+    values, counts = np.unique(np.asarray(rounded, dtype=np.int64), return_counts=True)
     before = np.concatenate([[0], np.cumsum(counts)])  # sequences shorter than values[j]
     call = np.int64(call_tokens) ** 2
     best = np.zeros(len(values) + 1, dtype=np.int64)
@@ -70,11 +85,15 @@ def cut(lengths: Sequence[int], call_tokens: int = CALL_TOKENS) -> tuple[tuple[i
 
 
 def cost(
-    lengths: Sequence[int], buckets: Sequence[Sequence[int]], call_tokens: int = CALL_TOKENS
+    lengths: Sequence[int],
+    buckets: Sequence[Sequence[int]],
+    call_tokens: int = CALL_TOKENS,
+    multiple: int = LENGTH_MULTIPLE,
 ) -> int:
     """`cut`'s objective for `buckets` of `lengths`."""
     return sum(
-        len(bucket) * max(lengths[i] for i in bucket) ** 2 + call_tokens**2 for bucket in buckets
+        len(bucket) * _rounded(max(lengths[i] for i in bucket), multiple) ** 2 + call_tokens**2
+        for bucket in buckets
     )
 
 
@@ -84,7 +103,8 @@ class BucketPlan:
     one ``[slots, heads, dim]`` tensor (bucket by bucket, each ``[rows, longest]`` row-major)."""
 
     shapes: tuple[tuple[int, int], ...]
-    """(rows, longest) of each bucket, in slot order."""
+    """(rows, length) of each bucket, in slot order: its length the longest of its sequences,
+    rounded up."""
     token_of_slot: torch.Tensor
     """[slots] int64: the row token each slot holds (padding: its sequence's first token)."""
     slot_of_token: torch.Tensor
@@ -95,6 +115,7 @@ def plan(
     lengths: Sequence[int],
     upload: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
     call_tokens: int = CALL_TOKENS,
+    multiple: int = LENGTH_MULTIPLE,
 ) -> BucketPlan:
     """The plan for a packed row of sequences of `lengths` (in row order, each >= 1), its
     index arrays built on the host and handed to `upload` (the packing's copy to the device)."""
@@ -103,10 +124,10 @@ def plan(
     token_of_slot = []
     slot_of_token = np.empty(int(starts[-1]), dtype=np.int64)
     offset = 0
-    for bucket in cut(lengths, call_tokens):
+    for bucket in cut(lengths, call_tokens, multiple):
         mine = np.asarray(lengths, dtype=np.int64)[list(bucket)]
         first = starts[list(bucket)]
-        longest = int(mine.max())
+        longest = _rounded(int(mine.max()), multiple)
         position = np.arange(longest, dtype=np.int64)[None]
         real = position < mine[:, None]
         tokens = first[:, None] + np.where(real, position, 0)
