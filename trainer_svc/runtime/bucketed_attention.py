@@ -156,10 +156,7 @@ class _ToBuckets(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
         plan: BucketPlan = ctx.plan
-        dense = grads[0].new_empty((plan.token_of_slot.shape[0], *grads[0].shape[2:]))
-        for part, grad in zip(_views(dense, plan), grads, strict=True):
-            part.copy_(grad)
-        return dense.index_select(0, plan.slot_of_token), None
+        return _joined(grads, plan).index_select(0, plan.slot_of_token), None
 
 
 class _FromBuckets(torch.autograd.Function):
@@ -169,10 +166,7 @@ class _FromBuckets(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: BucketPlan, *outputs: torch.Tensor) -> torch.Tensor:
         ctx.plan = plan
-        dense = outputs[0].new_empty((plan.token_of_slot.shape[0], *outputs[0].shape[2:]))
-        for part, out in zip(_views(dense, plan), outputs, strict=True):
-            part.copy_(out)
-        return dense.index_select(0, plan.slot_of_token)
+        return _joined(outputs, plan).index_select(0, plan.slot_of_token)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -180,6 +174,17 @@ class _FromBuckets(torch.autograd.Function):
         dense = grad.new_zeros((plan.token_of_slot.shape[0], *grad.shape[1:]))
         dense.index_copy_(0, plan.slot_of_token, grad)
         return (None, *_views(dense, plan))
+
+
+def _joined(parts: Sequence[torch.Tensor], plan: BucketPlan) -> torch.Tensor:
+    """Each bucket's ``[rows, longest, ...]`` end to end as ``[slots, ...]``: one copy, none
+    for a single bucket already laid out so."""
+    if len(parts) == 1:
+        return parts[0].reshape(-1, *parts[0].shape[2:])
+    dense = parts[0].new_empty((plan.token_of_slot.shape[0], *parts[0].shape[2:]))
+    for view, part in zip(_views(dense, plan), parts, strict=True):
+        view.copy_(part)
+    return dense
 
 
 def _views(dense: torch.Tensor, plan: BucketPlan) -> list[torch.Tensor]:

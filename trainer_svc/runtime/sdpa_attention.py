@@ -104,14 +104,13 @@ class SdpaAttention(DotProductAttention):
         dropout = self.attention_dropout.p if self.training else 0.0
         q, k, v = (x[:, 0] for x in (query, key, value))  # [T, heads, dim]
         buckets = getattr(documents, "buckets", None)
-        varlen = (
-            None if buckets is not None else _varlen_call(q, self.softmax_scale, grouped, dropout)
-        )
         if buckets is not None:
             context = bucketed_attention.attend(
                 q, k, v, buckets, scale=self.softmax_scale, grouped=grouped, dropout=dropout
             )
-        elif varlen is not None:
+            return context.reshape(total, 1, self.hidden_size_per_partition)
+        varlen = _varlen_call(q, self.softmax_scale, grouped, dropout)
+        if varlen is not None:
             context = varlen(
                 q,
                 k,
