@@ -168,7 +168,11 @@ def build_engine(
             deterministic=config.model.deterministic,
         )
         layout = documents.resolve(config.model.sequence_layout, model)
-        log.info("sequence layout: %s", layout.value)
+        log.info(
+            "sequence layout: %s (packed attention: %s)",
+            layout.value,
+            config.model.packed_attention.value,
+        )
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
@@ -244,6 +248,7 @@ def build_engine(
         publisher=publisher,
         pass_tokens=int(budget[0]),
         layout=layout,
+        packed_attention=config.model.packed_attention,
         reference=reference,
     )
     info = ServiceInfo(
