@@ -16,7 +16,6 @@ from trainer_svc.config import (
     ModelConfig,
     OptimizerConfig,
     OptimizerKind,
-    PackedAttention,
     ParallelLayout,
     ParamsDType,
     Recompute,
@@ -64,13 +63,6 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "no padding computed (needs the sdpa attention); padded: a row per sequence; auto "
         "(default): with the sdpa attention, each pass packed when padding would add more "
         "than 15%%, padded otherwise",
-    )
-    model.add_argument(
-        "--packed-attention",
-        choices=[a.value for a in PackedAttention],
-        default=PackedAttention.VARLEN.value,
-        help="a packed row's attention: varlen (default; the variable-length flash kernel) or "
-        "bucketed (its sequences in a few dense right-padded batches of similar length)",
     )
     model.add_argument(
         "--reference-policy",
@@ -301,7 +293,6 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             attention=Attention(args.attention),
             recompute=Recompute(args.recompute),
             sequence_layout=SequenceLayout(args.sequence_layout),
-            packed_attention=PackedAttention(args.packed_attention),
             deterministic=args.deterministic,
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,

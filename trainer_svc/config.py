@@ -67,18 +67,6 @@ class SequenceLayout(enum.Enum):
     """One row per sequence, right-padded to the longest."""
 
 
-class PackedAttention(enum.Enum):
-    """How a packed row's attention runs (`runtime/sdpa_attention.py`)."""
-
-    VARLEN = "varlen"
-    """PyTorch's variable-length flash kernel, one launch for the row (on a GPU in half
-    precision; one fused call per sequence elsewhere)."""
-    BUCKETED = "bucketed"
-    """The row's sequences cut into a few buckets of similar length, each run as a dense
-    right-padded batch through the fused attention (`runtime/bucketed_attention.py`): a dense
-    kernel (cuDNN's on Hopper) for some padding."""
-
-
 class ReferenceWeights(enum.Enum):
     """Which weights the service keeps frozen for the KL term's reference logprobs
     (`runtime/reference_policy.py`)."""
@@ -229,7 +217,6 @@ class ModelConfig:
     attention: Attention = Attention.AUTO
     recompute: Recompute = Recompute.NONE
     sequence_layout: SequenceLayout = SequenceLayout.AUTO
-    packed_attention: PackedAttention = PackedAttention.VARLEN
     deterministic: bool = False
     """Bit-identical steps from run to run, at some speed (`runtime/determinism.py`)."""
     vocab_multiple: int = 128

@@ -1,7 +1,6 @@
 """Packed rows on a GPU in bfloat16 (`--sequence-layout packed`: variable-length flash attention,
-or bucketed dense attention with `--packed-attention bucketed`; RoPE gathered at each token's own
-position): the model's logprobs and gradients are no further from a float32 reference than
-padded rows in bfloat16 are. Prints both distances, the bf16
+RoPE gathered at each token's own position): the model's logprobs and gradients are no further
+from a float32 reference than padded rows in bfloat16 are. Prints both distances, the bf16
 tolerance the docs state. Run on a lent GPU machine: ``python -m pytest -m gpu tests/gpu -s``."""
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
 from tests.support.megatron_world import one_rank_model_parallel
 from tests.support.sequence_layouts import built_model, predicted, run_layout
-from trainer_svc.config import Attention, PackedAttention, ParamsDType, SequenceLayout
+from trainer_svc.config import Attention, ParamsDType, SequenceLayout
 from trainer_svc.domain import LossConfig, LossKind, Normalization
 from trainer_svc.runtime import documents
 from trainer_svc.runtime.packing import pack
@@ -48,23 +47,21 @@ def test_packed_bf16_rows_are_as_close_to_float32_as_padded_bf16_rows(tmp_path: 
     )
     batch = make_batch(seed=4, lengths=lengths, loss=LOSS, vocab_size=100)
     padded, packed = pack(batch, cuda), pack(batch, cuda, packed=True)
-    bucketed = pack(batch, cuda, packed=True, attention=PackedAttention.BUCKETED)
-    assert padded is not None and packed is not None and bucketed is not None
+    assert padded is not None and packed is not None
     results = {}
     for dtype in (ParamsDType.FLOAT32, ParamsDType.BFLOAT16):
         model = built_model(model_dir, Attention.SDPA, params_dtype=dtype, on_gpu=True)
         assert documents.resolve(SequenceLayout.PACKED, model)
-        for name, laid_out in (("padded", padded), ("packed", packed), ("bucketed", bucketed)):
+        for name, laid_out in (("padded", padded), ("packed", packed)):
             logprobs, grads = run_layout(model, laid_out, LOSS)
             if name == "padded":
                 logprobs = logprobs[predicted(padded)]
             results[dtype, name] = (logprobs.reshape(-1), grads)
     reference, reference_grads = results[ParamsDType.FLOAT32, "padded"]
-    for name in ("packed", "bucketed"):
-        exact, _ = results[ParamsDType.FLOAT32, name]
-        assert (exact - reference).abs().max().item() <= 1e-4, name
+    exact, _ = results[ParamsDType.FLOAT32, "packed"]
+    assert (exact - reference).abs().max().item() <= 1e-4
     errors = {}
-    for name in ("padded", "packed", "bucketed"):
+    for name in ("padded", "packed"):
         got, grads = results[ParamsDType.BFLOAT16, name]
         grad_error = max(
             ((g - w).norm() / w.norm().clamp(min=1e-12)).item()
@@ -75,6 +72,5 @@ def test_packed_bf16_rows_are_as_close_to_float32_as_padded_bf16_rows(tmp_path: 
             f"bf16 {name}: max |logprob - fp32| {errors[name][0]:.3g}, largest relative "
             f"gradient error {errors[name][1]:.3g}"
         )
-    for name in ("packed", "bucketed"):
-        for index in (0, 1):
-            assert errors[name][index] <= 1.5 * errors["padded"][index] + 1e-3, errors
+    for index in (0, 1):
+        assert errors["packed"][index] <= 1.5 * errors["padded"][index] + 1e-3, errors

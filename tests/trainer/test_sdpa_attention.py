@@ -55,44 +55,6 @@ def test_sdpa_equals_the_local_attention_with_its_gradients() -> None:
         )
 
 
-@in_child_process
-def test_a_packed_row_in_buckets_equals_it_sequence_by_sequence() -> None:
-    """`SdpaAttention` on a packed row whose bounds carry a bucket plan (`--packed-attention
-    bucketed`) against the same row without one (one fused call per sequence on the CPU):
-    outputs and input gradients within 1e-6 in float32 (of the largest value, where that is
-    above 1), for MHA, GQA and MQA."""
-    from trainer_svc.runtime import cpu_compat
-    from trainer_svc.runtime.bucketed_attention import plan
-    from trainer_svc.runtime.documents import bounds
-
-    one_rank_model_parallel(cuda=False)
-    torch.manual_seed(0)
-    lengths, heads, dim = [7, 1, 30, 12, 29, 2], 8, 16
-    total = sum(lengths)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    alone = bounds(lengths, positions, cu)
-    bucketed = bounds(lengths, positions, cu, plan(lengths, call_tokens=10, multiple=4))
-    assert bucketed.buckets is not None and 1 < len(bucketed.buckets.shapes) < len(lengths)
-    for groups in (8, 2, 1):
-        module = SdpaAttention(
-            attention_config(heads, groups, dim, torch.float32), 1, AttnMaskType.causal, "self"
-        )
-        inputs = [torch.randn(total, 1, n, dim) for n in (heads, groups, groups)]
-        grad = torch.randn(total, 1, heads * dim)
-        results = []
-        for documents in (alone, bucketed):
-            leaves = [x.clone().requires_grad_() for x in inputs]
-            with cpu_compat.active():
-                out = module(*leaves, None, packed_seq_params=documents)
-            out.backward(grad)
-            results.append([out.detach(), *(x.grad for x in leaves)])
-        for want, got in zip(*results, strict=True):
-            assert got.shape == want.shape
-            size = max(1.0, want.abs().max().item())
-            assert (got - want).abs().max().item() <= 1e-6 * size, groups
-
-
 @pytest.mark.parametrize(
     ("attention", "on_gpu", "expected"),
     [

@@ -1,7 +1,6 @@
 """Packed rows (`--sequence-layout packed`, several sequences back to back in one row) compute
 what padded rows compute: the model the trainer builds gives the same per-token logprobs and the
-same gradients for both layouts of one batch (the packed row's attention as it runs on the CPU,
-and bucketed, `--packed-attention bucketed`), within 1e-5 in float32 on the CPU, for grouped
+same gradients for both layouts of one batch, within 1e-5 in float32 on the CPU, for grouped
 -query attention and for a YaRN checkpoint (scaled softmax, scaled RoPE). A control shows the
 comparison sees the document bounds: the same row without them (attention across sequences)
 misses by far more. (Positions that run on through the row instead of restarting would pass:
@@ -26,7 +25,7 @@ from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
 from tests.support.megatron_world import one_rank_model_parallel
 from tests.support.sequence_layouts import built_model, predicted, run_layout
-from trainer_svc.config import Attention, ModelConfig, PackedAttention, SequenceLayout
+from trainer_svc.config import Attention, ModelConfig, SequenceLayout
 from trainer_svc.domain import LossConfig, LossKind, Normalization
 from trainer_svc.runtime import cpu_compat, documents, norms
 from trainer_svc.runtime.packing import pack
@@ -57,9 +56,7 @@ def test_packed_rows_give_the_padded_logprobs_and_gradients(tmp_path: Path) -> N
     batch = make_batch(seed=4, lengths=LENGTHS, loss=LOSS, vocab_size=100)
     padded = pack(batch, CPU)
     packed = pack(batch, CPU, packed=True)
-    bucketed = pack(batch, CPU, packed=True, attention=PackedAttention.BUCKETED)
     assert padded is not None and packed is not None and packed.documents is not None
-    assert bucketed is not None
     assert packed.width == sum(n - 1 for n in LENGTHS) < padded.rows * padded.width
     for name, (family, options) in CASES.items():
         model_dir = write_tiny_checkpoint(tmp_path / name, family, seed=3, **options)
@@ -68,19 +65,14 @@ def test_packed_rows_give_the_padded_logprobs_and_gradients(tmp_path: Path) -> N
             assert documents.resolve(SequenceLayout.AUTO, model) is SequenceLayout.AUTO
             want, want_grads = run_layout(model, padded, LOSS)
             got, got_grads = run_layout(model, packed, LOSS)
-            in_buckets, in_buckets_grads = run_layout(model, bucketed, LOSS)
             # Control: the same row as one causal sequence, attending across sequences.
             crossing, _ = run_layout(model, dataclasses.replace(packed, documents=None), LOSS)
         want = want[predicted(padded)]
-        for how, logprobs, grads in (
-            ("varlen", got, got_grads),
-            ("bucketed", in_buckets, in_buckets_grads),
-        ):
-            gap = (logprobs[0] - want).abs().max().item()
-            assert gap <= TOLERANCE, f"{name}, {how}: logprobs differ by {gap}"
-            for g, w in zip(grads, want_grads, strict=True):
-                scale = max(w.abs().max().item(), 1e-12)
-                assert (g - w).abs().max().item() <= TOLERANCE * scale, f"{name}, {how}: gradients"
+        gap = (got[0] - want).abs().max().item()
+        assert gap <= TOLERANCE, f"{name}: logprobs differ by {gap}"
+        for g, w in zip(got_grads, want_grads, strict=True):
+            scale = max(w.abs().max().item(), 1e-12)
+            assert (g - w).abs().max().item() <= TOLERANCE * scale, f"{name}: gradients differ"
         miss = (crossing[0] - want).abs().max().item()
         assert miss > 100 * TOLERANCE, f"{name}: attention across sequences misses by {miss}"
 

@@ -1,7 +1,6 @@
 """benchmarks.trainer_step's data and summary: a length mix draws each sequence's length within
 its bounds, the step's token counts come from the batches themselves, and runs of two sequence
-layouts are summarized under their own names with the packed/padded tokens/s ratio, once per
-packed-row attention where several are run."""
+layouts are summarized under their own names with the packed/padded tokens/s ratio."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.trainer_step import layout_runs, make_batches, step_tokens, summarize, variant
+from benchmarks.trainer_step import make_batches, step_tokens, summarize, variant
 
 PLAN: dict[str, Any] = dict(seed=7, seqs_per_microbatch=6, microbatches=3, vocab=50, seq_len=40)
 
@@ -63,29 +62,3 @@ def test_two_layouts_are_summarized_apart_with_their_ratio() -> None:
     # One layout keeps the plain mode names.
     single = summarize([_run("inprocess", "auto", ["auto"], 0.5)], PLAN)
     assert set(single["modes"]) == {"inprocess"} and single["packed_over_padded"] == {}
-
-
-def test_each_packed_attention_runs_every_layout_that_may_pack_and_padded_once() -> None:
-    runs = layout_runs(["packed", "padded"], ["varlen", "bucketed"])
-    assert runs == [
-        ("packed-varlen", ["--sequence-layout", "packed", "--packed-attention", "varlen"]),
-        ("packed-bucketed", ["--sequence-layout", "packed", "--packed-attention", "bucketed"]),
-        ("padded", ["--sequence-layout", "padded", "--packed-attention", "varlen"]),
-    ]
-    assert [name for name, _ in layout_runs(["packed", "padded"], ["bucketed"])] == [
-        "packed",
-        "padded",
-    ]
-    names = [name for name, _ in runs]
-    summary = summarize(
-        [
-            _run("inprocess", "packed-varlen", names, 0.5),
-            _run("inprocess", "packed-bucketed", names, 0.4),
-            _run("inprocess", "padded", names, 0.8),
-        ],
-        PLAN,
-    )
-    assert summary["packed_over_padded"] == {
-        "inprocess-varlen": pytest.approx(0.8 / 0.5),
-        "inprocess-bucketed": pytest.approx(0.8 / 0.4),
-    }

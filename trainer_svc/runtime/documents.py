@@ -8,9 +8,7 @@ every layer. Here RoPE stays megatron's bshd path, fed with the angles of each t
 position: a forward hook on every rotary module gathers the rows of its usual [max_len, 1, 1,
 dim] table at the row's positions. Position p of a sequence thus gets exactly the angles it
 gets unpacked. The core attention (`SdpaAttention`) reads the document bounds from the same
-`DocumentBounds` and keeps each token's attention inside its own sequence; with
-`--packed-attention bucketed` they also carry the pass's bucket plan
-(`runtime/bucketed_attention.py`), made once for every layer.
+`DocumentBounds` and keeps each token's attention inside its own sequence.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from trainer_svc.config import SequenceLayout
-from trainer_svc.runtime.bucketed_attention import BucketPlan
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 
 _HOOKED = "_trainer_document_positions"
@@ -38,18 +35,11 @@ class DocumentBounds(PackedSeqParams):
 
     positions: torch.Tensor | None = None
     lengths: tuple[int, ...] = ()
-    buckets: BucketPlan | None = None
-    """Set for the bucketed attention: the row's sequences as dense batches."""
 
 
-def bounds(
-    lengths: list[int],
-    positions: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    buckets: BucketPlan | None = None,
-) -> DocumentBounds:
+def bounds(lengths: list[int], positions: torch.Tensor, cu_seqlens: torch.Tensor) -> DocumentBounds:
     """`lengths`: tokens per sequence in the row; `cu_seqlens`: their int32 prefix sums with a
-    leading 0, already on the row's device; `buckets`: where the attention is bucketed."""
+    leading 0, already on the row's device."""
     longest = max(lengths)
     return DocumentBounds(
         qkv_format="sbhd",
@@ -59,7 +49,6 @@ def bounds(
         max_seqlen_kv=longest,
         positions=positions,
         lengths=tuple(lengths),
-        buckets=buckets,
     )
 
 

@@ -24,7 +24,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.errors import PublicationPending, SlotsExhausted
 from trainer_refit.errors import quoted
-from trainer_svc.config import OptimizerConfig, PackedAttention, SequenceLayout
+from trainer_svc.config import OptimizerConfig, SequenceLayout
 from trainer_svc.domain import (
     NO_VERSION,
     AlreadyExists,
@@ -134,12 +134,11 @@ class StepEngine:
         publisher: Publisher | None = None,
         pass_tokens: int | None = None,
         layout: SequenceLayout = SequenceLayout.PADDED,
-        packed_attention: PackedAttention = PackedAttention.VARLEN,
         reference: ReferencePolicy | None = None,
     ) -> None:
         """`pass_tokens`: tokens per forward/backward pass (`passes.py`; None: the request
         limit). `layout`: whether a pass's sequences go in as one packed row (`packing.py`),
-        as `documents.resolve` settled it; `packed_attention`: how a packed row's attention runs.
+        as `documents.resolve` settled it.
         `reference`: frozen weights for reference logprobs computed here."""
         self.built = built
         self.spec = spec
@@ -161,7 +160,6 @@ class StepEngine:
             else (0, 1)
         )
         """This rank's part of every pass's positions (`packing.pack`)."""
-        self.packed_attention = packed_attention
         self.reference = reference
         self.routing = (
             RoutingReplay(built.model, built.config.moe_router_topk)
@@ -492,7 +490,6 @@ class StepEngine:
                 self.device,
                 packed=documents.packs(self.layout, part.lengths()),
                 shard=self._shard,
-                attention=self.packed_attention,
             )
             if packed is None:  # nothing to predict: one-token sequences only
                 continue
@@ -778,7 +775,6 @@ class StepEngine:
                 self.device,
                 packed=documents.packs(self.layout, part.lengths()),
                 shard=self._shard,
-                attention=self.packed_attention,
             )
             found: dict[str, np.ndarray] = {}
             if packed is not None:

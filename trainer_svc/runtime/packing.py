@@ -21,9 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_svc.config import PackedAttention
 from trainer_svc.domain import SequenceBatch
-from trainer_svc.runtime import bucketed_attention
 from trainer_svc.runtime.documents import DocumentBounds, bounds
 from trainer_svc.runtime.losses import TokenInputs
 
@@ -152,14 +150,12 @@ def pack(
     *,
     packed: bool = False,
     shard: tuple[int, int] = (0, 1),
-    attention: PackedAttention = PackedAttention.VARLEN,
 ) -> PackedBatch | None:
-    """The pass's model inputs in the padded layout, or the packed one when `packed`, with
-    the bucket plan `attention` BUCKETED needs. None when the batch has no position to
-    predict (every sequence has one token). Its tensors reach a GPU without a host
-    synchronization (`to_device`). `shard`: this rank's place in a sequence-parallel TP
-    group, whose ranks split the positions evenly (the width is padded to a multiple of
-    them)."""
+    """The pass's model inputs in the padded layout, or the packed one when `packed`. None
+    when the batch has no position to predict (every sequence has one token). Its tensors
+    reach a GPU without a host synchronization (`to_device`). `shard`: this rank's place in a
+    sequence-parallel TP group, whose ranks split the positions evenly (the width is padded
+    to a multiple of them)."""
     counts = batch.lengths() - 1
     total = int(counts.sum()) if len(counts) else 0
     if total == 0:
@@ -201,10 +197,7 @@ def pack(
             lengths.append(width - total)
         positions = to_device(np.concatenate([np.arange(c) for c in lengths])[None], device)
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        buckets = None
-        if attention is PackedAttention.BUCKETED:
-            buckets = bucketed_attention.plan(lengths, lambda a: to_device(a, device))
-        documents = bounds(lengths, positions[0], to_device(cu_seqlens, device), buckets)
+        documents = bounds(lengths, positions[0], to_device(cu_seqlens, device))
     else:
         positions = torch.arange(shape[1], device=device).unsqueeze(0).expand(shape[0], -1)
     inputs = _layout(batch.tokens, _input_ranges(batch), shape, packed)

@@ -168,11 +168,7 @@ def build_engine(
             deterministic=config.model.deterministic,
         )
         layout = documents.resolve(config.model.sequence_layout, model)
-        log.info(
-            "sequence layout: %s (packed attention: %s)",
-            layout.value,
-            config.model.packed_attention.value,
-        )
+        log.info("sequence layout: %s", layout.value)
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
@@ -248,7 +244,6 @@ def build_engine(
         publisher=publisher,
         pass_tokens=int(budget[0]),
         layout=layout,
-        packed_attention=config.model.packed_attention,
         reference=reference,
     )
     info = ServiceInfo(

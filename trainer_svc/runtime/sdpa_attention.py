@@ -12,9 +12,7 @@ offset, sliding windows, query-key layer scaling) falls back to the local path, 
 is never less capable than the one it replaces.
 
 A packed row (`runtime/documents.py`: several sequences in one row, `DocumentBounds`) is
-attended document by document, causal inside each. Where its bounds carry a bucket plan
-(`--packed-attention bucketed`), as a few dense right-padded batches of similar-length
-sequences (`runtime/bucketed_attention.py`); otherwise on a GPU in half precision through
+attended document by document, causal inside each: on a GPU in half precision through
 PyTorch's variable-length flash attention (`torch.nn.attention.varlen`), one kernel for the
 row; elsewhere (the CPU, float32) as one fused call per sequence, which computes exactly what
 the sequence's own padded row computes.
@@ -32,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-
-from trainer_svc.runtime import bucketed_attention
 
 
 class SdpaAttention(DotProductAttention):
@@ -103,12 +99,6 @@ class SdpaAttention(DotProductAttention):
         grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         dropout = self.attention_dropout.p if self.training else 0.0
         q, k, v = (x[:, 0] for x in (query, key, value))  # [T, heads, dim]
-        buckets = getattr(documents, "buckets", None)
-        if buckets is not None:
-            context = bucketed_attention.attend(
-                q, k, v, buckets, scale=self.softmax_scale, grouped=grouped, dropout=dropout
-            )
-            return context.reshape(total, 1, self.hidden_size_per_partition)
         varlen = _varlen_call(q, self.softmax_scale, grouped, dropout)
         if varlen is not None:
             context = varlen(

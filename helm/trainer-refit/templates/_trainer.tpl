@@ -109,7 +109,6 @@ spec:
         - --deterministic
         {{- end }}
         - --sequence-layout={{ $t.sequenceLayout }}
-        - --packed-attention={{ $t.packedAttention }}
         - --reference-policy={{ $t.referencePolicy }}
         - --reference-placement={{ $t.referencePlacement }}
         - --seed={{ $t.seed | int }}
