@@ -61,7 +61,8 @@ def test_a_pass_scores_with_the_reference_and_the_trained_weights_come_back(
     on_host = device == "cuda" and placement is ReferencePlacement.HOST
     if device == "cuda":
         grown = torch.cuda.memory_allocated() - allocated
-        assert grown == (0 if on_host else policy.nbytes), grown
+        # The caching allocator rounds every block up to 512 bytes.
+        assert grown == 0 if on_host else policy.nbytes <= grown <= policy.nbytes + 4 * 512, grown
     if on_host:
         assert all(w.device.type == "cpu" and w.is_pinned() for w in policy._weights)
     with torch.no_grad():  # a training step moves the weights
