@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
+from inference_ext.routing_capture import request_routing
 from refit_sidecar.core.manifest import Box
 
 EXTENSION = "inference_ext.RefitWorkerExtension"
@@ -100,29 +101,50 @@ class RefitEngine:
             result.append([per_token[i][tok].logprob for i, tok in enumerate(prompt[1:])])
         return result
 
+    def capture_routing(self, enable: bool) -> None:
+        """Start (or stop) keeping the experts each request's tokens are routed to in every
+        MoE layer (`routing_capture`), for `take_routing`. The engine must run with prefix
+        caching off: a cached prompt token runs no forward, so it has no routing."""
+        if enable and self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+            raise RefitError(
+                "routing capture needs the engine's prefix caching off "
+                "(enable_prefix_caching=False): a cached prompt token is never routed"
+            )
+        self.llm.collective_rpc("refit_capture_routing", args=(enable,))
+
+    def take_routing(self) -> dict[str, np.ndarray]:
+        """Each request's routing since the last call (`routing_capture.RoutingCapture.take`),
+        by vLLM's internal request id; `routing_capture.request_routing` finds a sample's."""
+        reply = self.llm.collective_rpc("refit_routed_experts")[0]  # TP ranks route alike
+        return {
+            request: np.frombuffer(r["data"], np.int64).reshape(r["shape"]).copy()
+            for request, r in reply.items()
+        }
+
     def probe_routing(
         self, prompts: Sequence[Sequence[int]]
     ) -> list[tuple[list[float], np.ndarray]]:
         """`probe`'s logprobs of each prompt with the experts vLLM routed its tokens to in
-        every MoE layer, ``[len(prompt), layers, top_k]`` (a prompt's last token included, as
-        vLLM reports routing): what the trainer replays (``routed_experts``). Prompts run one
-        at a time, so each forward's routing is one prompt's."""
-        self.llm.collective_rpc("refit_capture_routing", args=(True,))
+        every MoE layer, ``[len(prompt), layers, top_k]`` (a prompt's last token included: its
+        prefill runs it), as the trainer replays them (``routed_experts``)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.capture_routing(True)
         try:
-            out = []
-            for prompt in prompts:
-                logprobs = self.probe([prompt])[0]
-                reply = self.llm.collective_rpc("refit_routed_experts")[0]  # TP ranks agree
-                routed = np.frombuffer(reply["data"], np.int64).reshape(reply["shape"])
-                if routed.shape[0] != len(prompt):
-                    raise RefitError(
-                        f"captured routing of {routed.shape[0]} tokens for a prompt of "
-                        f"{len(prompt)} (was the engine serving other requests?)"
-                    )
-                out.append((logprobs, routed.copy()))
-            return out
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+            )
+            taken = self.take_routing()
         finally:
-            self.llm.collective_rpc("refit_capture_routing", args=(False,))
+            self.capture_routing(False)
+        result = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            per_token = output.prompt_logprobs[1:]
+            logprobs = [per_token[i][tok].logprob for i, tok in enumerate(prompt[1:])]
+            result.append((logprobs, request_routing(taken, output.request_id, 0, 1)))
+        return result
 
     def close(self) -> None:
         """Every worker drops its receiver: its registered memory, NIXL agent and channel to

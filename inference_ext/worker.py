@@ -124,23 +124,25 @@ class RefitWorkerExtension:
         return {name: encode_slice(box, tensor) for name, (box, tensor) in slices.items()}
 
     def refit_capture_routing(self, enable: bool) -> None:
-        """Start (or stop) keeping each MoE layer's routing of the forwards to come
+        """Start (or stop) keeping each request's routing in every MoE layer
         (`routing_capture`)."""
         capture: RoutingCapture | None = getattr(self, _CAPTURE, None)
         if capture is not None:
             capture.close()
             setattr(self, _CAPTURE, None)
         if enable:
-            setattr(self, _CAPTURE, RoutingCapture(self.model_runner.model))
+            setattr(self, _CAPTURE, RoutingCapture(self.model_runner))
 
-    def refit_routed_experts(self) -> dict[str, Any]:
-        """The routing kept since the last call, ``[tokens, layers, top_k]`` int64, as raw
-        bytes: {shape, data}."""
+    def refit_routed_experts(self) -> dict[str, dict[str, Any]]:
+        """Each request's routing kept since the last call, by vLLM's internal request id:
+        ``[tokens, layers, top_k]`` int64 as raw bytes, {shape, data}."""
         capture: RoutingCapture | None = getattr(self, _CAPTURE, None)
         if capture is None:
             raise RefitError("routing capture is off: call refit_capture_routing(True) first")
-        routed = capture.take()
-        return {"shape": list(routed.shape), "data": routed.tobytes()}
+        return {
+            request: {"shape": list(routed.shape), "data": routed.tobytes()}
+            for request, routed in capture.take().items()
+        }
 
     def refit_close(self) -> None:
         refit: WorkerRefit | None = getattr(self, _STATE, None)

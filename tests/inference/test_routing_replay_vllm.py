@@ -73,7 +73,8 @@ def sides(
     )
     path = model_dir / "model.safetensors"
     _scaled(load_file(path), path)
-    engine = EngineProcess(model_dir, 1, root / "engine.log")
+    # A cached prompt token runs no forward, so it has no routing to report.
+    engine = EngineProcess(model_dir, 1, root / "engine.log", {"enable_prefix_caching": False})
     trainer = TrainerProcess(root / "trainer", ["--model", str(_perturbed(model_dir, root / "b"))])
     try:
         engine.wait_ready()
@@ -132,3 +133,18 @@ def test_replaying_vllms_routing_gives_vllms_logprobs_more_closely(sides):
         f"{without:.2e} on the trainer's own routing"
     )
     assert with_replay < 0.5 * without
+
+
+def test_sampling_reports_each_samples_routing_as_a_prefill_of_it_would(sides):
+    """Routing captured while sampling (prefill, then one decode step per token, the samples
+    batched together) is dealt to each sample: its prompt and every sampled token but the
+    last, equal to the routing of the whole sequence run again as one prefill."""
+    engine, _ = sides
+    prompt = PROMPTS[0]
+    samples = engine.call("sample_with_routing", prompt, 3, 6)
+    assert len(samples) == 3
+    for completion, routed in samples:
+        assert len(completion) == 6
+        assert routed.shape == (len(prompt) + len(completion) - 1, 2, TINY_EXPERTS.top_k)
+        ((_, again),) = engine.call("probe_routing", [prompt + completion])
+        assert np.array_equal(routed, again[:-1])

@@ -31,14 +31,27 @@ class EngineError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, model: Path | None, tensor_parallel: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        model: Path | None,
+        tensor_parallel: int,
+        log_path: Path,
+        engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        """`engine_args`: more arguments to `vllm.LLM`."""
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         self._outstanding = 1  # the ready message
         self.log_path = log_path
         self.process = context.Process(
             target=_serve,
-            args=(child, str(model) if model else None, tensor_parallel, str(log_path)),
+            args=(
+                child,
+                str(model) if model else None,
+                tensor_parallel,
+                str(log_path),
+                engine_args or {},
+            ),
         )
         self.process.start()
         child.close()
@@ -107,7 +120,7 @@ class EngineHost(EngineProcess):
 _LOAD = "_load"
 
 
-def _build(model: str, tensor_parallel: int, hosted: bool) -> Any:
+def _build(model: str, tensor_parallel: int, hosted: bool, engine_args: dict[str, Any]) -> Any:
     from vllm import LLM
 
     from inference_ext.llm_engine import EXTENSION, RefitEngine
@@ -121,6 +134,7 @@ def _build(model: str, tensor_parallel: int, hosted: bool) -> Any:
         enforce_eager=True,
         seed=0,
         distributed_executor_backend="uni" if hosted and tensor_parallel == 1 else None,
+        **engine_args,
     )
     return RefitEngine(llm)
 
@@ -130,7 +144,9 @@ def _shutdown(engine: Any) -> None:
     engine.llm.llm_engine.engine_core.shutdown()
 
 
-def _serve(conn: Any, model: str | None, tensor_parallel: int, log_path: str) -> None:
+def _serve(
+    conn: Any, model: str | None, tensor_parallel: int, log_path: str, engine_args: dict[str, Any]
+) -> None:
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -144,7 +160,7 @@ def _serve(conn: Any, model: str | None, tensor_parallel: int, log_path: str) ->
     engine = None
     try:
         if model is not None:
-            engine = _build(model, tensor_parallel, hosted)
+            engine = _build(model, tensor_parallel, hosted, engine_args)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -156,12 +172,14 @@ def _serve(conn: Any, model: str | None, tensor_parallel: int, log_path: str) ->
                 if engine is not None:
                     _shutdown(engine)
                     engine = None
-                engine = _build(args[0], tensor_parallel, hosted)
+                engine = _build(args[0], tensor_parallel, hosted, engine_args)
                 value = None
             elif engine is None:
                 raise RuntimeError("no engine loaded")
             elif method == "generate":
                 value = _generate(engine.llm, *args)
+            elif method == "sample_with_routing":
+                value = _sample_with_routing(engine, *args)
             else:
                 value = getattr(engine, method)(*args)
             conn.send(("ok", value))
@@ -187,3 +205,28 @@ def _generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> li
         logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, ids, strict=True)]
         result.append((ids, logprobs))
     return result
+
+
+def _sample_with_routing(
+    engine: Any, prompt: Sequence[int], n: int, max_tokens: int
+) -> list[tuple[list[int], Any]]:
+    """`n` samples of `prompt`, each with the routing its tokens took (`RefitEngine.
+    capture_routing`)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from inference_ext.routing_capture import request_routing
+
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True)
+    engine.capture_routing(True)
+    try:
+        (output,) = engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False
+        )
+        taken = engine.take_routing()
+    finally:
+        engine.capture_routing(False)
+    return [
+        (list(c.token_ids), request_routing(taken, output.request_id, c.index, n))
+        for c in output.outputs
+    ]
