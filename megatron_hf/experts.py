@@ -196,3 +196,49 @@ def globalize_expert_name(
         int(match[2]), ep_rank=ep_rank, num_experts=num_experts, expert_parallel=expert_parallel
     )
     return f"{name[: match.start()]}{match[1]}{expert}{match[3]}{name[match.end() :]}"
+
+
+_GROUPED_NAME_RE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.linear_fc([12])\.weight$")
+
+
+def grouped_expert_name(layer: int, fc: int) -> str:
+    """The published name of layer `layer`'s experts' fc1 or fc2, every expert in one tensor
+    (`grouped_expert_shape`): a refit plans and reads a layer's experts as a few boxes of one
+    tensor instead of one tensor per expert."""
+    if fc not in (1, 2) or layer < 0:
+        raise ValueError(f"no grouped expert tensor for layer {layer}, fc {fc}")
+    return f"decoder.layers.{layer}.mlp.experts.linear_fc{fc}.weight"
+
+
+def parse_grouped_expert_name(name: str) -> tuple[int, int] | None:
+    """(layer, fc) of a grouped expert tensor's name; None for any other name."""
+    match = _GROUPED_NAME_RE.match(name)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def grouped_expert_shape(spec: ModelSpec, fc: int) -> tuple[int, int, int]:
+    """Global shape of a layer's grouped experts: fc1 [E, 2I, H] (each expert's [gate; up]),
+    fc2 [E, H, I]."""
+    if spec.moe is None:
+        raise ValueError(f"{spec.architecture} has no experts")
+    experts, width, hidden = spec.moe.num_experts, spec.moe.ffn_hidden_size, spec.hidden_size
+    if fc == 1:
+        return (experts, 2 * width, hidden)
+    if fc == 2:
+        return (experts, hidden, width)
+    raise ValueError(f"experts have fc1 and fc2, not fc{fc}")
+
+
+_LAYER_OF_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def expert_group_of(name: str) -> tuple[str, int] | None:
+    """(grouped name, global expert) of a global local-spec expert parameter name; None for
+    any other name."""
+    match = _LAYER_OF_RE.match(name)
+    if match is None:
+        return None
+    param = parse_expert_suffix(match[2])
+    if param is None:
+        return None
+    return grouped_expert_name(int(match[1]), param.fc), param.expert

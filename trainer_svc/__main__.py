@@ -62,11 +62,6 @@ def _check_layout(config: TrainerConfig, model_dir: Path) -> None:
                 f"expert tensor parallel {config.layout.expert_tensor_parallel} needs GPU "
                 "ranks: its uneven all-gathers of routed tokens are not available over gloo"
             )
-        if spec.is_moe and config.refit.sidecar is not None:
-            raise ValueError(
-                "publishing a mixture-of-experts model's weights (--sidecar) is not supported "
-                "yet: the refit of experts into vLLM is not built; run without --sidecar"
-            )
     except ValueError as e:
         print(f"trainer-svc: error: {e}", file=sys.stderr)
         sys.exit(2)

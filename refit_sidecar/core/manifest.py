@@ -190,6 +190,10 @@ class ShardRecord:
     pipeline_stage: int = 0
     sum64: int | None = None
     """WSUM-64 (`wsum`) of the buffer's bytes, when the source computed it (device slots)."""
+    expert_rank: int = 0
+    """An expert tensor's expert-parallel rank (informational, as `rank`; 0 otherwise)."""
+    expert_tensor_rank: int = 0
+    """An expert tensor's expert-tensor-parallel rank (0 otherwise)."""
 
 
 @dataclass(frozen=True)

@@ -240,7 +240,13 @@ class ShardSource:
                 device_id=arena.device_id,
             )
             shard = ShardRecord(
-                location, spec.pieces, None, cfg.rank, cfg.tensor_rank, cfg.pipeline_stage
+                location,
+                spec.pieces,
+                rank=cfg.rank,
+                tensor_rank=cfg.tensor_rank,
+                pipeline_stage=cfg.pipeline_stage,
+                expert_rank=spec.expert_rank,
+                expert_tensor_rank=spec.expert_tensor_rank,
             )
             records.append(ParameterRecord(name, spec.shape, spec.dtype, (shard,)))
         return tuple(records)

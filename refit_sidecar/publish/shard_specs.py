@@ -25,6 +25,9 @@ class ShardSpec:
     dtype: DType
     local_shape: tuple[int, ...]
     pieces: tuple[ShardPiece, ...]
+    expert_rank: int = 0
+    """An expert tensor's EP rank (`ShardRecord.expert_rank`); 0 for other tensors."""
+    expert_tensor_rank: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -87,3 +90,42 @@ def megatron_shard_spec(
 
     name = global_layer_name(local_name, layer_offset)
     return placement_spec(name, tp_placement(name), shape, dtype, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def expert_group_spec(
+    name: str,
+    shape: Sequence[int],
+    dtype: DType,
+    *,
+    fc: int,
+    ep_rank: int,
+    ep_size: int,
+    etp_rank: int,
+    etp_size: int,
+) -> ShardSpec:
+    """What a rank holds of a layer's grouped experts (`megatron_hf.experts.
+    grouped_expert_shape`: fc1 [E, 2I, H], fc2 [E, H, I]): its EP rank's experts, dim 0
+    [r*E/EP, (r+1)*E/EP), each cut over ETP as a dense MLP is over TP (fc1's gate and up rows
+    each split, fc2's columns)."""
+    shape = tuple(shape)
+    if len(shape) != 3 or fc not in (1, 2):
+        raise ValueError(f"{name}: grouped experts are 3-d fc1 or fc2, got {shape}, fc{fc}")
+    experts = shape[0]
+    if ep_size < 1 or experts % ep_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"{name}: {experts} experts do not split over EP rank {ep_rank}/{ep_size}")
+    per_rank = experts // ep_size
+    first = ep_rank * per_rank
+    dim, parts = (0, 2) if fc == 1 else (1, 1)
+    local, pieces = split_pieces(shape[1:], dim, parts, etp_rank, etp_size)
+    return ShardSpec(
+        name,
+        shape,
+        dtype,
+        (per_rank, *local),
+        tuple(
+            ShardPiece(Box(((first, first + per_rank), *p.box.ranges)), (0, *p.local_start))
+            for p in pieces
+        ),
+        expert_rank=ep_rank,
+        expert_tensor_rank=etp_rank,
+    )

@@ -10,6 +10,7 @@ and torch-free: parameters come in as (name, storage, byte offset in it, size in
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,51 +49,125 @@ class SnapshotLayout:
     """Size of the slot."""
 
 
+@dataclass(frozen=True)
+class Group:
+    """A published tensor made of several parameters (a layer's experts, in expert order),
+    laid out back to back in the slot so that it is one C-order tensor there, wherever its
+    members live in their storage."""
+
+    name: str
+    members: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError(f"group {self.name} has no members")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(storage, start, stop) byte ranges to copy, in slot order: members that already lie
+        back to back in one storage make one range (one copy)."""
+        out: list[tuple[int, int, int]] = []
+        for m in self.members:
+            if out and out[-1][0] == m.storage and out[-1][2] == m.start:
+                out[-1] = (m.storage, out[-1][1], m.start + m.nbytes)
+            else:
+                out.append((m.storage, m.start, m.start + m.nbytes))
+        return out
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Bytes laid out together in the slot: copies of (storage, start, stop) back to back, and
+    where each name starts in the block."""
+
+    segments: tuple[tuple[int, int, int], ...]
+    names: tuple[tuple[str, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(stop - start for _, start, stop in self.segments)
+
+
 def snapshot_layout(
-    placements: Sequence[Placement], alignment: int, max_gap: int = 1 << 20
+    placements: Sequence[Placement],
+    alignment: int,
+    max_gap: int = 1 << 20,
+    groups: Sequence[Group] = (),
 ) -> SnapshotLayout:
     """Groups parameters by storage into byte ranges (bridging gaps of up to `max_gap` bytes
     that no listed parameter covers, such as padding, rather than starting another copy) and
     lays the ranges out one after another, smallest first, each at an `alignment` boundary.
-    Within a range, parameters keep their relative positions."""
+    Within a range, parameters keep their relative positions. Each of `groups` is laid out as
+    its members back to back in their order (a range of its own, one copy per run of members
+    adjacent in their storage); a gap holding a group member's bytes is not bridged."""
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
-    names = [p.name for p in placements]
+    names = [p.name for p in placements] + [g.name for g in groups]
     if len(set(names)) != len(names):
         raise ValueError("every parameter is placed once")
-    by_storage: dict[int, list[Placement]] = {}
-    for p in placements:
+    claimed: dict[int, list[Placement]] = {}
+    for p in [*placements, *(m for g in groups for m in g.members)]:
         if p.nbytes <= 0 or p.start < 0:
             raise ValueError(f"{p.name}: bad byte range {p.start} + {p.nbytes}")
+        claimed.setdefault(p.storage, []).append(p)
+    for spans in claimed.values():
+        spans.sort(key=lambda p: p.start)
+        for before, after in itertools.pairwise(spans):
+            if after.start < before.start + before.nbytes:
+                raise ValueError(f"{after.name} overlaps {before.name} in their storage")
+    grouped: dict[int, list[int]] = {s: [] for s in claimed}
+    for g in groups:
+        for m in g.members:
+            grouped[m.storage].append(m.start)
+    for starts in grouped.values():
+        starts.sort()
+    by_storage: dict[int, list[Placement]] = {}
+    for p in placements:
         by_storage.setdefault(p.storage, []).append(p)
-    ranges: list[tuple[int, list[Placement]]] = []
+    blocks: list[_Block] = []
     for storage, members in by_storage.items():
         members.sort(key=lambda p: p.start)
-        groups: list[list[Placement]] = []
+        runs: list[list[Placement]] = []
         for p in members:
-            stop = groups[-1][-1].start + groups[-1][-1].nbytes if groups else 0
-            if groups and p.start < stop:
-                raise ValueError(f"{p.name} overlaps {groups[-1][-1].name} in their storage")
-            if groups and p.start - stop <= max_gap:
-                groups[-1].append(p)
+            stop = runs[-1][-1].start + runs[-1][-1].nbytes if runs else 0
+            if runs and p.start - stop <= max_gap and not _holds(grouped[storage], stop, p.start):
+                runs[-1].append(p)
             else:
-                groups.append([p])
-        ranges.extend((storage, group) for group in groups)
+                runs.append([p])
+        for run in runs:
+            first, last = run[0], run[-1]
+            blocks.append(
+                _Block(
+                    ((storage, first.start, last.start + last.nbytes),),
+                    tuple((m.name, m.start - first.start) for m in run),
+                )
+            )
+    blocks.extend(_Block(tuple(g.segments()), ((g.name, 0),)) for g in groups)
     # Smallest first: the copy runs in slot order, in pieces receivers read behind
     # (`piece_ends`), and a receiver's request holds each layer's small tensors (norms kept
     # in float32, a buffer of their own) beside its weights; laid out last, they made every
     # request wait for the end of the copy.
-    ranges.sort(key=lambda r: r[1][-1].start + r[1][-1].nbytes - r[1][0].start)
+    blocks.sort(key=lambda b: b.nbytes)
     offsets: dict[str, int] = {}
     regions: list[Region] = []
     size = 0
-    for storage, group in ranges:
-        start, stop = group[0].start, group[-1].start + group[-1].nbytes
-        regions.append(Region(storage, start, stop, size))
-        for member in group:
-            offsets[member.name] = size + member.start - start
-        size = -(-(size + stop - start) // alignment) * alignment
+    for block in blocks:
+        for name, at in block.names:
+            offsets[name] = size + at
+        for storage, start, stop in block.segments:
+            regions.append(Region(storage, start, stop, size))
+            size += stop - start
+        size = -(-size // alignment) * alignment
     return SnapshotLayout(offsets, tuple(regions), size)
+
+
+def _holds(starts: list[int], lo: int, hi: int) -> bool:
+    """Whether a grouped member starts in [lo, hi) (members never straddle a placement)."""
+    i = bisect.bisect_left(starts, lo)
+    return i < len(starts) and starts[i] < hi
 
 
 DEFAULT_FIRST_PIECE_BYTES = 32 << 20

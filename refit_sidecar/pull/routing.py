@@ -55,14 +55,11 @@ def clip(shard: ShardRecord, box: Box) -> ShardRecord | None:
     if not pieces:
         return None
     whole = tuple(pieces) == shard.pieces
-    return ShardRecord(
-        shard.location,
-        tuple(pieces),
-        shard.crc32 if whole else None,
-        shard.rank,
-        shard.tensor_rank,
-        shard.pipeline_stage,
-        shard.sum64 if whole else None,
+    return replace(
+        shard,
+        pieces=tuple(pieces),
+        crc32=shard.crc32 if whole else None,
+        sum64=shard.sum64 if whole else None,
     )
 
 

@@ -146,6 +146,8 @@ def shard_to_proto(shard: ShardRecord) -> pb.ShardRecord:
         rank=shard.rank,
         tensor_rank=shard.tensor_rank,
         pipeline_stage=shard.pipeline_stage,
+        expert_rank=shard.expert_rank,
+        expert_tensor_rank=shard.expert_tensor_rank,
     )
     set_checksums(message, Checksums(shard.crc32, shard.sum64))
     return message
@@ -163,6 +165,8 @@ def shard_from_proto(message: pb.ShardRecord) -> ShardRecord:
         tensor_rank=message.tensor_rank,
         pipeline_stage=message.pipeline_stage,
         sum64=sums.sum64,
+        expert_rank=message.expert_rank,
+        expert_tensor_rank=message.expert_tensor_rank,
     )
 
 

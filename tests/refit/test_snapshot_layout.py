@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_sidecar.publish.slot_layout import Placement, Region, snapshot_layout
+from refit_sidecar.publish.slot_layout import Group, Placement, Region, snapshot_layout
 
 
 def test_parameters_of_one_buffer_are_one_region_and_keep_their_positions():
@@ -39,3 +39,45 @@ def test_overlapping_or_repeated_parameters_are_refused():
         snapshot_layout([Placement("a", 1, 0, 10), Placement("a", 2, 0, 10)], alignment=64)
     with pytest.raises(ValueError, match="power of two"):
         snapshot_layout([Placement("a", 1, 0, 10)], alignment=48)
+
+
+def test_a_group_lies_back_to_back_in_member_order_whatever_its_storage_order():
+    # Megatron's DDP buffer holds a layer's experts last first, fc1 and fc2 interleaved.
+    fc1 = [Placement(f"e{e}.fc1", 3, 1000 - 100 * e + 50, 50) for e in range(3)]
+    fc2 = [Placement(f"e{e}.fc2", 3, 1000 - 100 * e, 50) for e in range(3)]
+    layout = snapshot_layout(
+        [Placement("norm", 9, 0, 8)],
+        alignment=64,
+        groups=[Group("fc1", tuple(fc1)), Group("fc2", tuple(fc2))],
+    )
+    assert layout.offsets == {"norm": 0, "fc1": 64, "fc2": 256}
+    assert layout.regions == (
+        Region(9, 0, 8, 0),
+        Region(3, 1050, 1100, 64),
+        Region(3, 950, 1000, 114),
+        Region(3, 850, 900, 164),
+        Region(3, 1000, 1050, 256),
+        Region(3, 900, 950, 306),
+        Region(3, 800, 850, 356),
+    )
+    assert layout.nbytes == 448
+
+
+def test_members_adjacent_in_their_storage_are_one_copy_and_are_never_bridged_over():
+    experts = tuple(Placement(f"e{e}", 1, 100 + 40 * e, 40) for e in range(4))
+    layout = snapshot_layout(
+        [Placement("a", 1, 0, 100), Placement("b", 1, 260, 10)],
+        alignment=16,
+        groups=[Group("experts", experts)],
+    )
+    # "a" and "b" are 160 bytes apart, well within max_gap, but the experts lie between.
+    assert layout.regions == (
+        Region(1, 260, 270, 0),
+        Region(1, 0, 100, 16),
+        Region(1, 100, 260, 128),
+    )
+    assert layout.offsets == {"b": 0, "a": 16, "experts": 128}
+    with pytest.raises(ValueError, match="overlaps"):
+        snapshot_layout(
+            [Placement("a", 1, 0, 120)], alignment=16, groups=[Group("experts", experts)]
+        )

@@ -115,6 +115,8 @@ def _parameter(
                 rank=agent.rank,
                 tensor_rank=rank,
                 pipeline_stage=rng.randrange(3),
+                expert_rank=rng.randrange(4),
+                expert_tensor_rank=rng.randrange(2),
             )
         )
     return ParameterRecord(name, shape, dtype, tuple(shards))

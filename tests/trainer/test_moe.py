@@ -5,10 +5,13 @@ its routers frozen) routing every token to every expert so that no routing flip 
 misplaced expert; ExportHF gives back the
 source checkpoint bit for bit; a step streamed in pieces equals the step sent whole, with the
 load-balancing loss off and on, while the two data-parallel ranks run different numbers of
-passes; a layout the experts cannot be split into is refused at start."""
+passes; a layout the experts cannot be split into is refused at start. The EP=2 worlds publish
+every version to a sidecar, each layer's experts grouped into one fc1 and one fc2 tensor whose
+pulled bytes equal ExportHF's experts, every shard naming its expert rank."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,8 +25,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_hf.checkpoint import load_hf_state_dict
+from megatron_hf.experts import grouped_expert_name, hf_expert_names
 from megatron_hf.spec import ModelFamily, MoESpec
 from megatron_hf.tiny import TINY_EXPERTS, write_tiny_checkpoint
+from refit_sidecar.core.manifest import Manifest
+from refit_sidecar.core.plan import plan_pull, whole
+from refit_sidecar.memory.region import Region
+from refit_sidecar.pull.nixl_transport import NixlConfig, NixlTransport
 from tests.support.batches import make_batch, split
 from tests.support.parity import (
     PARITY_BATCH,
@@ -31,6 +39,7 @@ from tests.support.parity import (
     hf_logprobs,
     parity_forward,
 )
+from tests.support.sidecar import Sidecar, running_sidecar
 from tests.support.trainer import (
     TEST_ENV,
     TrainerProcess,
@@ -58,6 +67,8 @@ different number on each rank for the step's batch."""
 AUX_LOSS = ["--moe-aux-loss-coeff", "0.1"]
 QWEN3_MOE = ModelFamily.QWEN3_MOE
 MIXTRAL = ModelFamily.MIXTRAL
+PUBLISHING = ("qwen3-moe-pp2-ep2-every-expert", "mixtral-ep2-aux-loss")
+"""Worlds that publish every version to the module's sidecar."""
 WORLDS: dict[str, tuple[ModelFamily, MoESpec, list[str]]] = {
     "mixtral-ep1-aux-loss": (MIXTRAL, TINY_EXPERTS, ["--pass-token-budget", "40", *AUX_LOSS]),
     "qwen3-moe-pp2-ep2-every-expert": (
@@ -84,31 +95,53 @@ class World:
     pieces: dict[str, np.ndarray]
     metrics: tuple[StepMetrics, StepMetrics]
     """Of the step sent whole, and streamed in pieces."""
+    published: tuple[Manifest, dict[str, np.ndarray]] | None
+    """The manifest of the version after the streamed step, and every tensor of it pulled
+    whole; None where the world publishes nowhere."""
 
 
 def _step(
     process: TrainerProcess, name: str, sizes: list[int]
-) -> tuple[dict[str, np.ndarray], StepMetrics]:
+) -> tuple[dict[str, np.ndarray], StepMetrics, int]:
     process.client.load_checkpoint(process.workdir / "base")
     batch = make_batch(seed=7, lengths=LENGTHS, loss=LOSS)
     process.client.begin_step(name, LOSS, OPTIMIZER)
     for i, part in enumerate(split(batch, sizes)):
         process.client.train_microbatch(name, f"{name}-{i}", part)
-    metrics = process.client.finish_step(name).metrics
-    return process.export(name), metrics
+    result = process.client.finish_step(name, wait_for_publication=True)
+    return process.export(name), result.metrics, result.weights_version
 
 
-def _run(process: TrainerProcess, model_dir: Path) -> World:
+def _pull_whole(sidecar: Sidecar, version: int) -> tuple[Manifest, dict[str, np.ndarray]]:
+    """Every tensor of `version`, pulled whole from the trainer's ranks and checked."""
+    transport = NixlTransport.create(NixlConfig(name=f"moe-puller-{version}", pull_timeout_s=60))
+    try:
+        with sidecar.client() as client:
+            client.wait_visible(version)
+            manifest = client.manifest(version)
+            lease = client.acquire_lease(version, f"moe-test-{version}", ttl=60)
+            plan = plan_pull(manifest, whole(manifest))
+            staging = np.zeros(plan.nbytes, np.uint8)
+            stats = transport.pull(plan, Region.of_array(staging), verify=True)
+            client.release_lease(lease)
+    finally:
+        transport.close()
+    assert stats.verified_shards == len(plan.reads) > 0
+    tensors = {t.name: staging[t.span].view(np.float32).reshape(t.box.shape) for t in plan.targets}
+    return manifest, tensors
+
+
+def _run(process: TrainerProcess, model_dir: Path, sidecar: Sidecar | None) -> World:
     parity = parity_forward(process)
     exported = process.export("as-loaded")
     process.client.save_checkpoint(process.workdir / "base")
     # A Forward between the steps: its routing counts for no step.
     process.client.forward(make_batch(seed=8, lengths=[6, 9], loss=LOSS))
-    whole, whole_metrics = _step(process, "whole", [len(LENGTHS)])
-    pieces, pieces_metrics = _step(process, "pieces", [1, 4, 2])
-    return World(
-        model_dir, parity, exported, exported, whole, pieces, (whole_metrics, pieces_metrics)
-    )
+    whole, whole_metrics, _ = _step(process, "whole", [len(LENGTHS)])
+    pieces, pieces_metrics, version = _step(process, "pieces", [1, 4, 2])
+    published = None if sidecar is None else _pull_whole(sidecar, version)
+    metrics = (whole_metrics, pieces_metrics)
+    return World(model_dir, parity, exported, exported, whole, pieces, metrics, published)
 
 
 @pytest.fixture(scope="module")
@@ -124,19 +157,33 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, World
         )
         for family, experts, _ in WORLDS.values()
     }
-    processes = start_trainers(
-        {
-            name: (root / name, ["--model", str(models[(family, experts)]), *args])
-            for name, (family, experts, args) in WORLDS.items()
+    with contextlib.ExitStack() as stack:
+        # A sidecar serves one trainer: one per publishing world.
+        sidecars = {
+            name: stack.enter_context(running_sidecar(root / f"{name}-sidecar"))
+            for name in PUBLISHING
         }
-    )
-    try:
-        yield {
-            name: _run(process, models[(WORLDS[name][0], WORLDS[name][1])])
-            for name, process in processes.items()
-        }
-    finally:
-        assert stop_trainers(processes.values()) == [0] * len(processes)
+        processes = start_trainers(
+            {
+                name: (
+                    root / name,
+                    [
+                        "--model",
+                        str(models[(family, experts)]),
+                        *args,
+                        *(sidecars[name].trainer_args() if name in sidecars else []),
+                    ],
+                )
+                for name, (family, experts, args) in WORLDS.items()
+            }
+        )
+        try:
+            yield {
+                name: _run(process, models[(WORLDS[name][0], WORLDS[name][1])], sidecars.get(name))
+                for name, process in processes.items()
+            }
+        finally:
+            assert stop_trainers(processes.values()) == [0] * len(processes)
 
 
 @pytest.mark.parametrize("world", list(WORLDS))
@@ -273,3 +320,35 @@ def test_replicated_experts_and_the_reference_policy_train_as_one_rank(tmp_path)
     assert np.abs(four_forward.logprobs - one_forward.logprobs).max() <= 1e-5
     gap = np.abs(four_forward.reference_logprobs - one_forward.reference_logprobs).max()
     assert gap <= 1e-5
+
+
+@pytest.mark.parametrize("world", PUBLISHING)
+def test_a_version_publishes_each_layers_experts_grouped_and_equal_to_export(worlds, world):
+    """One fc1 [E, 2I, H] and one fc2 [E, H, I] tensor per layer, no per-expert names; each
+    EP rank's shard holds its contiguous experts and says which EP rank it is; the bytes
+    equal ExportHF's experts."""
+    family, experts = WORLDS[world][0], WORLDS[world][1]
+    manifest, pulled = worlds[world].published or pytest.fail(f"{world} published nothing")
+    exported = worlds[world].pieces
+    names = hf_expert_names(family)
+    assert not any("local_experts" in n for n in manifest.names)
+    width, count = experts.ffn_hidden_size, experts.num_experts
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.{names.experts}"
+
+        def stacked(projection: str, layer_prefix: str = prefix) -> np.ndarray:
+            return np.stack(
+                [exported[f"{layer_prefix}.{e}.{projection}.weight"] for e in range(count)]
+            )
+
+        fc1, fc2 = grouped_expert_name(layer, 1), grouped_expert_name(layer, 2)
+        assert pulled[fc1].shape == (count, 2 * width, 64)
+        assert np.array_equal(pulled[fc1][:, :width], stacked(names.gate))
+        assert np.array_equal(pulled[fc1][:, width:], stacked(names.up))
+        assert np.array_equal(pulled[fc2], stacked(names.down))
+        for name in (fc1, fc2):
+            record = manifest.get(name)
+            assert record is not None
+            shards = sorted((s.expert_rank, s.pieces[0].box.ranges[0]) for s in record.shards)
+            # EP rank r holds experts [4r, 4r + 4): the two ranks of a stage are EP ranks 0, 1.
+            assert shards == [(0, (0, 4)), (1, (4, 8))]

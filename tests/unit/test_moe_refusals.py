@@ -10,7 +10,7 @@ import pytest
 from megatron_hf.spec import ModelFamily
 from megatron_hf.tiny import write_tiny_checkpoint
 from trainer_svc.__main__ import _check_layout
-from trainer_svc.config import Device, ParallelLayout, RefitConfig, TrainerConfig
+from trainer_svc.config import Device, ParallelLayout, TrainerConfig
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 device=Device.CPU,
             ),
             "expert tensor parallel 2 needs GPU ranks",
-        ),
-        (
-            TrainerConfig(refit=RefitConfig(sidecar="127.0.0.1:7000")),
-            "publishing a mixture-of-experts model's weights (--sidecar) is not supported yet",
         ),
     ],
 )

@@ -61,7 +61,7 @@ class ShardLocation(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., address: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ShardRecord(_message.Message):
-    __slots__ = ("location", "pieces", "crc32", "rank", "tensor_rank", "pipeline_stage", "wsum64")
+    __slots__ = ("location", "pieces", "crc32", "rank", "tensor_rank", "pipeline_stage", "wsum64", "expert_rank", "expert_tensor_rank")
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class ShardRecord(_message.Message):
     TENSOR_RANK_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STAGE_FIELD_NUMBER: _ClassVar[int]
     WSUM64_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TENSOR_RANK_FIELD_NUMBER: _ClassVar[int]
     location: ShardLocation
     pieces: _containers.RepeatedCompositeFieldContainer[ShardPiece]
     crc32: int
@@ -76,7 +78,9 @@ class ShardRecord(_message.Message):
     tensor_rank: int
     pipeline_stage: int
     wsum64: int
-    def __init__(self, location: _Optional[_Union[ShardLocation, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ..., crc32: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., pipeline_stage: _Optional[int] = ..., wsum64: _Optional[int] = ...) -> None: ...
+    expert_rank: int
+    expert_tensor_rank: int
+    def __init__(self, location: _Optional[_Union[ShardLocation, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ..., crc32: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., pipeline_stage: _Optional[int] = ..., wsum64: _Optional[int] = ..., expert_rank: _Optional[int] = ..., expert_tensor_rank: _Optional[int] = ...) -> None: ...
 
 class ParameterRecord(_message.Message):
     __slots__ = ("name", "shape", "dtype", "shards")

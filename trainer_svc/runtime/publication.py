@@ -55,7 +55,12 @@ from trainer_refit.auth import ClientAuth
 from trainer_refit.v1 import refit_pb2 as pb
 from trainer_svc.runtime.agreement import fault
 from trainer_svc.runtime.publication_book import PublicationBook
-from trainer_svc.runtime.snapshot_slot import Slot, build_slots, published_parameters
+from trainer_svc.runtime.snapshot_slot import (
+    Slot,
+    build_slots,
+    published_parameters,
+    published_tensors,
+)
 from trainer_svc.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -151,9 +156,10 @@ class Publisher:
         copy's first piece (`slot_layout.piece_ends`; 0: one piece); `every`: which
         finished steps publish (`RefitConfig.publish_every`); `take_over`,
         `report_deadline_s`: as `RefitConfig`."""
-        parameters = published_parameters(model, spec, topology)
+        tensors = published_tensors(model, spec, topology)
+        parameters = published_parameters(tensors)
         filled, agent = build_slots(
-            parameters,
+            tensors,
             topology,
             device,
             slots=slots,
@@ -335,9 +341,8 @@ class Publisher:
         stream = self.stream
         if stream is None:
             target.words.zero_()  # before any byte changes: a reader that sees 0 rereads
-            for i, parts in enumerate(target.pieces):
-                for destination, source in parts:
-                    destination.copy_(source)
+            for i, (destinations, sources) in enumerate(target.pieces):
+                torch._foreach_copy_(destinations, sources)
                 target.words[i].fill_(version)  # after the bytes: a reader seeing it reads them
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -345,9 +350,10 @@ class Publisher:
             # Queued before the copies: no byte of the slot changes until every word says 0,
             # so a receiver that finds its version's word after its reads read no new byte.
             target.words.zero_()
-            for i, parts in enumerate(target.pieces):
-                for destination, source in parts:
-                    destination.copy_(source, non_blocking=True)
+            for i, (destinations, sources) in enumerate(target.pieces):
+                # One launch for many regions (a layer's experts are one region each where
+                # Megatron's buffer keeps them apart).
+                torch._foreach_copy_(destinations, sources, non_blocking=True)
                 # Queued after the piece's copies: written once they landed.
                 target.words[i].fill_(version)
             return stream.record_event()

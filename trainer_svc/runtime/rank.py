@@ -30,7 +30,7 @@ from trainer_svc.runtime.passes import derived_budget
 from trainer_svc.runtime.path_roots import PathRoots
 from trainer_svc.runtime.publication import Publisher
 from trainer_svc.runtime.reference_policy import ReferencePolicy
-from trainer_svc.runtime.snapshot_slot import published_parameters
+from trainer_svc.runtime.snapshot_slot import published_parameters, published_tensors
 from trainer_svc.runtime.topology import Topology
 from trainer_svc.runtime.weights import load_hf_weights
 from trainer_svc.server.app import create_server
@@ -172,7 +172,9 @@ def build_engine(
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:
-            pack_parameters(published_parameters(model, spec, topology).values())
+            # A layer's experts back to back, in expert order: a snapshot copies them at once.
+            tensors = published_tensors(model, spec, topology)
+            pack_parameters(published_parameters(tensors).values())
         built = wrap_for_training(
             model, transformer_config, topology, config.optimizer, config.model.experts
         )

@@ -13,14 +13,16 @@ from typing import Any
 
 import torch
 
+from megatron_hf.experts import expert_group_of, grouped_expert_shape, parse_grouped_expert_name
 from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
 from refit_sidecar.integrity.checksum import checksum
 from refit_sidecar.memory.tensor_arena import TorchArena
 from refit_sidecar.publish.shard_source import ShardSource, SourceAgent, SourceConfig
-from refit_sidecar.publish.shard_specs import ShardSpec, placement_spec
+from refit_sidecar.publish.shard_specs import ShardSpec, expert_group_spec, placement_spec
 from refit_sidecar.publish.slot_layout import (
+    Group,
     Placement,
     SnapshotLayout,
     cut_into_pieces,
@@ -46,21 +48,40 @@ def _global_shape(name: str, local: torch.Size, tp_size: int) -> tuple[int, ...]
     return tuple(n * tp_size if d == dim else n for d, n in enumerate(local))
 
 
-def published_parameters(
+@dataclass(frozen=True)
+class PublishedTensor:
+    """One tensor of a published version as this rank holds it: a parameter, or a layer's
+    experts (`members`, this rank's, in expert order) published as one grouped tensor so that
+    a receiver plans and reads them as a few boxes, not one tensor per expert."""
+
+    spec: ShardSpec
+    members: tuple[torch.nn.Parameter, ...]
+
+    @property
+    def name(self) -> str:
+        return self.spec.parameter
+
+
+def published_tensors(
     model: torch.nn.Module, spec: ModelSpec, topology: Topology
-) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters by global name; a tied output layer is not published twice."""
-    return {
-        name: param
-        for name, param in local_parameters(model, spec, topology).items()
-        if not (name == "output_layer.weight" and spec.tie_word_embeddings)
-    }
-
-
-def shard_specs(parameters: dict[str, torch.nn.Parameter], topology: Topology) -> list[ShardSpec]:
+) -> list[PublishedTensor]:
+    """This rank's published tensors, each where its first parameter is in the model's order;
+    a tied output layer is not published twice."""
     tp = topology.layout.tensor_parallel
-    return [
-        placement_spec(
+    out: list[PublishedTensor | None] = []
+    experts: dict[str, tuple[int, dict[int, torch.nn.Parameter]]] = {}
+    for name, param in local_parameters(model, spec, topology).items():
+        if name == "output_layer.weight" and spec.tie_word_embeddings:
+            continue
+        group = expert_group_of(name)
+        if group is not None:
+            grouped, expert = group
+            if grouped not in experts:
+                experts[grouped] = (len(out), {})
+                out.append(None)
+            experts[grouped][1][expert] = param
+            continue
+        dense = placement_spec(
             name,
             tp_placement(name),
             _global_shape(name, param.shape, tp),
@@ -68,16 +89,56 @@ def shard_specs(parameters: dict[str, torch.nn.Parameter], topology: Topology) -
             tp_rank=topology.tp_rank,
             tp_size=tp,
         )
-        for name, param in parameters.items()
-    ]
+        out.append(PublishedTensor(dense, (param,)))
+    for grouped, (at, members) in experts.items():
+        out[at] = _expert_group(grouped, members, spec, topology)
+    return [t for t in out if t is not None]
+
+
+def _expert_group(
+    name: str, members: dict[int, torch.nn.Parameter], spec: ModelSpec, topology: Topology
+) -> PublishedTensor:
+    parsed = parse_grouped_expert_name(name)
+    assert parsed is not None
+    params = [members[e] for e in sorted(members)]
+    group = expert_group_spec(
+        name,
+        grouped_expert_shape(spec, parsed[1]),
+        _DTYPES[params[0].dtype],
+        fc=parsed[1],
+        ep_rank=topology.ep_rank,
+        ep_size=topology.layout.expert_parallel,
+        etp_rank=topology.etp_rank,
+        etp_size=topology.layout.expert_tensor_parallel,
+    )
+    first = group.pieces[0].box.ranges[0][0]
+    if sorted(members) != list(range(first, first + group.local_shape[0])) or any(
+        tuple(p.shape) != group.local_shape[1:] or p.dtype != params[0].dtype for p in params
+    ):
+        raise ValueError(
+            f"{name}: this rank's experts {sorted(members)} of shapes "
+            f"{sorted({tuple(p.shape) for p in params})} are not EP rank {topology.ep_rank}'s "
+            f"{group.local_shape[0]} experts of {group.local_shape[1:]}"
+        )
+    return PublishedTensor(group, tuple(params))
+
+
+def published_parameters(tensors: list[PublishedTensor]) -> dict[str, torch.nn.Parameter]:
+    """The parameters behind `tensors` by an identifying name, in publication order (a
+    group's members back to back)."""
+    return {
+        f"{t.name}[{i}]" if len(t.members) > 1 else t.name: member
+        for t in tensors
+        for i, member in enumerate(t.members)
+    }
 
 
 @dataclass(frozen=True)
 class Slot:
     source: ShardSource
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    """Per piece of the snapshot copy (`slot_layout.piece_ends`): (slot bytes, parameter
-    bytes) of each part of a layout region that lands in it."""
+    pieces: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+    """Per piece of the snapshot copy (`slot_layout.piece_ends`): the slot bytes and the
+    parameter bytes of each part of a layout region that lands in it."""
     report: pb.PublishShardsRequest
     """This rank's report of the slot, built once: a version sets its number (and checksums)."""
     words: torch.Tensor
@@ -127,26 +188,36 @@ def _storage_bytes(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def parameter_layout(
-    parameters: dict[str, torch.nn.Parameter], alignment: int
+    tensors: list[PublishedTensor], alignment: int
 ) -> tuple[SnapshotLayout, dict[int, torch.nn.Parameter]]:
-    """The slot layout of the parameters (one region per Megatron buffer), and one parameter
-    of each storage, to reach the storage's bytes."""
+    """The slot layout of the tensors (one region per Megatron buffer, and a grouped tensor's
+    members back to back), and one parameter of each storage, to reach the storage's
+    bytes."""
     placements: list[Placement] = []
+    groups: list[Group] = []
     holders: dict[int, torch.nn.Parameter] = {}
-    for name, param in parameters.items():
+
+    def place(name: str, param: torch.nn.Parameter) -> Placement:
         if not param.is_contiguous():
             raise ValueError(f"{name} is not contiguous; a snapshot copies whole byte ranges")
         storage = param.untyped_storage()
         holders.setdefault(storage.data_ptr(), param)
         start = param.data_ptr() - storage.data_ptr()
-        placements.append(Placement(name, storage.data_ptr(), start, param.nbytes))
-    return snapshot_layout(placements, alignment), holders
+        return Placement(name, storage.data_ptr(), start, param.nbytes)
+
+    for tensor in tensors:
+        if len(tensor.members) == 1:
+            placements.append(place(tensor.name, tensor.members[0]))
+        else:
+            members = tuple(place(f"{tensor.name}[{i}]", m) for i, m in enumerate(tensor.members))
+            groups.append(Group(tensor.name, members))
+    return snapshot_layout(placements, alignment, groups=groups), holders
 
 
 @dataclass(frozen=True)
 class _Built:
     source: ShardSource
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    pieces: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
     words: TorchArena
     ends: tuple[int, ...]
     registration: Any
@@ -154,8 +225,7 @@ class _Built:
 
 def create_slot(
     config: SourceConfig,
-    specs: list[ShardSpec],
-    parameters: dict[str, torch.nn.Parameter],
+    tensors: list[PublishedTensor],
     device: torch.device,
     agent: SourceAgent,
     *,
@@ -163,10 +233,10 @@ def create_slot(
 ) -> _Built:
     """A slot's source, registered with the rank's agent, its copies in pieces, and its words
     (registered too, 0 until a version is copied in) with their registration."""
-    layout, holders = parameter_layout(parameters, config.alignment)
+    layout, holders = parameter_layout(tensors, config.alignment)
     source = ShardSource.create(
         config,
-        specs,
+        [t.spec for t in tensors],
         functools.partial(TorchArena.allocate, device=device),
         agent,
         (layout.offsets, layout.nbytes),
@@ -175,13 +245,10 @@ def create_slot(
     assert isinstance(arena, TorchArena)
     ends = piece_ends(layout.nbytes, first_piece_bytes)
     pieces = [
-        [
-            (
-                arena.tensor_view(part.offset, torch.uint8, torch.Size([part.nbytes])),
-                _storage_bytes(holders[part.storage], part.start, part.stop),
-            )
-            for part in parts
-        ]
+        (
+            [arena.tensor_view(p.offset, torch.uint8, torch.Size([p.nbytes])) for p in parts],
+            [_storage_bytes(holders[p.storage], p.start, p.stop) for p in parts],
+        )
         for parts in cut_into_pieces(layout.regions, ends)
     ]
     words = TorchArena.allocate(len(ends) * VERSION_WORD_BYTES, config.alignment, device=device)
@@ -216,7 +283,7 @@ def with_words(report: pb.PublishShardsRequest, built: _Built) -> None:
 
 
 def build_slots(
-    parameters: dict[str, torch.nn.Parameter],
+    tensors: list[PublishedTensor],
     topology: Topology,
     device: torch.device,
     *,
@@ -225,10 +292,9 @@ def build_slots(
     nixl_net_devices: tuple[str, ...],
     first_piece_bytes: int,
 ) -> tuple[list[Slot], SourceAgent]:
-    """This rank's `slots` snapshot slots of `parameters`, registered with one new NIXL agent
+    """This rank's `slots` snapshot slots of `tensors`, registered with one new NIXL agent
     listening on `nixl_host` (`SourceConfig.host`, `SourceConfig.net_devices`), each with its
     report built once."""
-    specs = shard_specs(parameters, topology)
     config = SourceConfig(
         # A name per process: a restarted trainer's agents are new peers to a receiver,
         # which would otherwise reuse its connection to the dead process's agent of the
@@ -242,13 +308,13 @@ def build_slots(
     )
     agent = SourceAgent.create(config)
     built = [
-        create_slot(config, specs, parameters, device, agent, first_piece_bytes=first_piece_bytes)
+        create_slot(config, tensors, device, agent, first_piece_bytes=first_piece_bytes)
         for _ in range(slots)
     ]
     log.info(
-        "refit: a snapshot copies %d memory regions holding %d parameters, in %d pieces",
-        sum(len(parts) for parts in built[0].pieces),
-        len(parameters),
+        "refit: a snapshot copies %d memory regions holding %d tensors, in %d pieces",
+        sum(len(parts) for parts, _ in built[0].pieces),
+        len(tensors),
         len(built[0].pieces),
     )
     # Built after every slot is registered: the agent metadata in them covers all slots.
