@@ -25,7 +25,7 @@ from enum import Enum
 
 from inference_ext.slices import ReceiverLayout, expert_share
 from inference_ext.translate import Source
-from megatron_hf.experts import hf_expert_names
+from megatron_hf.experts import grouped_expert_name, hf_expert_names
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.manifest import Box
 
@@ -50,12 +50,6 @@ class ExpertTarget:
 _TARGET_RE = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(w13|w2)_weight$"
 )
-
-
-def grouped_expert_name(layer: int, fc: int) -> str:
-    """The trainer's published name of layer `layer`'s experts' linear_fc1 or linear_fc2, every
-    expert in one tensor."""
-    return f"decoder.layers.{layer}.mlp.experts.linear_fc{fc}.weight"
 
 
 def target_name(spec: ModelSpec, target: ExpertTarget) -> str:

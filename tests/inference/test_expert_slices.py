@@ -2,7 +2,8 @@
 trainer publishes grouped experts (each expert-parallel rank its experts' boxes of one
 linear_fc1 [E, 2I, H] and one linear_fc2 [E, H, I] per layer): which boxes each worker reads
 at TP=1, TP=2 and TP=2 with expert parallelism, and a pull through the in-memory transport
-that assembles vLLM's fused w13/w2 from the HF checkpoint's experts bit for bit. Also what a
+that assembles vLLM's fused w13/w2 from the HF checkpoint's experts bit for bit (as
+`fused_experts_of` builds them, the way vLLM's loader narrows each expert). Also what a
 receiver refuses, naming the numbers."""
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from inference_ext.expert_slices import (
     ExpertTarget,
     FusedExpertTensor,
-    grouped_expert_name,
     parse_target,
     receiver_names,
     target_name,
@@ -32,7 +32,12 @@ from inference_ext.slices import (
 )
 from megatron_hf.checkpoint import load_hf_state_dict
 from megatron_hf.convert import hf_names, hf_to_megatron
-from megatron_hf.experts import hf_expert_names, parse_expert_suffix
+from megatron_hf.experts import (
+    grouped_expert_name,
+    hf_expert_names,
+    parse_expert_suffix,
+    parse_grouped_expert_name,
+)
 from megatron_hf.spec import ModelFamily, ModelSpec, MoESpec, padded_vocab_size
 from megatron_hf.tiny import write_tiny_checkpoint
 from refit_sidecar.core.manifest import (
@@ -42,14 +47,20 @@ from refit_sidecar.core.manifest import (
     Manifest,
     ParameterRecord,
     ShardLocation,
-    ShardPiece,
     ShardRecord,
 )
 from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.integrity.checksum import checksum
 from refit_sidecar.memory.region import Region
-from refit_sidecar.publish.shard_specs import split_pieces
+from refit_sidecar.publish.shard_specs import (
+    ShardSpec,
+    expert_group_spec,
+    megatron_shard_spec,
+)
 from refit_sidecar.pull.transport import InMemoryTransport
+from tests.refit.shards import shard_of
+from tests.support.fidelity import fused_experts_of
+from tests.support.specs import synthetic_spec
 
 EXPERTS, WIDTH, HIDDEN = 8, 32, 64
 ALIGNMENT = 256
@@ -97,49 +108,50 @@ def publish_moe(
     meg: Mapping[str, torch.Tensor], spec: ModelSpec, *, ep: int, version: int = 1
 ) -> tuple[Manifest, dict[str, list[np.ndarray]]]:
     """`meg` (grouped) as a TP=1 trainer at expert parallel `ep` publishes it: EP rank p its
-    experts' boxes of the grouped tensors (fc1 as its gate and up pieces), every rank a replica
-    of the other tensors."""
-    assert spec.moe is not None
-    per_rank = spec.moe.num_experts // ep
+    experts' boxes of the grouped tensors (`expert_group_spec`), every rank a replica of the
+    other tensors."""
     records: dict[str, list[ShardRecord]] = {}
     buffers: dict[str, list[np.ndarray]] = {}
     agents = {}
     for p in range(ep):
         agent = f"trainer-rank{p}-slot0"
-        laid: list[tuple[str, tuple[int, ...], tuple[ShardPiece, ...], np.ndarray]] = []
+        specs: list[ShardSpec] = []
         for name, tensor in meg.items():
-            full = tensor.contiguous()
-            if name.endswith(".mlp.experts.linear_fc1.weight"):
-                local_shape, pieces = split_pieces(full.shape, 1, 2, 0, 1)
-                experts = (p * per_rank, (p + 1) * per_rank)
-                pieces = tuple(
-                    ShardPiece(Box((experts, *piece.box.ranges[1:])), piece.local_start)
-                    for piece in pieces
-                )
-                local_shape = (per_rank, *local_shape[1:])
-                local = full[p * per_rank : (p + 1) * per_rank]
-            elif name.endswith(".mlp.experts.linear_fc2.weight"):
-                experts = (p * per_rank, (p + 1) * per_rank)
-                local = full[p * per_rank : (p + 1) * per_rank]
-                local_shape = tuple(local.shape)
-                pieces = (ShardPiece(Box((experts, *Box.full(full.shape).ranges[1:])), (0,) * 3),)
+            grouped_fc = parse_grouped_expert_name(name)
+            if grouped_fc is None:
+                whole = megatron_shard_spec(name, tensor.shape, DType.FLOAT32, tp_rank=0, tp_size=1)
+                specs.append(whole)
             else:
-                local, local_shape = full, tuple(full.shape)
-                pieces = (ShardPiece(Box.full(full.shape), (0,) * full.dim()),)
-            laid.append((name, local_shape, pieces, local.contiguous().reshape(-1).numpy()))
+                specs.append(
+                    expert_group_spec(
+                        name,
+                        tensor.shape,
+                        DType.FLOAT32,
+                        fc=grouped_fc[1],
+                        ep_rank=p,
+                        ep_size=ep,
+                        etp_rank=0,
+                        etp_size=1,
+                    )
+                )
         starts, size = [], 0
-        for *_, flat in laid:
+        for s in specs:
             starts.append(size)
-            size = -(-(size + flat.nbytes) // ALIGNMENT) * ALIGNMENT
+            size = -(-(size + s.nbytes) // ALIGNMENT) * ALIGNMENT
         arena = np.zeros(size, np.uint8)
-        for (name, local_shape, pieces, flat), start in zip(laid, starts, strict=True):
-            view = arena[start : start + flat.nbytes]
-            view[:] = flat.view(np.uint8)
+        for s, start in zip(specs, starts, strict=True):
+            full = meg[s.parameter].contiguous().numpy().view(np.uint8)
+            full = full.reshape(*s.shape, DType.FLOAT32.itemsize)
+            view = arena[start : start + s.nbytes]
+            view[:] = shard_of(full, s).reshape(-1)
             location = ShardLocation.contiguous(
-                agent=agent, address=arena.ctypes.data + start, shape=local_shape, itemsize=4
+                agent=agent,
+                address=arena.ctypes.data + start,
+                shape=s.local_shape,
+                itemsize=DType.FLOAT32.itemsize,
             )
-            records.setdefault(name, []).append(
-                ShardRecord(location, pieces, checksum(view), rank=p)
+            records.setdefault(s.parameter, []).append(
+                ShardRecord(location, s.pieces, checksum(view), rank=p, expert_rank=p)
             )
         buffers[agent] = [arena]
         agents[agent] = AgentRecord(agent, b"in-memory", rank=p)
@@ -148,32 +160,6 @@ def publish_moe(
         for name, shards in sorted(records.items())
     )
     return Manifest(version, parameters, agents), buffers
-
-
-def expected_fused(
-    hf: Mapping[str, torch.Tensor], spec: ModelSpec, layout: ReceiverLayout, target: ExpertTarget
-) -> torch.Tensor:
-    """vLLM's fused tensor for this worker, built from the HF checkpoint's per-expert tensors
-    the way vLLM's weight loader narrows them."""
-    assert spec.moe is not None
-    names = hf_expert_names(spec.family)
-    tp, rank = layout.tp_size, layout.tp_rank
-    if layout.expert_parallel and tp > 1:
-        per = spec.moe.num_experts // tp
-        experts, cols = range(rank * per, (rank + 1) * per), slice(None)
-    else:
-        per = spec.moe.ffn_hidden_size // tp
-        experts, cols = range(spec.moe.num_experts), slice(rank * per, (rank + 1) * per)
-    prefix = f"model.layers.{target.layer}.{names.experts}"
-    out = []
-    for e in experts:
-        if target.tensor is FusedExpertTensor.W13:
-            gate = hf[f"{prefix}.{e}.{names.gate}.weight"][cols]
-            up = hf[f"{prefix}.{e}.{names.up}.weight"][cols]
-            out.append(torch.cat([gate, up]))
-        else:
-            out.append(hf[f"{prefix}.{e}.{names.down}.weight"][:, cols])
-    return torch.stack(out)
 
 
 def assemble(pull: PullPlan, dest: np.ndarray, hf: HFSlice) -> torch.Tensor:
@@ -273,7 +259,7 @@ def test_pulled_fused_experts_equal_vllms_from_the_checkpoint(model, engine: str
                 continue
             fused += 1
             assert hf_slice.box == Box.full(hf_slice.shape)
-            assert torch.equal(got, expected_fused(hf, spec, layout, target)), hf_slice.name
+            assert torch.equal(got, fused_experts_of(hf, spec, layout, target)), hf_slice.name
             # a single box (w2) is a view of staging; w13's halves are two
             assert hf_slice.contiguous == (target.tensor is FusedExpertTensor.W2)
         assert fused == 2 * spec.num_layers
@@ -283,8 +269,6 @@ def test_pulled_fused_experts_equal_vllms_from_the_checkpoint(model, engine: str
 
 
 def _moe_spec(experts: int, width: int) -> ModelSpec:
-    from tests.support.specs import synthetic_spec
-
     return synthetic_spec(
         family=ModelFamily.QWEN3_MOE,
         architecture="Qwen3MoeForCausalLM",

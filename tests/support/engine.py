@@ -7,6 +7,8 @@ pytest process; the test sends `RefitEngine` calls (and greedy generation) over 
 many models: it imports vLLM once and runs the engine core in its own process (no engine-core
 process per model); a TP=1 engine's worker runs there too, a TP=2 engine keeps its two worker
 processes. The refit path through the workers is the same as in a default engine.
+`expert_parallel` builds engines with vLLM's expert parallelism (a mixture of experts' workers
+hold whole experts).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -31,14 +35,27 @@ class EngineError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, model: Path | None, tensor_parallel: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        model: Path | None,
+        tensor_parallel: int,
+        log_path: Path,
+        *,
+        expert_parallel: bool = False,
+    ) -> None:
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         self._outstanding = 1  # the ready message
         self.log_path = log_path
         self.process = context.Process(
             target=_serve,
-            args=(child, str(model) if model else None, tensor_parallel, str(log_path)),
+            args=(
+                child,
+                str(model) if model else None,
+                tensor_parallel,
+                str(log_path),
+                expert_parallel,
+            ),
         )
         self.process.start()
         child.close()
@@ -95,8 +112,10 @@ class EngineHost(EngineProcess):
     """One child process that serves engines for several models in turn, all at
     `tensor_parallel`: `load` replaces the engine it holds."""
 
-    def __init__(self, tensor_parallel: int, log_path: Path) -> None:
-        super().__init__(None, tensor_parallel, log_path)
+    def __init__(
+        self, tensor_parallel: int, log_path: Path, *, expert_parallel: bool = False
+    ) -> None:
+        super().__init__(None, tensor_parallel, log_path, expert_parallel=expert_parallel)
         self.wait_ready()
 
     def load(self, model: Path) -> None:
@@ -107,7 +126,7 @@ class EngineHost(EngineProcess):
 _LOAD = "_load"
 
 
-def _build(model: str, tensor_parallel: int, hosted: bool) -> Any:
+def _build(model: str, tensor_parallel: int, hosted: bool, expert_parallel: bool) -> Any:
     from vllm import LLM
 
     from inference_ext.llm_engine import EXTENSION, RefitEngine
@@ -116,6 +135,7 @@ def _build(model: str, tensor_parallel: int, hosted: bool) -> Any:
         model=model,
         dtype="float32",
         tensor_parallel_size=tensor_parallel,
+        enable_expert_parallel=expert_parallel,
         worker_extension_cls=EXTENSION,
         max_model_len=256,
         enforce_eager=True,
@@ -130,7 +150,9 @@ def _shutdown(engine: Any) -> None:
     engine.llm.llm_engine.engine_core.shutdown()
 
 
-def _serve(conn: Any, model: str | None, tensor_parallel: int, log_path: str) -> None:
+def _serve(
+    conn: Any, model: str | None, tensor_parallel: int, log_path: str, expert_parallel: bool
+) -> None:
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -144,7 +166,7 @@ def _serve(conn: Any, model: str | None, tensor_parallel: int, log_path: str) ->
     engine = None
     try:
         if model is not None:
-            engine = _build(model, tensor_parallel, hosted)
+            engine = _build(model, tensor_parallel, hosted, expert_parallel)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -156,12 +178,14 @@ def _serve(conn: Any, model: str | None, tensor_parallel: int, log_path: str) ->
                 if engine is not None:
                     _shutdown(engine)
                     engine = None
-                engine = _build(args[0], tensor_parallel, hosted)
+                engine = _build(args[0], tensor_parallel, hosted, expert_parallel)
                 value = None
             elif engine is None:
                 raise RuntimeError("no engine loaded")
             elif method == "generate":
                 value = _generate(engine.llm, *args)
+            elif method == "parameters":
+                value = engine.llm.collective_rpc(worker_parameters)
             else:
                 value = getattr(engine, method)(*args)
             conn.send(("ok", value))
@@ -187,3 +211,15 @@ def _generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> li
         logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, ids, strict=True)]
         result.append((ids, logprobs))
     return result
+
+
+def worker_parameters(worker: Any) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every parameter of a worker's model as the engine computes with it (after vLLM's
+    processing: packed layouts included), name -> (dtype, shape, raw bytes). Sent by name to
+    the workers (`collective_rpc`), so it lives at module level."""
+    out = {}
+    for name, param in worker.model_runner.model.named_parameters():
+        data = param.detach().cpu().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[name] = (str(data.dtype).removeprefix("torch."), tuple(data.shape), raw)
+    return out
