@@ -45,7 +45,8 @@ asking (more than a trainer's usual slots: 2)."""
 @dataclass(frozen=True)
 class HFSlice:
     """The part `box` of HF tensor `name` (full shape `shape`) this receiver installs,
-    assembled from pulled Megatron boxes: (index into the plan's targets, HF sub-box)."""
+    assembled from pulled Megatron boxes: (index into the plan's targets, HF sub-box). A fused
+    expert target (`expert_slices`) has the worker's local shape, installed whole."""
 
     name: str
     shape: tuple[int, ...]

@@ -160,12 +160,13 @@ DEFAULT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "qwen3-yarn-gqa-tied": (("tp2", "pp2"), ("tp1", "tp2")),
     "qwen3-mha": (("tp1",), ("tp1",)),
     "qwen3-moe-every-expert": (("ep2",), ("tp1", "tp2", "tp2-ep")),
-    "mixtral-top2": (("ep2",), ("tp1", "tp2", "tp2-ep")),
+    "mixtral-top2": (("ep2",), ("tp2",)),
 }
 """The default run: trainer layouts and engines per model. The scaled-RoPE models run at
 both TP=2 and PP=2: the rotary tables are installed per stage and per TP rank. The untied
 Llama layout runs as Mistral (the same tensors and conversion, another class on both sides);
-llama-mqa itself runs in the slow run."""
+llama-mqa itself runs in the slow run. Mixtral (its own names, top-2 routing) runs into the
+TP=2 engine only: the other engines install experts the same way, and Qwen3-MoE covers them."""
 SHARDED_EXPORT = "mistral-mqa"
 """The model whose trainer (at PP=2, so each stage writes its own files) exports a sharded
 fp32 checkpoint that the TP=1 engine loads and serves."""
