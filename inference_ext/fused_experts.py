@@ -78,7 +78,7 @@ class FusedExperts:
                 continue
             match = _LAYER_RE.search(f".{name}.")
             if match is None or int(match[1]) in layers:
-                problems.append(f"{name}: an expert module outside the decoder's layers")
+                problems.append(f"{name}: not the one expert module of a decoder layer")
                 continue
             w13 = (share.num_experts, 2 * share.width_size, hidden)
             w2 = (share.num_experts, hidden, share.width_size)
