@@ -3,8 +3,9 @@ trainer publishes grouped experts (each expert-parallel rank its experts' boxes 
 linear_fc1 [E, 2I, H] and one linear_fc2 [E, H, I] per layer): which boxes each worker reads
 at TP=1, TP=2 and TP=2 with expert parallelism, and a pull through the in-memory transport
 that assembles vLLM's fused w13/w2 from the HF checkpoint's experts bit for bit (as
-`fused_experts_of` builds them, the way vLLM's loader narrows each expert). Also what a
-receiver refuses, naming the numbers."""
+`fused_experts_of` builds them, the way vLLM's loader narrows each expert). Also that an
+expert-parallel worker's share is vLLM's own linear placement, and what a receiver refuses,
+naming the numbers."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ from inference_ext.expert_slices import (
     receiver_names,
     target_name,
 )
+from inference_ext.fused_experts import FusedExperts
 from inference_ext.receiver import TORCH_DTYPES
 from inference_ext.receiver_plan import HFSlice, ReceiverPlan, plan_receiver
+from inference_ext.refit_options import RefitError
 from inference_ext.slices import (
     ReceiverLayout,
     UnsupportedLayout,
     check_receiver_layout,
+    expert_share,
     receiver_layout_problems,
 )
 from megatron_hf.checkpoint import load_hf_state_dict
@@ -292,3 +296,42 @@ def test_a_receiver_refuses_experts_that_do_not_split_naming_the_numbers() -> No
     assert receiver_layout_problems(_moe_spec(8, 30), 4, expert_parallel=True) == []
     with pytest.raises(UnsupportedLayout, match=r"TP=4 with expert parallelism: 6 experts"):
         check_receiver_layout(spec, ReceiverLayout(0, 4, expert_parallel=True))
+
+
+@pytest.mark.parametrize(("experts", "ep"), [(8, 2), (8, 4), (6, 2), (6, 3)])
+def test_expert_parallel_shares_are_vllms_linear_placement(experts: int, ep: int) -> None:
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    spec = _moe_spec(experts, 24)
+    for rank in range(ep):
+        share = expert_share(spec, ReceiverLayout(rank, ep, expert_parallel=True))
+        local, expert_map, _ = determine_expert_map(ep, rank, experts)
+        assert expert_map is not None and local == share.num_experts
+        held = [e for e in range(experts) if expert_map[e] >= 0]
+        assert held == list(range(*share.experts))
+        assert [int(expert_map[e]) for e in held] == list(range(local))
+        assert share.width == (0, 24)
+
+
+def test_an_engine_whose_experts_differ_is_refused_at_initialisation() -> None:
+    """`FusedExperts.find` names what differs before any refit: an expert method it does not
+    install into, and layers with no fused experts."""
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w13_weight = torch.nn.Parameter(torch.zeros(8, 64, 64), requires_grad=False)
+            self.quant_method = object()
+
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = Experts()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer, torch.nn.Module()])
+    spec = _moe_spec(8, 32)
+    with pytest.raises(RefitError) as refused:
+        FusedExperts.find(model, spec, ReceiverLayout())
+    assert str(refused.value) == (
+        "the engine's experts differ from refit's: layers.0.mlp.experts: refit installs "
+        "unquantized experts, not object; no fused experts found for layers [1]"
+    )
