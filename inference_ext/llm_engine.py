@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
@@ -98,6 +99,30 @@ class RefitEngine:
             per_token = output.prompt_logprobs[1:]
             result.append([per_token[i][tok].logprob for i, tok in enumerate(prompt[1:])])
         return result
+
+    def probe_routing(
+        self, prompts: Sequence[Sequence[int]]
+    ) -> list[tuple[list[float], np.ndarray]]:
+        """`probe`'s logprobs of each prompt with the experts vLLM routed its tokens to in
+        every MoE layer, ``[len(prompt), layers, top_k]`` (a prompt's last token included, as
+        vLLM reports routing): what the trainer replays (``routed_experts``). Prompts run one
+        at a time, so each forward's routing is one prompt's."""
+        self.llm.collective_rpc("refit_capture_routing", args=(True,))
+        try:
+            out = []
+            for prompt in prompts:
+                logprobs = self.probe([prompt])[0]
+                reply = self.llm.collective_rpc("refit_routed_experts")[0]  # TP ranks agree
+                routed = np.frombuffer(reply["data"], np.int64).reshape(reply["shape"])
+                if routed.shape[0] != len(prompt):
+                    raise RefitError(
+                        f"captured routing of {routed.shape[0]} tokens for a prompt of "
+                        f"{len(prompt)} (was the engine serving other requests?)"
+                    )
+                out.append((logprobs, routed.copy()))
+            return out
+        finally:
+            self.llm.collective_rpc("refit_capture_routing", args=(False,))
 
     def close(self) -> None:
         """Every worker drops its receiver: its registered memory, NIXL agent and channel to

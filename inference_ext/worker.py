@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from inference_ext.refit_options import RefitError, RefitOptions
+from inference_ext.routing_capture import RoutingCapture
 from inference_ext.worker_refit import (
     RefitTarget,
     WorkerRefit,
@@ -28,6 +29,7 @@ from inference_ext.worker_refit import (
 from refit_sidecar.core.manifest import Box
 
 _STATE = "_refit_state"
+_CAPTURE = "_refit_routing_capture"
 
 
 class RefitWorkerExtension:
@@ -120,6 +122,25 @@ class RefitWorkerExtension:
         RPC exactly: name -> {box, dtype, shape, data}; `engine.decode_slice` reads one."""
         slices = self._refit().slices(names)
         return {name: encode_slice(box, tensor) for name, (box, tensor) in slices.items()}
+
+    def refit_capture_routing(self, enable: bool) -> None:
+        """Start (or stop) keeping each MoE layer's routing of the forwards to come
+        (`routing_capture`)."""
+        capture: RoutingCapture | None = getattr(self, _CAPTURE, None)
+        if capture is not None:
+            capture.close()
+            setattr(self, _CAPTURE, None)
+        if enable:
+            setattr(self, _CAPTURE, RoutingCapture(self.model_runner.model))
+
+    def refit_routed_experts(self) -> dict[str, Any]:
+        """The routing kept since the last call, ``[tokens, layers, top_k]`` int64, as raw
+        bytes: {shape, data}."""
+        capture: RoutingCapture | None = getattr(self, _CAPTURE, None)
+        if capture is None:
+            raise RefitError("routing capture is off: call refit_capture_routing(True) first")
+        routed = capture.take()
+        return {"shape": list(routed.shape), "data": routed.tobytes()}
 
     def refit_close(self) -> None:
         refit: WorkerRefit | None = getattr(self, _STATE, None)

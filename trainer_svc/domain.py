@@ -319,9 +319,11 @@ class SequenceBatch:
         sampler_logprobs: Sequence[Sequence[float]] | None = None,
         weights_versions: Sequence[int] | None = None,
         version_spans: Sequence[Sequence[VersionSpan]] | None = None,
+        routed_experts: Sequence[np.ndarray] | None = None,
     ) -> SequenceBatch:
         """Builds a batch from per-sequence lists (each per-token list as long as its sequence;
-        `version_spans`: one list of spans per sequence)."""
+        `version_spans`: one list of spans per sequence; `routed_experts`: per sequence its
+        tokens' experts, ``[tokens, layers, top_k]`` as vLLM reports them, or flattened)."""
         lengths = [len(s) for s in sequences]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
@@ -348,6 +350,11 @@ class SequenceBatch:
             spans=None
             if version_spans is None
             else span_rows((i, span) for i, spans in enumerate(version_spans) for span in spans),
+            routed_experts=None
+            if routed_experts is None
+            else np.concatenate(
+                [np.asarray(r, np.int64).reshape(len(r), -1) for r in routed_experts]
+            ),
         )
 
     def version_spans(self) -> list[tuple[int, VersionSpan]]:
