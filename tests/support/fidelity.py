@@ -1,14 +1,26 @@
 """Ground truth for refit fidelity: train a step through the service, and compare an engine's
-prompt logprobs with the trainer's own Forward on the same tokens."""
+prompt logprobs with the trainer's own Forward on the same tokens; the tensors each worker
+installed against ExportHF's (for experts: vLLM's fused w13/w2, built here from ExportHF's
+per-expert tensors the way vLLM's loader narrows them)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from inference_ext.expert_slices import (
+    ExpertTarget,
+    FusedExpertTensor,
+    parse_target,
+    receiver_names,
+)
+from inference_ext.slices import ReceiverLayout
+from megatron_hf.experts import hf_expert_names
+from megatron_hf.spec import ModelSpec
 from tests.support.batches import make_batch
 from tests.support.trainer import TrainerProcess
 from trainer_svc.domain import LossConfig, OptimizerOverrides, SequenceBatch
@@ -47,11 +59,60 @@ def gap(a: Sequence, b: Sequence) -> float:
     )
 
 
-def check_installed_slices(per_worker: list[dict], exported: dict, tp: int) -> None:
+def fused_experts_of(
+    hf: Mapping[str, Any], spec: ModelSpec, layout: ReceiverLayout, target: ExpertTarget
+) -> torch.Tensor:
+    """vLLM's fused `target` on the worker at `layout`, from per-expert HF tensors (numpy or
+    torch): with expert parallelism the worker's contiguous share of the experts whole, else
+    every expert's share of the width (gate rows, then up rows; down columns)."""
+    assert spec.moe is not None
+    names = hf_expert_names(spec.family)
+    tp, rank = layout.tp_size, layout.tp_rank
+    if layout.expert_parallel and tp > 1:
+        per = spec.moe.num_experts // tp
+        experts, cols = range(rank * per, (rank + 1) * per), slice(None)
+    else:
+        per = spec.moe.ffn_hidden_size // tp
+        experts, cols = range(spec.moe.num_experts), slice(rank * per, (rank + 1) * per)
+    prefix = f"model.layers.{target.layer}.{names.experts}"
+
+    def get(e: int, projection: str) -> torch.Tensor:
+        return torch.as_tensor(hf[f"{prefix}.{e}.{projection}.weight"])
+
+    if target.tensor is FusedExpertTensor.W13:
+        return torch.stack(
+            [torch.cat([get(e, names.gate)[cols], get(e, names.up)[cols]]) for e in experts]
+        )
+    return torch.stack([get(e, names.down)[:, cols] for e in experts])
+
+
+def check_installed_slices(
+    per_worker: list[dict],
+    exported: dict,
+    tp: int,
+    *,
+    spec: ModelSpec | None = None,
+    expert_parallel: bool = False,
+) -> None:
     """Each worker installed exactly its slice of every exported tensor, bit for bit, and the
-    workers' slices together cover every tensor."""
+    workers' slices together cover every tensor. For a mixture of experts (`spec`), each
+    worker's fused experts instead equal `fused_experts_of` ExportHF's."""
     assert len(per_worker) == tp
     names = set(exported)
+    if spec is not None and spec.moe is not None:
+        experts = f".{hf_expert_names(spec.family).experts}."
+        names = {n for n in names if experts not in n}
+        targets = {n for n in receiver_names(spec, sorted(exported)) if parse_target(n)}
+        for rank, worker in enumerate(per_worker):
+            layout = ReceiverLayout(rank, tp, expert_parallel)
+            assert set(worker) == names | targets
+            for name in targets:
+                target = parse_target(name)
+                assert target is not None
+                expected = fused_experts_of(exported, spec, layout, target)
+                assert torch.equal(worker[name][1], expected), (name, layout)
+        exported = {n: exported[n] for n in names}
+        per_worker = [{n: s for n, s in w.items() if n in names} for w in per_worker]
     for worker in per_worker:
         assert set(worker) == names
         for name, (box, tensor) in worker.items():

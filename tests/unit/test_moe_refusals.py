@@ -1,5 +1,5 @@
-"""What the service refuses for a mixture-of-experts model before any rank starts, and what a
-vLLM receiver refuses at initialisation: nothing half-works."""
+"""What the service refuses for a mixture-of-experts model before any rank starts: nothing
+half-works. (What a vLLM receiver refuses: tests/inference/test_expert_slices.py.)"""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_ext.slices import receiver_layout_problems
-from megatron_hf.spec import ModelFamily, ModelSpec
+from megatron_hf.spec import ModelFamily
 from megatron_hf.tiny import write_tiny_checkpoint
 from trainer_svc.__main__ import _check_layout
 from trainer_svc.config import Device, ParallelLayout, TrainerConfig
@@ -47,10 +46,3 @@ def test_the_service_refuses_before_any_rank_starts(model_dir, config, message, 
 def test_expert_grids_must_fit_a_stage():
     with pytest.raises(ValueError, match=r"expert parallel 4 x expert tensor parallel 1 = 4"):
         ParallelLayout(data_parallel=2, expert_parallel=4)
-
-
-def test_a_vllm_receiver_refuses_to_refit_experts(model_dir):
-    spec = ModelSpec.from_pretrained_dir(model_dir)
-    assert receiver_layout_problems(spec, 1) == [
-        "refit of a mixture-of-experts model (Qwen3MoeForCausalLM) is not supported yet"
-    ]
