@@ -6,9 +6,11 @@ and two vLLM engines that follow the trainer's weights.
 
 The stack: `trainer-svc` (TP=2 by default) and `refit-sidecar` as local processes, and two vLLM
 engines (TP=1 and TP=2) with the refit worker extension, every call authenticated with random
-per-role tokens written under the work directory. The policy is the built-in tiny Llama,
-first warmed up with a few supervised steps on the task (reverse a short word), then trained with
-GRPO. Each iteration:
+per-role tokens written under the work directory. The policy is the built-in tiny Llama
+(`--model-family qwen3-moe` or `mixtral`: a tiny mixture of experts, trained with routing
+replay, `--trainer-ep 2` to deal its experts over the trainer's ranks), first warmed up with a
+few supervised steps on the task (reverse a short word), then trained with GRPO. Each
+iteration:
 
 1. rollouts: both engines sample a group of answers per prompt; as each group completes it is
    scored and sent to the trainer as one microbatch of the open step (PPO loss, group-normalised
@@ -465,6 +467,8 @@ def train(args: argparse.Namespace, workdir: Path, console: Console) -> int:
             TrainerClient(local.trainer_address, auth=local.auth(Role.ORCHESTRATOR))
         )
         trainer.wait_ready()
+        if replay:
+            console.line("routing replay: the trainer routes each sampled token as its engine did")
         engines = []
         for tp in console.progress(args.engine_tp, desc="starting vLLM engines", unit="engine"):
             engine = Engine(

@@ -169,3 +169,27 @@ def test_short_demo_vllm_logs_are_in_the_printed_file(short_run: DemoRun) -> Non
     for source in ("(MainProcess pid=", "(EngineCore pid=", "(Worker pid=", "(Worker_TP1 pid="):
         assert source in log, f"no {source} lines in {log_path}"
     assert "Traceback" not in log
+
+
+def test_the_mixture_of_experts_demo_trains_with_routing_replay(tmp_path: Path) -> None:
+    """`--model-family qwen3-moe`: the trainer deals the experts over its two sequence-parallel
+    TP ranks, the engine reports the routing of every sample and the trainer replays it
+    (routing of the wrong shape would be refused and fail the run); the engine keeps within
+    1e-4 of the trainer through every refit."""
+    workdir = tmp_path / "run"
+    args = ["--model-family", "qwen3-moe", "--trainer-ep", "2", "--engine-tp", "1"]
+    args += ["--warmup-steps", "10", "--iterations", "3", "--min-reward-gain", "-1"]
+    process, log_path = start(workdir, *args)
+    try:
+        returncode = process.wait(timeout=900)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = log_path.read_text()
+    assert returncode == 0, output[-4000:]
+    assert "starting trainer-svc (TP=2, PP=1, EP=2) and refit-sidecar" in output
+    assert "routing replay: the trainer routes each sampled token as its engine did" in output
+    versions = VERSION_LINE.findall(output)
+    assert versions, output[-4000:]
+    assert all(float(gap) <= 1e-4 for _, _, gap in versions)
+    assert not wait_gone(process, workdir)
