@@ -219,14 +219,15 @@ def test_a_trainer_publishing_every_second_step_publishes_those_and_every_load(t
 
 
 class _Watched(torch.Tensor):
-    """A parameter's bytes that note the slot's words whenever they are copied."""
+    """A parameter's bytes that note the slot's words whenever they are copied (one by one
+    or in a `_foreach_copy_`)."""
 
     words: torch.Tensor
     seen: list[list[int]]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.Tensor.copy_:
+        if func in (torch.Tensor.copy_, torch._foreach_copy_):
             cls.seen.append(cls.words.tolist())
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -237,7 +238,7 @@ def test_a_snapshot_zeroes_the_words_then_names_each_piece_after_its_bytes() -> 
     slot_bytes = torch.zeros(32, dtype=torch.uint8)
     source = parameter.data.view(torch.uint8).as_subclass(_Watched)
     _Watched.words, _Watched.seen = words, []
-    pieces = [[(slot_bytes[:16], source[:16])], [(slot_bytes[16:], source[16:])]]
+    pieces = [([slot_bytes[:16]], [source[:16]]), ([slot_bytes[16:]], [source[16:]])]
     slot = Slot(None, pieces, None, words, None)  # type: ignore[arg-type]
     publisher = Publisher(None, [slot], {"w": parameter}, None, torch.device("cpu"))  # type: ignore[arg-type]
     try:
