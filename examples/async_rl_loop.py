@@ -374,6 +374,9 @@ def train(args: argparse.Namespace, workdir: Path) -> int:
         replica = Replica(local.serve_vllm(), task)
         warm_up(trainer, task, args, console)
         trainer.save_checkpoint(CHECKPOINT)
+        # Until its first refit the replica serves the weights it loaded, which no version
+        # names ("default" in its spans).
+        replica.wait_installed(trainer.status().weights_version)
         # The replica's first batch takes seconds more than the rest (vLLM's first runs of
         # each batch shape): outside the timed schedules, so it burdens neither.
         rng = random.Random(args.seed - 1)
