@@ -198,3 +198,39 @@ def test_both_layouts_hold_the_same_positions_and_values(seed: int) -> None:
     for name in ("mask", "advantages", "sequence_tokens"):
         got = getattr(packed.token_inputs, name)[0]
         assert torch.equal(getattr(padded.token_inputs, name)[valid], got)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_sequence_parallel_pass_is_padded_to_its_ranks_and_each_routes_its_part(
+    packed: bool,
+) -> None:
+    """Sequence-parallel TP ranks split the positions evenly: the width is padded to a multiple
+    of them (a packed row's tail becomes a padding document of its own), and each rank's
+    routers see its part of the `[width, rows]` order; the parts together are the whole."""
+    batch = SequenceBatch.from_lists([[1, 2, 3, 4], [5, 6, 7]], loss_mask=[[True] * 4, [True] * 3])
+    whole = pack(batch, torch.device("cpu"), packed=packed)
+    assert whole is not None
+    parts = [pack(batch, torch.device("cpu"), packed=packed, shard=(r, 2)) for r in range(2)]
+    assert all(p is not None for p in parts)
+    first, second = parts
+    assert first is not None and second is not None
+    width = 6 if packed else 4  # 3 + 2 positions in one row, or rows of 3, padded to 4
+    assert first.width == second.width == width
+    if packed:
+        assert first.documents is not None
+        assert first.documents.lengths == (3, 2, 1)  # the padding's document last
+        assert first.positions.tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert not first.token_inputs.mask[:, whole.width :].any()
+    orders = [p.router_order() for p in (first, second)]
+    joined = [np.concatenate([o[k] for o in orders]) for k in range(2)]
+    unsplit = pack(batch, torch.device("cpu"), packed=packed, shard=(0, 1))
+    assert unsplit is not None and unsplit.width == whole.width
+    real = joined[0] >= 0
+    assert sorted(zip(joined[0][real], joined[1][real], strict=True)) == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+    ]
+    assert all(len(o[0]) == width // 2 * first.rows for o in orders)
