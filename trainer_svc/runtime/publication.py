@@ -58,6 +58,7 @@ from trainer_svc.runtime.publication_book import PublicationBook
 from trainer_svc.runtime.snapshot_slot import (
     Slot,
     build_slots,
+    copy_piece,
     published_parameters,
     published_tensors,
 )
@@ -342,7 +343,7 @@ class Publisher:
         if stream is None:
             target.words.zero_()  # before any byte changes: a reader that sees 0 rereads
             for i, (destinations, sources) in enumerate(target.pieces):
-                torch._foreach_copy_(destinations, sources)
+                copy_piece(destinations, sources, non_blocking=False)
                 target.words[i].fill_(version)  # after the bytes: a reader seeing it reads them
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -351,9 +352,7 @@ class Publisher:
             # so a receiver that finds its version's word after its reads read no new byte.
             target.words.zero_()
             for i, (destinations, sources) in enumerate(target.pieces):
-                # One launch for many regions (a layer's experts are one region each where
-                # Megatron's buffer keeps them apart).
-                torch._foreach_copy_(destinations, sources, non_blocking=True)
+                copy_piece(destinations, sources, non_blocking=True)
                 # Queued after the piece's copies: written once they landed.
                 target.words[i].fill_(version)
             return stream.record_event()
