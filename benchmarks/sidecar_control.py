@@ -55,6 +55,11 @@ import psutil
 
 from benchmarks.harness import sidecar_server
 from benchmarks.trainer_step import tokens_for
+from inference_ext.expert_slices import receiver_names
+from inference_ext.receiver_plan import plan_receiver
+from inference_ext.slices import ReceiverLayout
+from megatron_hf.convert import hf_names
+from megatron_hf.spec import ModelFamily, ModelSpec, MoESpec
 from refit_sidecar.core.manifest import (
     AgentRecord,
     Box,
@@ -154,6 +159,37 @@ def _experts(
             name = f"{prefix}.mlp.experts.local_experts.{expert}.linear_{projection}.weight"
             out.append((name, shapes[projection]))
     return out
+
+
+def model_spec(config: Config) -> ModelSpec:
+    """The model the manifest is of, as a vLLM worker's refit plans it: Mixtral's names (no q/k
+    norms, as the manifest has none), heads of 64, every MLP and expert 4x hidden wide."""
+    heads = max(1, config.hidden // 64)
+    return ModelSpec(
+        family=ModelFamily.MIXTRAL if config.experts else ModelFamily.LLAMA,
+        architecture="MixtralForCausalLM" if config.experts else "LlamaForCausalLM",
+        num_layers=config.layers,
+        hidden_size=config.hidden,
+        ffn_hidden_size=4 * config.hidden,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        head_dim=config.hidden // heads,
+        vocab_size=4 * config.hidden,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_layernorm=False,
+        moe=MoESpec(
+            num_experts=config.experts,
+            top_k=min(8, config.experts),
+            ffn_hidden_size=4 * config.hidden,
+            norm_topk_prob=True,
+        )
+        if config.experts
+        else None,
+    )
 
 
 def trainer_part(config: Config, version: int, agent: str) -> Manifest:
@@ -331,7 +367,14 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
         ask.lease_ttl_seconds = _LEASE_S
         ask.lease_with_checksums = True
         asks.append(ask)
-    publications, answers, plans = [], [], []
+    publications, answers, plans, worker_plans = [], [], [], []
+    # A vLLM worker's own plan (TP=1: its targets, fused experts included), where the experts
+    # are published grouped as the trainer publishes them.
+    spec = model_spec(config)
+    worker = None
+    if not config.experts or config.expert_layout is ExpertLayout.GROUPED:
+        worker = receiver_names(spec, [n for n in hf_names(spec) if n != "lm_head.weight"])
+        worker.append("lm_head.weight")
     for version in range(1, warmup + versions + 1):
         reserve = pb.ReserveSlotRequest(version=version, generation=generation)
         await servicer.ReserveSlot(reserve, context)
@@ -357,6 +400,10 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
             begin = time.perf_counter()
             plan_pull(manifest, wants)
             plans.append(time.perf_counter() - begin)
+            if worker is not None:
+                begin = time.perf_counter()
+                plan_receiver(manifest, spec, ReceiverLayout(0, 1), worker)
+                worker_plans.append(time.perf_counter() - begin)
         for ask, lease in zip(asks, leases, strict=True):
             if not config.direct:
                 release = pb.ReleaseSourcesRequest(
@@ -369,6 +416,7 @@ async def _in_process(config: Config, versions: int, warmup: int) -> dict[str, f
         in_process_publication_s=statistics.median(publications),
         in_process_answer_s=statistics.median(answers),
         in_process_plan_s=statistics.median(plans),
+        **({"in_process_worker_plan_s": statistics.median(worker_plans)} if worker_plans else {}),
     )
 
 
