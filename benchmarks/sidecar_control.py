@@ -540,7 +540,13 @@ def main(argv: list[str] | None = None) -> None:
         " ms per version\n"
         f"in-process (no gRPC): publication {1e3 * summary['in_process_publication_s']:.2f} ms, "
         f"an answer {1e3 * summary['in_process_answer_s']:.2f} ms, "
-        f"a receiver's plan {1e3 * summary['in_process_plan_s']:.2f} ms\n"
+        f"a receiver's plan {1e3 * summary['in_process_plan_s']:.2f} ms"
+        + (
+            f", a vLLM worker's plan {1e3 * summary['in_process_worker_plan_s']:.2f} ms"
+            if "in_process_worker_plan_s" in summary
+            else ""
+        )
+        + "\n"
         f"an empty call: {1e3 * summary['empty_call_s']:.3f} ms back to back, "
         f"{1e3 * summary['empty_call_after_idle_s']:.3f} ms after 50 ms idle; "
         f"the sidecar's CPU {1e3 * summary['empty_call_cpu_s']:.3f} ms"
