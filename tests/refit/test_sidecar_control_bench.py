@@ -1,6 +1,7 @@
 """`benchmarks.sidecar_control` on a real sidecar: receivers that asked ahead are answered once
 each version is published, through a chain (one child per source) and directly, for dense and
-mixture-of-experts manifests (experts one tensor each, or grouped per layer)."""
+mixture-of-experts manifests (experts one tensor each, or grouped per layer), and a vLLM
+worker's own plan of the manifest where it can plan one."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def test_parked_receivers_are_answered_for_every_version(
     for key in keys:
         assert 0 < summary[key] < 1, key
     assert summary["empty_call_cpu_s"] > 0 and summary["empty_call_after_idle_s"] > 0
+    # A vLLM worker plans its own targets where the experts are published grouped (or none).
+    worker_plans = experts == 0 or layout is ExpertLayout.GROUPED
+    assert ("in_process_worker_plan_s" in summary) == worker_plans
+    if worker_plans:
+        assert 0 < summary["in_process_worker_plan_s"] < 1
     if direct:
         assert all(r["sources"] == [None, None] for r in records)
     else:
