@@ -171,11 +171,14 @@ def test_short_demo_vllm_logs_are_in_the_printed_file(short_run: DemoRun) -> Non
     assert "Traceback" not in log
 
 
+@pytest.mark.slow
 def test_the_mixture_of_experts_demo_trains_with_routing_replay(tmp_path: Path) -> None:
     """`--model-family qwen3-moe`: the trainer deals the experts over its two sequence-parallel
     TP ranks, the engine reports the routing of every sample and the trainer replays it
     (routing of the wrong shape would be refused and fail the run); the engine keeps within
-    1e-4 of the trainer through every refit."""
+    1e-4 of the trainer through every refit. Slow: the default run covers its parts (the
+    routing of each sample, `test_routing_replay_vllm`; its way into the batch,
+    `test_demo_arguments`; the refit of experts, the fidelity matrix)."""
     workdir = tmp_path / "run"
     args = ["--model-family", "qwen3-moe", "--trainer-ep", "2", "--engine-tp", "1"]
     args += ["--warmup-steps", "10", "--iterations", "3", "--min-reward-gain", "-1"]
