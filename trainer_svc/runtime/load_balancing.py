@@ -64,10 +64,11 @@ def per_sequence_loss(
     mass = probs.new_zeros(sequences, experts).index_add_(0, seq, probs)
     counts = probs.new_zeros(sequences, experts).index_add_(0, seq, chosen)
     tokens = probs.new_zeros(sequences).index_add_(0, seq, real)
-    if split:
-        mass = reduce_from_tensor_model_parallel_region(mass)
-        counts = reduce_from_tensor_model_parallel_region(counts)
-        tokens = reduce_from_tensor_model_parallel_region(tokens)
+    if split:  # one all-reduce for the three (its backward passes the gradient through)
+        summed = reduce_from_tensor_model_parallel_region(
+            torch.cat([mass, counts, tokens[:, None]], dim=1)
+        )
+        mass, counts, tokens = summed[:, :experts], summed[:, experts:-1], summed[:, -1]
     per_sequence = (counts * mass).sum(-1) / tokens.clamp(min=1)
     return coeff * experts / top_k * per_sequence.sum()
 
