@@ -932,6 +932,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trainer's --recompute (activation recompute)",
     )
     run.add_argument(
+        "--cuda-graphs",
+        choices=["none", "layers"],
+        default="none",
+        help="the trainer's --cuda-graphs (CUDA graphs of the layers for small passes)",
+    )
+    run.add_argument(
         "--deterministic",
         action="store_true",
         help="the trainer's --deterministic (bit-identical steps from run to run)",
@@ -1126,6 +1132,8 @@ def main(argv: list[str] | None = None) -> None:
             args.update_kernels,
             "--recompute",
             args.recompute,
+            "--cuda-graphs",
+            args.cuda_graphs,
             *(["--deterministic"] if args.deterministic else []),
             "--lr",
             str(args.lr),

@@ -10,6 +10,7 @@ from trainer_refit import auth_flags
 from trainer_refit.auth import Role, roles_in
 from trainer_svc.config import (
     Attention,
+    CudaGraphs,
     Device,
     ExpertsConfig,
     LivenessConfig,
@@ -54,6 +55,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=Recompute.NONE.value,
         help="activation recompute in the backward pass: none (default), selective (core "
         "attention) or full (every layer keeps only its input): memory for long sequences",
+    )
+    model.add_argument(
+        "--cuda-graphs",
+        choices=[g.value for g in CudaGraphs],
+        default=CudaGraphs.NONE.value,
+        help="layers: replay CUDA graphs of the transformer layers for training passes of "
+        "right-padded rows of at most 4,096 tokens (host-bound small steps; one tensor- and "
+        "pipeline-parallel rank, dense models); none (default): run every pass eagerly",
     )
     model.add_argument(
         "--sequence-layout",
@@ -292,6 +301,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             params_dtype=ParamsDType(args.params_dtype),
             attention=Attention(args.attention),
             recompute=Recompute(args.recompute),
+            cuda_graphs=CudaGraphs(args.cuda_graphs),
             sequence_layout=SequenceLayout(args.sequence_layout),
             deterministic=args.deterministic,
             vocab_multiple=args.vocab_multiple,

@@ -28,6 +28,17 @@ class Recompute(enum.Enum):
     """Every transformer layer, keeping only its input: one more forward per step."""
 
 
+class CudaGraphs(enum.Enum):
+    """Whether small training passes replay CUDA graphs of the transformer layers
+    (`runtime/layer_graphs.py`)."""
+
+    NONE = "none"
+    LAYERS = "layers"
+    """A forward and a backward graph per layer and pass shape, for passes of right-padded rows
+    of at most a few thousand tokens: the host launches two graphs per layer instead of a
+    hundred kernels."""
+
+
 class UpdateKernels(enum.Enum):
     """How the optimizer update runs when neither Transformer Engine nor Apex is installed
     (`runtime/update_kernels.py`)."""
@@ -216,6 +227,7 @@ class ModelConfig:
     params_dtype: ParamsDType = ParamsDType.FLOAT32
     attention: Attention = Attention.AUTO
     recompute: Recompute = Recompute.NONE
+    cuda_graphs: CudaGraphs = CudaGraphs.NONE
     sequence_layout: SequenceLayout = SequenceLayout.AUTO
     deterministic: bool = False
     """Bit-identical steps from run to run, at some speed (`runtime/determinism.py`)."""
@@ -230,6 +242,11 @@ class ModelConfig:
             raise ValueError("vocab_multiple must be >= 1")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError("max_sequence_length must be >= 2")
+        if self.cuda_graphs is CudaGraphs.LAYERS and self.recompute is not Recompute.NONE:
+            raise ValueError(
+                "--cuda-graphs layers cannot run with --recompute: recompute reruns a layer's "
+                "forward inside its backward"
+            )
         if self.sequence_layout is SequenceLayout.PACKED and self.attention is Attention.LOCAL:
             raise ValueError(
                 "packed sequences need an attention that keeps them apart: use --attention "

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megatron_hf.spec import ModelSpec, padded_vocab_size
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
-from trainer_svc.config import Device, ReferenceWeights, TrainerConfig
+from trainer_svc.config import CudaGraphs, Device, Recompute, ReferenceWeights, TrainerConfig
 from trainer_svc.runtime import commands as cmd
-from trainer_svc.runtime import cpu_compat, determinism, documents, host_memory
+from trainer_svc.runtime import cpu_compat, determinism, documents, host_memory, layer_graphs
 from trainer_svc.runtime.checkpointing import Checkpointer
 from trainer_svc.runtime.control import Leader, follow
 from trainer_svc.runtime.engine import StepEngine
@@ -155,6 +155,16 @@ def build_engine(
         spec.vocab_size, config.layout.tensor_parallel, config.model.vocab_multiple
     )
     max_len = config.model.max_sequence_length or spec.max_position_embeddings
+    if config.model.cuda_graphs is CudaGraphs.LAYERS:
+        refused = layer_graphs.refusal(
+            on_gpu=device.type == "cuda",
+            tensor_parallel=config.layout.tensor_parallel,
+            pipeline_parallel=config.layout.pipeline_parallel,
+            moe=spec.is_moe,
+            recompute=config.model.recompute is not Recompute.NONE,
+        )
+        if refused is not None:
+            raise ValueError(refused)
     with cpu_compat.active():
         model, transformer_config = build_model(
             spec,
@@ -178,6 +188,8 @@ def build_engine(
         built = wrap_for_training(
             model, transformer_config, topology, config.optimizer, config.model.experts
         )
+        if config.model.cuda_graphs is CudaGraphs.LAYERS:
+            layer_graphs.install(model.decoder.layers)
         reference = None
         if config.reference.weights is ReferenceWeights.INITIAL:
             reference = ReferencePolicy(model, config.reference.placement)

@@ -105,6 +105,7 @@ spec:
         {{- end }}
         - --attention={{ $t.attention }}
         - --recompute={{ $t.recompute }}
+        - --cuda-graphs={{ $t.cudaGraphs }}
         {{- if $t.deterministic }}
         - --deterministic
         {{- end }}
