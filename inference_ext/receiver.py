@@ -61,6 +61,8 @@ class _Fetched:
     planned: Planned[ReceiverPlan]
     leased: Leased
     pulled: Pulled
+    begin: float
+    """time.perf_counter() when the fetch asked for its lease."""
     plan_s: float
     held_by: HeldBy
     in_place: Mapping[str, torch.Tensor] | None = None
@@ -267,7 +269,9 @@ class Receiver:
         except LeaseLost as e:
             self._in_place.restore()
             raise RefitError(str(e)) from None
-        self._fetched = _Fetched(planned, leased, pulled, plan_s, held_by, in_place, key, armed)
+        self._fetched = _Fetched(
+            planned, leased, pulled, begin, plan_s, held_by, in_place, key, armed
+        )
 
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
@@ -342,6 +346,7 @@ class Receiver:
             gate_rounds=stats.gate_rounds,
             in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
             lease_held_by=fetched.held_by,
+            lease_s=fetched.leased.mark - fetched.begin,
         )
 
     def _settle(self, fetched: _Fetched) -> None:
