@@ -46,8 +46,8 @@ was queued (the in-place backup's copy, on a stream of its own, is not waited fo
   synchronized, timed with the same clock: the GPUs' own peer copy of the bytes a refit moves.
 * Once, after the last refit and untimed: the HF model's state_dict against ExportHF of that
   version, bit for bit (its per-expert tensors fused as transformers fuses them), and the HF
-  model's logprobs on a fixed batch against the trainer's
-  Forward (reported as a gap: bf16 kernels differ between Megatron and transformers).
+  model's logprobs on a fixed batch against the trainer's Forward (reported as a gap: bf16
+  kernels differ between Megatron and transformers).
 
 ``--device cpu`` runs the same path on the CPU (DRAM slots and staging, host copies as the
 baseline) as a smoke test. The summary gives each refit's control plane (lease, manifest and
@@ -765,15 +765,15 @@ def _control_plane(refit: dict[str, Any]) -> dict[str, float]:
     (its answer waited for, or the one asked ahead taken), then the manifest and plan (or
     their replay)."""
     stats = refit["stats"]
-    lease = stats.get("lease_s", 0.0)
+    lease = stats["lease_s"]
     return dict(lease_s=lease, plan_s=stats["plan_s"] - lease, total_s=stats["plan_s"])
 
 
 def summarize(
     records: list[dict[str, Any]],
     slots: int,
+    receiver: dict[str, Any],
     startup: dict[str, Any] | None = None,
-    receiver: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`slots`: the trainer's; refits after the first on each slot are steady (every layout
     met, planned and adopted), the baseline of the first refit's ratio. `receiver`: its
@@ -784,7 +784,6 @@ def summarize(
     phases = [_phases(r["refit"]) for r in timed]
     median = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     control = [_control_plane(r["refit"]) for r in timed]
-    receiver = receiver or {}
     peer_s = statistics.median(r["peer_copy"]["seconds"] for r in timed)
     refit_bytes = timed[-1]["refit"]["stats"]["bytes_pulled"]
     peer_bytes = timed[-1]["peer_copy"]["nbytes"]
@@ -825,9 +824,9 @@ def summarize(
             over_latency=statistics.median(c["total_s"] for c in control) / median["latency_s"],
         ),
         tensors=dict(
-            installed=receiver.get("installed_tensors", 0),
-            fused_experts=receiver.get("fused_expert_tensors", 0),
-            expert_hf=receiver.get("expert_tensors", 0),
+            installed=receiver["installed_tensors"],
+            fused_experts=receiver["fused_expert_tensors"],
+            expert_hf=receiver["expert_tensors"],
         ),
     )
 
@@ -928,8 +927,7 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
             f"({check['checked_tensors']} tensors"
             + (
                 f", fused from ExportHF's {check['exported_tensors']:,}"
-                if check.get("exported_tensors", check["checked_tensors"])
-                != check["checked_tensors"]
+                if check["exported_tensors"] != check["checked_tensors"]
                 else ""
             )
             + f", {check['cast_to_model_dtype']} cast to the "
@@ -1213,7 +1211,7 @@ def main(argv: list[str] | None = None) -> None:
         work = (config.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)
         result = run(config, work)
-    summary = summarize(result["records"], config.slots, result["startup"], result["receiver"])
+    summary = summarize(result["records"], config.slots, result["receiver"], result["startup"])
     output = dict(meta=_meta(config, argv), summary=summary, **result)
     config.out.write_text(json.dumps(output, indent=1) + "\n")
     print_summary(summary, result["check"])

@@ -61,8 +61,7 @@ class _Fetched:
     planned: Planned[ReceiverPlan]
     leased: Leased
     pulled: Pulled
-    begin: float
-    """time.perf_counter() when the fetch asked for its lease."""
+    lease_s: float
     plan_s: float
     held_by: HeldBy
     in_place: Mapping[str, torch.Tensor] | None = None
@@ -269,8 +268,9 @@ class Receiver:
         except LeaseLost as e:
             self._in_place.restore()
             raise RefitError(str(e)) from None
+        lease_s = leased.mark - begin
         self._fetched = _Fetched(
-            planned, leased, pulled, begin, plan_s, held_by, in_place, key, armed
+            planned, leased, pulled, lease_s, plan_s, held_by, in_place, key, armed
         )
 
     def install(self, installer: Installer) -> RefitStats:
@@ -346,7 +346,7 @@ class Receiver:
             gate_rounds=stats.gate_rounds,
             in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
             lease_held_by=fetched.held_by,
-            lease_s=fetched.leased.mark - fetched.begin,
+            lease_s=fetched.lease_s,
         )
 
     def _settle(self, fetched: _Fetched) -> None:
