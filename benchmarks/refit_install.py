@@ -11,12 +11,14 @@ installed, against a torch peer copy of the same bytes.
   (``AutoModelForCausalLM.from_config`` of the same ``config.json``, in the trainer's dtype) on
   GPU ``--dest-gpu`` and an ``inference_ext.receiver.Receiver`` (TP=1 layout, staging on the same
   GPU) whose installer ``copy_()``s each (HF name, tensor) into the model's parameter of that
-  name, then synchronizes the GPU. With ``--install in-place`` (the default) the receiver is
-  handed the model's parameters (``Receiver.fetch(version, in_place=...)``): from the second
-  refit of a slot's layout on they live in staging, the pull lands in them, the receiver casts
-  the ones the model holds in another dtype, and the installer gets only the rest
-  (inference_ext/staged_tensors.py); ``--install copy`` copies every tensor in after the pull. It is
-  started before the trainer, so its setup is not timed.
+  name, then synchronizes the GPU. A mixture of experts' receiver names each layer's fused
+  expert targets instead of the per-expert tensors: the model's own fused ``gate_up_proj`` and
+  ``down_proj`` (``benchmarks.hf_model``). With ``--install in-place`` (the default) the
+  receiver is handed the model's parameters (``Receiver.fetch(version, in_place=...)``): from
+  the second refit of a slot's layout on they live in staging, the pull lands in them, the
+  receiver casts the ones the model holds in another dtype, and the installer gets only the
+  rest (inference_ext/staged_tensors.py); ``--install copy`` copies every tensor in after the
+  pull. It is started before the trainer, so its setup is not timed.
 * This process trains ``--warmup + --steps`` steps over gRPC, each FinishTrainStep asked to answer
   once its update is applied (``wait_for_update``: the clock starts when the new weights exist,
   not when their update is queued). Right after each FinishTrainStep returns it reads
@@ -43,13 +45,16 @@ was queued (the in-place backup's copy, on a stream of its own, is not waited fo
   GPU 0 ``copy_()``d into a tensor of the same shape on the receiver's GPU, both GPUs
   synchronized, timed with the same clock: the GPUs' own peer copy of the bytes a refit moves.
 * Once, after the last refit and untimed: the HF model's state_dict against ExportHF of that
-  version, bit for bit, and the HF model's logprobs on a fixed batch against the trainer's
-  Forward (reported as a gap: bf16 kernels differ between Megatron and transformers).
+  version, bit for bit (its per-expert tensors fused as transformers fuses them), and the HF
+  model's logprobs on a fixed batch against the trainer's Forward (reported as a gap: bf16
+  kernels differ between Megatron and transformers).
 
 ``--device cpu`` runs the same path on the CPU (DRAM slots and staging, host copies as the
-baseline) as a smoke test.
+baseline) as a smoke test. The summary gives each refit's control plane (lease, manifest and
+plan: the refit's time before its first read) and the tensors installed.
 
     python -m benchmarks.refit_install --preset 1b --device cuda --dest-gpu 1 --out runs/ri.json
+    python -m benchmarks.refit_install --preset moe --device cuda --dest-gpu 1 --out runs/moe.json
     python -m benchmarks.refit_install --preset tiny --device cpu --out /tmp/refit_install.json
 """
 
@@ -86,10 +91,19 @@ from benchmarks.harness import (
     trainer_root,
     trainer_server,
 )
+from benchmarks.hf_model import (
+    as_loaded,
+    build_hf_model,
+    expert_tensors,
+    hf_parameters,
+    model_name,
+)
 from benchmarks.refit_pull import _MODEL_KEYS
 from benchmarks.refit_pull import PRESETS as PULL_PRESETS
-from benchmarks.trainer_step import make_batches
+from benchmarks.trainer_step import make_batches, write_config_model
 from benchmarks.trainer_step import write_model as _write_model
+from inference_ext.expert_slices import parse_target
+from megatron_hf.spec import ModelFamily, ModelSpec, MoESpec
 from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES
 from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
 from refit_sidecar.pull.pipelined import DEFAULT_CHUNK_BYTES
@@ -108,6 +122,44 @@ PRESETS: dict[str, dict[str, Any]] = {
     }
     for name, steps in (("1b", 10), ("3b", 8), ("tiny", 3))
 }
+# Qwen3-30B-A3B's routing (128 experts, top-8, renormalised) and attention (hidden 2048, 32
+# query heads of 128, 4 KV heads), its experts narrowed from 768 to 128 wide and its 48 layers
+# cut to 14: 14 x 128 x 3 = 5,376 per-expert HF tensors, installed as 28 fused ones. Per layer:
+# attention 2 x 4096 x 2048 + 2 x 512 x 2048 = 18.9M parameters, router 128 x 2048 = 0.3M,
+# experts 128 x 3 x 128 x 2048 = 100.7M; x 14 = 1.68B, with the 32k vocabulary's embedding
+# and head (2 x 65.5M) 1.81B: 3.6 GB of bf16 a refit. One 139 GiB GPU holds the trainer at 18
+# bytes a parameter (bf16 weights, fp32 gradients, fp32 main weights, Adam's two fp32 moments:
+# 33 GB), its two refit slots (7 GB) and the receiver's model, staging, in-place backup and the
+# peer copy's two tensors (5 x 3.6 = 18 GB): about 58 GB before activations, trainer and
+# receiver on one GPU included. `ffn` is the config's dense width, which no layer uses.
+PRESETS["moe"] = dict(
+    layers=14,
+    hidden=2048,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    ffn=6144,
+    vocab=32000,
+    max_positions=4096,
+    experts=MoESpec(num_experts=128, top_k=8, ffn_hidden_size=128, norm_topk_prob=True),
+    **{k: PULL_PRESETS["1b"][k] for k in _BATCH_KEYS},
+    steps=10,
+)
+# The same family and routing at a CPU test's size: 8 experts, top-2, 4 heads of 32 over a
+# hidden size of 64 (heads wider than hidden / heads, as Qwen3's).
+PRESETS["tiny-moe"] = dict(
+    layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    ffn=128,
+    vocab=128,
+    max_positions=256,
+    experts=MoESpec(num_experts=8, top_k=2, ffn_hidden_size=32, norm_topk_prob=True),
+    **{k: PULL_PRESETS["tiny"][k] for k in _BATCH_KEYS},
+    steps=3,
+)
 _DTYPES = ("float32", "bfloat16")
 INSTALLS = {
     "in-place": "the HF model's parameters live in staging once the first refit of the slot's "
@@ -170,10 +222,38 @@ class RunConfig:
     log_dir: Path
     work_dir: Path | None
     trainer_log_level: str
+    head_dim: int | None = None
+    """None: hidden / heads (a Llama preset)."""
+    experts: MoESpec | None = None
+    """A mixture-of-experts preset's experts (a Qwen3-MoE model); None: a dense Llama."""
 
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
+
+    @property
+    def moe_spec(self) -> ModelSpec:
+        """The Qwen3-MoE model of a mixture-of-experts preset (its config directory's)."""
+        if self.experts is None:
+            raise ValueError(f"preset {self.preset!r} has no experts")
+        return ModelSpec(
+            family=ModelFamily.QWEN3_MOE,
+            architecture="Qwen3MoeForCausalLM",
+            num_layers=self.layers,
+            hidden_size=self.hidden,
+            ffn_hidden_size=self.ffn,
+            num_attention_heads=self.heads,
+            num_query_groups=self.kv_heads,
+            head_dim=self.head_dim or self.hidden // self.heads,
+            vocab_size=self.vocab,
+            max_position_embeddings=self.max_positions,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            qkv_bias=False,
+            qk_layernorm=True,
+            moe=self.experts,
+        )
 
     @property
     def refits(self) -> int:
@@ -251,34 +331,6 @@ def _synchronize(*devices: Any) -> None:
             torch.cuda.synchronize(device)
 
 
-def build_hf_model(settings: ReceiverSettings) -> Any:
-    """The transformers model of the config directory, initialised on the receiver's device in
-    the trainer's dtype (its random weights are overwritten by the first refit)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(settings.model_dir)
-    with torch.device(settings.dest):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, settings.params_dtype)
-        )
-    return model.to(settings.dest).eval()  # a no-op unless something was made elsewhere
-
-
-def hf_parameters(model: Any, names: list[str], tied: bool) -> dict[str, Any]:
-    """The model's parameters by HF checkpoint name; refuses a model whose names differ from
-    megatron_hf's (a tied lm_head is the embedding and is never installed on its own)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = sorted(set(names) - params.keys())
-    extra = sorted(params.keys() - set(names) - ({"lm_head.weight"} if tied else set()))
-    if missing or extra:
-        raise RuntimeError(
-            f"HF model and megatron_hf names differ: missing {missing[:5]}, "
-            f"not installed {extra[:5]}"
-        )
-    return {name: params[name] for name in names}
-
-
 class PeerCopy:
     """The baseline: one tensor per installed parameter (same shape and dtype) on the source
     device, copied into one of the same shape on the destination device."""
@@ -307,6 +359,7 @@ class InstallEndpoint:
     def __init__(self, settings: ReceiverSettings) -> None:
         import torch
 
+        from inference_ext.expert_slices import receiver_names
         from inference_ext.receiver import Receiver
         from inference_ext.refit_options import (
             DirectOptions,
@@ -316,16 +369,16 @@ class InstallEndpoint:
         )
         from inference_ext.slices import ReceiverLayout
         from megatron_hf.convert import hf_names
-        from megatron_hf.spec import ModelSpec
 
         self.dest, source = torch.device(settings.dest), torch.device(settings.source)
         if self.dest.type == "cuda":
             torch.cuda.set_device(self.dest)  # staging and the installer's copies run here
         started = time.monotonic()
         self.spec = ModelSpec.from_pretrained_dir(settings.model_dir)
-        self.model = build_hf_model(settings)
-        names = hf_names(self.spec)  # lm_head omitted when tied
-        self.params = hf_parameters(self.model, names, self.spec.tie_word_embeddings)
+        self.model = build_hf_model(settings.model_dir, settings.params_dtype, settings.dest)
+        # lm_head omitted when tied; a mixture of experts' fused expert targets last
+        names = receiver_names(self.spec, hf_names(self.spec))
+        self.params = hf_parameters(self.model, self.spec, names)
         options = RefitOptions(
             auth=ReceiverAuth(token_file=settings.token_file),
             receiver_id=settings.receiver_id,
@@ -384,6 +437,8 @@ class InstallEndpoint:
         return dict(
             setup_s=self.setup_s,
             installed_tensors=len(self.params),
+            fused_expert_tensors=sum(parse_target(n) is not None for n in self.params),
+            expert_tensors=expert_tensors(self.spec),
             installed_bytes=self.peer.nbytes,
             hf_model_class=type(self.model).__name__,
             device_names=names,
@@ -441,7 +496,8 @@ class InstallEndpoint:
 
         from megatron_hf.checkpoint import load_hf_state_dict
 
-        exported = load_hf_state_dict(export)
+        files = load_hf_state_dict(export)  # per-expert tensors, as checkpoints hold them
+        exported = as_loaded(files, self.spec)
         state = {k: v.cpu() for k, v in self.model.state_dict().items()}
         # Exported tensors keep the trainer's dtype (fp32 norms under bf16 params); the
         # model holds them in its own dtype, so compare after the same cast the install did.
@@ -455,9 +511,10 @@ class InstallEndpoint:
             float(np.abs(np.asarray(a) - np.asarray(b)).max())
             for a, b in zip(self.logprobs(prompts), logprobs, strict=True)
         ]
-        not_exported = sorted(set(self.params) - set(exported))
+        not_exported = sorted({model_name(self.spec, n) for n in self.params} - set(exported))
         return dict(
             checked_tensors=len(exported),
+            exported_tensors=len(files),
             identical=not differing and not not_exported,
             cast_to_model_dtype=len(cast),
             not_exported=not_exported[:10],
@@ -703,16 +760,30 @@ def _phases(refit: dict[str, Any]) -> dict[str, float]:
     return {k: flat.get(k, 0.0) for k in ("latency_s", *_PHASES)}
 
 
+def _control_plane(refit: dict[str, Any]) -> dict[str, float]:
+    """A refit's control plane, its time with the sidecar before the first read: the lease
+    (its answer waited for, or the one asked ahead taken), then the manifest and plan (or
+    their replay)."""
+    stats = refit["stats"]
+    lease = stats["lease_s"]
+    return dict(lease_s=lease, plan_s=stats["plan_s"] - lease, total_s=stats["plan_s"])
+
+
 def summarize(
-    records: list[dict[str, Any]], slots: int, startup: dict[str, Any] | None = None
+    records: list[dict[str, Any]],
+    slots: int,
+    receiver: dict[str, Any],
+    startup: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`slots`: the trainer's; refits after the first on each slot are steady (every layout
-    met, planned and adopted), the baseline of the first refit's ratio."""
+    met, planned and adopted), the baseline of the first refit's ratio. `receiver`: its
+    answer when ready (the tensors it installs)."""
     timed = [r for r in records if not r["warmup"]]
     if not timed:
         raise RuntimeError("no timed refits: --steps must be >= 1")
     phases = [_phases(r["refit"]) for r in timed]
     median = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    control = [_control_plane(r["refit"]) for r in timed]
     peer_s = statistics.median(r["peer_copy"]["seconds"] for r in timed)
     refit_bytes = timed[-1]["refit"]["stats"]["bytes_pulled"]
     peer_bytes = timed[-1]["peer_copy"]["nbytes"]
@@ -744,6 +815,19 @@ def summarize(
         trace_ms=_trace_medians(timed),
         gate_first_pieces=[r["refit"]["stats"].get("gate_first_pieces", 0) for r in timed],
         gate_rounds=[r["refit"]["stats"].get("gate_rounds", 0) for r in timed],
+        control_plane_ms=dict(
+            median={
+                k.removesuffix("_s"): 1e3 * statistics.median(c[k] for c in control)
+                for k in control[0]
+            },
+            per_refit=[1e3 * c["total_s"] for c in control],
+            over_latency=statistics.median(c["total_s"] for c in control) / median["latency_s"],
+        ),
+        tensors=dict(
+            installed=receiver["installed_tensors"],
+            fused_experts=receiver["fused_expert_tensors"],
+            expert_hf=receiver["expert_tensors"],
+        ),
     )
 
 
@@ -807,6 +891,20 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
         + ", ".join(f"{v:.1f}" for v in summary["warmup_latency_ms"])
         + " ms"
     )
+    c, t = summary["control_plane_ms"], summary["tensors"]
+    print(
+        f"  control plane per refit (before its first read): median {c['median']['total']:.3f} "
+        f"ms (lease {c['median']['lease']:.3f}, manifest and plan {c['median']['plan']:.3f}) = "
+        f"{c['over_latency']:.1%} of the latency; per refit "
+        + ", ".join(f"{v:.3f}" for v in c["per_refit"])
+        + " ms"
+    )
+    experts = (
+        f" ({t['fused_experts']} fused expert tensors of {t['expert_hf']:,} per-expert HF ones)"
+        if t["expert_hf"]
+        else ""
+    )
+    print(f"  tensors installed per refit: {t['installed']:,}{experts}")
     if summary["trace_ms"]:
         print(
             "pull timeline, ms from its start (medians): "
@@ -826,7 +924,13 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
     if check is not None:
         print(
             f"installed model equals ExportHF of version {check['version']}: {check['identical']} "
-            f"({check['checked_tensors']} tensors, {check['cast_to_model_dtype']} cast to the "
+            f"({check['checked_tensors']} tensors"
+            + (
+                f", fused from ExportHF's {check['exported_tensors']:,}"
+                if check["exported_tensors"] != check["checked_tensors"]
+                else ""
+            )
+            + f", {check['cast_to_model_dtype']} cast to the "
             f"model's dtype); max |logprob gap| HF vs Forward "
             f"{check['max_logprob_gap']:.3g}"
         )
@@ -845,7 +949,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="1b")
-    shape = p.add_argument_group("model (Llama family, config-only: megatron initialises it)")
+    shape = p.add_argument_group(
+        "model (config-only: megatron initialises it; Llama, the moe presets Qwen3-MoE)"
+    )
     for key in _MODEL_KEYS:
         shape.add_argument(f"--{key.replace('_', '-')}", type=int)
     run = p.add_argument_group("run")
@@ -970,7 +1076,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values["expect"] = not values.pop("no_expect")
     values["before_readable"] = not values.pop("not_before_readable")
     values["behind_copy"] = not values.pop("not_behind_copy")
-    config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
+    config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig) if f.name in values})
     if config.seq_len > config.max_positions:
         raise SystemExit(
             f"--seq-len {config.seq_len} exceeds --max-positions {config.max_positions}"
@@ -1000,6 +1106,8 @@ def gpus() -> list[str]:
 
 
 def write_model(path: Path, config: RunConfig) -> Path:
+    if config.experts is not None:
+        return write_config_model(path, config.moe_spec, config.params_dtype)
     return _write_model(path, argparse.Namespace(**asdict(config), hf_weights=False))
 
 
@@ -1103,7 +1211,7 @@ def main(argv: list[str] | None = None) -> None:
         work = (config.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)
         result = run(config, work)
-    summary = summarize(result["records"], config.slots, result["startup"])
+    summary = summarize(result["records"], config.slots, result["receiver"], result["startup"])
     output = dict(meta=_meta(config, argv), summary=summary, **result)
     config.out.write_text(json.dumps(output, indent=1) + "\n")
     print_summary(summary, result["check"])

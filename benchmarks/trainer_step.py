@@ -77,6 +77,7 @@ from benchmarks.harness import (
     trainer_server,
     versions,
 )
+from megatron_hf.spec import ModelSpec
 from trainer_refit.auth import ClientAuth, Role
 from trainer_refit.v1 import common_pb2
 from trainer_refit.v1 import trainer_pb2 as pb
@@ -185,6 +186,15 @@ def write_model(path: Path, args: argparse.Namespace) -> Path:
         "eos_token_id": 2,
         "dtype": args.params_dtype,
     }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def write_config_model(path: Path, spec: ModelSpec, params_dtype: str) -> Path:
+    """A config-only directory of `spec` (megatron initialises it randomly): a model family
+    `write_model`'s Llama does not cover, such as a mixture of experts."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**spec.to_hf_config(), "bos_token_id": 1, "eos_token_id": 2, "dtype": params_dtype}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 

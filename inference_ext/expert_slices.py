@@ -4,9 +4,11 @@ vLLM (0.32) holds a mixture-of-experts layer's experts in two fused parameters: 
 [E_w, 2*I_w, H], each expert's [gate rows; up rows], and `w2_weight` [E_w, H, I_w] (down).
 Which experts and which part of their width a worker holds is `slices.expert_share`. The
 trainer publishes each layer's experts grouped: linear_fc1 [E, 2I, H] (expert e's [gate; up])
-and linear_fc2 [E, H, I]. So a worker's w13 is two boxes of fc1, its gate rows and its up rows
-of all its experts at once, and its w2 one box of fc2: three reads per layer, whatever the
-number of experts.
+and linear_fc2 [E, H, I]. So a worker's w13 is its experts' box of fc1 and its w2 one box of
+fc2: two reads per layer, whatever the number of experts. Where TP splits the experts' width,
+w13 is two boxes of fc1 (its gate rows and its up rows of all its experts at once): three. A
+worker holding whole experts reads fc1's rows as they lie, so its w13 is staging's bytes as
+they landed (a view, and a tensor an engine can keep in staging: `staged_tensors.py`).
 
 A receiver's expert targets are named after vLLM's fused parameters (`EXPERT_TARGET`, e.g.
 ``model.layers.3.mlp.experts.w13_weight``; Mixtral's under ``block_sparse_moe.experts``) and
@@ -94,7 +96,8 @@ def target_shape(spec: ModelSpec, layout: ReceiverLayout, target: ExpertTarget) 
 def expert_sources(spec: ModelSpec, layout: ReceiverLayout, target: ExpertTarget) -> list[Source]:
     """The boxes of the grouped Megatron tensors that make up the worker's `target`, each with
     the sub-box of the target it fills: w13's gate rows and up rows (two boxes of fc1, every
-    expert of the worker in each), w2's columns (one box of fc2)."""
+    expert of the worker in each; one box, fc1's rows as they lie, where the worker holds the
+    experts' whole width), w2's columns (one box of fc2)."""
     if spec.moe is None:
         raise ValueError(f"{spec.architecture} has no experts")
     if not 0 <= target.layer < spec.num_layers:
@@ -107,6 +110,9 @@ def expert_sources(spec: ModelSpec, layout: ReceiverLayout, target: ExpertTarget
         box = Box((share.experts, (0, hidden), share.width))
         return [Source(name, box, Box((local_experts, (0, hidden), (0, local_width))))]
     name = grouped_expert_name(target.layer, 1)
+    if share.width == (0, width):  # expert e's fc1 rows are [gate; up]: w13's own order
+        box = Box((share.experts, (0, 2 * width), (0, hidden)))
+        return [Source(name, box, Box((local_experts, (0, 2 * width), (0, hidden))))]
     sources = []
     for part in range(2):  # gate, then up: expert e's fc1 rows are [gate (width); up (width)]
         rows = (part * width + share.width[0], part * width + share.width[1])

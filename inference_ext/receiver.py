@@ -61,6 +61,7 @@ class _Fetched:
     planned: Planned[ReceiverPlan]
     leased: Leased
     pulled: Pulled
+    lease_s: float
     plan_s: float
     held_by: HeldBy
     in_place: Mapping[str, torch.Tensor] | None = None
@@ -267,7 +268,10 @@ class Receiver:
         except LeaseLost as e:
             self._in_place.restore()
             raise RefitError(str(e)) from None
-        self._fetched = _Fetched(planned, leased, pulled, plan_s, held_by, in_place, key, armed)
+        lease_s = leased.mark - begin
+        self._fetched = _Fetched(
+            planned, leased, pulled, lease_s, plan_s, held_by, in_place, key, armed
+        )
 
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
@@ -342,6 +346,7 @@ class Receiver:
             gate_rounds=stats.gate_rounds,
             in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
             lease_held_by=fetched.held_by,
+            lease_s=fetched.lease_s,
         )
 
     def _settle(self, fetched: _Fetched) -> None:

@@ -355,6 +355,9 @@ class RefitStats:
     """With `trace_pull`: the pull's timeline (refit_sidecar/pull/trace.py)."""
     lease_held_by: HeldBy | None = None
     """How the refit knew its lease held the version's slot for the whole pull."""
+    lease_s: float = 0.0
+    """Of `plan_s`: seconds until the lease was in hand (the sidecar's answer, or taking the
+    one asked for ahead); the rest is the manifest (or its key's replay) and the plan."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,6 +11,11 @@
 #   colocated   refit_install, 1b, the receiver on the trainer's GPU (one GPU is enough): reads
 #               over CUDA IPC (the agents' default), then with UCX's own choice
 #               (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto: no GET without NVLink, so through TCP)
+#   moe         refit_install, 1b and moe (Qwen3-MoE's routing: 128 experts, top-8; 5,376
+#               per-expert tensors installed as 28 fused ones) in one call, checksums on, in
+#               place: the mixture of experts' figure beside the dense one, each with its
+#               control plane per refit. The receiver on $DEST_GPU (default 1; 0 on a one-GPU
+#               host: trainer and receiver on one GPU); results named by preset, GPUs and date
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
 #               steps (--not-before-readable --install copy)
 #   install-nc  refit_install, 1b, checksums off
@@ -92,6 +97,18 @@ for group in "$@"; do
             benchmarks.refit_install --preset 1b --device cuda --dest-gpu 0 --steps 3 \
             --out "$OUT/refit_install_1b_colocated_ucx_auto.json" \
             --log-dir $logs/colocated-1b-ucx-auto
+        ;;
+    moe)
+        dest=${DEST_GPU:-1}
+        gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 |
+            grep -oE '\b[A-Z]+[0-9]{2,4}\b' | head -1 | tr '[:upper:]' '[:lower:]')
+        gpus=${gpu:-gpu}$([ "$dest" = 0 ] || echo x2)
+        day=$(date -u +%Y-%m-%d)
+        for preset in 1b moe; do
+            run "moe-$preset" python3 -m benchmarks.refit_install --preset $preset \
+                --device cuda --dest-gpu "$dest" \
+                --out "$OUT/refit_install_${preset}_${gpus}_$day.json" --log-dir "$logs/moe-$preset"
+        done
         ;;
     first-refit)
         run first-refit-1b python3 -m benchmarks.refit_install --preset 1b --device cuda \

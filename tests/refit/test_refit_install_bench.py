@@ -2,7 +2,9 @@
 reads each version behind the trainer's snapshot copy straight into a transformers model's
 tensors (in place), casts the norms the trainer keeps in float32 into the model's bfloat16
 ones from one arena, and the installed model must equal ExportHF bit for bit and compute the
-trainer's Forward logprobs (the benchmark's own check, on the last version)."""
+trainer's Forward logprobs (the benchmark's own check, on the last version). The same for a
+mixture of experts, whose fused expert tensors the pull fills in place; and the fused layout
+itself against transformers' own loading of a checkpoint's per-expert tensors."""
 
 from __future__ import annotations
 
@@ -12,19 +14,38 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from benchmarks.hf_model import as_loaded, hf_parameters
+from inference_ext.expert_slices import (
+    ExpertTarget,
+    FusedExpertTensor,
+    receiver_names,
+    target_name,
+)
+from megatron_hf.checkpoint import load_hf_state_dict
+from megatron_hf.convert import hf_names
+from megatron_hf.spec import ModelFamily, ModelSpec
+from megatron_hf.tiny import write_tiny_checkpoint
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_an_in_place_refit_with_cast_norms_equals_export_and_forward(tmp_path: Path) -> None:
+def _run(preset: str, tmp_path: Path, *args: str) -> tuple[dict, Path]:
     out, logs = tmp_path / "install.json", tmp_path / "logs"
-    command = [sys.executable, "-m", "benchmarks.refit_install", "--preset", "tiny"]
-    command += ["--device", "cpu", "--params-dtype", "bfloat16", "--steps", "2", "--trace"]
+    command = [sys.executable, "-m", "benchmarks.refit_install", "--preset", preset]
+    command += ["--device", "cpu", "--steps", "2", *args]
     command += ["--out", str(out), "--log-dir", str(logs), "--work-dir", str(tmp_path / "work")]
     done = subprocess.run(
         command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), logs
+
+
+def test_an_in_place_refit_with_cast_norms_equals_export_and_forward(tmp_path: Path) -> None:
+    result, logs = _run("tiny", tmp_path, "--params-dtype", "bfloat16", "--trace")
     check = result["check"]
     assert check["identical"] and not check["differing"] and not check["not_exported"], check
     assert check["cast_to_model_dtype"] > 0  # the fp32 norms, cast into bf16 tensors
@@ -57,3 +78,50 @@ def test_an_in_place_refit_with_cast_norms_equals_export_and_forward(tmp_path: P
         r"(\d+) cast in, (\d+) of them from (\d+) arenas", (logs / "receiver.log").read_text()
     )
     assert adopted and all(int(n) > 0 and n == m and k == "1" for n, m, k in adopted), adopted
+
+
+def test_a_moe_refit_pulls_fused_experts_in_place_equal_to_export(tmp_path: Path) -> None:
+    """Qwen3-MoE (8 experts, top-2, 2 layers): the receiver installs 2 fused expert tensors a
+    layer instead of 24 per-expert ones, every byte pulled straight into the model's tensors,
+    and they equal ExportHF's per-expert tensors fused as transformers fuses them."""
+    result, _ = _run("tiny-moe", tmp_path)
+    check, summary = result["check"], result["summary"]
+    assert check["identical"] and not check["differing"] and not check["not_exported"], check
+    tensors = summary["tensors"]
+    assert tensors == dict(installed=25, fused_experts=4, expert_hf=48)
+    # the model's tensors compared: ExportHF's 48 per-expert tensors as its 4 fused ones
+    assert check["checked_tensors"] == tensors["installed"]
+    assert check["exported_tensors"] == 25 - 4 + 48
+    assert check["max_logprob_gap"] < 1e-4, check  # float32 on both sides
+    for record in result["records"][1:]:  # once the first refit adopted them
+        stats = record["refit"]["stats"]
+        assert stats["in_place_bytes"] == stats["bytes_pulled"] > 0, stats
+    control = summary["control_plane_ms"]
+    assert len(control["per_refit"]) == summary["timed_refits"] == 2
+    assert all(v > 0 for v in control["per_refit"])
+    median = control["median"]
+    assert 0 < median["lease"] < median["total"] and 0 < median["plan"] < median["total"]
+    assert 0 < control["over_latency"] < 1
+
+
+@pytest.mark.parametrize("family", [ModelFamily.QWEN3_MOE, ModelFamily.MIXTRAL])
+def test_fused_experts_are_as_transformers_loads_a_checkpoint(
+    tmp_path: Path, family: ModelFamily
+) -> None:
+    """transformers 5 fuses a layer's experts when it loads them: gate_up_proj [E, 2I, H] with
+    each expert's gate rows, then its up rows, and down_proj [E, H, I]. The benchmark's
+    receiver names map onto the model's parameters one to one, and its fusing of a
+    checkpoint's per-expert tensors gives what transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_checkpoint(tmp_path, family, num_layers=2, seed=7)
+    spec = ModelSpec.from_pretrained_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    loaded = model.state_dict()
+    fused = as_loaded(load_hf_state_dict(path), spec)
+    assert fused.keys() == loaded.keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(fused[name], tensor), name
+    params = hf_parameters(model, spec, receiver_names(spec, hf_names(spec)))
+    w13 = params[target_name(spec, ExpertTarget(1, FusedExpertTensor.W13))]
+    assert w13 is model.model.layers[1].mlp.experts.gate_up_proj
