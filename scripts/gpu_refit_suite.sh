@@ -46,8 +46,8 @@
 #               full steps; with the fused and the stock update kernels, alternating
 #               ($STEP_ROUNDS: the rounds, default "1 2")
 #   graphs      trainer_step, 1b: the light step (one 512-token sequence) over gRPC and
-#               in-process without and with --cuda-graphs layers, alternating
-#               ($STEP_ROUNDS: the rounds, default "1 2")
+#               in-process, then the preset's full steps in-process, without and with
+#               --cuda-graphs layers, alternating ($STEP_ROUNDS: the rounds, default "1 2")
 #   recompute   trainer_step, 1b, one 8,192-token sequence per microbatch, in-process: peak
 #               memory and tokens/s with --recompute none, selective and full
 #   determinism trainer_step, 1b, grpc, in-process and leader: twice each with --deterministic
@@ -138,6 +138,9 @@ for group in "$@"; do
                     --modes grpc,inprocess --repeats 1 --seq-len 512 --seqs-per-microbatch 1 \
                     --microbatches 1 --warmup 3 --steps 8 --profile-finish 4 \
                     --cuda-graphs $graphs --out "$OUT/trainer_step_light_graphs_${graphs}_$round.json"
+                run "step-graphs-$graphs-$round" python3 -m benchmarks.trainer_step --preset 1b \
+                    --modes inprocess --repeats 1 --cuda-graphs $graphs \
+                    --out "$OUT/trainer_step_1b_graphs_${graphs}_$round.json"
             done
         done
         ;;
