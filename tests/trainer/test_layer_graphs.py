@@ -71,3 +71,13 @@ def test_passes_it_does_not_graph_are_unchanged(tmp_path: Path) -> None:
     for name, param in model.named_parameters():
         assert torch.equal(param.grad, grads[name]), name
     assert graphs.captures == 0 and graphs.replays == 0
+
+
+def test_a_cpu_rank_refuses_the_graphs_at_start(tmp_path: Path) -> None:
+    """The refusal reaches the rank's start-up (`build_engine`), before any model is built."""
+    from trainer_svc.runtime.rank import build_engine
+
+    config, _ = parse_config(["--insecure", "--cuda-graphs", "layers"])
+    model_dir = write_builtin_model(tmp_path / "model", seed=2)
+    with pytest.raises(ValueError, match="--cuda-graphs layers: it needs CUDA ranks"):
+        build_engine(config, model_dir, torch.device("cpu"))

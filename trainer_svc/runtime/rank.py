@@ -150,11 +150,6 @@ def build_engine(
     config: TrainerConfig, model_dir: Path, device: torch.device
 ) -> tuple[StepEngine, ServiceInfo]:
     spec = ModelSpec.from_pretrained_dir(model_dir)
-    topology = Topology.from_parallel_state(config.layout)
-    padded = padded_vocab_size(
-        spec.vocab_size, config.layout.tensor_parallel, config.model.vocab_multiple
-    )
-    max_len = config.model.max_sequence_length or spec.max_position_embeddings
     if config.model.cuda_graphs is CudaGraphs.LAYERS:
         refused = layer_graphs.refusal(
             on_gpu=device.type == "cuda",
@@ -165,6 +160,11 @@ def build_engine(
         )
         if refused is not None:
             raise ValueError(refused)
+    topology = Topology.from_parallel_state(config.layout)
+    padded = padded_vocab_size(
+        spec.vocab_size, config.layout.tensor_parallel, config.model.vocab_multiple
+    )
+    max_len = config.model.max_sequence_length or spec.max_position_embeddings
     with cpu_compat.active():
         model, transformer_config = build_model(
             spec,
