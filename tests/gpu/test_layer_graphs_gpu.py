@@ -21,6 +21,7 @@ from tests.support.sequence_layouts import built_model, run_layout
 from trainer_svc.config import Attention, ParamsDType, SequenceLayout
 from trainer_svc.domain import LossConfig, LossKind, Normalization
 from trainer_svc.runtime import documents, layer_graphs
+from trainer_svc.runtime.losses import loss_sums
 from trainer_svc.runtime.packing import pack
 
 pytestmark = [
@@ -102,3 +103,44 @@ def test_graphed_passes_equal_eager_ones(tmp_path: Path) -> None:
         f"eager {eager_s * 1e3:.2f} ms, graphed {graphed_s * 1e3:.2f} ms"
     )
     assert graphed_s < eager_s
+
+
+@in_child_process
+def test_graphs_add_gradients_into_main_grad_as_ddp_does(tmp_path: Path) -> None:
+    """With a `main_grad` on every layer parameter (what megatron's DDP gives them), the
+    backward graphs add into it and leave `grad` unset: the main gradients after two graphed
+    passes equal the sum of two eager passes' gradients, in float32."""
+    one_rank_model_parallel(cuda=True)
+    cuda = torch.device("cuda")
+    model_dir = write_tiny_checkpoint(
+        tmp_path / "model",
+        ModelFamily.LLAMA,
+        seed=3,
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=1024,
+    )
+    model = built_model(model_dir, Attention.SDPA, params_dtype=ParamsDType.BFLOAT16, on_gpu=True)
+    model.train()
+    batch = pack(make_batch(seed=4, lengths=[200, 180, 31], loss=LOSS, vocab_size=100), cuda)
+    assert batch is not None
+    layer_params = [p for layer in model.decoder.layers for p in layer.parameters()]
+    _, eager = run_layout(model, batch, LOSS)
+    by_id = {id(p): g for p, g in zip(model.parameters(), eager, strict=True)}
+    expected = [2 * by_id[id(p)] for p in layer_params]  # two passes of the same batch
+    for p in layer_params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    graphs = layer_graphs.install(model.decoder.layers)
+    assert graphs.main_grads
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        logits = model(batch.inputs, batch.positions, None)
+        picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.targets.unsqueeze(-1))
+        loss_sums(picked.squeeze(-1), batch.token_inputs, LOSS)["loss"].backward()
+        assert all(p.grad is None for p in layer_params)
+    assert graphs.captures == 1 and graphs.replays == 2
+    for p, want in zip(layer_params, expected, strict=True):
+        assert torch.equal(p.main_grad, want), (tuple(p.shape), (p.main_grad - want).abs().max())

@@ -10,16 +10,22 @@ shape replay them, two launches per layer and pass plus the copies of its inputs
 - **Eligible**: a training pass (gradients on, the layer in training mode) of right-padded rows
   on CUDA: no packed document bounds, attention mask or bias, at most `GraphLimits.max_tokens`
   tokens. Everything else (Forward, packed rows, longer passes) runs eagerly, unchanged, and so
-  does a shape beyond `GraphLimits.max_shapes`: each kept shape holds one pass's activations
-  for as long as its graphs live.
-- **One pool per shape, replayed in capture order.** A shape's graphs are captured into one
-  memory pool in the order a pass runs them (forwards first to last, backwards last to first),
-  so a backward graph may reuse memory only a later layer's backward has finished with, which
-  is also the order every pass replays them in. A pass that stops early (an error) leaves
-  nothing behind that the next replay of the forwards does not rewrite.
-- **Gradients** leave a backward graph as the outputs of an autograd function, so they reach
-  each parameter through its usual gradient accumulator, where megatron's DDP hooks move them
-  into the main gradient buffer exactly as in an eager pass.
+  does a shape beyond `GraphLimits.max_shapes`: each kept shape holds its layers' inputs and
+  outputs for as long as the process lives.
+- **One memory pool, replayed in capture order.** A shape's graphs are captured in the order a
+  pass runs them (forwards first to last, backwards last to first), so a backward graph may
+  reuse memory only a later layer's backward has finished with, which is also the order every
+  pass replays them in. Every shape's graphs share the pool: passes run one at a time, so the
+  memory one shape's pass keeps between its forward and its backward is never needed while
+  another shape's graphs run, and the pool holds the largest shape's pass, not their sum. A
+  pass that stops early (an error) leaves nothing behind that the next replay of the forwards
+  does not rewrite.
+- **Gradients** go where megatron's DDP would put them: where every parameter has a `main_grad`
+  (megatron's DDP without overlapped reduction, as the trainer builds it), the backward graph
+  adds each weight's gradient into it, as DDP's hook would after the gradient accumulator, so a
+  shape keeps no gradient buffers of its own and the host runs no per-parameter hooks.
+  Otherwise they leave the graph as the outputs of an autograd function and reach each
+  parameter through its usual gradient accumulator.
 - **Capture** runs on a side stream in CUDA's thread-local capture mode, so the publication's
   threads may use the GPU meanwhile, after eager warm-up passes on the same stream (cuDNN and
   cuBLAS choose and allocate outside the capture). A capture that fails is logged and its shape
@@ -67,7 +73,8 @@ class GraphLimits:
     max_tokens: int = 4096
     """The longest pass (rows times tokens) that is graphed; longer ones are not host-bound."""
     max_shapes: int = 4
-    """How many pass shapes keep graphs (and one pass's activations each)."""
+    """How many pass shapes keep graphs (each its layers' inputs and outputs; the shared pool
+    the largest pass's activations)."""
     warmup_passes: int = 2
     """Eager forward and backward passes on the capture stream before a shape's capture."""
 
@@ -111,6 +118,7 @@ class _LayerGraph:
         self.out = torch.empty(0)
         self.grad_out = torch.empty(0)
         self.grads: tuple[torch.Tensor | None, ...] = ()
+        """The input's gradient, then each parameter's (none where they go to `main_grad`)."""
         self.forward_graph = torch.cuda.CUDAGraph()
         self.backward_graph = torch.cuda.CUDAGraph()
 
@@ -133,6 +141,8 @@ class _Replay(torch.autograd.Function):
         graph.grad_out.copy_(grad)
         graph.backward_graph.replay()
         hidden_grad, *param_grads = (g.detach() if g is not None else None for g in graph.grads)
+        if not param_grads:  # added to the parameters' main_grad inside the graph
+            param_grads = [None] * len(graph.params)
         return (None, hidden_grad, None, *param_grads)
 
 
@@ -163,6 +173,13 @@ class LayerGraphs:
             self._calls.append(_layer_call(eager))
             self._params.append(tuple(_trainable(layer)))
             layer.forward = functools.partial(self._forward, index, eager)
+        self.main_grads = all(
+            isinstance(getattr(p, "main_grad", None), torch.Tensor)
+            for params in self._params
+            for p in params
+        )
+        """Whether the backward graphs add into the parameters' `main_grad` (module docs)."""
+        self._pool: Any = None
         self._shapes: dict[tuple[Any, ...], list[_LayerGraph] | None] = {}
         """Captured graphs by pass shape; None for a shape whose capture failed."""
         self.captures = 0
@@ -216,7 +233,9 @@ class LayerGraphs:
 
     def _capture(self, hidden: torch.Tensor, rotary: torch.Tensor) -> list[_LayerGraph]:
         graphs = [_LayerGraph(c, p) for c, p in zip(self._calls, self._params, strict=True)]
-        pool = torch.cuda.graph_pool_handle()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
         stream = torch.cuda.Stream(device=hidden.device)
         stream.wait_stream(torch.cuda.current_stream(hidden.device))
         with torch.cuda.stream(stream), _stand_ins(self.layers) as stand_ins:
@@ -243,12 +262,19 @@ class LayerGraphs:
                 graph.grad_out = torch.empty_like(graph.out)
                 graph.backward_graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    graph.grads = torch.autograd.grad(
+                    grads = torch.autograd.grad(
                         graph.out,
                         (graph.hidden, *graph.params),
                         graph.grad_out,
                         allow_unused=True,
                     )
+                    if self.main_grads:
+                        for param, grad in zip(graph.params, grads[1:], strict=True):
+                            if grad is not None:
+                                param.main_grad.add_(grad)  # type: ignore[attr-defined]
+                        grads = grads[:1]  # the rest were the pool's temporaries
+                    graph.grads = grads
+                    del grads
                 finally:
                     graph.backward_graph.capture_end()
         torch.cuda.current_stream(hidden.device).wait_stream(stream)
