@@ -32,6 +32,23 @@ pytestmark = [
 LOSS = LossConfig(kind=LossKind.PPO, normalization=Normalization.SEQUENCE, kl_coef=0.1)
 
 
+def _model(tmp_path: Path, layers: int) -> torch.nn.Module:
+    """A bf16 Llama-family model of `layers` layers on GPU 0, in a one-rank world."""
+    one_rank_model_parallel(cuda=True)
+    model_dir = write_tiny_checkpoint(
+        tmp_path / "model",
+        ModelFamily.LLAMA,
+        seed=3,
+        num_layers=layers,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=1024,
+    )
+    return built_model(model_dir, Attention.SDPA, params_dtype=ParamsDType.BFLOAT16, on_gpu=True)
+
+
 def _timed(model: torch.nn.Module, batch, passes: int = 5) -> float:
     """Median wall time of a training pass, the device drained before and after each."""
     times = []
@@ -46,20 +63,8 @@ def _timed(model: torch.nn.Module, batch, passes: int = 5) -> float:
 
 @in_child_process
 def test_graphed_passes_equal_eager_ones(tmp_path: Path) -> None:
-    one_rank_model_parallel(cuda=True)
     cuda = torch.device("cuda")
-    model_dir = write_tiny_checkpoint(
-        tmp_path / "model",
-        ModelFamily.LLAMA,
-        seed=3,
-        num_layers=6,
-        hidden_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=1024,
-    )
-    model = built_model(model_dir, Attention.SDPA, params_dtype=ParamsDType.BFLOAT16, on_gpu=True)
+    model = _model(tmp_path, layers=6)
     assert documents.resolve(SequenceLayout.PACKED, model)  # the packed row's RoPE
     model.train()
     padded = pack(make_batch(seed=4, lengths=[200, 180, 31], loss=LOSS, vocab_size=100), cuda)
@@ -110,20 +115,8 @@ def test_graphs_add_gradients_into_main_grad_as_ddp_does(tmp_path: Path) -> None
     """With a `main_grad` on every layer parameter (what megatron's DDP gives them), the
     backward graphs add into it and leave `grad` unset: the main gradients after two graphed
     passes equal the sum of two eager passes' gradients, in float32."""
-    one_rank_model_parallel(cuda=True)
     cuda = torch.device("cuda")
-    model_dir = write_tiny_checkpoint(
-        tmp_path / "model",
-        ModelFamily.LLAMA,
-        seed=3,
-        num_layers=4,
-        hidden_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=1024,
-    )
-    model = built_model(model_dir, Attention.SDPA, params_dtype=ParamsDType.BFLOAT16, on_gpu=True)
+    model = _model(tmp_path, layers=4)
     model.train()
     batch = pack(make_batch(seed=4, lengths=[200, 180, 31], loss=LOSS, vocab_size=100), cuda)
     assert batch is not None
