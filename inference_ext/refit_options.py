@@ -287,6 +287,7 @@ class RefitStats:
     install_s: float
     reads: int
     verified_shards: int
+    """Shards this receiver read whole and checked against their published checksums."""
     replanned: bool
     """False when the plan of an earlier version was replayed."""
     replayed_by_key: bool = False
@@ -355,6 +356,13 @@ class RefitStats:
     """With `trace_pull`: the pull's timeline (refit_sidecar/pull/trace.py)."""
     lease_held_by: HeldBy | None = None
     """How the refit knew its lease held the version's slot for the whole pull."""
+    group_verified_shards: int = 0
+    """Shards this receiver read part of whose WSUM-64 the engine's workers checked together,
+    adding up what each read (docs/refit.md, "Checksums")."""
+    unverified_bytes: int = 0
+    """When verifying: bytes installed that no checksum covered (parts of shards the
+    engine's workers do not read whole between them, a vocabulary's padding; shards
+    published without a checksum). 0 with `verify_checksums` off, which checks nothing."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
