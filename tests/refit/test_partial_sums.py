@@ -10,12 +10,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
-from refit_sidecar.core.manifest import Box, DType, Manifest, MemType, ShardPiece
-from refit_sidecar.core.plan import PullPlan, Want, plan_pull
+from refit_sidecar.core.manifest import MemType
+from refit_sidecar.core.plan import PullPlan, plan_pull
 from refit_sidecar.integrity import wsum
-from refit_sidecar.integrity.checksum import host_checksums
 from refit_sidecar.integrity.device_sums import device_partial_sums
 from refit_sidecar.integrity.partial_sums import (
     PartialSums,
@@ -26,53 +24,8 @@ from refit_sidecar.integrity.partial_sums import (
     mismatch_message,
 )
 from refit_sidecar.integrity.verify import unverified_bytes
-from refit_sidecar.memory.region import Region
-from refit_sidecar.publish.shard_specs import ShardSpec
 from refit_sidecar.pull.running_check import RunningCheck
-from refit_sidecar.pull.transport import InMemoryTransport
-from tests.refit.shards import in_memory_manifest
-
-SHAPES = {
-    "row_parallel": (64, 96),  # a worker reads a column half: one piece per row
-    "column_parallel": (96, 64),  # a row half: one piece
-    "vocab": (101, 32),  # rows [0, 50) and [50, 100): the last row (padding) unread
-    "norm": (32,),  # read whole by each worker
-}
-
-
-def _wants(worker: int) -> list[Want]:
-    lo, hi = 48 * worker, 48 * (worker + 1)
-    return [
-        Want("row_parallel", Box(((0, 64), (lo, hi)))),
-        Want("column_parallel", Box(((lo, hi), (0, 64)))),
-        Want("vocab", Box(((50 * worker, 50 * (worker + 1)), (0, 32)))),
-        Want("norm", Box.full((32,))),
-    ]
-
-
-def _source(seed: int = 3) -> tuple[Manifest, dict[str, np.ndarray]]:
-    """A TP=1 trainer's host slot: each tensor one shard, with its CRC-32 and WSUM-64."""
-    rng = np.random.default_rng(seed)
-    placed, buffers = [], {}
-    for name, shape in SHAPES.items():
-        buffer = np.frombuffer(rng.bytes(int(np.prod(shape)) * 2), np.uint8).copy()
-        piece = ShardPiece(Box.full(shape), (0,) * len(shape))
-        placed.append(("rank-0", ShardSpec(name, shape, DType.BFLOAT16, shape, (piece,)), buffer))
-        buffers[name] = buffer
-    manifest = in_memory_manifest(1, placed)
-    parameters = tuple(
-        replace(p, shards=(replace(p.shards[0], **host_checksums(buffers[p.name])._asdict()),))
-        for p in manifest.parameters
-    )
-    return replace(manifest, parameters=parameters), buffers
-
-
-def _pull(manifest: Manifest, buffers: dict[str, np.ndarray], worker: int):
-    plan = plan_pull(manifest, _wants(worker))
-    staging = torch.zeros(plan.nbytes, dtype=torch.uint8)
-    region = Region(staging.data_ptr(), staging.numel(), owner=staging)
-    stats = InMemoryTransport({"rank-0": list(buffers.values())}).pull(plan, region, verify=True)
-    return plan, staging, region, stats
+from tests.support.partial_reads import SHAPES, pull_half, source_slot, wants
 
 
 def test_the_host_sum_of_many_pieces_equals_the_reference() -> None:
@@ -95,8 +48,8 @@ def test_the_host_sum_of_many_pieces_equals_the_reference() -> None:
 def test_a_column_half_sums_to_its_pieces_at_their_shard_offsets() -> None:
     """A worker's partial sum of a column slice (one read per row) equals `wsum64` of each
     row's bytes at its unit index in the shard, added up; the device path agrees."""
-    manifest, buffers = _source()
-    plan, staging, region, stats = _pull(manifest, buffers, worker=1)
+    manifest, buffers = source_slot()
+    plan, staging, region, stats = pull_half(manifest, buffers, worker=1)
     partial = stats.partial_sums
     assert partial is not None
     names = {(p.parameter, p.shard): p for p in partial}
@@ -121,8 +74,8 @@ def test_a_column_half_sums_to_its_pieces_at_their_shard_offsets() -> None:
 def test_a_running_check_sums_the_partial_reads_where_they_land() -> None:
     """The device path of a pull (`RunningCheck` into a CPU tensor described as device
     memory) hands over the same sums as the host path, and still checks the whole reads."""
-    manifest, buffers = _source()
-    plan, _, region, stats = _pull(manifest, buffers, worker=0)
+    manifest, buffers = source_slot()
+    plan, _, region, stats = pull_half(manifest, buffers, worker=0)
     device = replace(region, mem_type=MemType.VRAM)
     check = RunningCheck(plan, device, part_bytes=1)
     check.advance(plan.nbytes)
@@ -137,8 +90,8 @@ def _group(parts: list[PartialSums]) -> np.ndarray:
 
 
 def test_two_workers_halves_add_up_to_the_published_sum() -> None:
-    manifest, buffers = _source()
-    parts = [_pull(manifest, buffers, w)[3].partial_sums for w in (0, 1)]
+    manifest, buffers = source_slot()
+    parts = [pull_half(manifest, buffers, w)[3].partial_sums for w in (0, 1)]
     assert all(isinstance(p, PartialSums) for p in parts)
     summed = _group(parts)
     order = parts[0].order
@@ -156,13 +109,13 @@ def test_two_workers_halves_add_up_to_the_published_sum() -> None:
 def test_one_flipped_byte_fails_both_workers_on_the_same_shard(name: str) -> None:
     """A byte of the shard flipped before worker 1 reads it: worker 0's half is right, and
     still both find the shard wrong, with the same message."""
-    manifest, buffers = _source()
-    first = _pull(manifest, buffers, 0)[3].partial_sums
+    manifest, buffers = source_slot()
+    first = pull_half(manifest, buffers, 0)[3].partial_sums
     buffer = buffers[name]
     # In worker 1's half: a row's second half of columns; the second half of the rows.
     at = 10 * 192 + 150 if name == "row_parallel" else buffer.size * 3 // 4
     buffer[at] ^= 0x40
-    second = _pull(manifest, buffers, 1)[3].partial_sums
+    second = pull_half(manifest, buffers, 1)[3].partial_sums
     buffer[at] ^= 0x40
     assert first is not None and second is not None
     summed = _group([first, second])
@@ -174,8 +127,8 @@ def test_one_flipped_byte_fails_both_workers_on_the_same_shard(name: str) -> Non
 
 
 def test_plans_carry_their_shards_place_in_the_manifest_order() -> None:
-    manifest, _ = _source()
-    plan: PullPlan = plan_pull(manifest, _wants(0))
+    manifest, _ = source_slot()
+    plan: PullPlan = plan_pull(manifest, wants(0))
     assert plan.shard_order is not None and plan.shard_order.count == len(SHAPES)
     for reads in plan.reads:
         assert plan.shard_order.name(reads.position) == (reads.parameter, reads.shard)
