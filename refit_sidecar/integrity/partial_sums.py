@@ -13,6 +13,8 @@ SUM all-reduce (`contribution`) and what every worker decides from the total (`j
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -85,19 +87,71 @@ def partial_reads(plan: PullPlan) -> list[int]:
     ]
 
 
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """What the partial reads of one layout need every version: their block table, their
+    shards' positions and their units. A version's plan (`rebase`) keeps its reads' byte
+    arrays, so they say whether a layout held is still the plan's."""
+
+    arrays: tuple[np.ndarray, ...]
+    """Each read's shard offsets, lengths and destination offsets, in turn (kept alive so
+    the identity check cannot meet a reused id)."""
+    table: SumPlan
+    positions: np.ndarray
+    units: np.ndarray
+
+
+_held: OrderedDict[tuple[int, tuple[int, ...]], tuple[ShardOrder, _Layout]] = OrderedDict()
+_HELD = 16
+"""Layouts held: a few receivers' worth of a trainer's slots."""
+_lock = threading.Lock()
+
+
+def _arrays(plan: PullPlan, indices: Sequence[int]) -> tuple[np.ndarray, ...]:
+    return tuple(
+        a
+        for i in indices
+        for a in (plan.reads[i].shard_offsets, plan.reads[i].lengths, plan.reads[i].dest_offsets)
+    )
+
+
+def _layout(plan: PullPlan, indices: Sequence[int]) -> _Layout:
+    """`plan`'s partial reads' `_Layout`, built once per layout: a plan of many column slices
+    has a piece per row, and a version's pull should not lay them out again."""
+    order = plan.shard_order
+    assert order is not None, "a plan from `plan_pull` knows its manifest's order"
+    key = (id(order), tuple(indices))
+    arrays = _arrays(plan, indices)
+    with _lock:
+        held = _held.get(key)
+        if held is not None and all(a is b for a, b in zip(held[1].arrays, arrays, strict=True)):
+            _held.move_to_end(key)
+            return held[1]
+    reads = [plan.reads[i] for i in indices]
+    if reads:
+        table = SumPlan.of(
+            np.concatenate([r.dest_offsets for r in reads]),
+            np.concatenate([r.lengths for r in reads]),
+            np.concatenate([r.shard_offsets for r in reads]),
+            np.repeat(np.arange(len(reads)), [len(r.lengths) for r in reads]),
+            len(reads),
+        )
+    else:
+        table = SumPlan.of([], [], [], [], 0)
+    positions = np.array([r.position for r in reads], np.int64)
+    units = np.array([int(r.lengths.sum()) // UNIT for r in reads], np.int64)
+    layout = _Layout(arrays, table, positions, units)
+    with _lock:
+        _held[key] = (order, layout)
+        while len(_held) > _HELD:
+            _held.popitem(last=False)
+    return layout
+
+
 def sum_plan(plan: PullPlan, indices: Sequence[int]) -> SumPlan:
     """The block table summing each of `plan.reads[indices]` where it landed (group `k`: the
     k-th index)."""
-    reads = [plan.reads[i] for i in indices]
-    if not reads:
-        return SumPlan.of([], [], [], [], 0)
-    return SumPlan.of(
-        np.concatenate([r.dest_offsets for r in reads]),
-        np.concatenate([r.lengths for r in reads]),
-        np.concatenate([r.shard_offsets for r in reads]),
-        np.repeat(np.arange(len(reads)), [len(r.lengths) for r in reads]),
-        len(reads),
-    )
+    return _layout(plan, indices).table
 
 
 def collect(
@@ -109,20 +163,17 @@ def collect(
     """`values[k]`, the WSUM-64 of `plan.reads[indices[k]]`, as `PartialSums`, against each
     read's published WSUM-64 (`published[i]` for read `i` when they came after the plan);
     reads whose version was published without one are left out (unverified)."""
-    assert plan.shard_order is not None, "a plan from `plan_pull` knows its manifest's order"
-    keep, expected = [], []
-    for k, i in enumerate(indices):
-        value = plan.reads[i].sum64 if published is None else published[i]
-        if value is not None:
-            keep.append(k)
-            expected.append(value)
-    reads = [plan.reads[indices[k]] for k in keep]
+    layout = _layout(plan, indices)
+    assert plan.shard_order is not None
+    sums = [plan.reads[i].sum64 if published is None else published[i] for i in indices]
+    keep = np.array([value is not None for value in sums], bool)
+    expected = np.array([value for value in sums if value is not None], np.uint64)
     return PartialSums(
         plan.shard_order,
-        np.array([r.position for r in reads], np.int64),
-        np.array([r.nbytes // UNIT for r in reads], np.int64),
+        layout.positions[keep],
+        layout.units[keep],
         np.asarray(values, np.uint64)[keep],
-        np.array(expected, np.uint64),
+        expected,
     )
 
 

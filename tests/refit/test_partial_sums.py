@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from refit_sidecar.core.manifest import MemType
-from refit_sidecar.core.plan import PullPlan, plan_pull
+from refit_sidecar.core.plan import PullPlan, plan_pull, rebase
 from refit_sidecar.integrity import wsum
 from refit_sidecar.integrity.device_sums import device_partial_sums
 from refit_sidecar.integrity.partial_sums import (
@@ -133,3 +133,17 @@ def test_plans_carry_their_shards_place_in_the_manifest_order() -> None:
     for reads in plan.reads:
         assert plan.shard_order.name(reads.position) == (reads.parameter, reads.shard)
         assert plan.shard_order.units[reads.position] * 2 == reads.location.nbytes
+
+
+def test_a_layout_held_serves_only_the_reads_it_was_built_from() -> None:
+    """The block tables of a layout's partial reads are held for its later versions (the same
+    byte arrays), never for other reads under the same shard order."""
+    manifest, buffers = source_slot()
+    plan0, staging0, _, stats0 = pull_half(manifest, buffers, 0)
+    plan1, staging1, _, stats1 = pull_half(manifest, buffers, 1)
+    assert stats0.partial_sums is not None and stats1.partial_sums is not None
+    again = host_partial_sums(rebase(plan0, manifest), staging0.numpy())
+    assert np.array_equal(again.sums, stats0.partial_sums.sums)
+    other = replace(plan1, shard_order=plan0.shard_order)  # same key as plan0's layout
+    mixed = host_partial_sums(other, staging1.numpy())
+    assert np.array_equal(mixed.sums, stats1.partial_sums.sums)
