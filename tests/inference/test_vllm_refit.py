@@ -133,7 +133,9 @@ def _refuse_a_flipped_byte_each_worker_reads_half_of(
     column-parallel one (a half of its gate rows and of its up rows). The TP=1 engine reads the
     shard whole and fails its CRC-32; no TP=2 worker reads it whole, and every one of them
     refuses the version with the same words, naming the shard and its WSUM-64 (the workers
-    added up their halves' sums). Neither engine installs anything or generates differently."""
+    added up their halves' sums). Neither engine installs anything or generates differently.
+    Then through the source tree: a good version is checked together, a flipped byte (of a
+    row-parallel weight of the MLP) refused by both workers."""
     launcher = psutil.Process(trainer.process.pid)
     served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
     installed = engines[1].call("installed_version")
@@ -150,6 +152,21 @@ def _refuse_a_flipped_byte_each_worker_reads_half_of(
         for tp, engine in engines.items():
             assert engine.call("installed_version") == installed
             assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
+    # Through the source tree (docs/fanout.md) the same check runs on the same sums: a good
+    # version is checked together, a flipped byte refused by both workers.
+    for tp, engine in engines.items():
+        engine.call("refit_init", sidecar.address, _options(tp, sidecar, fanout=True))
+    version = train_step(trainer, "s6", seed + 6)
+    refit = engines[2].call("refit_to", version)
+    assert all(w.group_verified_shards > 0 for w in refit.workers)
+    version = train_step(trainer, "s7", seed + 7)
+    corrupted = corrupt_one_byte(
+        sidecar, version, rank_process(launcher, 0), "mlp.linear_fc2", shards=1
+    )
+    replies = engines[2].call("worker_refits", version)
+    assert [r["ok"] for r in replies] == [False, False], replies
+    (error,) = {r["error"] for r in replies}
+    assert re.search(f"{re.escape(corrupted)} shard 0 .*wsum64", error), error
 
 
 def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_dir, engines):
