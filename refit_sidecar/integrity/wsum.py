@@ -96,6 +96,8 @@ def host_wsum64(data: np.ndarray | bytes, start_unit: int = 0) -> int:
     if raw.size % UNIT:
         raise ValueError(f"WSUM-64 needs an even number of bytes, got {raw.size}")
     units = raw.view("<u2")
+    if start_unit + units.size <= 1 << 32:
+        return _low_wsum64(units, start_unit)
     offsets = np.arange(min(units.size, _FAST_CHUNK), dtype=np.uint64)
     total = np.uint64(0)
     with np.errstate(over="ignore"):
@@ -103,6 +105,35 @@ def host_wsum64(data: np.ndarray | bytes, start_unit: int = 0) -> int:
             part = units[begin : begin + _FAST_CHUNK]
             z = _weights32(offsets[: part.size] + np.uint64(start_unit + begin))
             total += np.dot(part.astype(np.uint64), z.astype(np.uint64))
+    return int(total) & MASK64
+
+
+def _low_wsum64(units: np.ndarray, start_unit: int) -> int:
+    """`host_wsum64` of units whose indices all lie below 2**32 (every shard under 8 GiB): an
+    index's high bits fold in nothing, so the weights are computed from 32-bit indices, into
+    buffers allocated once, with no temporaries."""
+    size = min(units.size, _FAST_CHUNK)
+    offsets = np.arange(size, dtype=np.uint32)
+    z, shifted = np.empty(size, np.uint32), np.empty(size, np.uint32)
+    wide_units, wide_weights = np.empty(size, np.uint64), np.empty(size, np.uint64)
+    total = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for begin in range(0, units.size, _FAST_CHUNK):
+            part = units[begin : begin + _FAST_CHUNK]
+            n = part.size
+            w, t = z[:n], shifted[:n]
+            np.add(offsets[:n], np.uint32(start_unit + begin), out=w)
+            np.add(w, np.uint32(SEED), out=w)
+            np.multiply(w, np.uint32(K1), out=w)
+            np.right_shift(w, np.uint32(SHIFT1), out=t)
+            np.bitwise_xor(w, t, out=w)
+            np.multiply(w, np.uint32(K2), out=w)
+            np.right_shift(w, np.uint32(SHIFT2), out=t)
+            np.bitwise_xor(w, t, out=w)
+            np.bitwise_or(w, np.uint32(1), out=w)
+            wide_units[:n] = part
+            wide_weights[:n] = w
+            total += np.dot(wide_units[:n], wide_weights[:n])
     return int(total) & MASK64
 
 
