@@ -32,6 +32,8 @@ from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.manifest import Box, DType, MemType
 from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.integrity.device_sums import warm_up
+from refit_sidecar.integrity.partial_sums import PartialSums
+from refit_sidecar.integrity.verify import unverified_bytes
 from refit_sidecar.memory.region import Region
 from refit_sidecar.memory.tensor_arena import TorchWords
 from refit_sidecar.pull.direct_puller import DirectConfig, DirectPuller
@@ -273,6 +275,13 @@ class Receiver:
             planned, leased, pulled, lease_s, plan_s, held_by, in_place, key, armed
         )
 
+    def partial_sums(self) -> PartialSums | None:
+        """The WSUM-64s of the fetched version's reads of parts of shards, which this receiver
+        cannot check alone (`partial_sums`): the engine's workers add them up before any of
+        them installs (`group_check.py`). None when nothing is fetched or nothing verified."""
+        fetched = self._fetched
+        return None if fetched is None else fetched.pulled.stats.partial_sums
+
     def install(self, installer: Installer) -> RefitStats:
         """Hand the fetched version to `installer` as (HF name, full-shape tensor) pairs in HF
         order; only this receiver's box of each tensor is filled (its loader reads no more)."""
@@ -347,7 +356,15 @@ class Receiver:
             in_place_bytes=self._in_place.nbytes if fetched.armed else 0,
             lease_held_by=fetched.held_by,
             lease_s=fetched.lease_s,
+            unverified_bytes=self._unverified_bytes(plan.pull),
         )
+
+    def _unverified_bytes(self, pull: PullPlan) -> int:
+        """Bytes of `pull` this receiver's own check did not cover, when it checks."""
+        region = self.staging.region
+        if not self.options.verify_checksums or region is None:
+            return 0
+        return unverified_bytes(pull, region)
 
     def _settle(self, fetched: _Fetched) -> None:
         """After an install with `in_place`: back staging up (the tensors live there), or

@@ -287,6 +287,7 @@ class RefitStats:
     install_s: float
     reads: int
     verified_shards: int
+    """Shards this receiver read whole and checked against their published checksums."""
     replanned: bool
     """False when the plan of an earlier version was replayed."""
     replayed_by_key: bool = False
@@ -358,6 +359,13 @@ class RefitStats:
     lease_s: float = 0.0
     """Of `plan_s`: seconds until the lease was in hand (the sidecar's answer, or taking the
     one asked for ahead); the rest is the manifest (or its key's replay) and the plan."""
+    group_verified_shards: int = 0
+    """Shards this receiver read part of whose WSUM-64 the engine's workers checked together,
+    adding up what each read (docs/refit.md, "Checksums")."""
+    unverified_bytes: int = 0
+    """When verifying: bytes installed that no checksum covered (parts of shards the
+    engine's workers do not read whole between them, a vocabulary's padding; shards
+    published without a checksum). 0 with `verify_checksums` off, which checks nothing."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,8 +6,9 @@ steps on every worker of an engine:
 1. `resolve`: "latest" becomes one number, asked of the sidecar by worker 0 and broadcast, so
    every worker pulls the same version;
 2. `fetch`: each worker leases, pulls and verifies its own slices (`Receiver.fetch`), then the
-   workers agree over vLLM's CPU process group; only if every one has its bytes does any of
-   them go on;
+   workers agree over vLLM's CPU process group, adding up the sums of the shards each read
+   only part of (`group_check.py`); only if every one has its bytes and they add up does any
+   of them go on;
 3. `install`: the tensors go through vLLM's in-place layerwise reload (`reload` is the
    caller's: the worker's own ``reload_weights``, or vLLM's reload function for the backend),
    and the LM heads tied to the embedding rerun their post-load step (`tied.py`); a
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -35,6 +36,7 @@ import torch
 
 from inference_ext.expert_slices import receiver_names
 from inference_ext.fused_experts import FusedExperts
+from inference_ext.group_check import Agreement, agree
 from inference_ext.receiver import Receiver
 from inference_ext.refit_options import RefitError, RefitOptions, RefitStats
 from inference_ext.slices import (
@@ -145,6 +147,8 @@ class WorkerRefit:
         """The last background pull, until a `fetch` or `close` settles it."""
         self._asking: threading.Thread | None = None
         """`expect`'s call in progress, until anything else settles it."""
+        self._agreed = Agreement(False)
+        """The workers' agreement on the last `fetch`."""
 
     @classmethod
     def build(
@@ -250,8 +254,10 @@ class WorkerRefit:
 
     def fetch(self, version: int) -> str | None:
         """Pull and verify this worker's slices of `version` (or take those a `prefetch` of it
-        staged), then agree with the other workers; None when every worker has its bytes, else
-        why not (this worker's error, or `ANOTHER_WORKER_FAILED`)."""
+        staged), then agree with the other workers, checking together the shards each read
+        part of (`group_check.agree`); None when every worker has its bytes and they add up,
+        else why not (this worker's error, `ANOTHER_WORKER_FAILED`, or the shard whose parts'
+        WSUM-64 differs, the same words on every worker)."""
         from vllm.distributed.parallel_state import get_world_group
 
         error = None
@@ -263,13 +269,15 @@ class WorkerRefit:
             except RefitError as e:
                 error = str(e)
                 log.warning("refit to version %d: %s", version, error)
-        ready = torch.tensor([error is None], dtype=torch.int32)
-        torch.distributed.all_reduce(
-            ready, op=torch.distributed.ReduceOp.MIN, group=get_world_group().cpu_group
-        )
-        if ready.item():
-            return None
-        return error or ANOTHER_WORKER_FAILED
+        partial = None if error is not None else self.receiver.partial_sums()
+        self._agreed = agree(error is None, partial, get_world_group().cpu_group)
+        if not self._agreed.ready:
+            return error or ANOTHER_WORKER_FAILED
+        if self._agreed.error is not None:
+            self.receiver.abandon()  # every worker refuses: nothing of the version installs
+            log.warning("refit to version %d: %s", version, self._agreed.error)
+            return self._agreed.error
+        return None
 
     def install(self, reload: Reload) -> RefitStats:
         """Hand the fetched version to `reload` (and the experts to their fused parameters),
@@ -284,7 +292,13 @@ class WorkerRefit:
                     experts.install(weights, reload)
                 refresh_tied_heads(self.tied)
 
-        return self.receiver.install(installer)  # `fetch` settled any background pull
+        stats = self.receiver.install(installer)  # `fetch` settled any background pull
+        agreed = self._agreed
+        return replace(
+            stats,
+            group_verified_shards=agreed.verified_shards,
+            unverified_bytes=stats.unverified_bytes - agreed.verified_bytes,
+        )
 
     def slices(self, names: Sequence[str] | None) -> dict[str, tuple[Box, torch.Tensor]]:
         """The installed version's slices as staging holds them (see `Receiver.slices`)."""

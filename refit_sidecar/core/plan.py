@@ -79,7 +79,11 @@ class ShardReads:
     lengths: np.ndarray
     dest_offsets: np.ndarray
     sum64: int | None = None
-    """The shard's WSUM-64 (`wsum`), when its source published one (device slots)."""
+    """The shard's WSUM-64 (`wsum`), when its source published one."""
+    position: int = 0
+    """Where the shard lies in the manifest's flat shard order (`ShardOrder`): the same for
+    every receiver of the manifest, so the workers of an engine can add up what each read of
+    it (`integrity/partial_sums.py`)."""
 
     @property
     def remote_addresses(self) -> np.ndarray:
@@ -88,6 +92,38 @@ class ShardReads:
     @property
     def nbytes(self) -> int:
         return int(self.lengths.sum())
+
+
+@dataclass(frozen=True, eq=False)
+class ShardOrder:
+    """Every shard of a manifest in its flat order (parameters in order, each one's shards in
+    order, as `Lease.checksums` lists them): what receivers of the same manifest share to
+    name a shard by one number. Depends on the layout alone."""
+
+    names: tuple[str, ...]
+    """The parameters, in order."""
+    first: np.ndarray
+    """Per parameter: the position of its first shard; then the number of shards (int64)."""
+    units: np.ndarray
+    """Per shard: its size in WSUM-64 units (2 bytes; int64)."""
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ShardOrder:
+        counts = [len(p.shards) for p in manifest.parameters]
+        first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        units = np.array(
+            [s.location.nbytes // 2 for p in manifest.parameters for s in p.shards], np.int64
+        )
+        return cls(tuple(p.name for p in manifest.parameters), first, units)
+
+    @property
+    def count(self) -> int:
+        return int(self.first[-1])
+
+    def name(self, position: int) -> tuple[str, int]:
+        """The parameter and shard index at flat `position`."""
+        parameter = int(np.searchsorted(self.first, position, side="right")) - 1
+        return self.names[parameter], position - int(self.first[parameter])
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +138,8 @@ class PullPlan:
     layout: str = ""
     """`layout_key` of the manifest planned from: `rebase` replays the plan on any version
     with the same key."""
+    shard_order: ShardOrder | None = None
+    """The manifest's shards in order (`ShardReads.position` indexes them)."""
 
     @property
     def num_reads(self) -> int:
@@ -159,6 +197,8 @@ def plan_pull(manifest: Manifest, wants: Sequence[Want], *, align: int = 256) ->
     if align <= 0 or align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
     targets: list[PullTarget] = []
+    order = ShardOrder.of(manifest)
+    firsts = dict(zip(order.names, order.first.tolist(), strict=False))
     load: dict[str, int] = defaultdict(int)
     runs: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     offset = 0
@@ -173,10 +213,14 @@ def plan_pull(manifest: Manifest, wants: Sequence[Want], *, align: int = 256) ->
                 _runs(record, shard, piece, cell, target)
             )
         offset = -(-(offset + target.nbytes) // align) * align
-    reads = tuple(_merge(manifest, name, shard, parts) for (name, shard), parts in runs.items())
+    reads = tuple(
+        _merge(manifest, name, shard, parts, firsts[name] + shard)
+        for (name, shard), parts in runs.items()
+    )
     agents = {r.location.agent: manifest.agents[r.location.agent] for r in reads}
     end = max((t.offset + t.nbytes for t in targets), default=0)
-    return PullPlan(manifest.version, tuple(targets), reads, agents, end, layout_key(manifest))
+    key = layout_key(manifest)
+    return PullPlan(manifest.version, tuple(targets), reads, agents, end, key, order)
 
 
 def layout_key(manifest: Manifest) -> str:
@@ -325,6 +369,7 @@ def _merge(
     name: str,
     shard: int,
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    position: int,
 ) -> ShardReads:
     src, dst, length = (np.concatenate(column) for column in zip(*parts, strict=True))
     order = np.argsort(dst, kind="stable")
@@ -344,5 +389,14 @@ def _merge(
     )
     record_shard = record.shards[shard]
     return ShardReads(
-        name, shard, location, record_shard.crc32, complete, src, length, dst, record_shard.sum64
+        name,
+        shard,
+        location,
+        record_shard.crc32,
+        complete,
+        src,
+        length,
+        dst,
+        record_shard.sum64,
+        position,
     )

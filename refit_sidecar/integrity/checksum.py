@@ -1,5 +1,5 @@
-"""Shard checksums: the CRC-32 (zlib) of a host slot's shard, and the WSUM-64 (`wsum`) of a device
-slot's shard, computed on the GPU.
+"""Shard checksums: the CRC-32 (zlib) and the WSUM-64 (`wsum`) of a host slot's shard, and the
+WSUM-64 of a device slot's shard, computed on the GPU.
 
 They catch torn or misplaced reads, not tampering. A source computes them when it publishes a
 version; a puller that read a shard whole recomputes them from the destination buffer, walking
@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 
-from refit_sidecar.core.plan import PullPlan, ShardReads
+from refit_sidecar.core.plan import Checksums, PullPlan, ShardReads
 from refit_sidecar.integrity.wsum import MASK64, UNIT, host_wsum64
 
 
@@ -35,6 +35,13 @@ class ChecksumMismatch(RuntimeError):
 def checksum(data: np.ndarray) -> int:
     """CRC-32 of a contiguous array's bytes."""
     return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+
+
+def host_checksums(data: np.ndarray) -> Checksums:
+    """What a host slot publishes for a shard: its CRC-32, and its WSUM-64 too, which a
+    receiver that read only part of the shard sums with the engine's other workers
+    (`partial_sums`; the CRC does not add up over pieces)."""
+    return Checksums(checksum(data), host_wsum64(data))
 
 
 def verify_checksums(plan: PullPlan, dest: np.ndarray) -> int:

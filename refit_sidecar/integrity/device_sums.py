@@ -7,7 +7,8 @@ partial sums are added per group with integer atomics (exact in any order). One 
 bytes and two small launches, whatever the number of shards (docs/refit.md has its rate).
 Elsewhere a torch implementation in int64 arithmetic gives the same value, slower.
 `verify_device` checks a pull's device destination against the checksums of a plan's reads;
-`PartedSums` does it in parts started while the pull lands (`running_check.py`).
+`PartedSums` does it in parts started while the pull lands (`running_check.py`), and sums the
+reads of parts of shards for the engine's workers to add up (`partial_sums`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.integrity import wsum
 from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.partial_sums import PartialSums, collect, partial_reads, sum_plan
 from refit_sidecar.memory.region import Region
 
 _TORCH_CHUNK = 1 << 24
@@ -263,6 +265,16 @@ def verify_device(plan: PullPlan, dest: Region) -> int:
     return sums.check()
 
 
+def device_partial_sums(
+    plan: PullPlan, dest: Region, published: Sequence[int | None] | None = None
+) -> PartialSums:
+    """The WSUM-64s of `plan`'s partial reads landed in `dest` (device memory, or a CPU
+    tensor), summed where it is."""
+    indices = partial_reads(plan)
+    values = group_sums(region_tensor(dest), sum_plan(plan, indices))
+    return collect(plan, indices, values, published)
+
+
 class PartedSums:
     """The WSUM-64s of a pull's checked reads, started a part at a time while the pull runs
     (`running_check.RunningCheck`) and compared once at the end.
@@ -280,8 +292,9 @@ class PartedSums:
     thread's interpreter)."""
 
     def __init__(self, plan: PullPlan, dest: Region, parts: Sequence[Sequence[int]]) -> None:
-        """`parts`: the indices in `plan.reads` of each part's reads (each read whole, with a
-        WSUM-64); in the order they are to be started."""
+        """`parts`: the indices in `plan.reads` of each part's reads (each with a WSUM-64: a
+        read whole is compared, a read of part of a shard summed for the engine's workers to
+        add up, `partial_sums`); in the order they are to be started."""
         self._plan = plan
         buffer = region_tensor(dest)
         if buffer.data_ptr() % wsum.UNIT or buffer.numel() % wsum.UNIT:
@@ -299,6 +312,8 @@ class PartedSums:
         # tile the table): no fill needs queueing on the listener lane.
         self._partial = torch.empty(len(layout.blocks), dtype=torch.int64, device=buffer.device)
         self._started = [False] * len(parts)
+        self.partial: dict[int, int] = {}
+        """After `check`: the WSUM-64 of each read of part of a shard, by index in the plan."""
 
     def start(self, part: int, stop: int | None = None) -> None:
         """Queue the sums of parts `part` up to `stop` (exclusive; default: that one part) on
@@ -323,10 +338,11 @@ class PartedSums:
         self._started[part:stop] = [True] * (stop - part)
 
     def check(self, published: Sequence[int | None] | None = None) -> int:
-        """Waits for the sums (every part started) and compares each with its read's published
-        WSUM-64 (`published[i]` for read `i` when they came later, else the plan's); returns
-        how many were checked. ChecksumMismatch names the first that differs, in the plan's
-        order, or a read published without one."""
+        """Waits for the sums (every part started) and compares each read whole with its
+        published WSUM-64 (`published[i]` for read `i` when they came later, else the plan's);
+        returns how many were checked, and keeps the other reads' sums (`partial`).
+        ChecksumMismatch names the first that differs, in the plan's order, or a read
+        published without one."""
         if not all(self._started):
             raise RuntimeError("a part was never started")
         layout = self._layout
@@ -336,7 +352,11 @@ class PartedSums:
         sums.index_add_(0, layout.groups, self._partial)
         got = sums.cpu().numpy().view(np.uint64).tolist()
         reads = self._plan.reads
+        self.partial = {}
         for value, i in sorted(zip(got, layout.indices, strict=True), key=lambda pair: pair[1]):
+            if not reads[i].complete:
+                self.partial[i] = value  # checked by the engine's workers together
+                continue
             expected = reads[i].sum64 if published is None else published[i]
             if expected is None:
                 raise ChecksumMismatch(
@@ -344,7 +364,13 @@ class PartedSums:
                 )
             if value != expected:
                 raise ChecksumMismatch.of(reads[i], "wsum64", value, expected)
-        return len(layout.indices)
+        return len(layout.indices) - len(self.partial)
+
+    def partial_sums(self, published: Sequence[int | None] | None = None) -> PartialSums:
+        """After `check`: the sums of the parts' partial reads (`partial_sums.PartialSums`)."""
+        indices = sorted(self.partial)
+        values = np.array([self.partial[i] for i in indices], np.uint64)
+        return collect(self._plan, indices, values, published)
 
 
 class _PartedLayout:

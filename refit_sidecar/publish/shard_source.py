@@ -32,7 +32,7 @@ from refit_sidecar.core.manifest import (
     ShardRecord,
 )
 from refit_sidecar.core.network import NixlNetwork, ProgressPoller, create_ucx_backend
-from refit_sidecar.integrity.checksum import checksum
+from refit_sidecar.integrity.checksum import host_checksums
 from refit_sidecar.integrity.wsum import SumPlan
 from refit_sidecar.memory.host_arena import Arena, HostArena
 from refit_sidecar.publish.shard_specs import ShardSpec
@@ -253,14 +253,17 @@ class ShardSource:
 
     def manifest(self, version: int, *, checksums: bool | None = None) -> Manifest:
         """The current contents as `version`. Checksums (None: when the arena is host memory):
-        the CRC-32 of each shard of a host arena; the WSUM-64 of each shard of a torch arena in
-        device memory, computed on its device (`device_sums`); ValueError for other arenas."""
+        the CRC-32 and the WSUM-64 of each shard of a host arena; the WSUM-64 of each shard of
+        a torch arena in device memory, computed on its device (`device_sums`); ValueError for
+        other arenas."""
         if checksums is None:
             checksums = self.arena.mem_type is MemType.DRAM
         records = self._records
         if checksums and self.arena.mem_type is MemType.DRAM:
             records = tuple(
-                replace(r, shards=(replace(r.shards[0], crc32=checksum(self.view(r.name))),))
+                replace(
+                    r, shards=(replace(r.shards[0], **host_checksums(self.view(r.name))._asdict()),)
+                )
                 for r in records
             )
         elif checksums:

@@ -196,6 +196,7 @@ class NixlTransport:
         stats = replace(
             stats,
             verified_shards=verified,
+            partial_sums=check.partial,
             checksums_wait_s=waited - begin,
             check_s=time.perf_counter() - waited,
         )

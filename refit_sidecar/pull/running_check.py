@@ -1,6 +1,8 @@
 """Checking a pull against the trainer's checksums while it runs (docs/fanout.md, step 6).
 
-A pull into device memory checks the WSUM-64 of every trainer shard it read whole. Done after the
+A pull into device memory checks the WSUM-64 of every trainer shard it read whole, and sums the
+pieces of every shard it read part of (the engine's workers add those up: `partial_sums`,
+`partial`). Done after the
 last byte lands, the check is a tail every refit waits for, and in a tree every level waits for its
 own. `RunningCheck` starts the sums of a part of the shards as soon as the destination holds every
 byte of them (the pull fills it in order: `advance(prefix)` with the bytes filled from its start),
@@ -17,7 +19,8 @@ cut where the prefix happened to grow differed from pull to pull; each new part 
 tables, a copy queued behind the peers' 256 MiB copies on the GPU's copy engines, which
 delayed the part's start.
 
-Host memory is checked in `finish`, as `verify.verify_pulled` does.
+Host memory is checked (and its partial reads summed) in `finish`, as `verify.verify_pulled`
+does.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 
 from refit_sidecar.core.manifest import MemType
 from refit_sidecar.core.plan import Checksums, PullPlan, with_read_checksums
-from refit_sidecar.integrity.verify import verify_pulled
+from refit_sidecar.integrity.partial_sums import PartialSums
+from refit_sidecar.integrity.verify import partial_sums_pulled, verify_pulled
 from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.chunking import chunk_bounds
 
@@ -74,6 +78,9 @@ class RunningCheck:
         self._stream: Any = None
         self._device: Any = None
         self._whole = False
+        self.partial: PartialSums | None = None
+        """After `finish`: the WSUM-64s of the reads of parts of shards, which no receiver
+        checks alone (`partial_sums`)."""
 
     @property
     def runs_ahead(self) -> bool:
@@ -111,7 +118,8 @@ class RunningCheck:
 
     def finish(self, published: Sequence[Checksums] | None = None) -> int:
         """Checks what is left and waits for every part; returns how many shards were checked.
-        ChecksumMismatch names the first that differs. `published`: each read's checksums, to
+        ChecksumMismatch names the first that differs. The sums of the reads of parts of
+        shards are then in `partial`. `published`: each read's checksums, to
         compare with when they came after the check started (the plan's own then only said
         which reads are checked)."""
         if published is not None and len(published) != len(self._plan.reads):
@@ -121,12 +129,15 @@ class RunningCheck:
         parts = self._cut()
         if not parts or self._whole:
             plan = self._plan if published is None else with_read_checksums(self._plan, published)
-            return verify_pulled(plan, self._dest)
+            count = verify_pulled(plan, self._dest)
+            self.partial = partial_sums_pulled(plan, self._dest)
+            return count
         if self._next < len(parts):
             self._start(len(parts))
         with self._on_stream():
             sums = None if published is None else [c.sum64 for c in published]
-            count: int = self._sums.check(sums)
+            count = self._sums.check(sums)
+            self.partial = self._sums.partial_sums(sums)
         return count
 
     def _cut(self) -> list[_Part]:
@@ -169,14 +180,15 @@ class RunningCheck:
 
 
 def _parts(plan: PullPlan, part_bytes: int, taper: int = 0) -> list[_Part]:
-    """The reads a device check covers (read whole, carrying a WSUM-64), in order of where they
-    end in the destination, cut into parts of `part_bytes` or more (the last may hold less).
-    With `taper`, a part also ends at the read that takes the running total of their bytes
-    past one of `chunking.chunk_bounds(total, part_bytes, taper)`: parts halve towards the
-    end, as tapered requests do, so the last part's sums are small."""
+    """The reads a device check sums (carrying a WSUM-64: compared when read whole, handed to
+    the engine's workers when of part of a shard), in order of where they end in the
+    destination, cut into parts of `part_bytes` or more (the last may hold less). With
+    `taper`, a part also ends at the read that takes the running total of their bytes past one
+    of `chunking.chunk_bounds(total, part_bytes, taper)`: parts halve towards the end, as
+    tapered requests do, so the last part's sums are small."""
     ends = []
     for i, shard in enumerate(plan.reads):
-        if shard.complete and shard.sum64 is not None and len(shard.lengths):
+        if shard.sum64 is not None and len(shard.lengths):
             end = int((shard.dest_offsets + shard.lengths).max())
             ends.append((end, int(shard.lengths.sum()), i))
     ends.sort()

@@ -21,6 +21,8 @@ import numpy as np
 
 from refit_sidecar.core.plan import Checksums, PullPlan
 from refit_sidecar.integrity.checksum import verify_checksums
+from refit_sidecar.integrity.partial_sums import PartialSums
+from refit_sidecar.integrity.verify import partial_sums_pulled
 from refit_sidecar.memory.region import Region, host_view
 from refit_sidecar.pull.trace import Event
 
@@ -66,6 +68,9 @@ class PullStats:
     """Looks at the sources' pieces during the pull."""
     trace: tuple[Event, ...] = ()
     """The pull's timeline, when asked for (`trace.PullTrace`)."""
+    partial_sums: PartialSums | None = None
+    """When verifying: the WSUM-64s of the reads of parts of shards, which the engine's
+    workers check together (`partial_sums`)."""
 
     @property
     def gib_per_s(self) -> float:
@@ -107,7 +112,12 @@ class InMemoryTransport:
         stats = PullStats(
             plan.bytes_read, time.perf_counter() - start, plan.num_reads, len(plan.agents)
         )
-        return replace(stats, verified_shards=verify_checksums(plan, out)) if verify else stats
+        if not verify:
+            return stats
+        verified = verify_checksums(plan, out)
+        return replace(
+            stats, verified_shards=verified, partial_sums=partial_sums_pulled(plan, dest)
+        )
 
     def _resolve(self, agent: str, address: int) -> tuple[np.ndarray, int]:
         buffers = self._buffers.get(agent)

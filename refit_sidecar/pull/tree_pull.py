@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from refit_sidecar.core.manifest import AgentRecord, ShardLocation
 from refit_sidecar.core.plan import PullPlan, Want, plan_pull
 from refit_sidecar.integrity.checksum import ChecksumMismatch
+from refit_sidecar.integrity.partial_sums import PartialSums
 from refit_sidecar.integrity.verify import verifies_every_read
 from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.filled import Filled
@@ -76,6 +77,8 @@ class TreePullStats:
     source are not counted)."""
     chunks: int
     verified_shards: int
+    partial_sums: PartialSums | None
+    """When verifying: the sums of the reads of parts of shards (`partial_sums`)."""
     bytes_by_source: dict[str, int]
     started: float
     """Wall-clock time (time.time()) of the first read."""
@@ -350,6 +353,7 @@ class TreePull:
             reads=reads,
             chunks=chunks,
             verified_shards=verified,
+            partial_sums=None if check is None else check.partial,
             bytes_by_source=by_source,
             started=filled.started or time.time(),
             finished=time.time(),

@@ -65,7 +65,13 @@ class TreePuller:
         plan: PullPlan = planned.plan.pull
         tree = self._tree.pull(plan, staging, deadline=deadline, on_progress=on_progress)
         stats = PullStats(
-            tree.nbytes, tree.seconds, tree.reads, tree.chunks, 0, tree.verified_shards
+            tree.nbytes,
+            tree.seconds,
+            tree.reads,
+            tree.chunks,
+            0,
+            tree.verified_shards,
+            partial_sums=tree.partial_sums,
         )
         return Pulled(
             stats,

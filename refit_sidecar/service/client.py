@@ -376,9 +376,10 @@ class SidecarClient:
     def pending_manifest(self, version: int) -> tuple[Manifest, bytes]:
         """The layout of `version`, reserved and not readable yet (`Manifest.pending`: where
         its shards and words will lie), and its manifest key; a readable version's manifest
-        and key. A pending layout's shards carry a placeholder (0) of the checksum the
-        trainer publishes for their memory (CRC-32 on the host, WSUM-64 on a GPU), so that a
-        plan of it knows which reads its check covers; the values come with the version.
+        and key. A pending layout's shards carry a placeholder (0) of the checksums the
+        trainer publishes for their memory (CRC-32 and WSUM-64 on the host, WSUM-64 on a GPU),
+        so that a plan of it knows which reads its check covers; the values come with the
+        version.
         UnknownVersion when the sidecar does not know the layout (or is older than the
         field)."""
         request = pb.GetManifestRequest(version=version, reserved=True)
@@ -388,9 +389,8 @@ class SidecarClient:
         if pending:
             for parameter in reply.parameters:
                 for shard in parameter.shards:
-                    if shard.location.memory == pb.MEMORY_KIND_VRAM:
-                        shard.wsum64 = 0
-                    else:
+                    shard.wsum64 = 0
+                    if shard.location.memory != pb.MEMORY_KIND_VRAM:
                         shard.crc32 = 0
         return manifest_from_proto(reply), key
 

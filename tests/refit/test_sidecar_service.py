@@ -456,8 +456,8 @@ def test_a_slot_the_trainer_described_is_leased_early_with_its_layout(tmp_path):
         manifest, key = client.pending_manifest(2)
         assert key == lease.manifest_key and manifest.version == 2
         (shard,) = manifest.parameters[0].shards
-        # Where slot 1's shard lies, with a placeholder of the checksum its memory gets.
-        assert shard.location.address == 4096 * 2 and (shard.crc32, shard.sum64) == (0, None)
+        # Where slot 1's shard lies, with placeholders of the checksums its memory gets.
+        assert shard.location.address == 4096 * 2 and (shard.crc32, shard.sum64) == (0, 0)
         with pytest.raises(UnknownVersion):
             client.manifest(2)  # not readable: only asked for as reserved
         _publish_one_tensor(stub, 2, 1, crc=22)

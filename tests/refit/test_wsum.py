@@ -105,6 +105,8 @@ def test_the_host_implementation_equals_the_reference() -> None:
         (6, 2 * (1 << 16), 5),
         (1, 1000, 0),
         (0, 4096, (1 << 32) - 1000),
+        (0, 4096, (1 << 32) - 2048),  # ends at 2**32: the 32-bit path's last indices
+        (2, 3 * (1 << 16), 5 << 32),
         (10, 0, 7),
     ]:
         data = buffer[start_byte : start_byte + length]

@@ -193,6 +193,8 @@ def _serve(
                 value = _sample_with_routing(engine, *args)
             elif method == "parameters":
                 value = engine.llm.collective_rpc(worker_parameters)
+            elif method == "worker_refits":  # each worker's own reply to refit_to
+                value = engine.llm.collective_rpc("refit_to", args=args)
             else:
                 value = getattr(engine, method)(*args)
             conn.send(("ok", value))

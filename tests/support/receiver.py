@@ -50,18 +50,23 @@ def assert_exported(trainer: TrainerProcess, installed: dict[str, torch.Tensor],
 
 
 def corrupt_one_byte(
-    sidecar: Sidecar, version: int, rank: psutil.Process, parameter: str = "linear_qkv"
+    sidecar: Sidecar,
+    version: int,
+    rank: psutil.Process,
+    parameter: str = "linear_qkv",
+    *,
+    shards: int = 2,
 ) -> str:
-    """Flips one byte of a split shard (of the first parameter whose name holds `parameter`,
-    published by two ranks) that `rank` published for `version`, in the rank's own memory (its
-    DRAM snapshot slot), after the version's CRC-32s were reported (a version becomes readable
-    a moment after FinishTrainStep returns it)."""
+    """Flips one byte of a shard (of the first parameter whose name holds `parameter`,
+    published by `shards` ranks) that `rank` published for `version`, in the rank's own memory
+    (its DRAM snapshot slot), after the version's checksums were reported (a version becomes
+    readable a moment after FinishTrainStep returns it)."""
     with sidecar.client() as client:
         client.wait_visible(version)
         manifest = client.manifest(version)
     prefix = f"{rank.name()}-"  # a rank's NIXL agent is named trainer-rank<N>-…, as the rank
     agent = next(a for a in manifest.agents if a.startswith(prefix))
-    record = next(p for p in manifest.parameters if len(p.shards) == 2 and parameter in p.name)
+    record = next(p for p in manifest.parameters if len(p.shards) == shards and parameter in p.name)
     (shard,) = [s for s in record.shards if s.location.agent == agent]
     address = shard.location.address + shard.location.nbytes // 3
     (byte,) = read_memory(rank, address, 1)

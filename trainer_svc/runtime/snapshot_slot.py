@@ -17,7 +17,7 @@ from megatron_hf.experts import expert_group_of, grouped_expert_shape, parse_gro
 from megatron_hf.sharding import tp_placement
 from megatron_hf.spec import ModelSpec
 from refit_sidecar.core.manifest import VERSION_WORD_BYTES, DType, MemType, ShardLocation
-from refit_sidecar.integrity.checksum import checksum
+from refit_sidecar.integrity.checksum import host_checksums
 from refit_sidecar.memory.tensor_arena import TorchArena
 from refit_sidecar.publish.shard_source import ShardSource, SourceAgent, SourceConfig
 from refit_sidecar.publish.shard_specs import ShardSpec, expert_group_spec, placement_spec
@@ -163,16 +163,18 @@ class Slot:
     def request(
         self, version: int, generation: int, stream: torch.cuda.Stream | None = None
     ) -> pb.PublishShardsRequest:
-        """The report of `version`, held in this slot, with its checksums: the CRC-32 of each
-        shard of a host slot, the WSUM-64 of each shard of a device slot (computed on
-        `stream`, off the trainer's). The slot's one report message, rewritten by the next
-        request: send it before asking again (the reporter thread does, one at a time)."""
+        """The report of `version`, held in this slot, with its checksums: the CRC-32 and the
+        WSUM-64 of each shard of a host slot (a receiver that reads part of a shard checks it
+        with the engine's other workers through the WSUM-64), the WSUM-64 of each shard of a
+        device slot (computed on `stream`, off the trainer's). The slot's one report message,
+        rewritten by the next request: send it before asking again (the reporter thread does,
+        one at a time)."""
         request, shards = self._live
         request.version = version
         request.generation = generation
         if self.source.arena.mem_type is MemType.DRAM:
             for name, shard in shards:
-                shard.crc32 = checksum(self.source.view(name))
+                shard.crc32, shard.wsum64 = host_checksums(self.source.view(name))
         else:
             with torch.cuda.stream(stream):
                 sums = self.source.device_sums()
