@@ -1,8 +1,9 @@
 """CUDA graphs of the layers (`runtime/layer_graphs.py`, `--cuda-graphs layers`) on a GPU in
 bfloat16: a graphed training pass computes the eager pass's logprobs and every parameter's
 gradient, the first pass of a shape captures and later ones replay, and what is not eligible
-(a packed row, a pass without gradients) runs eagerly. Prints the distances and the host time
-of a pass both ways. Run on a lent GPU machine: ``python -m pytest -m gpu tests/gpu -s``."""
+(a packed row, a pass without gradients) runs eagerly. Prints the distances, and the host time
+of a pass both ways (printed, not asserted: BENCHMARKS.md's `graphs` rows measure speed). Run on
+a lent GPU machine: ``python -m pytest -m gpu tests/gpu -s``."""
 
 from __future__ import annotations
 
@@ -107,7 +108,6 @@ def test_graphed_passes_equal_eager_ones(tmp_path: Path) -> None:
         f"a training pass of {tuple(padded.inputs.shape)} tokens through 6 layers: "
         f"eager {eager_s * 1e3:.2f} ms, graphed {graphed_s * 1e3:.2f} ms"
     )
-    assert graphed_s < eager_s
 
 
 @in_child_process

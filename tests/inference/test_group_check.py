@@ -6,7 +6,6 @@ stay in step for the next collective after each."""
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from inference_ext.group_check import Agreement, agree
 from refit_sidecar.integrity.partial_sums import PartialSums
+from tests.support.gloo_ranks import rank_reports
 from tests.support.partial_reads import pull_half, source_slot
 
 WORLD = 2
@@ -59,25 +59,7 @@ def _rank_main(rank: int, store: str, scenarios: dict, report: Any) -> None:
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     store = str(Path(tmp_path_factory.mktemp("group-check")) / "rendezvous")
     scenarios = _scenarios()
-    context = multiprocessing.get_context("spawn")
-    pipes, ranks = [], []
-    for rank in range(WORLD):
-        receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=_rank_main, args=(rank, store, scenarios, send))
-        process.start()
-        pipes.append(receive)
-        ranks.append(process)
-    results = []
-    for receive, process in zip(pipes, ranks, strict=True):
-        if not receive.poll(120):
-            for stuck in ranks:
-                stuck.kill()
-            pytest.fail("a rank did not report within 120 s (stuck in a collective?)")
-        result = receive.recv()
-        process.join(timeout=30)
-        assert isinstance(result, dict), result
-        results.append(result)
-    return results
+    return rank_reports(_rank_main, WORLD, store, scenarios)
 
 
 def test_halves_that_add_up_pass_with_their_counts(outcomes) -> None:

@@ -6,7 +6,6 @@ logged; an expected refusal is one log line per rank, without a traceback."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import re
 import traceback
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support.gloo_ranks import rank_reports
 from trainer_svc.config import ParallelLayout
 from trainer_svc.domain import (
     AlreadyExists,
@@ -126,25 +126,7 @@ def _rank_main(rank: int, store: str, report: Any) -> None:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, tuple]]:
     store = str(Path(tmp_path_factory.mktemp("agreement")) / "rendezvous")
-    context = multiprocessing.get_context("spawn")
-    pipes, ranks = [], []
-    for rank in range(WORLD):
-        receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=_rank_main, args=(rank, store, send))
-        process.start()
-        pipes.append(receive)
-        ranks.append(process)
-    results = []
-    for receive, process in zip(pipes, ranks, strict=True):
-        if not receive.poll(120):
-            for stuck in ranks:
-                stuck.kill()
-            pytest.fail("a rank did not report within 120 s (stuck in a collective?)")
-        result = receive.recv()
-        process.join(timeout=30)
-        assert isinstance(result, dict), result
-        results.append(result)
-    return results
+    return rank_reports(_rank_main, WORLD, store)
 
 
 def test_without_failures_each_rank_gets_its_own_result(outcomes) -> None:
