@@ -33,7 +33,9 @@ Tokens/s counts every token sent (the sum of the step's sequence lengths); the t
 (predicted) tokens are one fewer per sequence and are reported too. ``--length-mix MIN:MAX``
 draws the lengths uniformly, as RL rollouts come, and ``--sequence-layouts packed,padded`` runs
 every mode with the trainer's sequences packed into one row and right-padded, giving the
-tokens/s ratio of the two on the same steps (padding is computed but never counted).
+tokens/s ratio of the two on the same steps (padding is computed but never counted);
+``--packed-attentions cudnn,flash`` runs each layout that may pack once per packed-row kernel
+(the trainer's ``--packed-attention``), padded once.
 
 The services run as deployed, with authentication on (`tokens_for`: a fresh bearer token per role
 under the run's work dir, as ``examples.local_stack`` does); the trainer's path root is
@@ -43,6 +45,8 @@ its own directory beside them (`trainer_root`).
     python -m benchmarks.trainer_step --preset tiny --device cpu --out /tmp/r.json   # CPU smoke
     python -m benchmarks.trainer_step --preset 1b --modes inprocess \
         --sequence-layouts packed,padded --length-mix 64:4096 --out packing.json
+    python -m benchmarks.trainer_step --preset 1b --modes inprocess --sequence-layouts \
+        packed,padded --packed-attentions cudnn,flash --length-mix 64:4096 --out kernels.json
 """
 
 from __future__ import annotations
@@ -781,6 +785,19 @@ def variant(mode: str, layout: str, layouts: list[str]) -> str:
     return mode if len(layouts) == 1 else f"{mode}-{layout}"
 
 
+def layout_runs(layouts: list[str], attentions: list[str]) -> list[tuple[str, list[str]]]:
+    """(name, trainer arguments) of each sequence layout to run: a layout that may pack once
+    per packed-row kernel (named ``layout-kernel`` when there are several), padded once (the
+    kernel of packed rows does not touch it)."""
+    runs = []
+    for layout in layouts:
+        chosen = attentions[:1] if layout == "padded" else attentions
+        for attention in chosen:
+            name = layout if len(chosen) == 1 else f"{layout}-{attention}"
+            runs.append((name, ["--sequence-layout", layout, "--packed-attention", attention]))
+    return runs
+
+
 def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
     tokens, trained = step_tokens(plan)
     modes: dict[str, Any] = {}
@@ -811,11 +828,14 @@ def summarize(runs: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any
         tokens_per_step=tokens, trained_tokens_per_step=trained, modes=modes
     )
     summary["reproducibility"] = reproducibility(runs)
-    # The same steps with the sequences packed into one row against right-padded rows.
+    # The same steps with the sequences packed into one row against right-padded rows (keyed
+    # by the mode, and the packed-row kernel where several ran: "inprocess-cudnn").
     summary["packed_over_padded"] = {
-        mode: modes[f"{mode}-packed"]["tokens_per_s"] / modes[f"{mode}-padded"]["tokens_per_s"]
+        mode + name.removeprefix(f"{mode}-packed"): modes[name]["tokens_per_s"]
+        / modes[f"{mode}-padded"]["tokens_per_s"]
         for mode in MODES
-        if f"{mode}-packed" in modes and f"{mode}-padded" in modes
+        for name in modes
+        if name.startswith(f"{mode}-packed") and f"{mode}-padded" in modes
     }
     if "inprocess" not in modes:
         return summary
@@ -861,7 +881,7 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
         + f" = {summary['tokens_per_step']} tokens ({summary['trained_tokens_per_step']} trained)"
     )
     header = (
-        f"{'mode':<22} {'runs':>4} {'steps':>5} {'step s (median)':>16} {'tokens/s':>10} "
+        f"{'mode':<26} {'runs':>4} {'steps':>5} {'step s (median)':>16} {'tokens/s':>10} "
         f"{'tokens/s per run':>22} {'mb call ms':>10} {'finish ms':>9} {'startup s':>10}"
     )
     print(header)
@@ -870,7 +890,7 @@ def print_table(summary: dict[str, Any], meta: dict[str, Any]) -> None:
         each = ", ".join(f"{v:.0f}" for v in m["tokens_per_s_each_run"])
         startup = ", ".join(f"{v:.0f}" for v in m["startup_s"])
         print(
-            f"{mode:<22} {m['runs']:>4} {m['timed_steps']:>5} {m['step_s_median']:>16.4f} "
+            f"{mode:<26} {m['runs']:>4} {m['timed_steps']:>5} {m['step_s_median']:>16.4f} "
             f"{m['tokens_per_s']:>10.0f} {each:>22} {1e3 * m['microbatch_s_median']:>10.1f} "
             f"{1e3 * m['finish_s_median']:>9.1f} {startup:>10}"
         )
@@ -977,6 +997,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(auto, packed, padded; default auto); packed,padded gives their tokens/s ratio",
     )
     run.add_argument(
+        "--packed-attentions",
+        default="auto",
+        help="comma-separated trainer --packed-attention values (auto, cudnn, flash; default "
+        "auto), each run with every layout that may pack",
+    )
+    run.add_argument(
         "--length-mix",
         metavar="MIN:MAX",
         default=None,
@@ -1069,6 +1095,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.layouts = [x.strip() for x in args.sequence_layouts.split(",") if x.strip()]
     if not args.layouts or any(x not in ("auto", "packed", "padded") for x in args.layouts):
         raise SystemExit("--sequence-layouts must be a subset of auto,packed,padded")
+    args.row_attentions = [x.strip() for x in args.packed_attentions.split(",") if x.strip()]
+    if not args.row_attentions or any(
+        x not in ("auto", "cudnn", "flash") for x in args.row_attentions
+    ):
+        raise SystemExit("--packed-attentions must be a subset of auto,cudnn,flash")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         raise SystemExit(f"--modes must be a subset of {','.join(MODES)}")
@@ -1102,6 +1133,7 @@ def _meta(
         seq_len=args.seq_len,
         length_mix=args.length_mix,
         sequence_layouts=args.layouts,
+        packed_attentions=args.row_attentions,
         seqs_per_microbatch=args.seqs_per_microbatch,
         microbatches=args.microbatches,
         warmup=args.warmup,
@@ -1176,16 +1208,17 @@ def main(argv: list[str] | None = None) -> None:
         log.info("trainer args: %s", " ".join(trainer_args))
         costs = conversion_costs(plan)
         log.info("host-side cost of one TrainMicrobatch: %s", costs)
-        variants = [(mode, layout) for layout in args.layouts for mode in args.modes]
+        layouts = dict(layout_runs(args.layouts, args.row_attentions))
+        variants = [(mode, layout) for layout in layouts for mode in args.modes]
         for repeat in range(args.repeats):
             order = variants if repeat % 2 == 0 else list(reversed(variants))
             for mode, layout in order:
-                name = variant(mode, layout, args.layouts)
+                name = variant(mode, layout, list(layouts))
                 log_path = log_dir / f"{name}-run{repeat}.log"
                 log_path.unlink(missing_ok=True)
                 log.info("run %d: %s (log %s)", repeat, name, log_path)
                 started = time.perf_counter()
-                laid_out = dict(plan, trainer_args=[*trainer_args, "--sequence-layout", layout])
+                laid_out = dict(plan, trainer_args=[*trainer_args, *layouts[layout]])
                 if mode.startswith("grpc"):
                     run = run_grpc(
                         laid_out,

@@ -48,6 +48,10 @@
 #   graphs      trainer_step, 1b: the light step (one 512-token sequence) over gRPC and
 #               in-process, then the preset's full steps in-process, without and with
 #               --cuda-graphs layers, alternating ($STEP_ROUNDS: the rounds, default "1 2")
+#   packing     trainer_step, 1b, in-process, 2 microbatches of $PACK_SEQS sequences (default
+#               "16 8") of 64-4,096 tokens: packed rows with cuDNN's ragged attention and with
+#               the variable-length flash kernel, and right-padded rows; the GPU tests of packed
+#               rows first ($PACK_REPEATS: runs of each, default 2)
 #   recompute   trainer_step, 1b, one 8,192-token sequence per microbatch, in-process: peak
 #               memory and tokens/s with --recompute none, selective and full
 #   determinism trainer_step, 1b, grpc, in-process and leader: twice each with --deterministic
@@ -142,6 +146,18 @@ for group in "$@"; do
                     --modes inprocess --repeats 1 --cuda-graphs $graphs \
                     --out "$OUT/trainer_step_1b_graphs_${graphs}_$round.json"
             done
+        done
+        ;;
+    packing)
+        run packing-tests python3 -m pytest -p no:cacheprovider -m gpu -q -s \
+            tests/gpu/test_ragged_attention_gpu.py tests/gpu/test_sdpa_gpu.py \
+            tests/gpu/test_sequence_layouts_gpu.py
+        for seqs in ${PACK_SEQS:-16 8}; do
+            run "packing-${seqs}seq" python3 -m benchmarks.trainer_step --preset 1b \
+                --modes inprocess --sequence-layouts packed,padded --packed-attentions cudnn,flash \
+                --length-mix 64:4096 --microbatches 2 --seqs-per-microbatch "$seqs" --warmup 2 \
+                --steps 4 --repeats "${PACK_REPEATS:-2}" --log-dir "$logs/packing-${seqs}seq" \
+                --out "$OUT/trainer_step_1b_packing_${seqs}seq.json"
         done
         ;;
     recompute)

@@ -29,13 +29,15 @@ PINS = (
     "nixl==1.5.1",
     "nixl-cu13==1.5.1",
     "psutil==7.2.2",
+    "nvidia-cudnn-frontend==1.16.0",
     "pytest==9.2.0",
     "pluggy==1.7.0",
     "iniconfig==2.3.1",
 )
 """megatron-core is newer than the CPU pin (the CPU venv keeps the version its tests cover);
 protobuf >= 7.35.1 for the generated stubs; grpcio >= 1.85.1 for health, reflection and
-status; grpcio-status and googleapis-common-protos for rich error details; pytest and its two
+status; grpcio-status and googleapis-common-protos for rich error details; cuDNN's frontend
+for packed rows' ragged attention (it loads the cuDNN torch ships); pytest and its two
 dependencies for the GPU tests."""
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 

@@ -17,6 +17,7 @@ from trainer_svc.config import (
     ModelConfig,
     OptimizerConfig,
     OptimizerKind,
+    PackedAttention,
     ParallelLayout,
     ParamsDType,
     Recompute,
@@ -72,6 +73,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "no padding computed (needs the sdpa attention); padded: a row per sequence; auto "
         "(default): with the sdpa attention, each pass packed when padding would add more "
         "than 15%%, padded otherwise",
+    )
+    model.add_argument(
+        "--packed-attention",
+        choices=[a.value for a in PackedAttention],
+        default=PackedAttention.AUTO.value,
+        help="a packed row's attention on a GPU: cudnn (cuDNN's ragged-layout attention; "
+        "Hopper or newer, with nvidia-cudnn-frontend installed), flash (the variable-length "
+        "flash kernel) or auto (default: cudnn where it runs, else flash)",
     )
     model.add_argument(
         "--reference-policy",
@@ -303,6 +312,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             recompute=Recompute(args.recompute),
             cuda_graphs=CudaGraphs(args.cuda_graphs),
             sequence_layout=SequenceLayout(args.sequence_layout),
+            packed_attention=PackedAttention(args.packed_attention),
             deterministic=args.deterministic,
             vocab_multiple=args.vocab_multiple,
             max_sequence_length=args.max_seq_len,

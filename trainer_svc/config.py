@@ -78,6 +78,20 @@ class SequenceLayout(enum.Enum):
     """One row per sequence, right-padded to the longest."""
 
 
+class PackedAttention(enum.Enum):
+    """Which kernel runs a packed row's attention on a GPU in half precision
+    (`runtime/sdpa_attention.py`); the CPU and float32 attend sequence by sequence either way."""
+
+    AUTO = "auto"
+    """cuDNN's ragged-layout attention where it runs (Hopper or newer, cuDNN's frontend
+    installed), else the variable-length flash kernel."""
+    CUDNN = "cudnn"
+    """cuDNN's ragged-layout attention (`runtime/ragged_attention.py`); a GPU rank that cannot
+    run it refuses to start."""
+    FLASH = "flash"
+    """PyTorch's variable-length flash kernel (FA2)."""
+
+
 class ReferenceWeights(enum.Enum):
     """Which weights the service keeps frozen for the KL term's reference logprobs
     (`runtime/reference_policy.py`)."""
@@ -229,6 +243,7 @@ class ModelConfig:
     recompute: Recompute = Recompute.NONE
     cuda_graphs: CudaGraphs = CudaGraphs.NONE
     sequence_layout: SequenceLayout = SequenceLayout.AUTO
+    packed_attention: PackedAttention = PackedAttention.AUTO
     deterministic: bool = False
     """Bit-identical steps from run to run, at some speed (`runtime/determinism.py`)."""
     vocab_multiple: int = 128

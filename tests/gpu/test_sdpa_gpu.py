@@ -12,6 +12,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from tests.support.isolation import in_child_process
 from tests.support.megatron_world import attention_config, one_rank_model_parallel
+from trainer_svc.config import PackedAttention
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 
 pytestmark = [
@@ -98,6 +99,7 @@ def test_packed_rows_through_varlen_flash_are_as_close_as_padded_rows_without_a_
             SdpaAttention(configs[dtype], 1, AttnMaskType.causal, "self")
             for dtype in (torch.float32, torch.bfloat16)
         )
+        half.packed_attention = PackedAttention.FLASH  # cuDNN's: test_ragged_attention_gpu.py
         inputs = [torch.randn(total, 1, n, dim, device="cuda") for n in (heads, groups, groups)]
         grad = torch.randn(total, 1, heads * dim, device="cuda")
         assert _varlen_call(inputs[0][:, 0].bfloat16(), None, groups != heads, 0.0) is not None

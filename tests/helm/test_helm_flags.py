@@ -365,6 +365,7 @@ def test_trainer_module_exists() -> None:
         (("trainer", "logLevel"), "--log-level"),
         (("trainer", "attention"), "--attention"),
         (("trainer", "sequenceLayout"), "--sequence-layout"),
+        (("trainer", "packedAttention"), "--packed-attention"),
         (("trainer", "referencePolicy"), "--reference-policy"),
         (("trainer", "referencePlacement"), "--reference-placement"),
     ],

@@ -25,9 +25,9 @@ from tests.support.batches import make_batch
 from tests.support.isolation import in_child_process
 from tests.support.megatron_world import one_rank_model_parallel
 from tests.support.sequence_layouts import built_model, predicted, run_layout
-from trainer_svc.config import Attention, ModelConfig, SequenceLayout
+from trainer_svc.config import Attention, ModelConfig, PackedAttention, SequenceLayout
 from trainer_svc.domain import LossConfig, LossKind, Normalization
-from trainer_svc.runtime import cpu_compat, documents, norms
+from trainer_svc.runtime import cpu_compat, documents, norms, ragged_attention
 from trainer_svc.runtime.packing import pack
 
 CPU = torch.device("cpu")
@@ -92,6 +92,16 @@ def test_each_layout_choice_packs_only_where_the_attention_keeps_sequences_apart
     found = [m for m in sdpa.modules() if isinstance(m, torch.nn.RMSNorm)]
     assert found and all(isinstance(m, norms.ActivationDtypeRMSNorm) for m in found)
     assert documents.resolve(SequenceLayout.PACKED, sdpa) is SequenceLayout.PACKED
+    cores = [m.core_attention for m in sdpa.modules() if hasattr(m, "core_attention")]
+    assert cores and all(c.packed_attention is PackedAttention.AUTO for c in cores)
+    # Each core attention gets the packed-row kernel asked for; a CPU rank attends sequence by
+    # sequence whatever it is, so asking for cuDNN there is not refused.
+    assert (
+        documents.resolve(SequenceLayout.AUTO, sdpa, PackedAttention.CUDNN) is SequenceLayout.AUTO
+    )
+    assert all(c.packed_attention is PackedAttention.CUDNN for c in cores)
+    documents.resolve(SequenceLayout.PACKED, sdpa, PackedAttention.FLASH)
+    assert all(c.packed_attention is PackedAttention.FLASH for c in cores)
     assert documents.resolve(SequenceLayout.PADDED, sdpa) is SequenceLayout.PADDED
     assert documents.resolve(SequenceLayout.AUTO, local) is SequenceLayout.PADDED
     with pytest.raises(ValueError, match="DotProductAttention"):
@@ -111,3 +121,14 @@ def test_packed_with_the_local_attention_is_refused_in_the_config() -> None:
     with pytest.raises(ValueError, match="--attention sdpa"):
         ModelConfig(attention=Attention.LOCAL, sequence_layout=SequenceLayout.PACKED)
     assert ModelConfig().sequence_layout is SequenceLayout.AUTO
+
+
+def test_the_ragged_attention_says_why_it_cannot_run() -> None:
+    """What `--packed-attention cudnn` is refused with on a GPU rank it cannot serve (the GPU
+    test holds its results to the flash kernel's, tests/gpu/test_ragged_attention_gpu.py)."""
+    cpu = torch.device("cpu")
+    assert ragged_attention.unavailable(cpu, torch.bfloat16) == "it runs on a GPU only"
+    assert not ragged_attention.applies(torch.zeros(4, 2, 8, dtype=torch.bfloat16), 0.0)
+    if torch.cuda.is_available():
+        reason = ragged_attention.unavailable(torch.device("cuda", 0), torch.float32)
+        assert reason is not None and "float32" in reason

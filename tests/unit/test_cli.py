@@ -11,11 +11,13 @@ from trainer_svc.cli import build_parser, parse_config
 from trainer_svc.config import (
     Device,
     OptimizerKind,
+    PackedAttention,
     ParallelLayout,
     ParamsDType,
     ReferenceConfig,
     ReferencePlacement,
     ReferenceWeights,
+    SequenceLayout,
     TrainerConfig,
 )
 
@@ -55,6 +57,7 @@ def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
             *("--log-level", "DEBUG"),
             *("--refit-publish-every", "3"),
             *("--reference-policy", "initial", "--reference-placement", "host"),
+            *("--sequence-layout", "packed", "--packed-attention", "flash"),
         ]
     )
     assert log_level == "DEBUG"
@@ -62,6 +65,8 @@ def test_every_flag_is_parsed_into_typed_config(tmp_path: Path) -> None:
     assert config.model.params_dtype is ParamsDType.BFLOAT16
     assert config.model.max_sequence_length == 512
     assert config.model.vocab_multiple == 64
+    assert config.model.sequence_layout is SequenceLayout.PACKED
+    assert config.model.packed_attention is PackedAttention.FLASH
     assert config.layout == ParallelLayout(tensor_parallel=2, pipeline_parallel=3, data_parallel=4)
     assert config.layout.world_size == 24
     assert config.layout.describe() == "TP=2 PP=3 DP=4 (world size 24)"

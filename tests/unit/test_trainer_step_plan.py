@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.trainer_step import make_batches, step_tokens, summarize, variant
+from benchmarks.trainer_step import layout_runs, make_batches, step_tokens, summarize, variant
 
 PLAN: dict[str, Any] = dict(seed=7, seqs_per_microbatch=6, microbatches=3, vocab=50, seq_len=40)
 
@@ -62,3 +62,27 @@ def test_two_layouts_are_summarized_apart_with_their_ratio() -> None:
     # One layout keeps the plain mode names.
     single = summarize([_run("inprocess", "auto", ["auto"], 0.5)], PLAN)
     assert set(single["modes"]) == {"inprocess"} and single["packed_over_padded"] == {}
+
+
+def test_each_packed_row_kernel_runs_once_and_padded_once() -> None:
+    runs = dict(layout_runs(["packed", "padded"], ["cudnn", "flash"]))
+    assert runs == {
+        "packed-cudnn": ["--sequence-layout", "packed", "--packed-attention", "cudnn"],
+        "packed-flash": ["--sequence-layout", "packed", "--packed-attention", "flash"],
+        "padded": ["--sequence-layout", "padded", "--packed-attention", "cudnn"],
+    }
+    names = list(runs)
+    summary = summarize(
+        [
+            _run("inprocess", "packed-cudnn", names, 0.4),
+            _run("inprocess", "packed-flash", names, 0.5),
+            _run("inprocess", "padded", names, 0.8),
+        ],
+        PLAN,
+    )
+    assert summary["packed_over_padded"] == {
+        "inprocess-cudnn": pytest.approx(0.8 / 0.4),
+        "inprocess-flash": pytest.approx(0.8 / 0.5),
+    }
+    # One kernel keeps the layouts' plain names.
+    assert dict(layout_runs(["packed", "padded"], ["auto"])).keys() == {"packed", "padded"}

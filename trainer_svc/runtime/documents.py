@@ -8,7 +8,8 @@ every layer. Here RoPE stays megatron's bshd path, fed with the angles of each t
 position: a forward hook on every rotary module gathers the rows of its usual [max_len, 1, 1,
 dim] table at the row's positions. Position p of a sequence thus gets exactly the angles it
 gets unpacked. The core attention (`SdpaAttention`) reads the document bounds from the same
-`DocumentBounds` and keeps each token's attention inside its own sequence.
+`DocumentBounds` and keeps each token's attention inside its own sequence, with the kernel
+`--packed-attention` chose (`resolve`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from trainer_svc.config import SequenceLayout
+from trainer_svc.config import PackedAttention, SequenceLayout
+from trainer_svc.runtime import ragged_attention
 from trainer_svc.runtime.sdpa_attention import SdpaAttention
 
 _HOOKED = "_trainer_document_positions"
@@ -61,11 +63,16 @@ packing pays only where the padding it saves outweighs that (the measurement beh
 threshold: BENCHMARKS.md, "Known gaps"). Equal lengths (no padding) stay padded."""
 
 
-def resolve(layout: SequenceLayout, model: torch.nn.Module) -> SequenceLayout:
+def resolve(
+    layout: SequenceLayout,
+    model: torch.nn.Module,
+    attention: PackedAttention = PackedAttention.AUTO,
+) -> SequenceLayout:
     """The layout this model runs: PACKED where asked (refused, with the reason, where a core
     attention cannot keep documents apart), AUTO (each pass packed where that pays, `packs`)
     where every core attention is `SdpaAttention`, else PADDED. Installs the position hooks
-    where it may pack."""
+    where it may pack, and gives every core attention the packed-row kernel `attention` (on
+    a GPU, CUDNN is refused where cuDNN's ragged attention cannot run)."""
     cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
     capable = bool(cores) and all(isinstance(core, SdpaAttention) for core in cores)
     if layout is SequenceLayout.PADDED:
@@ -78,6 +85,15 @@ def resolve(layout: SequenceLayout, model: torch.nn.Module) -> SequenceLayout:
                 f"this model's is {', '.join(kinds)}"
             )
         return SequenceLayout.PADDED
+    if attention is PackedAttention.CUDNN:
+        weight = next(model.parameters())
+        if weight.is_cuda:
+            reason = ragged_attention.unavailable(weight.device, weight.dtype)
+            if reason is not None:
+                raise ValueError(f"--packed-attention cudnn cannot run here: {reason}")
+    for core in cores:
+        assert isinstance(core, SdpaAttention)
+        core.packed_attention = attention
     install_position_hooks(model)
     return layout
 

@@ -177,8 +177,14 @@ def build_engine(
             recompute=config.model.recompute,
             deterministic=config.model.deterministic,
         )
-        layout = documents.resolve(config.model.sequence_layout, model)
-        log.info("sequence layout: %s", layout.value)
+        layout = documents.resolve(
+            config.model.sequence_layout, model, config.model.packed_attention
+        )
+        log.info(
+            "sequence layout: %s (packed attention: %s)",
+            layout.value,
+            config.model.packed_attention.value,
+        )
         if any(model_dir.glob("*.safetensors")):
             _load_weights(model, model_dir, spec, topology, padded)
         if config.refit.sidecar is not None:

@@ -13,9 +13,10 @@ is never less capable than the one it replaces.
 
 A packed row (`runtime/documents.py`: several sequences in one row, `DocumentBounds`) is
 attended document by document, causal inside each: on a GPU in half precision through
-PyTorch's variable-length flash attention (`torch.nn.attention.varlen`), one kernel for the
-row; elsewhere (the CPU, float32) as one fused call per sequence, which computes exactly what
-the sequence's own padded row computes.
+cuDNN's ragged-layout attention (`runtime/ragged_attention.py`, Hopper or newer) or PyTorch's
+variable-length flash attention (`torch.nn.attention.varlen`), one kernel for the row, as
+`packed_attention` says; elsewhere (the CPU, float32) as one fused call per sequence, which
+computes exactly what the sequence's own padded row computes.
 
 `tests/trainer/test_sdpa_attention.py` holds it to the local attention's output and gradients.
 """
@@ -31,8 +32,14 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from trainer_svc.config import PackedAttention
+from trainer_svc.runtime import ragged_attention
+
 
 class SdpaAttention(DotProductAttention):
+    packed_attention: PackedAttention = PackedAttention.AUTO
+    """The kernel of a packed row on a GPU in half precision (`documents.resolve` sets it)."""
+
     def forward(  # noqa: PLR0917 (megatron calls it positionally)
         self,
         query: torch.Tensor,
@@ -99,6 +106,18 @@ class SdpaAttention(DotProductAttention):
         grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         dropout = self.attention_dropout.p if self.training else 0.0
         q, k, v = (x[:, 0] for x in (query, key, value))  # [T, heads, dim]
+        if self.packed_attention is not PackedAttention.FLASH and ragged_attention.applies(
+            q, dropout
+        ):
+            context = ragged_attention.attention(
+                q,
+                k,
+                v,
+                cu_seqlens=documents.cu_seqlens_q,
+                longest=documents.max_seqlen_q,
+                scale=float(self.softmax_scale),
+            )
+            return context.reshape(total, 1, self.hidden_size_per_partition)
         varlen = _varlen_call(q, self.softmax_scale, grouped, dropout)
         if varlen is not None:
             context = varlen(

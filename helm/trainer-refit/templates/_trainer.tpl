@@ -110,6 +110,7 @@ spec:
         - --deterministic
         {{- end }}
         - --sequence-layout={{ $t.sequenceLayout }}
+        - --packed-attention={{ $t.packedAttention }}
         - --reference-policy={{ $t.referencePolicy }}
         - --reference-placement={{ $t.referencePlacement }}
         - --seed={{ $t.seed | int }}

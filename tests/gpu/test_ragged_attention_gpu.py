@@ -1,0 +1,202 @@
+"""cuDNN's ragged-layout attention for packed rows (`runtime/ragged_attention.py`) on a GPU in
+bfloat16: no further from the float32 per-sequence reference than PyTorch's variable-length
+flash kernel, with no host round trip, for grouped and ungrouped heads and a strided value
+(megatron's value is a view into the fused QKV projection); new lengths within a graph's
+bucket build no graph; then one layer's attention timings, forward and backward, for the RL
+mix (8 and 16 sequences of 64-4,096 tokens, 16 heads of 128, 8 key/value heads): ragged
+cuDNN, varlen flash, and the same sequences as right-padded rows through cuDNN's dense kernel.
+Run on a lent GPU machine: ``python -m pytest -m gpu tests/gpu/test_ragged_attention_gpu.py -s``
+(with $OUT set, the timings also go to $OUT/ragged_attention_timings.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tests.support.isolation import in_child_process
+from trainer_svc.runtime import ragged_attention
+from trainer_svc.runtime.sdpa_attention import _varlen_call
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _reference(q, k, v, lengths, scale):
+    """Float32, one fused causal call per sequence."""
+    outs, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (x[start : start + n].float().transpose(0, 1)[None] for x in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        outs.append(out[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def _grads(run, inputs, grad):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = run(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.float()] + [x.grad.float() for x in leaves]
+
+
+def _strided_value(value: torch.Tensor) -> torch.Tensor:
+    """`value` as a view with a token stride wider than its heads, as megatron's is."""
+    tokens, groups, dim = value.shape
+    wide = torch.zeros(tokens, groups, 3 * dim, dtype=value.dtype, device=value.device)
+    wide[:, :, dim : 2 * dim] = value
+    return wide[:, :, dim : 2 * dim]
+
+
+@in_child_process
+def test_ragged_is_as_close_to_float32_as_varlen_without_a_sync() -> None:
+    assert ragged_attention.applies(torch.empty(1, 1, 128, device="cuda").bfloat16(), 0.0)
+    torch.manual_seed(0)
+    lengths, heads, dim = [700, 33, 1024, 5, 290, 1, 2049], 16, 128
+    total, scale = sum(lengths), dim**-0.5
+    cu, longest = _cu(lengths), max(lengths)
+    for groups in (16, 8, 1):
+        q, k, v = (torch.randn(total, n, dim, device="cuda") for n in (heads, groups, groups))
+        grad = torch.randn(total, heads, dim, device="cuda")
+        reference = _grads(lambda *x: _reference(*x, lengths, scale), [q, k, v], grad)
+        half = [x.bfloat16() for x in (q, k, v)]
+        varlen = _varlen_call(half[0], scale, groups != heads, 0.0)
+        assert varlen is not None
+        flash = _grads(lambda *x, f=varlen: f(*x, cu, cu, longest, longest), half, grad)
+        for strided in (False, True):
+
+            def ragged(q, k, v, strided=strided):
+                v = _strided_value(v) if strided else v
+                return ragged_attention.attention(
+                    q, k, v, cu_seqlens=cu, longest=longest, scale=scale
+                )
+
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = _grads(ragged, half, grad)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for what, ref, g, b in zip(
+                ("out", "dq", "dk", "dv"), reference, got, flash, strict=True
+            ):
+                err, base = (g - ref).abs().max().item(), (b - ref).abs().max().item()
+                print(
+                    f"groups {groups} strided {strided} {what}: varlen {base:.3g}, ragged {err:.3g}"
+                )
+                assert err <= 1.5 * base + 1e-3, (groups, strided, what, base, err)
+
+
+@in_child_process
+def test_new_lengths_in_the_same_bucket_build_no_graph() -> None:
+    heads, groups, dim = 16, 8, 128
+
+    def once(lengths: list[int]) -> float:
+        total = sum(lengths)
+        q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(total, groups, dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = ragged_attention.attention(
+            *leaves, cu_seqlens=_cu(lengths), longest=max(lengths), scale=dim**-0.5
+        )
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    first = once([1000, 2000, 3000, 500])
+    built = ragged_attention.graphs_built()
+    again = once([1001, 1990, 2950, 600])  # same count, longest in the same bucket
+    assert ragged_attention.graphs_built() == built
+    print(
+        f"a new key (forward and backward graphs): {first:.3f} s; "
+        f"new lengths, same key: {again * 1e3:.1f} ms"
+    )
+    assert again < first
+
+
+def _median_ms(run: Callable[[], object], warmup: int = 3, iterations: int = 10) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _layer_timings(sequences: int) -> dict[str, object]:
+    """One layer's attention for `sequences` lengths drawn from 64-4,096: forward and
+    backward (and forward alone) through each kernel, median milliseconds."""
+    heads, groups, dim = 16, 8, 128
+    scale = dim**-0.5
+    lengths = np.random.default_rng(sequences).integers(64, 4097, sequences).tolist()
+    total, longest, cu = sum(lengths), max(lengths), _cu(lengths)
+    q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total, groups, dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    grad = torch.randn_like(q)
+    varlen = _varlen_call(q, scale, True, 0.0)
+    assert varlen is not None
+    rows = [
+        torch.randn(sequences, n, longest, dim, device="cuda", dtype=torch.bfloat16)
+        for n in (heads, groups, groups)
+    ]
+    rows = [x.requires_grad_() for x in rows]
+    row_grad = torch.randn_like(rows[0])
+
+    def ragged() -> torch.Tensor:
+        return ragged_attention.attention(*leaves, cu_seqlens=cu, longest=longest, scale=scale)
+
+    def flash() -> torch.Tensor:
+        return varlen(*leaves, cu, cu, longest, longest)
+
+    def padded() -> None:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True)
+        out.backward(row_grad)
+
+    with torch.no_grad():
+        forward = {"ragged": _median_ms(ragged), "varlen": _median_ms(flash)}
+    timings = {
+        "ragged": _median_ms(lambda: ragged().backward(grad)),
+        "varlen": _median_ms(lambda: flash().backward(grad)),
+        "padded": _median_ms(padded),
+    }
+    print(
+        f"{sequences} sequences ({total} tokens): forward+backward ragged "
+        f"{timings['ragged']:.2f} ms, varlen {timings['varlen']:.2f} ms, padded rows "
+        f"{timings['padded']:.2f} ms; forward ragged {forward['ragged']:.2f} ms, varlen "
+        f"{forward['varlen']:.2f} ms"
+    )
+    return {"lengths": lengths, "forward_and_backward_ms": timings, "forward_ms": forward}
+
+
+@in_child_process
+def test_one_layer_timings_for_the_rl_mix() -> None:
+    results = {sequences: _layer_timings(sequences) for sequences in (8, 16)}
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "ragged_attention_timings.json").write_text(json.dumps(results, indent=1))

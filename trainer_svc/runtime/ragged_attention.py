@@ -1,0 +1,340 @@
+"""Causal attention of a packed row through cuDNN's ragged-layout SDPA graphs, on Hopper and
+newer GPUs.
+
+A packed row's attention on a GPU otherwise runs PyTorch's variable-length flash kernel (FA2),
+which on Hopper does a token's attention work at about a third of the rate of cuDNN's dense
+kernel that right-padded rows get; that gap is most of what keeps packing from paying in full
+(BENCHMARKS.md, "Known gaps"). cuDNN runs the same fused attention over a ragged layout: the
+row's query, key and value stay as they are ([tokens, heads, dim], any token and head
+strides), each sequence found by a ragged offset, masked by its length and causally inside
+itself. PyTorch reaches that path only through its private `_cudnn_attention_forward`, which it
+keeps off below Blackwell: on Hopper its backward returns non-finite gradients and every call
+rebuilds the plan. So this module builds the graphs itself, through cuDNN's frontend
+(`nvidia-cudnn-frontend`, optional: absent, packed rows keep FA2).
+
+A graph is built once per key (sequences, longest sequence rounded up, heads, strides, a
+bucket of the row's tokens for the backward's workspace) and serves every later row of that
+key: the lengths and offsets are device tensors, so nothing waits on the host and new lengths
+cost no new plan unless the longest sequence or the count changes bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LONGEST_BUCKET = 256
+"""The longest sequence a graph is built for is rounded up to this: a graph masks every
+sequence by its own length, so a larger bound costs only empty thread blocks, and a few
+bounds serve every row of an RL length mix."""
+
+TOKENS_BUCKET = 8192
+"""The backward's workspace is sized for the row's tokens rounded up to this."""
+
+GRAPHS_KEPT = 32
+"""Graphs kept per process (least recently used dropped): each holds its plan and nothing
+of a row's size."""
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _frontend() -> Any:
+    """cuDNN's frontend module, or None where it is not installed or cannot load cuDNN."""
+    try:
+        import cudnn  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+        cudnn.backend_version()
+    except Exception:  # absent, or no usable cuDNN: FA2 serves instead
+        return None
+    return cudnn
+
+
+@functools.cache
+def _capable(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this module cannot serve packed rows of `dtype` on `device` (None: it can)."""
+    if device.type != "cuda":
+        return "it runs on a GPU only"
+    if dtype not in _DTYPES:
+        return f"it runs in bfloat16 or float16, and these weights are {dtype}"
+    if not _capable(device.index or 0):
+        name = torch.cuda.get_device_name(device)
+        return f"it needs a Hopper or newer GPU, and this one is {name}"
+    if _frontend() is None:
+        return "cuDNN's frontend (nvidia-cudnn-frontend) is not installed or finds no cuDNN"
+    return None
+
+
+def applies(query: torch.Tensor, dropout: float) -> bool:
+    """Whether this module serves a packed row's attention for `query` ([tokens, heads, dim]):
+    a CUDA half-precision tensor on Hopper or newer, no dropout, cuDNN's frontend present."""
+    return (
+        query.is_cuda
+        and query.dtype in _DTYPES
+        and not dropout
+        and query.shape[-1] % 8 == 0
+        and _capable(query.device.index or 0)
+        and _frontend() is not None
+    )
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    longest: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention inside each sequence of a packed row: `query` [tokens, heads, dim],
+    `key` and `value` [tokens, groups, dim] (grouped-query attention as is), `cu_seqlens` the
+    int32 prefix sums of the lengths with a leading 0 on the row's device, `longest` the
+    longest length. Returns [tokens, heads, dim], contiguous."""
+    out = _Ragged.apply(query, key, value, cu_seqlens, longest, scale)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a graph is built for. Strides are in elements: (token, head) per tensor."""
+
+    sequences: int
+    longest: int
+    heads: int
+    groups: int
+    dim: int
+    dtype: torch.dtype
+    scale: float
+    strides: tuple[tuple[int, int], ...]  # query, key, value (and for the backward: out, grad)
+    tokens: int  # backward only: the workspace's bound; 0 in a forward's key
+    device: int
+    backward: bool
+    stats: bool  # forward only: keeps the softmax statistics for a backward
+    deterministic: bool
+
+
+def _strides(tensor: torch.Tensor) -> tuple[int, int]:
+    return (tensor.stride(0), tensor.stride(1))
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+class _Graph:
+    """One built cuDNN graph, its tensors by role, and its workspace size."""
+
+    def __init__(self, shape: _Shape) -> None:
+        cudnn = _frontend()
+        self.shape = shape
+        self.handle = _handle(shape.device)
+        io = cudnn.data_type.BFLOAT16 if shape.dtype is torch.bfloat16 else cudnn.data_type.HALF
+        graph = cudnn.pygraph(
+            io_data_type=io,
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+            handle=self.handle,
+        )
+        b, s, d = shape.sequences, shape.longest, shape.dim
+        self.tensors: dict[str, Any] = {}
+
+        def scalar_table(name: str, rows: int) -> Any:
+            made = graph.tensor(
+                name=name, dim=[rows, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32
+            )
+            self.tensors[name] = made
+            return made
+
+        def ragged(name: str, heads: int, strides: tuple[int, int], output: Any = None) -> Any:
+            token, head = strides
+            dim, stride = [b, heads, s, d], [s * token, head, token, 1]
+            offsets = scalar_table(f"{name}_offsets", b + 1)
+            if output is None:
+                made = graph.tensor(name=name, dim=dim, stride=stride, data_type=io)
+            else:
+                made = output.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
+            made.set_ragged_offset(offsets)
+            self.tensors[name] = made
+            return made
+
+        lengths = scalar_table("lengths", b)
+        h, g = shape.heads, shape.groups
+        q = ragged("q", h, shape.strides[0])
+        k = ragged("k", g, shape.strides[1])
+        v = ragged("v", g, shape.strides[2])
+        masks = {
+            "attn_scale": shape.scale,
+            "use_padding_mask": True,
+            "seq_len_q": lengths,
+            "seq_len_kv": lengths,
+            "use_causal_mask": True,
+        }
+        stats_dim, stats_stride = [b, h, s, 1], [h * s, s, 1, 1]
+        if not shape.backward:
+            o, stats = graph.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=shape.stats, **masks)
+            ragged("o", h, (h * d, d), output=o)
+            if shape.stats:
+                stats.set_output(True).set_dim(stats_dim).set_stride(stats_stride)
+                stats.set_data_type(cudnn.data_type.FLOAT)
+                self.tensors["stats"] = stats
+        else:
+            o = ragged("o", h, shape.strides[3])
+            grad = ragged("do", h, shape.strides[4])
+            stats = graph.tensor(
+                name="stats", dim=stats_dim, stride=stats_stride, data_type=cudnn.data_type.FLOAT
+            )
+            self.tensors["stats"] = stats
+            dq, dk, dv = graph.sdpa_backward(
+                name="sdpa_backward",
+                q=q,
+                k=k,
+                v=v,
+                o=o,
+                dO=grad,
+                stats=stats,
+                max_total_seq_len_q=shape.tokens,
+                max_total_seq_len_kv=shape.tokens,
+                use_deterministic_algorithm=shape.deterministic,
+                **masks,
+            )
+            ragged("dq", h, (h * d, d), output=dq)
+            ragged("dk", g, (g * d, d), output=dk)
+            ragged("dv", g, (g * d, d), output=dv)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph = graph
+        self.workspace = graph.get_workspace_size()
+
+    def run(self, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+        cudnn = _frontend()
+        workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device)
+        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        self.graph.execute(
+            {self.tensors[k]: v for k, v in buffers.items()}, workspace, handle=self.handle
+        )
+
+
+@functools.cache
+def _handle(device: int) -> Any:
+    with torch.cuda.device(device):
+        return _frontend().create_handle()
+
+
+_graphs: OrderedDict[_Shape, _Graph] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _graph(shape: _Shape) -> _Graph:
+    with _lock:
+        found = _graphs.get(shape)
+        if found is not None:
+            _graphs.move_to_end(shape)
+            return found
+    built = _Graph(shape)
+    with _lock:
+        _graphs[shape] = built
+        while len(_graphs) > GRAPHS_KEPT:
+            _graphs.popitem(last=False)
+    return built
+
+
+def graphs_built() -> int:
+    """How many graphs this process holds (for tests and logs)."""
+    return len(_graphs)
+
+
+def _tables(cu_seqlens: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The lengths and each tensor's ragged offsets (in elements), as the graph's int32
+    [rows, 1, 1, 1] tables, computed on the device."""
+    tables = {"lengths": (cu_seqlens[1:] - cu_seqlens[:-1]).view(-1, 1, 1, 1)}
+    for name, tensor in tensors.items():
+        tables[f"{name}_offsets"] = (cu_seqlens * tensor.stride(0)).view(-1, 1, 1, 1)
+    return tables
+
+
+def _last_dim_dense(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+class _Ragged(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd passes inputs positionally)
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        longest: int,
+        scale: float,
+    ) -> torch.Tensor:
+        query, key, value = (_last_dim_dense(x) for x in (query, key, value))
+        tokens, heads, dim = query.shape
+        if tokens * max(query.stride(0), key.stride(0), value.stride(0)) >= 2**31:
+            raise ValueError(f"a packed row of {tokens} tokens is too long for int32 offsets")
+        shape = _Shape(
+            sequences=cu_seqlens.numel() - 1,
+            longest=_round_up(longest, LONGEST_BUCKET),
+            heads=heads,
+            groups=key.shape[1],
+            dim=dim,
+            dtype=query.dtype,
+            scale=float(scale),
+            strides=(_strides(query), _strides(key), _strides(value)),
+            tokens=0,
+            device=query.device.index or 0,
+            backward=False,
+            stats=any(ctx.needs_input_grad[:3]),
+            deterministic=False,
+        )
+        graph = _graph(shape)
+        out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
+        buffers = {"q": query, "k": key, "v": value, "o": out}
+        buffers.update(_tables(cu_seqlens, buffers))
+        stats = None
+        if shape.stats:
+            stats = torch.empty(
+                shape.sequences, heads, shape.longest, 1, dtype=torch.float32, device=query.device
+            )
+            buffers["stats"] = stats
+        graph.run(buffers, query.device)
+        ctx.save_for_backward(query, key, value, out, stats, cu_seqlens)
+        ctx.shape = shape
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, out, stats, cu_seqlens = ctx.saved_tensors
+        grad = _last_dim_dense(grad)
+        forward: _Shape = ctx.shape
+        shape = dataclasses.replace(
+            forward,
+            strides=(*forward.strides, _strides(out), _strides(grad)),
+            tokens=_round_up(query.shape[0], TOKENS_BUCKET),
+            backward=True,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
+        graph = _graph(shape)
+        dq, dk, dv = (
+            torch.empty_like(x, memory_format=torch.contiguous_format) for x in (query, key, value)
+        )
+        buffers = {"q": query, "k": key, "v": value, "o": out, "do": grad, "stats": stats}
+        buffers.update(dq=dq, dk=dk, dv=dv)
+        tables = _tables(cu_seqlens, {n: t for n, t in buffers.items() if n != "stats"})
+        buffers.update(tables)
+        graph.run(buffers, query.device)
+        return dq, dk, dv, None, None, None
