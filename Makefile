@@ -10,6 +10,11 @@ PYTEST_ARGS ?=
 # 60 s to hear from a silent rank (tests/support/trainer.py), so one worker's stacks starving
 # the other's ranks does not end a world. PYTEST_WORKERS=0 runs everything in one process.
 PYTEST_WORKERS ?= 2
+# The default run takes about 16 minutes; one that hangs (a lost worker whose module xdist
+# still waits for) is interrupted after TEST_TIMEOUT seconds, so it fails with pytest's summary
+# instead of running into CI's limit. A test silent for 15 minutes dumps every thread's stack
+# (faulthandler_timeout, pyproject.toml).
+TEST_TIMEOUT ?= 2700
 
 .PHONY: demo test lint typecheck protos venv clean
 
@@ -23,7 +28,8 @@ demo: $(STAMP)
 	$(PY) -m examples.rl_loop
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu and not slow" -n $(PYTEST_WORKERS) --dist loadscope \
+	timeout --signal=INT --kill-after=60 $(TEST_TIMEOUT) \
+		$(PY) -m pytest -m "not gpu and not slow" -n $(PYTEST_WORKERS) --dist loadscope \
 		--no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(STAMP)

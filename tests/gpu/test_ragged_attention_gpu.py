@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.support.isolation import in_child_process
-from trainer_svc.runtime import ragged_attention
+from trainer_svc.runtime import determinism, ragged_attention
 from trainer_svc.runtime.sdpa_attention import _varlen_call
 
 pytestmark = [
@@ -133,6 +133,34 @@ def test_new_lengths_in_the_same_bucket_build_no_graph() -> None:
     assert again < first
 
 
+def _backward_twice(lengths: list[int]) -> list[bool]:
+    """Whether two identical forward and backward passes give bit-identical dq, dk, dv."""
+    heads, groups, dim = 16, 8, 128
+    torch.manual_seed(1)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total, groups, dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    grad = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = ragged_attention.attention(
+            *leaves, cu_seqlens=_cu(lengths), longest=max(lengths), scale=dim**-0.5
+        )
+        out.backward(grad)
+        runs.append([x.grad for x in leaves])
+    return [torch.equal(a, b) for a, b in zip(*runs, strict=True)]
+
+
+@in_child_process
+def test_the_backward_is_bit_identical_under_deterministic_algorithms() -> None:
+    """`--deterministic` (torch's deterministic algorithms) asks cuDNN for its deterministic
+    backward: two runs give the same gradients bit for bit."""
+    determinism.apply(True)
+    lengths = [3000, 17, 4096, 900, 2048, 64, 1500, 3333]
+    assert _backward_twice(lengths) == [True, True, True]
+
+
 def _median_ms(run: Callable[[], object], warmup: int = 3, iterations: int = 10) -> float:
     for _ in range(warmup):
         run()
@@ -194,9 +222,53 @@ def _layer_timings(sequences: int) -> dict[str, object]:
     return {"lengths": lengths, "forward_and_backward_ms": timings, "forward_ms": forward}
 
 
+def _equal_lengths_ms(sequences: int, length: int) -> dict[str, float]:
+    """Rows with no padding at all: the ragged graph against cuDNN's dense kernel on the same
+    rows (what `documents.PADDING_WORTH_PACKING` weighs), forward and backward."""
+    heads, groups, dim = 16, 8, 128
+    total, cu = sequences * length, _cu([length] * sequences)
+    q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(total, groups, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in "kv"
+    )
+    grad = torch.randn_like(q)
+    rows = [
+        x.detach().view(sequences, length, -1, dim).transpose(1, 2).requires_grad_()
+        for x in (q, k, v)
+    ]
+    row_grad = grad.view(sequences, length, heads, dim).transpose(1, 2)
+
+    def ragged() -> None:
+        ragged_attention.attention(
+            q, k, v, cu_seqlens=cu, longest=length, scale=dim**-0.5
+        ).backward(grad)
+
+    def dense() -> None:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True)
+        out.backward(row_grad)
+
+    found = {"ragged": _median_ms(ragged), "dense": _median_ms(dense)}
+    print(
+        f"{sequences} x {length} tokens, no padding: ragged {found['ragged']:.2f} ms, "
+        f"dense rows {found['dense']:.2f} ms"
+    )
+    return found
+
+
 @in_child_process
 def test_one_layer_timings_for_the_rl_mix() -> None:
-    results = {sequences: _layer_timings(sequences) for sequences in (8, 16)}
+    results: dict[str, object] = {
+        str(sequences): _layer_timings(sequences) for sequences in (8, 16)
+    }
+    results["equal_lengths"] = {
+        f"{n}x{length}": _equal_lengths_ms(n, length)
+        for n, length in ((16, 1024), (8, 2048), (4, 4096), (64, 256))
+    }
+    same = _backward_twice([3000, 17, 4096, 900])
+    results["backward_bit_identical_without_deterministic"] = same
+    print(f"backward twice with the default algorithms, bit-identical (dq, dk, dv): {same}")
     out = os.environ.get("OUT")
     if out:
         Path(out, "ragged_attention_timings.json").write_text(json.dumps(results, indent=1))
