@@ -12,10 +12,13 @@ keeps off below Blackwell: on Hopper its backward returns non-finite gradients a
 rebuilds the plan. So this module builds the graphs itself, through cuDNN's frontend
 (`nvidia-cudnn-frontend`, optional: absent, packed rows keep FA2).
 
-A graph is built once per key (sequences, longest sequence rounded up, heads, strides, a
-bucket of the row's tokens for the backward's workspace) and serves every later row of that
-key: the lengths and offsets are device tensors, so nothing waits on the host and new lengths
-cost no new plan unless the longest sequence or the count changes bucket.
+A graph is built once per key and serves every later row of that key: the lengths and
+offsets are device tensors, so nothing waits on the host. The key holds buckets, not the
+row's own sizes, because RL passes bring new lengths and new counts of sequences every step:
+the count rounded up to a power of two (the row's table padded with empty sequences), the
+longest sequence rounded up to a power of two (every sequence is masked by its own length, so
+a larger bound costs only thread blocks that exit at once), and for the backward's workspace
+the row's tokens rounded up to a quarter of their power of two.
 """
 
 from __future__ import annotations
@@ -29,15 +32,10 @@ from typing import Any
 
 import torch
 
-LONGEST_BUCKET = 256
-"""The longest sequence a graph is built for is rounded up to this: a graph masks every
-sequence by its own length, so a larger bound costs only empty thread blocks, and a few
-bounds serve every row of an RL length mix."""
+SHORTEST_BOUND = 512
+"""The least bound on the longest sequence a graph is built for."""
 
-TOKENS_BUCKET = 8192
-"""The backward's workspace is sized for the row's tokens rounded up to this."""
-
-GRAPHS_KEPT = 32
+GRAPHS_KEPT = 64
 """Graphs kept per process (least recently used dropped): each holds its plan and nothing
 of a row's size."""
 
@@ -129,8 +127,23 @@ def _strides(tensor: torch.Tensor) -> tuple[int, int]:
     return (tensor.stride(0), tensor.stride(1))
 
 
-def _round_up(value: int, step: int) -> int:
+def _power_of_two(value: int) -> int:
+    """The least power of two >= value (>= 1)."""
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def _quarter_octave(value: int) -> int:
+    """`value` rounded up to a multiple of a quarter of the power of two below it."""
+    step = max(1, (1 << (max(value, 1).bit_length() - 1)) // 4)
     return -(-value // step) * step
+
+
+def _padded_table(cu_seqlens: torch.Tensor, sequences: int) -> torch.Tensor:
+    """`cu_seqlens` extended with empty sequences to `sequences` of them, on the device."""
+    missing = sequences + 1 - cu_seqlens.numel()
+    if missing == 0:
+        return cu_seqlens
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(missing)])
 
 
 class _Graph:
@@ -287,8 +300,8 @@ class _Ragged(torch.autograd.Function):
         if tokens * max(query.stride(0), key.stride(0), value.stride(0)) >= 2**31:
             raise ValueError(f"a packed row of {tokens} tokens is too long for int32 offsets")
         shape = _Shape(
-            sequences=cu_seqlens.numel() - 1,
-            longest=_round_up(longest, LONGEST_BUCKET),
+            sequences=_power_of_two(cu_seqlens.numel() - 1),
+            longest=_power_of_two(max(longest, SHORTEST_BOUND)),
             heads=heads,
             groups=key.shape[1],
             dim=dim,
@@ -302,6 +315,7 @@ class _Ragged(torch.autograd.Function):
             deterministic=False,
         )
         graph = _graph(shape)
+        cu_seqlens = _padded_table(cu_seqlens, shape.sequences)
         out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
         buffers = {"q": query, "k": key, "v": value, "o": out}
         buffers.update(_tables(cu_seqlens, buffers))
@@ -324,7 +338,7 @@ class _Ragged(torch.autograd.Function):
         shape = dataclasses.replace(
             forward,
             strides=(*forward.strides, _strides(out), _strides(grad)),
-            tokens=_round_up(query.shape[0], TOKENS_BUCKET),
+            tokens=_quarter_octave(query.shape[0]),
             backward=True,
             deterministic=torch.are_deterministic_algorithms_enabled(),
         )
