@@ -132,3 +132,19 @@ def test_the_ragged_attention_says_why_it_cannot_run() -> None:
     if torch.cuda.is_available():
         reason = ragged_attention.unavailable(torch.device("cuda", 0), torch.float32)
         assert reason is not None and "float32" in reason
+
+
+def test_ragged_graphs_are_keyed_by_buckets_of_the_row() -> None:
+    """RL passes bring new counts and lengths each step; a graph serves every row in its
+    buckets: counts and longest lengths up to a power of two (the table padded with empty
+    sequences), the backward's token bound to a quarter of its power of two."""
+    assert [ragged_attention._power_of_two(n) for n in (1, 3, 4, 5, 16, 17)] == [1, 4, 4, 8, 16, 32]
+    assert [ragged_attention._quarter_octave(n) for n in (7, 9, 65536, 74948)] == [
+        7,
+        10,
+        65536,
+        81920,
+    ]
+    table = torch.tensor([0, 3, 5], dtype=torch.int32)
+    assert ragged_attention._padded_table(table, 4).tolist() == [0, 3, 5, 5, 5]
+    assert ragged_attention._padded_table(table, 2) is table
