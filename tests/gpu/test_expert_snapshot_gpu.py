@@ -9,14 +9,13 @@ device-local copy of the same bytes. Run on a lent GPU machine:
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 
 from refit_sidecar.core.manifest import DType
 from refit_sidecar.publish.shard_specs import expert_group_spec
 from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES, cut_into_pieces, piece_ends
+from tests.support.cuda_timing import median_ms
 from trainer_svc.runtime.snapshot_slot import (
     FOREACH_FROM,
     PublishedTensor,
@@ -33,18 +32,6 @@ pytestmark = [
 LAYERS, EXPERTS, HIDDEN, WIDTH = 8, 16, 2048, 768
 """Qwen3-30B-A3B's expert shape (hidden 2048, expert width 768), 16 experts a rank (EP=8 of
 128), 8 layers: 256 regions, 1.2 GB in bf16."""
-
-
-def _median_ms(run, repeats: int = 20) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def test_grouped_experts_snapshot_in_expert_order_and_its_copy_time() -> None:
@@ -106,9 +93,9 @@ def test_grouped_experts_snapshot_in_expert_order_and_its_copy_time() -> None:
         for destinations, sources in as_bytes:
             torch._foreach_copy_(destinations, sources, non_blocking=True)
 
-    grouped = _median_ms(snapshot)
-    grouped_bytes = _median_ms(snapshot_bytes)
-    plain = _median_ms(lambda: target.copy_(flat, non_blocking=True))
+    grouped = median_ms(snapshot, warmup=0, iterations=20)
+    grouped_bytes = median_ms(snapshot_bytes, warmup=0, iterations=20)
+    plain = median_ms(lambda: target.copy_(flat, non_blocking=True), warmup=0, iterations=20)
     regions = len(layout.regions)
     print(
         f"{regions} expert regions, {flat.numel() / 1e9:.2f} GB in {len(pieces)} pieces: "

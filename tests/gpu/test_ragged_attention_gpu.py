@@ -2,19 +2,19 @@
 bfloat16: no further from the float32 per-sequence reference than PyTorch's variable-length
 flash kernel, with no host round trip, for grouped and ungrouped heads and a strided value
 (megatron's value is a view into the fused QKV projection), seven sequences run as eight with
-an empty one; new lengths and counts within a graph's buckets build no graph; then one layer's attention timings, forward and backward, for the RL
-mix (8 and 16 sequences of 64-4,096 tokens, 16 heads of 128, 8 key/value heads): ragged
-cuDNN, varlen flash, and the same sequences as right-padded rows through cuDNN's dense kernel.
-Run on a lent GPU machine: ``python -m pytest -m gpu tests/gpu/test_ragged_attention_gpu.py -s``
-(with $OUT set, the timings also go to $OUT/ragged_attention_timings.json)."""
+an empty one; new lengths and counts within a graph's buckets build no graph; the backward is
+bit-identical under deterministic algorithms. Then one layer's attention timings, forward and
+backward: the RL mix (8 and 16 sequences of 64-4,096 tokens, 16 heads of 128, 8 key/value
+heads) through ragged cuDNN, varlen flash, and right-padded rows through cuDNN's dense kernel;
+rows of equal lengths, ragged against dense. Run on a lent GPU machine:
+``python -m pytest -m gpu tests/gpu/test_ragged_attention_gpu.py -s`` (with $OUT set, the
+timings also go to $OUT/ragged_attention_timings.json)."""
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tests.support.cuda_timing import median_ms
 from tests.support.isolation import in_child_process
 from trainer_svc.runtime import determinism, ragged_attention
 from trainer_svc.runtime.sdpa_attention import _varlen_call
@@ -163,20 +164,6 @@ def test_the_backward_is_bit_identical_under_deterministic_algorithms() -> None:
     assert _backward_twice(lengths) == [True, True, True]
 
 
-def _median_ms(run: Callable[[], object], warmup: int = 3, iterations: int = 10) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _layer_timings(sequences: int) -> dict[str, object]:
     """One layer's attention for `sequences` lengths drawn from 64-4,096: forward and
     backward (and forward alone) through each kernel, median milliseconds."""
@@ -209,11 +196,11 @@ def _layer_timings(sequences: int) -> dict[str, object]:
         out.backward(row_grad)
 
     with torch.no_grad():
-        forward = {"ragged": _median_ms(ragged), "varlen": _median_ms(flash)}
+        forward = {"ragged": median_ms(ragged), "varlen": median_ms(flash)}
     timings = {
-        "ragged": _median_ms(lambda: ragged().backward(grad)),
-        "varlen": _median_ms(lambda: flash().backward(grad)),
-        "padded": _median_ms(padded),
+        "ragged": median_ms(lambda: ragged().backward(grad)),
+        "varlen": median_ms(lambda: flash().backward(grad)),
+        "padded": median_ms(padded),
     }
     print(
         f"{sequences} sequences ({total} tokens): forward+backward ragged "
@@ -251,7 +238,7 @@ def _equal_lengths_ms(sequences: int, length: int) -> dict[str, float]:
             out = F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True)
         out.backward(row_grad)
 
-    found = {"ragged": _median_ms(ragged), "dense": _median_ms(dense)}
+    found = {"ragged": median_ms(ragged), "dense": median_ms(dense)}
     print(
         f"{sequences} x {length} tokens, no padding: ragged {found['ragged']:.2f} ms, "
         f"dense rows {found['dense']:.2f} ms"
