@@ -105,7 +105,7 @@ class NixlConfig:
 
 class NixlTransport:
     def __init__(self, agent: nixl_agent, config: NixlConfig) -> None:
-        self._agent = agent
+        self._live_agent: nixl_agent | None = agent
         self._config = config
         self._metadata: dict[str, bytes] = {}  # loaded agents: blob, or b"" when fetched
         self._dests: dict[Region, Any] = {}  # registered destinations
@@ -120,6 +120,12 @@ class NixlTransport:
             if config.progress_poll_s is None
             else ProgressPoller(agent, config.name, config.progress_poll_s)
         )
+
+    @property
+    def _agent(self) -> nixl_agent:
+        if self._live_agent is None:
+            raise RuntimeError(f"NIXL transport {self._config.name!r} is closed")
+        return self._live_agent
 
     @classmethod
     def create(cls, config: NixlConfig) -> NixlTransport:
@@ -472,6 +478,10 @@ class NixlTransport:
             self.deregister(dest)
         for name in list(self._metadata):
             self._forget_agent(name)
+        # Drop the agent with its requests released: its native teardown (UCX workers, the
+        # listener) then runs on this thread, not whenever the collector reaches a transport
+        # left in a reference cycle, on whatever thread that is. Later use raises.
+        self._live_agent = None
 
 
 @dataclass(frozen=True, eq=False)

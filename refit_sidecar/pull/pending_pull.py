@@ -67,7 +67,9 @@ class Owner(Protocol):
     agent, its prepared requests and loaded agents, to drop after a source failed, and the
     destination's registration."""
 
-    _agent: Any
+    @property
+    def _agent(self) -> Any: ...
+
     _xfers: OrderedDict[bytes, Xfer]
     _metadata: dict[str, bytes]
 

@@ -373,6 +373,11 @@ def test_metadata_fetched_from_the_source_listener(source: Source) -> None:
         _pull_and_check(transport, manifest, whole(manifest), seed=1)
     finally:
         transport.close()
+    # Closing let go of the agent (its native teardown ran then, not at some collection
+    # later); a closed transport says so rather than reaching a freed agent, and closes again.
+    with pytest.raises(RuntimeError, match="'listener-puller' is closed"):
+        transport.metadata()
+    transport.close()
 
 
 def _lonely_manifest(agent: AgentRecord) -> Manifest:
