@@ -2,15 +2,14 @@
 newer GPUs.
 
 A packed row's attention on a GPU otherwise runs PyTorch's variable-length flash kernel (FA2),
-which on Hopper does a token's attention work at about a third of the rate of cuDNN's dense
-kernel that right-padded rows get; that gap is most of what keeps packing from paying in full
-(BENCHMARKS.md, "Known gaps"). cuDNN runs the same fused attention over a ragged layout: the
-row's query, key and value stay as they are ([tokens, heads, dim], any token and head
-strides), each sequence found by a ragged offset, masked by its length and causally inside
-itself. PyTorch reaches that path only through its private `_cudnn_attention_forward`, which it
-keeps off below Blackwell: on Hopper its backward returns non-finite gradients and every call
-rebuilds the plan. So this module builds the graphs itself, through cuDNN's frontend
-(`nvidia-cudnn-frontend`, optional: absent, packed rows keep FA2).
+which on Hopper does a token's attention work much more slowly than the cuDNN dense kernel
+that right-padded rows get, enough to keep packing from paying in full (BENCHMARKS.md). cuDNN
+runs the same fused attention over a ragged layout: the row's query, key and value stay as
+they are ([tokens, heads, dim], any token and head strides), each sequence found by a ragged
+offset, masked by its length and causally inside itself. PyTorch reaches that path only
+through its private `_cudnn_attention_forward`, which it keeps off below Blackwell and which
+does not serve Hopper (BENCHMARKS.md, "Known gaps"). So this module builds the graphs itself,
+through cuDNN's frontend (`nvidia-cudnn-frontend`, optional: absent, packed rows keep FA2).
 
 A graph is built once per key and serves every later row of that key: the lengths and
 offsets are device tensors, so nothing waits on the host. The key holds buckets, not the
