@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
@@ -191,8 +189,6 @@ def _serve(
                 value = _generate(engine.llm, *args)
             elif method == "sample_with_routing":
                 value = _sample_with_routing(engine, *args)
-            elif method == "parameters":
-                value = engine.llm.collective_rpc(worker_parameters)
             elif method == "worker_refits":  # each worker's own reply to refit_to
                 value = engine.llm.collective_rpc("refit_to", args=args)
             else:
@@ -245,15 +241,3 @@ def _sample_with_routing(
         (list(c.token_ids), request_routing(taken, output.request_id, c.index, n))
         for c in output.outputs
     ]
-
-
-def worker_parameters(worker: Any) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Every parameter of a worker's model as the engine computes with it (after vLLM's
-    processing: packed layouts included), name -> (dtype, shape, raw bytes). Sent by name to
-    the workers (`collective_rpc`), so it lives at module level."""
-    out = {}
-    for name, param in worker.model_runner.model.named_parameters():
-        data = param.detach().cpu().contiguous()
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
-        out[name] = (str(data.dtype).removeprefix("torch."), tuple(data.shape), raw)
-    return out

@@ -1,0 +1,31 @@
+"""vLLM-CPU's unquantized experts kernel under expert parallelism (`inference_ext.cpu_expert_map`):
+the router's global expert ids become this worker's local slots, and another worker's experts
+add nothing here. The fidelity matrix's expert-parallel engine computes the trainer's logprobs
+through it (tests/inference/test_fidelity_matrix.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from inference_ext import cpu_expert_map
+
+
+def test_global_ids_become_local_slots_and_foreign_experts_weigh_nothing() -> None:
+    # Worker 1 of 2 over 4 experts holds experts 2 and 3 in its slots 0 and 1.
+    expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)
+    ids = torch.tensor([[0, 2], [3, 1], [2, 3]], dtype=torch.int32)
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    local, weighted, foreign = cpu_expert_map.local_routing(ids, weights, expert_map)
+    assert local.dtype == ids.dtype
+    assert local.tolist() == [[0, 0], [1, 0], [0, 1]]
+    assert torch.equal(weighted, torch.tensor([[0.0, 0.4], [0.7, 0.0], [0.5, 0.5]]))
+    assert foreign.tolist() == [[True, False], [False, True], [False, False]]
+
+
+def test_the_kernel_is_wrapped_once() -> None:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    assert cpu_expert_map.install()
+    wrapped = CPUUnquantizedExperts.apply
+    assert cpu_expert_map.install()
+    assert CPUUnquantizedExperts.apply is wrapped
