@@ -58,9 +58,10 @@ PADDING_WORTH_PACKING = 1.15
 """AUTO packs a pass whose padded rows would compute more than this many times its tokens.
 
 Below it the padded rows win on a GPU: their attention runs cuDNN's dense kernel, which does a
-token's attention work faster than the variable-length flash kernel a packed row needs, so
-packing pays only where the padding it saves outweighs that (the measurement behind the
-threshold: BENCHMARKS.md, "Known gaps"). Equal lengths (no padding) stay padded."""
+token's attention work faster than either variable-length kernel a packed row can use (cuDNN's
+ragged one or flash), so packing pays only where the padding it saves outweighs that (the
+measurements behind the threshold: BENCHMARKS.md, "Known gaps"; it was set against flash).
+Equal lengths (no padding) stay padded."""
 
 
 def resolve(
