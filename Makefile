@@ -10,8 +10,8 @@ PYTEST_ARGS ?=
 # 60 s to hear from a silent rank (tests/support/trainer.py), so one worker's stacks starving
 # the other's ranks does not end a world. PYTEST_WORKERS=0 runs everything in one process.
 PYTEST_WORKERS ?= 2
-# The default run takes about 16 minutes; one that hangs (a lost worker whose module xdist
-# still waits for) is interrupted after TEST_TIMEOUT seconds, so it fails with pytest's summary
+# A run that hangs (a lost worker whose module xdist still waits for) is interrupted after
+# TEST_TIMEOUT seconds, well past a default run's length, so it fails with pytest's summary
 # instead of running into CI's limit. A test silent for 15 minutes dumps every thread's stack
 # (faulthandler_timeout, pyproject.toml).
 TEST_TIMEOUT ?= 2700

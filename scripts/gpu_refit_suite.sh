@@ -15,7 +15,7 @@
 #               per-expert tensors installed as 28 fused ones) in one call, checksums on, in
 #               place: the mixture of experts' figure beside the dense one, each with its
 #               control plane per refit. The receiver on $DEST_GPU (default 1; 0 on a one-GPU
-#               host: trainer and receiver on one GPU); results named by preset, GPUs and date
+#               host: trainer and receiver on one GPU)
 #   install-more  refit_install, 1b, checksums off, and the path of before issue 15's last
 #               steps (--not-before-readable --install copy)
 #   install-nc  refit_install, 1b, checksums off
@@ -84,6 +84,21 @@ archive() {  # the results so far as one archive (a host may hand back only a fe
             tar czf results.tgz.part -- "${files[@]}" && mv -f results.tgz.part results.tgz
     )
 }
+step_pairs() {  # tag, flag, values...: the light and the full 1b step with each value, per round
+    local tag=$1 flag=$2 round value
+    shift 2
+    for round in ${STEP_ROUNDS:-1 2}; do
+        for value in "$@"; do
+            run "light-${tag//_/-}$value-$round" python3 -m benchmarks.trainer_step --preset 1b \
+                --modes grpc,inprocess --repeats 1 --seq-len 512 --seqs-per-microbatch 1 \
+                --microbatches 1 --warmup 3 --steps 8 --profile-finish 4 \
+                "$flag" "$value" --out "$OUT/trainer_step_light_${tag}${value}_$round.json"
+            run "step-${tag//_/-}$value-$round" python3 -m benchmarks.trainer_step --preset 1b \
+                --modes inprocess --repeats 1 "$flag" "$value" \
+                --out "$OUT/trainer_step_1b_${tag}${value}_$round.json"
+        done
+    done
+}
 for group in "$@"; do
     case $group in
     install)
@@ -103,15 +118,10 @@ for group in "$@"; do
             --log-dir $logs/colocated-1b-ucx-auto
         ;;
     moe)
-        dest=${DEST_GPU:-1}
-        gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 |
-            grep -oE '\b[A-Z]+[0-9]{2,4}\b' | head -1 | tr '[:upper:]' '[:lower:]')
-        gpus=${gpu:-gpu}$([ "$dest" = 0 ] || echo x2)
-        day=$(date -u +%Y-%m-%d)
         for preset in 1b moe; do
             run "moe-$preset" python3 -m benchmarks.refit_install --preset $preset \
-                --device cuda --dest-gpu "$dest" \
-                --out "$OUT/refit_install_${preset}_${gpus}_$day.json" --log-dir "$logs/moe-$preset"
+                --device cuda --dest-gpu "${DEST_GPU:-1}" \
+                --out "$OUT/refit_install_${preset}_moe_call.json" --log-dir "$logs/moe-$preset"
         done
         ;;
     first-refit)
@@ -123,30 +133,10 @@ for group in "$@"; do
             --out "$OUT/refit_install_1b_cold.json" --log-dir $logs/first-refit-1b-cold
         ;;
     step-tail)
-        for round in ${STEP_ROUNDS:-1 2}; do
-            for kernels in fused stock; do
-                run "light-$kernels-$round" python3 -m benchmarks.trainer_step --preset 1b \
-                    --modes grpc,inprocess --repeats 1 --seq-len 512 --seqs-per-microbatch 1 \
-                    --microbatches 1 --warmup 3 --steps 8 --profile-finish 4 \
-                    --update-kernels $kernels --out "$OUT/trainer_step_light_${kernels}_$round.json"
-                run "step-$kernels-$round" python3 -m benchmarks.trainer_step --preset 1b \
-                    --modes inprocess --repeats 1 --update-kernels $kernels \
-                    --out "$OUT/trainer_step_1b_${kernels}_$round.json"
-            done
-        done
+        step_pairs "" --update-kernels fused stock
         ;;
     graphs)
-        for round in ${STEP_ROUNDS:-1 2}; do
-            for graphs in none layers; do
-                run "light-graphs-$graphs-$round" python3 -m benchmarks.trainer_step --preset 1b \
-                    --modes grpc,inprocess --repeats 1 --seq-len 512 --seqs-per-microbatch 1 \
-                    --microbatches 1 --warmup 3 --steps 8 --profile-finish 4 \
-                    --cuda-graphs $graphs --out "$OUT/trainer_step_light_graphs_${graphs}_$round.json"
-                run "step-graphs-$graphs-$round" python3 -m benchmarks.trainer_step --preset 1b \
-                    --modes inprocess --repeats 1 --cuda-graphs $graphs \
-                    --out "$OUT/trainer_step_1b_graphs_${graphs}_$round.json"
-            done
-        done
+        step_pairs graphs_ --cuda-graphs none layers
         ;;
     packing)
         run packing-tests python3 -m pytest -p no:cacheprovider -m gpu -q -s \

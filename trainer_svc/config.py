@@ -87,7 +87,7 @@ class PackedAttention(enum.Enum):
     installed), else the variable-length flash kernel."""
     CUDNN = "cudnn"
     """cuDNN's ragged-layout attention (`runtime/ragged_attention.py`); a GPU rank that cannot
-    run it refuses to start."""
+    run it refuses to start. A row whose graphs cuDNN will not build runs flash (logged)."""
     FLASH = "flash"
     """PyTorch's variable-length flash kernel (FA2)."""
 

@@ -26,11 +26,17 @@ def rank_reports(
     results = []
     for receive, process in zip(pipes, ranks, strict=True):
         if not receive.poll(timeout_s):
-            for stuck in ranks:
-                stuck.kill()
+            _kill(ranks)
             pytest.fail(f"a rank did not report within {timeout_s:g} s (stuck in a collective?)")
         result = receive.recv()
+        if not isinstance(result, dict):  # its traceback: the others may wait for it forever
+            _kill(ranks)
+            pytest.fail(f"a rank failed:\n{result}")
         process.join(timeout=30)
-        assert isinstance(result, dict), result
         results.append(result)
     return results
+
+
+def _kill(ranks: list[Any]) -> None:
+    for rank in ranks:
+        rank.kill()

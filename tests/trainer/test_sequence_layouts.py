@@ -148,3 +148,17 @@ def test_ragged_graphs_are_keyed_by_buckets_of_the_row() -> None:
     table = torch.tensor([0, 3, 5], dtype=torch.int32)
     assert ragged_attention._padded_table(table, 4).tolist() == [0, 3, 5, 5, 5]
     assert ragged_attention._padded_table(table, 2) is table
+
+
+def test_a_row_whose_graphs_cannot_be_built_runs_another_kernel() -> None:
+    """Where cuDNN cannot build a row's graphs (here: no GPU or frontend at all) `attention`
+    says so before running anything, and the key is not tried again; `SdpaAttention` then runs
+    the flash kernel. No pass stops half-way on one rank."""
+    q = torch.zeros(6, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.zeros(6, 1, 8, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    before = len(ragged_attention._unbuildable)
+    assert ragged_attention.attention(q, k, v, cu_seqlens=cu, longest=4, scale=0.3) is None
+    assert len(ragged_attention._unbuildable) == before + 1  # the forward's key, remembered
+    assert ragged_attention.attention(q, k, v, cu_seqlens=cu, longest=4, scale=0.3) is None
+    assert len(ragged_attention._unbuildable) == before + 1

@@ -23,7 +23,8 @@ shape replay them, two launches per layer and pass plus the copies of its inputs
 - **Gradients** go where megatron's DDP would put them: where every parameter has a `main_grad`
   (megatron's DDP without overlapped reduction, as the trainer builds it), the backward graph
   adds each weight's gradient into it, as DDP's hook would after the gradient accumulator, so a
-  shape keeps no gradient buffers of its own and the host runs no per-parameter hooks.
+  shape keeps no gradient buffers of its own (DDP's per-parameter hooks still run, and find no
+  gradient to add).
   Otherwise they leave the graph as the outputs of an autograd function and reach each
   parameter through its usual gradient accumulator.
 - **Capture** runs on a side stream in CUDA's thread-local capture mode, so the publication's
@@ -143,6 +144,10 @@ class _Replay(torch.autograd.Function):
         hidden_grad, *param_grads = (g.detach() if g is not None else None for g in graph.grads)
         if not param_grads:  # added to the parameters' main_grad inside the graph
             param_grads = [None] * len(graph.params)
+        else:
+            # Copies: autograd may keep a returned tensor as `param.grad` itself, and the next
+            # replay rewrites the graph's buffer (a second pass would add it to itself).
+            param_grads = [None if g is None else g.clone() for g in param_grads]
         return (None, hidden_grad, None, *param_grads)
 
 

@@ -7,8 +7,8 @@ that right-padded rows get, enough to keep packing from paying in full (BENCHMAR
 runs the same fused attention over a ragged layout: the row's query, key and value stay as
 they are ([tokens, heads, dim], any token and head strides), each sequence found by a ragged
 offset, masked by its length and causally inside itself. PyTorch reaches that path only
-through its private `_cudnn_attention_forward`, which it keeps off below Blackwell and which
-does not serve Hopper (BENCHMARKS.md, "Known gaps"). So this module builds the graphs itself,
+through its private `_cudnn_attention_forward`, which it keeps off below Blackwell (why it is
+not used here: BENCHMARKS.md, "Known gaps"). So this module builds the graphs itself,
 through cuDNN's frontend (`nvidia-cudnn-frontend`, optional: absent, packed rows keep FA2).
 
 A graph is built once per key and serves every later row of that key: the lengths and
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ GRAPHS_KEPT = 64
 of a row's size."""
 
 _DTYPES = (torch.bfloat16, torch.float16)
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -74,15 +77,13 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def applies(query: torch.Tensor, dropout: float) -> bool:
     """Whether this module serves a packed row's attention for `query` ([tokens, heads, dim]):
-    a CUDA half-precision tensor on Hopper or newer, no dropout, cuDNN's frontend present."""
-    return (
-        query.is_cuda
-        and query.dtype in _DTYPES
-        and not dropout
-        and query.shape[-1] % 8 == 0
-        and _capable(query.device.index or 0)
-        and _frontend() is not None
-    )
+    where it can run (`unavailable`), with no dropout and a head size cuDNN takes."""
+    return not dropout and query.shape[-1] % 8 == 0 and _runs(query.device, query.dtype)
+
+
+@functools.cache
+def _runs(device: torch.device, dtype: torch.dtype) -> bool:
+    return unavailable(device, dtype) is None
 
 
 def attention(
@@ -93,12 +94,27 @@ def attention(
     cu_seqlens: torch.Tensor,
     longest: int,
     scale: float,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """Causal attention inside each sequence of a packed row: `query` [tokens, heads, dim],
     `key` and `value` [tokens, groups, dim] (grouped-query attention as is), `cu_seqlens` the
     int32 prefix sums of the lengths with a leading 0 on the row's device, `longest` the
-    longest length. Returns [tokens, heads, dim], contiguous."""
-    out = _Ragged.apply(query, key, value, cu_seqlens, longest, scale)
+    longest length. Returns [tokens, heads, dim], contiguous; or None where cuDNN cannot build
+    this row's graphs (logged once per key), so that the caller runs another kernel. Both
+    graphs, the backward's too, are had before anything runs: a graph that cannot be built
+    never stops a pass half-way, where other ranks would wait for this one."""
+    query, key, value = (_last_dim_dense(x) for x in (query, key, value))
+    tokens = query.shape[0]
+    if tokens * max(query.stride(0), key.stride(0), value.stride(0)) >= 2**31:
+        raise ValueError(f"a packed row of {tokens} tokens is too long for int32 offsets")
+    training = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    forward, backward = _shapes(
+        query, key, value, cu_seqlens=cu_seqlens, longest=longest, scale=scale, training=training
+    )
+    first = _graph(forward)
+    second = None if first is None or backward is None else _graph(backward)
+    if first is None or (backward is not None and second is None):
+        return None
+    out = _Ragged.apply(query, key, value, cu_seqlens, (first, second))
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -135,6 +151,47 @@ def _quarter_octave(value: int) -> int:
     """`value` rounded up to a multiple of a quarter of the power of two below it."""
     step = max(1, (1 << (max(value, 1).bit_length() - 1)) // 4)
     return -(-value // step) * step
+
+
+def _shapes(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    longest: int,
+    scale: float,
+    training: bool,
+) -> tuple[_Shape, _Shape | None]:
+    """The forward's key and, for a pass that trains, the backward's: its gradient comes
+    contiguous (`_Ragged.backward` makes it so), as the output is."""
+    tokens, heads, dim = query.shape
+    forward = _Shape(
+        sequences=_power_of_two(cu_seqlens.numel() - 1),
+        longest=_power_of_two(max(longest, SHORTEST_BOUND)),
+        heads=heads,
+        groups=key.shape[1],
+        dim=dim,
+        dtype=query.dtype,
+        scale=float(scale),
+        strides=(_strides(query), _strides(key), _strides(value)),
+        tokens=0,
+        device=query.device.index or 0,
+        backward=False,
+        stats=training,
+        deterministic=False,
+    )
+    if not training:
+        return forward, None
+    dense = (heads * dim, dim)
+    backward = dataclasses.replace(
+        forward,
+        strides=(*forward.strides, dense, dense),
+        tokens=_quarter_octave(tokens),
+        backward=True,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+    )
+    return forward, backward
 
 
 def _padded_table(cu_seqlens: torch.Tensor, sequences: int) -> torch.Tensor:
@@ -251,13 +308,28 @@ _graphs: OrderedDict[_Shape, _Graph] = OrderedDict()
 _lock = threading.Lock()
 
 
-def _graph(shape: _Shape) -> _Graph:
+_unbuildable: set[_Shape] = set()
+
+
+def _graph(shape: _Shape) -> _Graph | None:
+    """The graph of `shape`, built once; None (and a warning, once) where cuDNN cannot build
+    it."""
     with _lock:
         found = _graphs.get(shape)
         if found is not None:
             _graphs.move_to_end(shape)
             return found
-    built = _Graph(shape)
+        if shape in _unbuildable:
+            return None
+    try:
+        built = _Graph(shape)
+    except Exception as e:  # cuDNN's refusal of this graph: the caller runs another kernel
+        log.warning(
+            "cuDNN cannot build the ragged attention graph %s (%s): flash runs it", shape, e
+        )
+        with _lock:
+            _unbuildable.add(shape)
+        return None
     with _lock:
         _graphs[shape] = built
         while len(_graphs) > GRAPHS_KEPT:
@@ -291,29 +363,11 @@ class _Ragged(torch.autograd.Function):
         key: torch.Tensor,
         value: torch.Tensor,
         cu_seqlens: torch.Tensor,
-        longest: int,
-        scale: float,
+        graphs: tuple[_Graph, _Graph | None],
     ) -> torch.Tensor:
-        query, key, value = (_last_dim_dense(x) for x in (query, key, value))
+        graph = graphs[0]
+        shape = graph.shape
         tokens, heads, dim = query.shape
-        if tokens * max(query.stride(0), key.stride(0), value.stride(0)) >= 2**31:
-            raise ValueError(f"a packed row of {tokens} tokens is too long for int32 offsets")
-        shape = _Shape(
-            sequences=_power_of_two(cu_seqlens.numel() - 1),
-            longest=_power_of_two(max(longest, SHORTEST_BOUND)),
-            heads=heads,
-            groups=key.shape[1],
-            dim=dim,
-            dtype=query.dtype,
-            scale=float(scale),
-            strides=(_strides(query), _strides(key), _strides(value)),
-            tokens=0,
-            device=query.device.index or 0,
-            backward=False,
-            stats=any(ctx.needs_input_grad[:3]),
-            deterministic=False,
-        )
-        graph = _graph(shape)
         cu_seqlens = _padded_table(cu_seqlens, shape.sequences)
         out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
         buffers = {"q": query, "k": key, "v": value, "o": out}
@@ -326,22 +380,16 @@ class _Ragged(torch.autograd.Function):
             buffers["stats"] = stats
         graph.run(buffers, query.device)
         ctx.save_for_backward(query, key, value, out, stats, cu_seqlens)
-        ctx.shape = shape
+        ctx.backward_graph = graphs[1]
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, out, stats, cu_seqlens = ctx.saved_tensors
-        grad = _last_dim_dense(grad)
-        forward: _Shape = ctx.shape
-        shape = dataclasses.replace(
-            forward,
-            strides=(*forward.strides, _strides(out), _strides(grad)),
-            tokens=_quarter_octave(query.shape[0]),
-            backward=True,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-        )
-        graph = _graph(shape)
+        graph: _Graph | None = ctx.backward_graph
+        assert graph is not None, "a pass that trains has its backward graph from the forward"
+        if _strides(grad) != _strides(out):
+            grad = grad.contiguous()
         dq, dk, dv = (
             torch.empty_like(x, memory_format=torch.contiguous_format) for x in (query, key, value)
         )
@@ -350,4 +398,4 @@ class _Ragged(torch.autograd.Function):
         tables = _tables(cu_seqlens, {n: t for n, t in buffers.items() if n != "stats"})
         buffers.update(tables)
         graph.run(buffers, query.device)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None

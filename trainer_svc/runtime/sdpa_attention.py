@@ -109,7 +109,7 @@ class SdpaAttention(DotProductAttention):
         if self.packed_attention is not PackedAttention.FLASH and ragged_attention.applies(
             q, dropout
         ):
-            context = ragged_attention.attention(
+            ragged = ragged_attention.attention(
                 q,
                 k,
                 v,
@@ -117,7 +117,8 @@ class SdpaAttention(DotProductAttention):
                 longest=documents.max_seqlen_q,
                 scale=float(self.softmax_scale),
             )
-            return context.reshape(total, 1, self.hidden_size_per_partition)
+            if ragged is not None:  # else cuDNN cannot build this row's graphs: flash runs it
+                return ragged.reshape(total, 1, self.hidden_size_per_partition)
         varlen = _varlen_call(q, self.softmax_scale, grouped, dropout)
         if varlen is not None:
             context = varlen(
