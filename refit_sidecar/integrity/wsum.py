@@ -156,6 +156,10 @@ _BATCH_UNITS = 1 << 15
 """Units per vectorised pass of `SumPlan.host` (at least a block): its temporaries stay in the
 CPU's caches, as `host_wsum64`'s do."""
 
+_LONG_RUN_UNITS = 4 * BLOCK
+"""A run of blocks at least this long goes to `host_wsum64` whole: its passes beat gathering
+units by index, which pays only for pieces too short to call it per piece."""
+
 
 @dataclass(frozen=True, eq=False)
 class SumPlan:
@@ -211,13 +215,43 @@ class SumPlan:
 
     def host(self, buffer: np.ndarray) -> np.ndarray:
         """The plan's checksums over a host buffer (uint64, one per group), equal to
-        `reference`: NumPy passes over batches of blocks, gathering their units, so a plan of
-        many short pieces (a column slice is a piece per row) costs a few array operations
-        per batch, not a Python call per piece."""
+        `reference`. A long run of blocks (a piece of at least `_LONG_RUN_UNITS`) goes through
+        `host_wsum64` in one call; the short ones are gathered in NumPy passes over batches of
+        blocks, so a plan of many short pieces (a column slice is a piece per row) costs a few
+        array operations per batch, not a Python call per piece."""
         raw = np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)
         units = raw[: raw.size - raw.size % UNIT].view("<u2")
         out = np.zeros(self.count, dtype=np.uint64)
-        blocks, ends = self.blocks, np.cumsum(self.blocks[:, 1])
+        run, sizes = self._runs()
+        long = sizes >= _LONG_RUN_UNITS
+        runs = np.flatnonzero(long)
+        for size, i in zip(sizes[runs].tolist(), np.searchsorted(run, runs).tolist(), strict=True):
+            first, index, group = self.blocks[i, 0], self.blocks[i, 2], self.groups[i]
+            data = raw[int(first) * UNIT : (int(first) + size) * UNIT]
+            out[group] = np.uint64((int(out[group]) + host_wsum64(data, int(index))) & MASK64)
+        short = ~long[run] if len(run) else np.zeros(0, bool)
+        self._gather(units, self.blocks[short], self.groups[short], out)
+        return out
+
+    def _runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each block's run (consecutive blocks continuing one another in the buffer and the
+        shard, of one group) and each run's units."""
+        first, count, index = self.blocks[:, 0], self.blocks[:, 1], self.blocks[:, 2]
+        if not len(first):
+            return first, first
+        goes_on = (
+            (first[1:] == first[:-1] + count[:-1])
+            & (index[1:] == index[:-1] + count[:-1])
+            & (self.groups[1:] == self.groups[:-1])
+        )
+        run = np.concatenate([[0], np.cumsum(~goes_on)])
+        return run, np.bincount(run, weights=count).astype(np.int64)
+
+    @staticmethod
+    def _gather(units: np.ndarray, blocks: np.ndarray, groups: np.ndarray, out: np.ndarray) -> None:
+        """Adds the checksums of `blocks` into `out` by group, gathering their units in
+        batches of about `_BATCH_UNITS`."""
+        ends = np.cumsum(blocks[:, 1])
         start = 0
         with np.errstate(over="ignore"):
             while start < len(blocks):
@@ -230,9 +264,8 @@ class SumPlan:
                 data = units[np.repeat(batch[:, 0], counts) + within].astype(np.uint64)
                 index = (np.repeat(batch[:, 2], counts) + within).astype(np.uint64)
                 terms = data * _weights32(index).astype(np.uint64)
-                np.add.at(out, self.groups[start:stop], np.add.reduceat(terms, begins))
+                np.add.at(out, groups[start:stop], np.add.reduceat(terms, begins))
                 start = stop
-        return out
 
     def reference(self, buffer: np.ndarray) -> np.ndarray:
         """The plan's checksums over a host buffer, from `wsum64` (uint64, one per group)."""

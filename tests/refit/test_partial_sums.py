@@ -43,6 +43,12 @@ def test_the_host_sum_of_many_pieces_equals_the_reference() -> None:
         np.arange(0, 4000, 4), np.full(1000, 2), np.arange(1000) * 6, np.zeros(1000), 1
     )
     assert np.array_equal(many.host(buffer), many.reference(buffer))
+    # Long pieces (whole runs through `host_wsum64`) beside short ones, two of them adjacent
+    # in the buffer but of different groups, one far into its shard.
+    big = rng.integers(0, 256, 12 * wsum.BLOCK * 2, dtype=np.uint8)
+    sizes = [5 * wsum.BLOCK * 2, 4 * wsum.BLOCK * 2 - 2, 100, 2 * wsum.BLOCK * 2]
+    long = wsum.SumPlan.of(np.cumsum([0, *sizes[:-1]]), sizes, [0, 1 << 34, 8, 2], [0, 1, 1, 0], 2)
+    assert np.array_equal(long.host(big), long.reference(big))
 
 
 def test_a_column_half_sums_to_its_pieces_at_their_shard_offsets() -> None:
