@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +22,7 @@ import numpy as np
 import torch
 
 from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.core.recent import Recent
 from refit_sidecar.integrity import wsum
 from refit_sidecar.integrity.checksum import ChecksumMismatch
 from refit_sidecar.integrity.partial_sums import PartialSums, collect, partial_reads, sum_plan
@@ -112,27 +111,7 @@ def _launch(
         )
 
 
-class _Recent:
-    """The last few values computed by key (a refit reuses its plan's tables every version).
-    Shared by the pulls of a process (a receiver's ranks pull at once, from threads)."""
-
-    def __init__(self, capacity: int = 8) -> None:
-        self._values: OrderedDict[Any, Any] = OrderedDict()
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    def get(self, key: Any, make: Any) -> Any:
-        with self._lock:
-            value = self._values.get(key)
-            if value is None:
-                value = self._values[key] = make()
-                while len(self._values) > self._capacity:
-                    self._values.popitem(last=False)
-            self._values.move_to_end(key)
-            return value
-
-
-_device_tables = _Recent(64)
+_device_tables = Recent(64)
 
 
 def _tables(plan: wsum.SumPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -430,7 +409,7 @@ class _PartedLayout:
         self.groups = torch.from_numpy(self.host_groups).to(device)
 
 
-_parted_layouts = _Recent(16)
+_parted_layouts = Recent(16)
 
 
 def _layout_digest(plan: PullPlan, parts: Sequence[Sequence[int]]) -> bytes:

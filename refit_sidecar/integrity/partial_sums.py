@@ -13,14 +13,13 @@ SUM all-reduce (`contribution`) and what every worker decides from the total (`j
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from refit_sidecar.core.plan import PullPlan, ShardOrder
+from refit_sidecar.core.recent import Recent
 from refit_sidecar.integrity.wsum import MASK32, UNIT, SumPlan
 
 LOW_BITS = 32
@@ -101,10 +100,8 @@ class _Layout:
     units: np.ndarray
 
 
-_held: OrderedDict[tuple[int, tuple[int, ...]], tuple[ShardOrder, _Layout]] = OrderedDict()
-_HELD = 16
+_layouts = Recent(16)
 """Layouts held: a few receivers' worth of a trainer's slots."""
-_lock = threading.Lock()
 
 
 def _arrays(plan: PullPlan, indices: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -120,13 +117,14 @@ def _layout(plan: PullPlan, indices: Sequence[int]) -> _Layout:
     has a piece per row, and a version's pull should not lay them out again."""
     order = plan.shard_order
     assert order is not None, "a plan from `plan_pull` knows its manifest's order"
-    key = (id(order), tuple(indices))
     arrays = _arrays(plan, indices)
-    with _lock:
-        held = _held.get(key)
-        if held is not None and all(a is b for a, b in zip(held[1].arrays, arrays, strict=True)):
-            _held.move_to_end(key)
-            return held[1]
+    # The layout holds the arrays, so their ids in the key are not reused while it is held.
+    key = (id(order), tuple(indices), tuple(id(a) for a in arrays))
+    layout: _Layout = _layouts.get(key, lambda: _build(plan, indices, arrays))
+    return layout
+
+
+def _build(plan: PullPlan, indices: Sequence[int], arrays: tuple[np.ndarray, ...]) -> _Layout:
     reads = [plan.reads[i] for i in indices]
     if reads:
         table = SumPlan.of(
@@ -140,12 +138,7 @@ def _layout(plan: PullPlan, indices: Sequence[int]) -> _Layout:
         table = SumPlan.of([], [], [], [], 0)
     positions = np.array([r.position for r in reads], np.int64)
     units = np.array([int(r.lengths.sum()) // UNIT for r in reads], np.int64)
-    layout = _Layout(arrays, table, positions, units)
-    with _lock:
-        _held[key] = (order, layout)
-        while len(_held) > _HELD:
-            _held.popitem(last=False)
-    return layout
+    return _Layout(arrays, table, positions, units)
 
 
 def sum_plan(plan: PullPlan, indices: Sequence[int]) -> SumPlan:
