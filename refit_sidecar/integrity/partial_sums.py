@@ -13,7 +13,7 @@ SUM all-reduce (`contribution`) and what every worker decides from the total (`j
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,17 +25,6 @@ from refit_sidecar.integrity.wsum import MASK32, UNIT, SumPlan
 LOW_BITS = 32
 """A sum travels as two non-negative int64s of 32 bits each: their SUM over any group of
 fewer than 2**31 workers is exact, and the total mod 2**64 is rebuilt from them."""
-
-
-@dataclass(frozen=True)
-class PartialSum:
-    """One partial read's WSUM-64, as a report names it."""
-
-    parameter: str
-    shard: int
-    units: int
-    """Units (2 bytes) read of the shard."""
-    sum64: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,24 +45,8 @@ class PartialSums:
     published: np.ndarray
     """The shard's published WSUM-64 (uint64)."""
 
-    @classmethod
-    def empty(cls, order: ShardOrder) -> PartialSums:
-        none = np.zeros(0, np.int64)
-        return cls(order, none, none, none.astype(np.uint64), none.astype(np.uint64))
-
     def __len__(self) -> int:
         return len(self.positions)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.units.sum()) * UNIT
-
-    def __iter__(self) -> Iterator[PartialSum]:
-        for position, units, value in zip(
-            self.positions.tolist(), self.units.tolist(), self.sums.tolist(), strict=True
-        ):
-            parameter, shard = self.order.name(position)
-            yield PartialSum(parameter, shard, units, value)
 
 
 def partial_reads(plan: PullPlan) -> list[int]:

@@ -5,7 +5,7 @@ of shards, which the engine's workers check together (`partial_sums`)."""
 from __future__ import annotations
 
 from refit_sidecar.core.manifest import MemType
-from refit_sidecar.core.plan import PullPlan
+from refit_sidecar.core.plan import PullPlan, ShardReads
 from refit_sidecar.integrity.checksum import verify_checksums
 from refit_sidecar.integrity.partial_sums import PartialSums, host_partial_sums
 from refit_sidecar.memory.region import Region, host_view
@@ -39,17 +39,16 @@ def unverified_bytes(plan: PullPlan, dest: Region) -> int:
     """Bytes of `plan` that `verify_pulled` into `dest` does not check (reads of part of a
     shard, shards published without the checksum that memory is checked with)."""
     host = dest.mem_type is MemType.DRAM
-    return sum(
-        r.nbytes
-        for r in plan.reads
-        if not (r.complete and (r.sum64 is not None or (host and r.crc32 is not None)))
-    )
+    return sum(r.nbytes for r in plan.reads if not _checked(r, host))
 
 
 def verifies_every_read(plan: PullPlan, dest: Region) -> bool:
-    """Whether `verify_pulled` into `dest` checks every byte of `plan`: each read is of a whole
-    shard carrying the checksum that memory is checked with (WSUM-64 in device memory; CRC-32
-    or WSUM-64 in host memory)."""
-    if dest.mem_type is MemType.DRAM:
-        return all(r.complete and (r.crc32 is not None or r.sum64 is not None) for r in plan.reads)
-    return all(r.complete and r.sum64 is not None for r in plan.reads)
+    """Whether `verify_pulled` into `dest` checks every byte of `plan`."""
+    host = dest.mem_type is MemType.DRAM
+    return all(_checked(r, host) for r in plan.reads)
+
+
+def _checked(read: ShardReads, host: bool) -> bool:
+    """Whether `verify_pulled` checks `read`: a read of a whole shard carrying the checksum its
+    memory is checked with (WSUM-64 in device memory; CRC-32 or WSUM-64 in host memory)."""
+    return read.complete and (read.sum64 is not None or (host and read.crc32 is not None))

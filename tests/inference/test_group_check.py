@@ -17,7 +17,7 @@ import torch.distributed as dist
 from inference_ext.group_check import Agreement, agree
 from refit_sidecar.integrity.partial_sums import PartialSums
 from tests.support.gloo_ranks import rank_reports
-from tests.support.partial_reads import pull_half, source_slot
+from tests.support.partial_reads import no_partial_reads, pull_half, source_slot
 
 WORLD = 2
 
@@ -29,7 +29,7 @@ def _scenarios() -> dict[str, list[tuple[bool, PartialSums | None]]]:
     buffers["row_parallel"][10 * 192 + 150] ^= 0x40  # in worker 1's column half
     broken = pull_half(manifest, buffers, 1)[3].partial_sums
     assert all(h is not None for h in halves) and broken is not None
-    empty = PartialSums.empty(halves[0].order)
+    empty = no_partial_reads(halves[0].order)
     return {
         "halves": [(True, halves[0]), (True, halves[1])],
         "one byte flipped": [(True, halves[0]), (True, broken)],

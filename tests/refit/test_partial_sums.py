@@ -25,7 +25,7 @@ from refit_sidecar.integrity.partial_sums import (
 )
 from refit_sidecar.integrity.verify import unverified_bytes
 from refit_sidecar.pull.running_check import RunningCheck
-from tests.support.partial_reads import SHAPES, pull_half, source_slot, wants
+from tests.support.partial_reads import SHAPES, by_shard, pull_half, source_slot, wants
 
 
 def test_the_host_sum_of_many_pieces_equals_the_reference() -> None:
@@ -58,23 +58,23 @@ def test_a_column_half_sums_to_its_pieces_at_their_shard_offsets() -> None:
     plan, staging, region, stats = pull_half(manifest, buffers, worker=1)
     partial = stats.partial_sums
     assert partial is not None
-    names = {(p.parameter, p.shard): p for p in partial}
+    names = by_shard(partial)
     assert set(names) == {("row_parallel", 0), ("column_parallel", 0), ("vocab", 0)}
     rows = buffers["row_parallel"].reshape(64, 96 * 2)
     expected = 0
     for row in range(64):
         expected += wsum.wsum64(rows[row, 96:], (row * 96 * 2 + 96) // 2)
-    assert names[("row_parallel", 0)].sum64 == expected & wsum.MASK64
-    assert names[("row_parallel", 0)].units == 64 * 48
+    assert names[("row_parallel", 0)][1] == expected & wsum.MASK64
+    assert names[("row_parallel", 0)][0] == 64 * 48
     half = buffers["column_parallel"][48 * 64 * 2 :]
-    assert names[("column_parallel", 0)].sum64 == wsum.wsum64(half, 48 * 64)
+    assert names[("column_parallel", 0)][1] == wsum.wsum64(half, 48 * 64)
     device = device_partial_sums(plan, replace(region, mem_type=MemType.VRAM))
     assert np.array_equal(device.sums, partial.sums)
     assert np.array_equal(device.positions, partial.positions)
     assert np.array_equal(host_partial_sums(plan, staging.numpy()).sums, partial.sums)
     # The norm is read whole (checked here); everything else this receiver cannot check alone.
     assert stats.verified_shards == 1
-    assert unverified_bytes(plan, region) == partial.nbytes
+    assert unverified_bytes(plan, region) == int(partial.units.sum()) * wsum.UNIT
 
 
 def test_a_running_check_sums_the_partial_reads_where_they_land() -> None:
@@ -107,8 +107,8 @@ def test_two_workers_halves_add_up_to_the_published_sum() -> None:
     for part in parts:
         judged = judge(part, summed)
         assert judged.failed is None and judged.verified_shards == 2
-        vocab = [p for p in part if p.parameter == "vocab"]
-        assert judged.verified_bytes == part.nbytes - vocab[0].units * 2
+        vocab_units = by_shard(part)[("vocab", 0)][0]
+        assert judged.verified_bytes == (int(part.units.sum()) - vocab_units) * wsum.UNIT
 
 
 @pytest.mark.parametrize("name", ["row_parallel", "column_parallel"])

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from refit_sidecar.core.manifest import Box, DType, Manifest, ShardPiece
-from refit_sidecar.core.plan import PullPlan, Want, plan_pull
+from refit_sidecar.core.plan import PullPlan, ShardOrder, Want, plan_pull
 from refit_sidecar.integrity.checksum import host_checksums
+from refit_sidecar.integrity.partial_sums import PartialSums
 from refit_sidecar.memory.region import Region
 from refit_sidecar.publish.shard_specs import ShardSpec
 from refit_sidecar.pull.transport import InMemoryTransport, PullStats
@@ -61,3 +62,19 @@ def pull_half(
     region = Region(staging.data_ptr(), staging.numel(), owner=staging)
     stats = InMemoryTransport({"rank-0": list(buffers.values())}).pull(plan, region, verify=True)
     return plan, staging, region, stats
+
+
+def by_shard(partial: PartialSums) -> dict[tuple[str, int], tuple[int, int]]:
+    """(units read, WSUM-64) of each partial read, by (parameter, shard)."""
+    return {
+        partial.order.name(position): (units, value)
+        for position, units, value in zip(
+            partial.positions.tolist(), partial.units.tolist(), partial.sums.tolist(), strict=True
+        )
+    }
+
+
+def no_partial_reads(order: ShardOrder) -> PartialSums:
+    """A worker's sums when it read no shard in parts."""
+    none = np.zeros(0, np.int64)
+    return PartialSums(order, none, none, none.astype(np.uint64), none.astype(np.uint64))
