@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,7 +56,14 @@ def install() -> bool:
         return False
     if getattr(CPUUnquantizedExperts, _MARK, False):
         return True
-    original = CPUUnquantizedExperts.apply
+    CPUUnquantizedExperts.apply = _wrap(CPUUnquantizedExperts.apply)
+    setattr(CPUUnquantizedExperts, _MARK, True)
+    log.debug("vLLM-CPU's unquantized MoE experts take the expert map")
+    return True
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original` (the kernel's `apply`) given local slots and no map where a map comes."""
 
     @functools.wraps(original)
     def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -71,7 +79,4 @@ def install() -> bool:
             kwargs["output"][foreign.all(dim=-1)] = 0
         return result
 
-    CPUUnquantizedExperts.apply = apply
-    setattr(CPUUnquantizedExperts, _MARK, True)
-    log.debug("vLLM-CPU's unquantized MoE experts take the expert map")
-    return True
+    return apply

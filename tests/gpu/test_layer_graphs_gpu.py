@@ -66,7 +66,8 @@ def _timed(model: torch.nn.Module, batch, passes: int = 5) -> float:
 def test_graphed_passes_equal_eager_ones(tmp_path: Path) -> None:
     cuda = torch.device("cuda")
     model = _model(tmp_path, layers=6)
-    assert documents.resolve(SequenceLayout.PACKED, model)  # the packed row's RoPE
+    # the packed row's RoPE
+    assert documents.resolve(SequenceLayout.PACKED, model) is SequenceLayout.PACKED
     model.train()
     padded = pack(make_batch(seed=4, lengths=[200, 180, 31], loss=LOSS, vocab_size=100), cuda)
     other = pack(make_batch(seed=5, lengths=[64], loss=LOSS, vocab_size=100), cuda)

@@ -366,6 +366,7 @@ def test_trainer_module_exists() -> None:
         (("trainer", "attention"), "--attention"),
         (("trainer", "sequenceLayout"), "--sequence-layout"),
         (("trainer", "packedAttention"), "--packed-attention"),
+        (("trainer", "cudaGraphs"), "--cuda-graphs"),
         (("trainer", "referencePolicy"), "--reference-policy"),
         (("trainer", "referencePlacement"), "--reference-placement"),
     ],

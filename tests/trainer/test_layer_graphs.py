@@ -31,18 +31,15 @@ def test_graphs_refuse_recompute() -> None:
 
 
 def test_the_refusal_names_every_reason() -> None:
-    ok = dict(on_gpu=True, tensor_parallel=1, pipeline_parallel=1, moe=False, recompute=False)
+    ok = dict(on_gpu=True, tensor_parallel=1, pipeline_parallel=1, moe=False)
     assert layer_graphs.refusal(**ok) is None
-    refused = layer_graphs.refusal(
-        on_gpu=False, tensor_parallel=2, pipeline_parallel=2, moe=True, recompute=True
-    )
+    refused = layer_graphs.refusal(on_gpu=False, tensor_parallel=2, pipeline_parallel=2, moe=True)
     assert refused is not None
     for words in (
         "CUDA",
         "tensor parallelism (2)",
         "pipeline parallelism (2)",
         "experts",
-        "recompute",
     ):
         assert words in refused, refused
 

@@ -84,10 +84,9 @@ class GraphLimits:
             raise ValueError(f"every graph limit must be >= 1, got {self}")
 
 
-def refusal(
-    *, on_gpu: bool, tensor_parallel: int, pipeline_parallel: int, moe: bool, recompute: bool
-) -> str | None:
-    """Why `--cuda-graphs layers` cannot run in this layout, or None."""
+def refusal(*, on_gpu: bool, tensor_parallel: int, pipeline_parallel: int, moe: bool) -> str | None:
+    """Why `--cuda-graphs layers` cannot run in this layout, or None (with activation
+    recompute `ModelConfig` refuses it already)."""
     reasons = []
     if not on_gpu:
         reasons.append("it needs CUDA ranks")
@@ -100,8 +99,6 @@ def refusal(
         )
     if moe:
         reasons.append("mixture-of-experts layers size their work on the host")
-    if recompute:
-        reasons.append("activation recompute reruns a layer's forward inside its backward")
     if not reasons:
         return None
     return "--cuda-graphs layers: " + "; ".join(reasons)

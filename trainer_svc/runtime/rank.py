@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_hf.spec import ModelSpec, padded_vocab_size
 from trainer_refit.serving import wait_for_stop_signal, write_port_file
-from trainer_svc.config import CudaGraphs, Device, Recompute, ReferenceWeights, TrainerConfig
+from trainer_svc.config import CudaGraphs, Device, ReferenceWeights, TrainerConfig
 from trainer_svc.runtime import commands as cmd
 from trainer_svc.runtime import cpu_compat, determinism, documents, host_memory, layer_graphs
 from trainer_svc.runtime.checkpointing import Checkpointer
@@ -156,7 +156,6 @@ def build_engine(
             tensor_parallel=config.layout.tensor_parallel,
             pipeline_parallel=config.layout.pipeline_parallel,
             moe=spec.is_moe,
-            recompute=config.model.recompute is not Recompute.NONE,
         )
         if refused is not None:
             raise ValueError(refused)
