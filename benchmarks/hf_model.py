@@ -20,7 +20,7 @@ import torch
 
 from inference_ext.expert_slices import FusedExpertTensor, parse_target
 from megatron_hf.experts import hf_expert_names
-from megatron_hf.fused import fuse_gate_up
+from megatron_hf.fused import stack_experts
 from megatron_hf.spec import ModelFamily, ModelSpec
 
 TRANSFORMERS_EXPERTS: dict[FusedExpertTensor, str] = {
@@ -77,7 +77,7 @@ def expert_tensors(spec: ModelSpec) -> int:
 
 def as_loaded(checkpoint: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """An HF checkpoint's tensors as transformers holds them: each layer's per-expert tensors
-    stacked into its fused ones (expert e's [gate; up] rows, `fuse_gate_up`), the others under
+    stacked into its fused ones (`stack_experts`), the others under
     the model's names."""
     if spec.moe is None:
         return dict(checkpoint)
@@ -88,13 +88,12 @@ def as_loaded(checkpoint: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[s
     for layer in range(spec.num_layers):
         prefix = f"model.layers.{layer}.{names.experts}"
 
-        def each(projection: str, prefix: str = prefix) -> list[torch.Tensor]:
-            return [checkpoint[f"{prefix}.{e}.{projection}.weight"] for e in experts]
+        def weight(e: int, projection: str, prefix: str = prefix) -> torch.Tensor:
+            return checkpoint[f"{prefix}.{e}.{projection}.weight"]
 
-        pairs = zip(each(names.gate), each(names.up), strict=True)
-        gate_up = [fuse_gate_up(gate, up) for gate, up in pairs]
-        out[_fused_name(layer, FusedExpertTensor.W13)] = torch.stack(gate_up)
-        out[_fused_name(layer, FusedExpertTensor.W2)] = torch.stack(each(names.down))
+        w13, w2 = stack_experts(weight, names, experts)
+        out[_fused_name(layer, FusedExpertTensor.W13)] = w13
+        out[_fused_name(layer, FusedExpertTensor.W2)] = w2
         fused |= {
             f"{prefix}.{e}.{p}.weight" for e in experts for p in (names.gate, names.up, names.down)
         }

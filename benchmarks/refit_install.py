@@ -102,7 +102,7 @@ from benchmarks.refit_pull import _MODEL_KEYS
 from benchmarks.refit_pull import PRESETS as PULL_PRESETS
 from benchmarks.trainer_step import make_batches, write_config_model
 from benchmarks.trainer_step import write_model as _write_model
-from inference_ext.expert_slices import parse_target
+from inference_ext.expert_slices import parse_target, receiver_names
 from megatron_hf.spec import ModelFamily, ModelSpec, MoESpec
 from refit_sidecar.publish.slot_layout import DEFAULT_FIRST_PIECE_BYTES
 from refit_sidecar.pull.chunking import DEFAULT_REQUESTS_IN_FLIGHT
@@ -359,7 +359,6 @@ class InstallEndpoint:
     def __init__(self, settings: ReceiverSettings) -> None:
         import torch
 
-        from inference_ext.expert_slices import receiver_names
         from inference_ext.receiver import Receiver
         from inference_ext.refit_options import (
             DirectOptions,
@@ -743,6 +742,7 @@ def verify(
 _PHASES = (
     "notify_s",
     "fetch_s",
+    "lease_s",
     "plan_s",
     "pull_s",
     "gated_s",
@@ -760,30 +760,19 @@ def _phases(refit: dict[str, Any]) -> dict[str, float]:
     return {k: flat.get(k, 0.0) for k in ("latency_s", *_PHASES)}
 
 
-def _control_plane(refit: dict[str, Any]) -> dict[str, float]:
-    """A refit's control plane, its time with the sidecar before the first read: the lease
-    (its answer waited for, or the one asked ahead taken), then the manifest and plan (or
-    their replay)."""
-    stats = refit["stats"]
-    lease = stats["lease_s"]
-    return dict(lease_s=lease, plan_s=stats["plan_s"] - lease, total_s=stats["plan_s"])
-
-
 def summarize(
-    records: list[dict[str, Any]],
-    slots: int,
-    receiver: dict[str, Any],
-    startup: dict[str, Any] | None = None,
+    records: list[dict[str, Any]], slots: int, startup: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """`slots`: the trainer's; refits after the first on each slot are steady (every layout
-    met, planned and adopted), the baseline of the first refit's ratio. `receiver`: its
-    answer when ready (the tensors it installs)."""
+    met, planned and adopted), the baseline of the first refit's ratio. A refit's control
+    plane, its time with the sidecar before its first read, is its `plan` phase: the lease
+    (`lease`: its answer waited for, or the one asked ahead taken), then the manifest and
+    plan (or their replay)."""
     timed = [r for r in records if not r["warmup"]]
     if not timed:
         raise RuntimeError("no timed refits: --steps must be >= 1")
     phases = [_phases(r["refit"]) for r in timed]
     median = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
-    control = [_control_plane(r["refit"]) for r in timed]
     peer_s = statistics.median(r["peer_copy"]["seconds"] for r in timed)
     refit_bytes = timed[-1]["refit"]["stats"]["bytes_pulled"]
     peer_bytes = timed[-1]["peer_copy"]["nbytes"]
@@ -815,19 +804,6 @@ def summarize(
         trace_ms=_trace_medians(timed),
         gate_first_pieces=[r["refit"]["stats"].get("gate_first_pieces", 0) for r in timed],
         gate_rounds=[r["refit"]["stats"].get("gate_rounds", 0) for r in timed],
-        control_plane_ms=dict(
-            median={
-                k.removesuffix("_s"): 1e3 * statistics.median(c[k] for c in control)
-                for k in control[0]
-            },
-            per_refit=[1e3 * c["total_s"] for c in control],
-            over_latency=statistics.median(c["total_s"] for c in control) / median["latency_s"],
-        ),
-        tensors=dict(
-            installed=receiver["installed_tensors"],
-            fused_experts=receiver["fused_expert_tensors"],
-            expert_hf=receiver["expert_tensors"],
-        ),
     )
 
 
@@ -852,7 +828,9 @@ def _trace_medians(timed: list[dict[str, Any]]) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items() if v}
 
 
-def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None:
+def print_summary(
+    summary: dict[str, Any], check: dict[str, Any] | None, receiver: dict[str, Any]
+) -> None:
     m = summary["median_ms"]
     print(
         f"\nbytes per refit: {summary['refit_bytes']:,} (peer copy {summary['peer_copy_bytes']:,})"
@@ -891,20 +869,18 @@ def print_summary(summary: dict[str, Any], check: dict[str, Any] | None) -> None
         + ", ".join(f"{v:.1f}" for v in summary["warmup_latency_ms"])
         + " ms"
     )
-    c, t = summary["control_plane_ms"], summary["tensors"]
+    m = summary["median_ms"]
     print(
-        f"  control plane per refit (before its first read): median {c['median']['total']:.3f} "
-        f"ms (lease {c['median']['lease']:.3f}, manifest and plan {c['median']['plan']:.3f}) = "
-        f"{c['over_latency']:.1%} of the latency; per refit "
-        + ", ".join(f"{v:.3f}" for v in c["per_refit"])
-        + " ms"
+        f"  control plane per refit (before its first read): median {m['plan']:.3f} ms (lease "
+        f"{m['lease']:.3f}) = {m['plan'] / m['latency']:.1%} of the latency"
     )
     experts = (
-        f" ({t['fused_experts']} fused expert tensors of {t['expert_hf']:,} per-expert HF ones)"
-        if t["expert_hf"]
+        f" ({receiver['fused_expert_tensors']} fused expert tensors of "
+        f"{receiver['expert_tensors']:,} per-expert HF ones)"
+        if receiver["expert_tensors"]
         else ""
     )
-    print(f"  tensors installed per refit: {t['installed']:,}{experts}")
+    print(f"  tensors installed per refit: {receiver['installed_tensors']:,}{experts}")
     if summary["trace_ms"]:
         print(
             "pull timeline, ms from its start (medians): "
@@ -1076,7 +1052,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     values["expect"] = not values.pop("no_expect")
     values["before_readable"] = not values.pop("not_before_readable")
     values["behind_copy"] = not values.pop("not_behind_copy")
-    config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig) if f.name in values})
+    values.setdefault("head_dim", None)  # dense presets: hidden / heads
+    values.setdefault("experts", None)
+    config = RunConfig(**{f.name: values[f.name] for f in fields(RunConfig)})
     if config.seq_len > config.max_positions:
         raise SystemExit(
             f"--seq-len {config.seq_len} exceeds --max-positions {config.max_positions}"
@@ -1211,10 +1189,10 @@ def main(argv: list[str] | None = None) -> None:
         work = (config.work_dir or Path(scratch)).absolute()
         work.mkdir(parents=True, exist_ok=True)
         result = run(config, work)
-    summary = summarize(result["records"], config.slots, result["receiver"], result["startup"])
+    summary = summarize(result["records"], config.slots, result["startup"])
     output = dict(meta=_meta(config, argv), summary=summary, **result)
     config.out.write_text(json.dumps(output, indent=1) + "\n")
-    print_summary(summary, result["check"])
+    print_summary(summary, result["check"], result["receiver"])
     print(f"results: {config.out}")
 
 

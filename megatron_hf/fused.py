@@ -5,7 +5,11 @@ These work on global tensors and equally on one TP shard (pass per-partition hea
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
+
+from megatron_hf.experts import HFExpertNames
 
 
 def fuse_qkv(
@@ -69,6 +73,23 @@ def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} shapes differ")
     return torch.cat([gate, up], dim=0)
+
+
+def stack_experts(
+    weight: Callable[[int, str], torch.Tensor],
+    names: HFExpertNames,
+    experts: Iterable[int],
+    columns: slice = slice(None),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's per-expert HF weights (`weight(expert, projection)`) as fused 3-D tensors,
+    as vLLM and transformers hold them: [E, 2I, H] of each expert's [gate; up] rows and
+    [E, H, I] of its down; `columns` keeps a share of the width I (a TP worker's)."""
+    chosen = list(experts)
+    gate_up = [
+        fuse_gate_up(weight(e, names.gate)[columns], weight(e, names.up)[columns]) for e in chosen
+    ]
+    down = [weight(e, names.down)[:, columns] for e in chosen]
+    return torch.stack(gate_up), torch.stack(down)
 
 
 def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

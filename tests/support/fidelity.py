@@ -20,6 +20,7 @@ from inference_ext.expert_slices import (
 )
 from inference_ext.slices import ReceiverLayout
 from megatron_hf.experts import hf_expert_names
+from megatron_hf.fused import stack_experts
 from megatron_hf.spec import ModelSpec
 from tests.support.batches import make_batch
 from tests.support.trainer import TrainerProcess
@@ -76,14 +77,11 @@ def fused_experts_of(
         experts, cols = range(spec.moe.num_experts), slice(rank * per, (rank + 1) * per)
     prefix = f"model.layers.{target.layer}.{names.experts}"
 
-    def get(e: int, projection: str) -> torch.Tensor:
+    def weight(e: int, projection: str) -> torch.Tensor:
         return torch.as_tensor(hf[f"{prefix}.{e}.{projection}.weight"])
 
-    if target.tensor is FusedExpertTensor.W13:
-        return torch.stack(
-            [torch.cat([get(e, names.gate)[cols], get(e, names.up)[cols]]) for e in experts]
-        )
-    return torch.stack([get(e, names.down)[:, cols] for e in experts])
+    w13, w2 = stack_experts(weight, names, experts, cols)
+    return w13 if target.tensor is FusedExpertTensor.W13 else w2
 
 
 def check_installed_slices(
