@@ -23,6 +23,8 @@ from refit_sidecar.integrity.wsum import SumPlan, host_wsum64
 
 
 def best_s_per_gib(work: Callable[[], object], nbytes: int, repeats: int) -> float:
+    """The best of `repeats` timed runs, after an untimed one (first allocations)."""
+    work()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
