@@ -247,11 +247,12 @@ class Receiver:
         try:
             planned = self._puller.plan(leased, self._plans, wait_s=wait)
             plan_s = time.perf_counter() - begin
+            lease_s = leased.mark - begin
             log.debug(
                 "version %d: lease %.3f ms, manifest and plan %.3f ms",
                 version,
-                1e3 * (leased.mark - begin),
-                1e3 * (begin + plan_s - leased.mark),
+                1e3 * lease_s,
+                1e3 * (plan_s - lease_s),
             )
             plan = planned.plan
             region = self.staging.ensure(plan.pull.nbytes)
@@ -270,7 +271,6 @@ class Receiver:
         except LeaseLost as e:
             self._in_place.restore()
             raise RefitError(str(e)) from None
-        lease_s = leased.mark - begin
         self._fetched = _Fetched(
             planned, leased, pulled, lease_s, plan_s, held_by, in_place, key, armed
         )

@@ -35,6 +35,12 @@ def partial_sums_pulled(plan: PullPlan, dest: Region) -> PartialSums | None:
     return device_partial_sums(plan, dest)
 
 
+def check_pulled(plan: PullPlan, dest: Region) -> tuple[int, PartialSums | None]:
+    """`verify_pulled`, then the partial reads' sums (`partial_sums_pulled`): what a pull's
+    check finds where it does not run alongside the pull."""
+    return verify_pulled(plan, dest), partial_sums_pulled(plan, dest)
+
+
 def unverified_bytes(plan: PullPlan, dest: Region) -> int:
     """Bytes of `plan` that `verify_pulled` into `dest` does not check (reads of part of a
     shard, shards published without the checksum that memory is checked with)."""

@@ -34,7 +34,7 @@ from typing import Any
 from refit_sidecar.core.manifest import MemType
 from refit_sidecar.core.plan import Checksums, PullPlan, with_read_checksums
 from refit_sidecar.integrity.partial_sums import PartialSums
-from refit_sidecar.integrity.verify import partial_sums_pulled, verify_pulled
+from refit_sidecar.integrity.verify import check_pulled
 from refit_sidecar.memory.region import Region
 from refit_sidecar.pull.chunking import chunk_bounds
 
@@ -129,8 +129,7 @@ class RunningCheck:
         parts = self._cut()
         if not parts or self._whole:
             plan = self._plan if published is None else with_read_checksums(self._plan, published)
-            count = verify_pulled(plan, self._dest)
-            self.partial = partial_sums_pulled(plan, self._dest)
+            count, self.partial = check_pulled(plan, self._dest)
             return count
         if self._next < len(parts):
             self._start(len(parts))

@@ -20,9 +20,8 @@ from typing import Protocol
 import numpy as np
 
 from refit_sidecar.core.plan import Checksums, PullPlan
-from refit_sidecar.integrity.checksum import verify_checksums
 from refit_sidecar.integrity.partial_sums import PartialSums
-from refit_sidecar.integrity.verify import partial_sums_pulled
+from refit_sidecar.integrity.verify import check_pulled
 from refit_sidecar.memory.region import Region, host_view
 from refit_sidecar.pull.trace import Event
 
@@ -114,10 +113,8 @@ class InMemoryTransport:
         )
         if not verify:
             return stats
-        verified = verify_checksums(plan, out)
-        return replace(
-            stats, verified_shards=verified, partial_sums=partial_sums_pulled(plan, dest)
-        )
+        verified, partial = check_pulled(plan, dest)
+        return replace(stats, verified_shards=verified, partial_sums=partial)
 
     def _resolve(self, agent: str, address: int) -> tuple[np.ndarray, int]:
         buffers = self._buffers.get(agent)
