@@ -25,7 +25,12 @@ from refit_sidecar.core.plan import PullPlan
 from refit_sidecar.core.recent import Recent
 from refit_sidecar.integrity import wsum
 from refit_sidecar.integrity.checksum import ChecksumMismatch
-from refit_sidecar.integrity.partial_sums import PartialSums, collect, partial_reads, sum_plan
+from refit_sidecar.integrity.partial_sums import (
+    PartialSums,
+    collect,
+    partial_layout,
+    partial_reads,
+)
 from refit_sidecar.memory.region import Region
 
 _TORCH_CHUNK = 1 << 24
@@ -250,8 +255,9 @@ def device_partial_sums(
     """The WSUM-64s of `plan`'s partial reads landed in `dest` (device memory, or a CPU
     tensor), summed where it is."""
     indices = partial_reads(plan)
-    values = group_sums(region_tensor(dest), sum_plan(plan, indices))
-    return collect(plan, indices, values, published)
+    layout = partial_layout(plan, indices)
+    values = group_sums(region_tensor(dest), layout.table)
+    return collect(plan, indices, values, published, layout)
 
 
 class PartedSums:

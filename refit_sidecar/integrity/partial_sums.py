@@ -13,12 +13,13 @@ SUM all-reduce (`contribution`) and what every worker decides from the total (`j
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from refit_sidecar.core.plan import PullPlan, ShardOrder
+from refit_sidecar.core.plan import PullPlan, ShardOrder, ShardReads
 from refit_sidecar.core.recent import Recent
 from refit_sidecar.integrity.wsum import MASK32, UNIT, SumPlan
 
@@ -60,17 +61,31 @@ def partial_reads(plan: PullPlan) -> list[int]:
 
 
 @dataclass(frozen=True, eq=False)
-class _Layout:
-    """What the partial reads of one layout need every version: their block table, their
-    shards' positions and their units. A version's plan (`rebase`) keeps its reads' byte
-    arrays, so they say whether a layout held is still the plan's."""
+class PartialLayout:
+    """What the partial reads of one layout need every version: their shards' positions and
+    their units, and (built when first asked: a device check never does) their host block
+    table. A version's plan (`rebase`) keeps its reads' byte arrays, so they say whether a
+    layout held is still the plan's."""
 
     arrays: tuple[np.ndarray, ...]
     """Each read's shard offsets, lengths and destination offsets, in turn (kept alive so
     the identity check cannot meet a reused id)."""
-    table: SumPlan
+    reads: tuple[ShardReads, ...]
     positions: np.ndarray
     units: np.ndarray
+
+    @functools.cached_property
+    def table(self) -> SumPlan:
+        reads = self.reads
+        if not reads:
+            return SumPlan.of([], [], [], [], 0)
+        return SumPlan.of(
+            np.concatenate([r.dest_offsets for r in reads]),
+            np.concatenate([r.lengths for r in reads]),
+            np.concatenate([r.shard_offsets for r in reads]),
+            np.repeat(np.arange(len(reads)), [len(r.lengths) for r in reads]),
+            len(reads),
+        )
 
 
 _layouts = Recent(16)
@@ -85,39 +100,23 @@ def _arrays(plan: PullPlan, indices: Sequence[int]) -> tuple[np.ndarray, ...]:
     )
 
 
-def _layout(plan: PullPlan, indices: Sequence[int]) -> _Layout:
-    """`plan`'s partial reads' `_Layout`, built once per layout: a plan of many column slices
+def partial_layout(plan: PullPlan, indices: Sequence[int]) -> PartialLayout:
+    """`plan`'s partial reads' `PartialLayout`, built once per layout: a plan of many column slices
     has a piece per row, and a version's pull should not lay them out again."""
     order = plan.shard_order
     assert order is not None, "a plan from `plan_pull` knows its manifest's order"
     arrays = _arrays(plan, indices)
     # The layout holds the arrays, so their ids in the key are not reused while it is held.
     key = (id(order), tuple(indices), tuple(id(a) for a in arrays))
-    layout: _Layout = _layouts.get(key, lambda: _build(plan, indices, arrays))
+    layout: PartialLayout = _layouts.get(key, lambda: _build(plan, indices, arrays))
     return layout
 
 
-def _build(plan: PullPlan, indices: Sequence[int], arrays: tuple[np.ndarray, ...]) -> _Layout:
-    reads = [plan.reads[i] for i in indices]
-    if reads:
-        table = SumPlan.of(
-            np.concatenate([r.dest_offsets for r in reads]),
-            np.concatenate([r.lengths for r in reads]),
-            np.concatenate([r.shard_offsets for r in reads]),
-            np.repeat(np.arange(len(reads)), [len(r.lengths) for r in reads]),
-            len(reads),
-        )
-    else:
-        table = SumPlan.of([], [], [], [], 0)
+def _build(plan: PullPlan, indices: Sequence[int], arrays: tuple[np.ndarray, ...]) -> PartialLayout:
+    reads = tuple(plan.reads[i] for i in indices)
     positions = np.array([r.position for r in reads], np.int64)
     units = np.array([int(r.lengths.sum()) // UNIT for r in reads], np.int64)
-    return _Layout(arrays, table, positions, units)
-
-
-def sum_plan(plan: PullPlan, indices: Sequence[int]) -> SumPlan:
-    """The block table summing each of `plan.reads[indices]` where it landed (group `k`: the
-    k-th index)."""
-    return _layout(plan, indices).table
+    return PartialLayout(arrays, reads, positions, units)
 
 
 def collect(
@@ -125,11 +124,13 @@ def collect(
     indices: Sequence[int],
     values: np.ndarray,
     published: Sequence[int | None] | None = None,
+    layout: PartialLayout | None = None,
 ) -> PartialSums:
     """`values[k]`, the WSUM-64 of `plan.reads[indices[k]]`, as `PartialSums`, against each
     read's published WSUM-64 (`published[i]` for read `i` when they came after the plan);
-    reads whose version was published without one are left out (unverified)."""
-    layout = _layout(plan, indices)
+    reads whose version was published without one are left out (unverified). `layout`: the
+    reads' `partial_layout`, where the caller has it already."""
+    layout = partial_layout(plan, indices) if layout is None else layout
     assert plan.shard_order is not None
     sums = [plan.reads[i].sum64 if published is None else published[i] for i in indices]
     keep = np.array([value is not None for value in sums], bool)
@@ -148,8 +149,8 @@ def host_partial_sums(
 ) -> PartialSums:
     """The WSUM-64s of `plan`'s partial reads landed in host memory `dest`."""
     indices = partial_reads(plan)
-    values = sum_plan(plan, indices).host(dest)
-    return collect(plan, indices, values, published)
+    layout = partial_layout(plan, indices)
+    return collect(plan, indices, layout.table.host(dest), published, layout)
 
 
 def contribution(partial: PartialSums) -> np.ndarray:
