@@ -388,7 +388,7 @@ class _Ragged(torch.autograd.Function):
         query, key, value, out, stats, cu_seqlens = ctx.saved_tensors
         graph: _Graph | None = ctx.backward_graph
         assert graph is not None, "a pass that trains has its backward graph from the forward"
-        if _strides(grad) != _strides(out):
+        if grad.stride() != out.stride():  # the backward graph reads it laid out as `out`
             grad = grad.contiguous()
         dq, dk, dv = (
             torch.empty_like(x, memory_format=torch.contiguous_format) for x in (query, key, value)
